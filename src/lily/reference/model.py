@@ -1,0 +1,120 @@
+"""The whole model, layer by layer, and `ReferenceEngine`: the NumPy twin of the engine contract.
+
+Slow and obvious on purpose: it is the executable spec every backend is tested against.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from .attention import attention_mixer
+from .gdn import deltanet_mixer
+from .linear import Weights
+from .moe import moe_ffn
+from .ops import rms_norm
+
+
+class ReferenceState:
+    """KV per attention layer [T, Hkv, D]; conv [K-1, C] and recurrent [Hv, Dv, Dk] per DeltaNet layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.position = 0
+        self.kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.conv: dict[int, np.ndarray] = {}
+        self.rec: dict[int, np.ndarray] = {}
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_attention(i):
+                empty = np.zeros((0, cfg.num_key_value_heads, cfg.head_dim), np.float32)
+                self.kv[i] = (empty, empty.copy())
+            else:
+                self.conv[i] = np.zeros((cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), np.float32)
+                self.rec[i] = np.zeros((cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                                        cfg.linear_key_head_dim), np.float32)
+
+    def snapshot(self) -> "ReferenceState":
+        s = ReferenceState.__new__(ReferenceState)
+        s.cfg, s.position = self.cfg, self.position
+        s.kv = {i: (k.copy(), v.copy()) for i, (k, v) in self.kv.items()}
+        s.conv = {i: c.copy() for i, c in self.conv.items()}
+        s.rec = {i: r.copy() for i, r in self.rec.items()}
+        return s
+
+    def restore(self, snap: "ReferenceState") -> None:
+        c = snap.snapshot()
+        self.position, self.kv, self.conv, self.rec = c.position, c.kv, c.conv, c.rec
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv.values()) + \
+            sum(c.nbytes for c in self.conv.values()) + sum(r.nbytes for r in self.rec.values())
+
+
+def forward_hidden(w: Weights, cfg: ModelConfig, state: ReferenceState, tokens: np.ndarray,
+                   trace: dict | None = None) -> np.ndarray:
+    """tokens int [S] -> final-normed hidden [S, hidden]; updates state. trace collects named intermediates."""
+    S = tokens.shape[0]
+    positions = np.arange(state.position, state.position + S)
+    x = w.embed_rows(tokens)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        h = rms_norm(x, w.vec(p + ".input_layernorm.weight"), cfg.rms_norm_eps)
+        if cfg.is_attention(i):
+            k, v = state.kv[i]
+            out, k, v = attention_mixer(h, w, i, cfg, k, v, positions)
+            state.kv[i] = (k, v)
+        else:
+            out, state.conv[i], state.rec[i] = deltanet_mixer(h, w, i, cfg, state.conv[i], state.rec[i])
+        x = x + out
+        if trace is not None:
+            trace[f"mixer_out.{i}"] = out
+        h = rms_norm(x, w.vec(p + ".post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        moe = moe_ffn(h, w, i, cfg)
+        x = x + moe
+        if trace is not None:
+            trace[f"moe_out.{i}"] = moe
+            trace[f"residual.{i}"] = x
+    state.position += S
+    return rms_norm(x, w.vec("model.norm.weight"), cfg.rms_norm_eps)
+
+
+class ReferenceEngine:
+    """NumPy implementation of docs/engine_contract.md (backend name "reference")."""
+
+    backend = "reference"
+
+    def __init__(self, config: ModelConfig | dict, tensors: dict[str, np.ndarray],
+                 quant: dict[str, tuple[int, int]], threads: int = 0, max_context: int = 4096):
+        self.config = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(
+            {"model_type": "qwen3_5_moe", **config})
+        self.weights = Weights(tensors, quant)
+        self.max_context = int(max_context)
+        self.threads = 1
+
+    def new_state(self) -> ReferenceState:
+        return ReferenceState(self.config)
+
+    def forward(self, state: ReferenceState, tokens, logits: str = "last", chunk_size: int = 0) -> np.ndarray:
+        cfg = self.config
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"[forward] tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+            raise ValueError(f"[forward] token id out of range: expected 0..{cfg.vocab_size - 1}, "
+                             f"got min {tokens.min()} max {tokens.max()}")
+        if state.position + tokens.size > self.max_context:
+            raise ValueError(f"[forward] position {state.position} + {tokens.size} tokens exceeds "
+                             f"max_context {self.max_context}")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"[forward] logits must be 'last', 'all' or 'none', got {logits!r}")
+        step = chunk_size if chunk_size > 0 else tokens.size
+        rows = []
+        for start in range(0, tokens.size, step):
+            hidden = forward_hidden(self.weights, cfg, state, tokens[start:start + step].astype(np.int64))
+            if logits == "all":
+                rows.append(hidden)
+            elif start + step >= tokens.size and logits == "last":
+                rows.append(hidden[-1:])
+        if logits == "none":
+            return np.zeros((0, cfg.vocab_size), np.float32)
+        return (np.concatenate(rows) @ self.weights.linear("lm_head").T).astype(np.float32)

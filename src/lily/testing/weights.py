@@ -1,0 +1,121 @@
+"""Random but well-scaled weights in the engine-contract format (docs/engine_contract.md).
+
+Conditioning (design.md §8): residual-branch output projections (out_proj, o_proj, expert and shared
+expert down_proj) are scaled by 0.1 so rounding noise does not grow chaotically through the layers and
+the fp32-vs-bf16 envelope stays tight enough to catch real bugs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..quant import f32_to_bf16, quantize
+
+RESIDUAL_SCALE = 0.1
+GROUP = 64
+
+
+def linear_modules(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every linear module -> logical weight shape (out, in) or (E, out, in)."""
+    H, E, I, SI = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    m: dict[str, tuple[int, ...]] = {"model.embed_tokens": (cfg.vocab_size, H), "lm_head": (cfg.vocab_size, H)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        if cfg.is_attention(i):
+            a = p + ".self_attn"
+            D = cfg.head_dim
+            m[a + ".q_proj"] = (2 * cfg.num_attention_heads * D, H)
+            m[a + ".k_proj"] = (cfg.num_key_value_heads * D, H)
+            m[a + ".v_proj"] = (cfg.num_key_value_heads * D, H)
+            m[a + ".o_proj"] = (H, cfg.num_attention_heads * D)
+        else:
+            a = p + ".linear_attn"
+            m[a + ".in_proj_qkv"] = (cfg.conv_dim, H)
+            m[a + ".in_proj_z"] = (cfg.linear_value_dim, H)
+            m[a + ".in_proj_b"] = (cfg.linear_num_value_heads, H)
+            m[a + ".in_proj_a"] = (cfg.linear_num_value_heads, H)
+            m[a + ".out_proj"] = (H, cfg.linear_value_dim)
+        f = p + ".mlp"
+        m[f + ".gate"] = (E, H)
+        m[f + ".switch_mlp.gate_proj"] = (E, I, H)
+        m[f + ".switch_mlp.up_proj"] = (E, I, H)
+        m[f + ".switch_mlp.down_proj"] = (E, H, I)
+        m[f + ".shared_expert.gate_proj"] = (SI, H)
+        m[f + ".shared_expert.up_proj"] = (SI, H)
+        m[f + ".shared_expert.down_proj"] = (H, SI)
+        m[f + ".shared_expert_gate"] = (1, H)
+    return m
+
+
+def default_quant_bits(module: str, shape: tuple[int, ...]) -> int | None:
+    """mlx-lm's predicate for this model: 8-bit router and shared-expert gate, 4-bit otherwise,
+    dense when the in-dim is not a multiple of the group size."""
+    if shape[-1] % GROUP:
+        return None
+    if module.endswith(".mlp.gate") or module.endswith(".shared_expert_gate"):
+        return 8
+    return 4
+
+
+def _is_residual_out(module: str) -> bool:
+    return module.endswith((".out_proj", ".o_proj", ".down_proj"))
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, quantized: bool = True
+                   ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
+    """Fresh random weights for cfg -> (tensors, quant) in the engine-contract format.
+
+    quantized=False keeps every linear dense bf16 (the HF-like source for quantize-at-load tests).
+    """
+    dense = random_dense_weights(cfg, seed)
+    tensors: dict[str, np.ndarray] = {}
+    quant: dict[str, tuple[int, int]] = {}
+    mods = linear_modules(cfg)
+    for name, arr in dense.items():
+        module = name[:-len(".weight")] if name.endswith(".weight") else None
+        if module in mods:
+            bits = default_quant_bits(module, mods[module]) if quantized else None
+            if bits is None:
+                tensors[name] = f32_to_bf16(arr)
+            else:
+                tensors[name], tensors[module + ".scales"], tensors[module + ".biases"] = quantize(arr, bits, GROUP)
+                quant[module] = (bits, GROUP)
+        else:
+            tensors[name] = arr.astype(np.float32)
+    return tensors, quant
+
+
+def random_dense_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float32 weights with MLX names (no prefix), bf16-representable, before quantization."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+
+    def bf(x: np.ndarray) -> np.ndarray:
+        from ..quant import round_bf16
+        return round_bf16(x.astype(np.float32))
+
+    for module, shape in linear_modules(cfg).items():
+        fan_in = shape[-1]
+        std = 1.0 if module == "model.embed_tokens" else fan_in ** -0.5
+        if _is_residual_out(module):
+            std *= RESIDUAL_SCALE
+        if module.endswith(".mlp.gate"):
+            std *= 2.0  # a decisive router: top-k choices that bf16 noise rarely flips
+        out[module + ".weight"] = bf(rng.standard_normal(shape, dtype=np.float32) * std)
+    H = cfg.hidden_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        out[p + ".input_layernorm.weight"] = bf(1.0 + 0.1 * rng.standard_normal(H))
+        out[p + ".post_attention_layernorm.weight"] = bf(1.0 + 0.1 * rng.standard_normal(H))
+        if cfg.is_attention(i):
+            out[p + ".self_attn.q_norm.weight"] = bf(1.0 + 0.1 * rng.standard_normal(cfg.head_dim))
+            out[p + ".self_attn.k_norm.weight"] = bf(1.0 + 0.1 * rng.standard_normal(cfg.head_dim))
+        else:
+            a = p + ".linear_attn"
+            K = cfg.linear_conv_kernel_dim
+            out[a + ".conv1d.weight"] = bf(rng.uniform(-1, 1, (cfg.conv_dim, K, 1)) * K ** -0.5)
+            out[a + ".dt_bias"] = bf(rng.uniform(-1.0, 1.0, cfg.linear_num_value_heads))
+            out[a + ".A_log"] = np.log(rng.uniform(0.5, 8.0, cfg.linear_num_value_heads)).astype(np.float32)
+            out[a + ".norm.weight"] = bf(1.0 + 0.1 * rng.standard_normal(cfg.linear_value_head_dim))
+    out["model.norm.weight"] = bf(1.0 + 0.1 * rng.standard_normal(H))
+    return out
