@@ -53,29 +53,46 @@ def dequantize(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
     return (q * s[..., None] + b[..., None]).reshape(shape)
 
 
-def quantize(w: np.ndarray, bits: int = 4, group_size: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float [..., out, in] -> (codes uint32, scales bf16 bits, biases bf16 bits), MLX's affine rule.
+def quantize(w: np.ndarray, bits: int = 4, group_size: int = 64,
+             scales_dtype: str = "bf16") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float [..., out, in] -> (codes uint32, scales, biases), bit-identical to `mx.quantize`.
 
-    Mirrors mlx `affine_quantize`: the group edge with the larger magnitude is represented exactly
-    (scale sign chosen so that edge maps to code 0 or n_bins), bias = that edge, scale and bias rounded
-    to bf16 before the codes are computed from them.
+    Mirrors MLX's affine quantizer (mlx/backend/cpu/quantized.cpp), all in float32:
+      * the group edge with the larger magnitude (min if |min| > |max|, else max) is kept exact:
+        scale = ±max((max - min) / n_bins, 1e-7), with the sign chosen so that edge maps to code 0;
+        q0 = rint(edge / scale); if q0 != 0 the scale is refined to edge / q0 and bias = edge,
+        otherwise bias = 0;
+      * codes = clip(rint((w - bias) / scale), 0, n_bins) use the *unrounded* float32 scale/bias
+        (MLX rounds them to the output dtype only when storing, after the codes are computed);
+      * rint is round-half-to-even, as np.rint.
+    `scales_dtype` "bf16" (default: what mx.quantize returns for bf16 inputs) gives uint16 bf16 bit
+    patterns; "f32" returns float32 (what mx.quantize returns for float32 inputs).
+    To match MLX on a bf16 model, pass the bf16 values (bf16_to_f32 of the stored bits).
     """
+    if bits not in (2, 4, 8):
+        raise ValueError(f"quantize: bits must be 2, 4 or 8, got {bits}")
     w = np.asarray(w, dtype=np.float32)
-    if w.shape[-1] % group_size:
-        raise ValueError(f"quantize: input dim {w.shape[-1]} is not a multiple of group_size {group_size}")
-    n_bins = float((1 << bits) - 1)
+    if w.ndim < 1 or w.shape[-1] % group_size:
+        raise ValueError(f"quantize: input dim {w.shape[-1] if w.ndim else None} is not a multiple "
+                         f"of group_size {group_size}")
+    n_bins = np.float32((1 << bits) - 1)
     g = w.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
     w_max = g.max(-1)
     w_min = g.min(-1)
     mask = np.abs(w_min) > np.abs(w_max)
-    scales = np.maximum((w_max - w_min) / n_bins, 1e-7)
-    scales = np.where(mask, scales, -scales)
+    scale = np.maximum((w_max - w_min) / n_bins, np.float32(1e-7))
+    scale = np.where(mask, scale, -scale)
     edge = np.where(mask, w_min, w_max)
-    q0 = np.round(edge / scales)
-    scales = np.where(q0 != 0, edge / np.where(q0 != 0, q0, 1), scales)
-    biases = np.where(q0 == 0, 0.0, edge).astype(np.float32)
-    scales_b = round_bf16(scales.astype(np.float32))
-    biases_b = round_bf16(biases)
-    q = np.clip(np.round((g - biases_b[..., None]) / scales_b[..., None]), 0, n_bins)
+    q0 = np.rint(edge / scale)
+    nz = q0 != 0
+    # every operand is float32 so NumPy never promotes to float64 (which would change roundings)
+    scale = np.where(nz, edge / np.where(nz, q0, np.float32(1)), scale).astype(np.float32)
+    bias = np.where(nz, edge, np.float32(0)).astype(np.float32)
+    q = np.rint((g - bias[..., None]) / scale[..., None])
+    np.clip(q, 0, n_bins, out=q)
     codes = pack_codes(q.reshape(w.shape).astype(np.uint32), bits)
-    return codes, f32_to_bf16(scales_b), f32_to_bf16(biases_b)
+    if scales_dtype == "f32":
+        return codes, scale, bias
+    if scales_dtype != "bf16":
+        raise ValueError(f"quantize: scales_dtype must be 'bf16' or 'f32', got {scales_dtype!r}")
+    return codes, f32_to_bf16(scale), f32_to_bf16(bias)
