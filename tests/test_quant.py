@@ -66,9 +66,10 @@ def test_dequantize_matches_mlx():
         q = unpack_codes(wq, bits).astype(np.float32).reshape(*s.shape, 64)
         want16 = round_bf16(round_bf16(bf16_to_f32(s)[..., None] * q) + bf16_to_f32(b)[..., None])
         np.testing.assert_array_equal(want16.reshape(w.shape), np.array(m16.astype(mx.float32)))
-        # reconstruction error stays within one step (the far edge may be clipped: MLX anchors
-        # the larger-magnitude edge exactly, not the range)
-        assert np.abs(got - w).max() <= np.abs(bf16_to_f32(s)).max() + 1e-6
+        # reconstruction error stays within two steps of its group (MLX anchors the larger-magnitude
+        # edge exactly, so the far edge may clip; the bf16 scale is off by up to 2^-9 x 255 codes)
+        err = np.abs(got - w).reshape(*s.shape, 64).max(-1)
+        assert (err <= 2 * np.abs(bf16_to_f32(s)) + 1e-7).all()
 
 
 def test_f32_scales_match_mlx_float32_input():
