@@ -1,0 +1,187 @@
+"""What a generation returns (result, stream chunks, timing stats) and the pieces of the decode loop that
+are pure Python: stop-string matching across chunk boundaries and resolving sampling options.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .sampling import SamplingParams, TokenLogprobs
+
+FINISH_STOP = "stop"      # a stop token or stop string ended generation
+FINISH_LENGTH = "length"  # max_tokens reached, or the context window is full
+
+# options a checkpoint's generation_config.json may set (HF names == ours)
+_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                           "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one request. prompt_tokens counts the whole context before generation, cached_tokens
+    the part that was already in the session's state (not recomputed)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0       # call -> first token sampled (prefill + first sample)
+    prefill_s: float = 0.0    # time spent in the prefill forward
+    decode_s: float = 0.0     # first token -> last token
+    total_s: float = 0.0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_s": self.decode_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
+
+    def summary(self) -> str:
+        """One line: `prompt 12 tok, prefill 850.2 tok/s, TTFT 0.014 s, decode 41.3 tok/s, 64 tok`."""
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
+                f"TTFT {self.ttft_s:.3f} s, decode {self.decode_tokens_per_s:.1f} tok/s, "
+                f"{self.generated_tokens} tok")
+
+
+@dataclass
+class GenerationChunk:
+    """One sampled token of a stream. `text` is the new text it completes (may be empty: partial UTF-8
+    or text held back because it could be the start of a stop string). The last chunk has
+    `finish_reason` and `stats`."""
+
+    text: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended generation
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation. token_ids: every sampled token, including a final stop token; text excludes
+    stop tokens, special tokens and the stop string (and anything after it)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def collect(chunks) -> GenerationResult:
+    """Drain a chunk stream into a `GenerationResult`."""
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list[TokenLogprobs] = []
+    last = None
+    for c in chunks:
+        parts.append(c.text)
+        ids.append(c.token_id)
+        if c.logprob is not None:
+            lps.append(TokenLogprobs(c.token_id, c.logprob, dict(c.top_logprobs or {})))
+        last = c
+    assert last is not None and last.finish_reason is not None, "a generation always ends with a final chunk"
+    return GenerationResult("".join(parts), ids, last.finish_reason, last.stats or GenerationStats(),
+                            last.stop_reason, lps if lps else None)
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, across chunk boundaries, and never lets one out.
+
+    push(delta) -> (text safe to emit, matched stop string or None). Text that could be the start of a
+    stop string is held back until it is disambiguated; since held text is always such a prefix, a match
+    can never straddle text already emitted.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def push(self, delta: str) -> tuple[str, str | None]:
+        if not self.stops:
+            return delta, None
+        buf = self.held + delta
+        hit = self._earliest(buf)
+        if hit is not None:
+            self.held = ""
+            return buf[:hit[0]], hit[1]
+        keep = self._held_suffix_len(buf)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], None
+
+    def flush(self, delta: str = "") -> tuple[str, str | None]:
+        """End of stream: emit everything held (a stop string can still complete in `delta`)."""
+        buf = self.held + delta
+        self.held = ""
+        hit = self._earliest(buf) if self.stops else None
+        return (buf[:hit[0]], hit[1]) if hit is not None else (buf, None)
+
+    def _earliest(self, buf: str) -> tuple[int, str] | None:
+        best = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _held_suffix_len(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+def resolve_sampling(generation_config: Mapping[str, Any] | None, *, max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     min_p: float | None = None, repetition_penalty: float | None = None,
+                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                     seed: int | None = None, stop: str | Sequence[str] | None = None,
+                     stop_token_ids: Sequence[int] | None = None, logprobs: bool | int = False,
+                     top_logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None,
+                     ) -> SamplingParams:
+    """User options over the checkpoint's generation_config.json over neutral defaults (vLLM's "auto").
+
+    logprobs may be an int (OpenAI completions style): logprobs=5 means the sampled token's logprob plus
+    the 5 best alternatives.
+    """
+    gc = dict(generation_config or {})
+    defaults: dict[str, Any] = {k: gc[k] for k in _GENERATION_CONFIG_KEYS if gc.get(k) is not None}
+    if gc.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    user = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty)
+    opts = {**defaults, **{k: v for k, v in user.items() if v is not None}}
+    if "top_k" in opts and opts["top_k"] is not None:
+        opts["top_k"] = int(opts["top_k"]) if not isinstance(opts["top_k"], bool) else opts["top_k"]
+    n_top = top_logprobs
+    want = logprobs
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        n_top = logprobs if n_top is None else n_top
+        want = True
+    return SamplingParams(**opts, seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids or ()),
+                          max_tokens=max_tokens, logprobs=bool(want) or bool(n_top),
+                          top_logprobs=int(n_top or 0), logit_bias=logit_bias)

@@ -1,0 +1,273 @@
+"""`lily.load()` and `Model`: the Python API, written only against docs/engine_contract.md.
+
+The C++ extension is imported lazily (when a cpu/cuda/metal engine is made), so `import lily` works on an
+install without it and `backend="reference"` runs the NumPy twin.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .chat import ChatTemplate
+from .config import ModelConfig
+from .errors import BackendUnavailableError, CheckpointError, ContextLengthError
+from .generation import GenerationChunk, GenerationResult
+from .session import PrefillResult, Session
+from .tokenizer import Tokenizer
+
+BACKENDS = ("auto", "cpu", "cuda", "metal", "reference")
+DEFAULT_MAX_CONTEXT = 32768
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default"
+
+
+def _engine_factory(backend: str):
+    """backend name -> (engine class/factory, resolved backend name). Fails fast, before weights load."""
+    if backend not in BACKENDS:
+        raise BackendUnavailableError(f"[lily.load] backend={backend!r} is not known: expected one of "
+                                      f"{', '.join(repr(b) for b in BACKENDS)}")
+    if backend == "reference":
+        from .reference import ReferenceEngine
+        return ReferenceEngine, "reference"
+    if backend == "auto":
+        backend = "cpu"  # TODO(lead): prefer "cuda"/"metal" once those engines are built and detected
+    try:
+        from . import _lily
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"[lily.load] backend {backend!r} needs the C++ extension lily._lily, which is not built in this "
+            f"install ({e}); reinstall lily from source (pip install .) to build it, or pass "
+            f"backend='reference' for the slow NumPy engine") from None
+    built = _built_backends(_lily)
+    if backend not in built:
+        raise BackendUnavailableError(
+            f"[lily.load] backend {backend!r} is not built into this install of lily (built: "
+            f"{', '.join(built)}, reference); rebuild with -C cmake.define.LILY_{backend.upper()}=ON on a machine "
+            f"with the {'CUDA toolkit' if backend == 'cuda' else 'Metal SDK (macOS)'}"
+            if backend in ("cuda", "metal") else
+            f"[lily.load] backend {backend!r} is not built into this install of lily (built: {', '.join(built)})")
+    if backend == "cpu":
+        return _lily.Engine, "cpu"
+
+    def make(*args, **kwargs):
+        return _lily.Engine(*args, backend=backend, **kwargs)
+    return make, backend
+
+
+def _built_backends(ext) -> list[str]:
+    names = getattr(ext, "BACKENDS", None) or getattr(ext, "backends", None)
+    if callable(names):
+        names = names()
+    return list(names) if names else ["cpu"]
+
+
+def _count_params(tensors: Mapping[str, np.ndarray], quant: Mapping[str, tuple[int, int]]) -> int:
+    """Parameters of the model (quantized codes unpacked; scales and biases are not parameters)."""
+    n = 0
+    for name, arr in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if module in quant:
+            if leaf == "weight":
+                n += arr.size * 32 // quant[module][0]
+        else:
+            n += arr.size
+    return n
+
+
+def _special_token_strings(tokenizer_path: Path | None) -> dict[str, str]:
+    """bos/eos/pad/unk token strings from tokenizer_config.json (templates may reference them)."""
+    out: dict[str, str] = {}
+    if tokenizer_path is None:
+        return out
+    cfg = Path(tokenizer_path).with_name("tokenizer_config.json")
+    try:
+        raw = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return out
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        v = raw.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[key] = v
+    return out
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _human_count(n: int) -> str:
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(n)
+
+
+class Model:
+    """A loaded model: engine + tokenizer + chat template. Use `lily.load()` to make one."""
+
+    def __init__(self, engine: Any, tokenizer: Tokenizer, config: ModelConfig, *,
+                 chat_template: ChatTemplate | str | None = None, generation_config: Mapping[str, Any] | None = None,
+                 path: str | Path | None = None, nbytes: int = 0, params: int = 0, chunk_size: int = 0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.chat_template = chat_template if isinstance(chat_template, ChatTemplate) else \
+            ChatTemplate(chat_template, origin=str(path or "this model"))
+        self.generation_config = dict(generation_config or {})
+        self.path = None if path is None else str(path)
+        self.nbytes = int(nbytes)
+        self.params = int(params)
+        self.chunk_size = int(chunk_size)
+        self.stop_token_ids = self._stop_tokens()
+
+    def _stop_tokens(self) -> tuple[int, ...]:
+        ids = list(self.config.eos_token_ids)
+        gc = self.generation_config.get("eos_token_id")
+        ids += gc if isinstance(gc, list) else ([gc] if isinstance(gc, int) else [])
+        ids += self.tokenizer.stop_token_ids()
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    # ---- facts ---------------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return str(getattr(self.engine, "backend", "?"))
+
+    @property
+    def max_context(self) -> int:
+        return int(self.engine.max_context)
+
+    @property
+    def threads(self) -> int:
+        return int(getattr(self.engine, "threads", 0))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def info(self) -> dict[str, Any]:
+        return {"path": self.path, "backend": self.backend, "threads": self.threads,
+                "max_context": self.max_context, "params": self.params, "bytes": self.nbytes,
+                "vocab_size": self.vocab_size, "layers": self.config.num_hidden_layers,
+                "experts": f"{self.config.num_experts_per_tok}/{self.config.num_experts}",
+                "chat_template": self.chat_template.available, "stop_token_ids": list(self.stop_token_ids)}
+
+    def __repr__(self) -> str:
+        return (f"Model(path={self.path!r}, backend={self.backend!r}, params={_human_count(self.params)}, "
+                f"weights={_human_bytes(self.nbytes)}, max_context={self.max_context}, threads={self.threads})")
+
+    # ---- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Render chat messages with the checkpoint's template (kwargs such as tools, enable_thinking,
+        preserve_thinking are passed to the template)."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.tokenizer.encode(text) if tokenize else text
+
+    def _prompt_ids(self, prompt: Any, **template_kwargs: Any) -> tuple[list[int], bool]:
+        """prompt -> (token ids, is_chat). str: raw text; ints: token ids; dicts: chat messages."""
+        if isinstance(prompt, str):
+            if template_kwargs:
+                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
+                                f"but the prompt is a string (pass a list of {{'role', 'content'}} messages)")
+            return self.tokenizer.encode(prompt), False
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            kw = {"add_generation_prompt": True, **template_kwargs}
+            return self.tokenizer.encode(self.chat_template.render(prompt, **kw)), True
+        if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"[generate] token id {bad[0]} is out of range: expected 0..{self.vocab_size - 1}")
+            if template_kwargs:
+                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
+                                f"but the prompt is token ids")
+            return ids, False
+        raise TypeError(f"[generate] prompt must be a string, a list of token ids or a list of chat message "
+                        f"dicts, got {type(prompt).__name__}")
+
+    # ---- running ---------------------------------------------------------------------------------
+    def session(self) -> Session:
+        """A fresh session (empty state) for multi-turn use."""
+        return Session(self)
+
+    def prefill(self, prompt: Any, **template_kwargs: Any) -> Session:
+        """Run a prompt; returns the session holding it, ready for `.generate()`."""
+        s = Session(self)
+        s.prefill(prompt, **template_kwargs)
+        return s
+
+    def prefill_stats(self, prompt: Any, **template_kwargs: Any) -> PrefillResult:
+        """Run a prompt in a throwaway session and report its prefill timing."""
+        return Session(self).prefill(prompt, **template_kwargs)
+
+    def generate(self, prompt: Any, *, stream: bool = False, **kwargs: Any
+                 ) -> GenerationResult | Iterator[GenerationChunk]:
+        """Generate from a prompt (str: raw text; list[int]: token ids; list of message dicts: chat via the
+        checkpoint's template). Keyword options: see `Session.generate`. Each call starts from an empty state.
+        """
+        return Session(self).generate(prompt, stream=stream, **kwargs)
+
+    def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Teacher-forced logits float32 [S, vocab] for token_ids, from an empty state."""
+        ids = np.asarray(token_ids, np.int32).reshape(-1)
+        if ids.size > self.max_context:
+            raise ContextLengthError(f"[logits] {ids.size} tokens exceed the context size {self.max_context}")
+        state = self.engine.new_state()
+        return np.asarray(self.engine.forward(state, ids, logits="all", chunk_size=self.chunk_size))
+
+
+def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_context: int | None = None,
+         threads: int = 0, chunk_size: int = 0) -> Model:
+    """Load a checkpoint (local folder or Hugging Face repo id) onto a backend.
+
+    path_or_repo_id=None loads the small model bundled with the package (lily/models/default).
+    backend: "auto" (= "cpu" for now), "cpu", "cuda", "metal", or "reference" (NumPy, slow, exact).
+    max_context: context window in tokens (default min(32768, the model's max_position_embeddings)).
+    threads: CPU threads (0 = all cores). chunk_size: prefill chunk rows (0 = backend default).
+    """
+    factory, backend_name = _engine_factory(backend)
+    if path_or_repo_id is None:
+        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+            raise CheckpointError(
+                f"[lily.load] no model given and this install has no bundled default model (looked in "
+                f"{BUNDLED_MODEL_DIR}); pass a local checkpoint folder or a Hugging Face repo id, e.g. "
+                f"lily.load('mlx-community/Qwen3.6-35B-A3B-4bit')")
+        path_or_repo_id = BUNDLED_MODEL_DIR
+    from .checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path_or_repo_id)
+    cfg = ckpt.config if isinstance(ckpt.config, ModelConfig) else ModelConfig.from_dict(ckpt.config)
+    if max_context is None:
+        max_context = min(DEFAULT_MAX_CONTEXT, cfg.max_position_embeddings)
+    if not isinstance(max_context, int) or max_context < 1:
+        raise ValueError(f"[lily.load] max_context={max_context!r} is invalid: expected an integer >= 1")
+    if max_context > cfg.max_position_embeddings:
+        raise ContextLengthError(f"[lily.load] max_context={max_context} exceeds the model's context length "
+                                 f"{cfg.max_position_embeddings} (max_position_embeddings in config.json)")
+    if ckpt.tokenizer_path is None:
+        raise CheckpointError(f"[lily.load] {ckpt.path} has no tokenizer.json: lily needs the checkpoint's "
+                              f"tokenizer to encode prompts")
+    engine_config = cfg if backend_name == "reference" else cfg.to_dict()
+    engine = factory(engine_config, ckpt.tensors, ckpt.quant, threads=threads, max_context=max_context)
+    tokenizer = Tokenizer(ckpt.tokenizer_path)
+    template = ChatTemplate(ckpt.chat_template, _special_token_strings(ckpt.tokenizer_path), origin=str(ckpt.path))
+    return Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
+                 path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
+                 chunk_size=chunk_size)

@@ -1,0 +1,250 @@
+"""Sampling: `SamplingParams` (validated options) and `Sampler` (NumPy, one float32 logits row per step).
+
+Order of operations (HF / vLLM): logit bias -> repetition penalty (prompt + generated tokens) ->
+presence / frequency penalties (generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw from
+a seeded `np.random.Generator`. Temperature 0 is greedy argmax of the biased, penalised logits.
+Logprobs are the log-softmax of the raw logits (before bias, penalties and temperature), as in vLLM.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import LilyError
+
+MAX_TOP_LOGPROBS = 20
+# top-p first looks at this many best candidates and sorts the whole row only when they do not reach top_p
+_TOP_P_CANDIDATES = 1024
+
+
+class SamplingParamsError(LilyError, ValueError):
+    """A sampling option is outside its valid range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Options of one generation. Neutral defaults: plain sampling at temperature 1 over the whole vocab.
+
+    top_k <= 0 disables top-k; top_p = 1 and min_p = 0 disable those filters; repetition_penalty = 1 and
+    presence/frequency penalties = 0 disable the penalties. seed=None draws fresh OS entropy.
+    max_tokens=None generates until a stop condition or the end of the context window.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        # normalise containers so a frozen instance is hashable-ish and never aliases caller data
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, expected: str) -> None:
+            raise SamplingParamsError(f"[SamplingParams] {name}={getattr(self, name)!r} is invalid: "
+                                      f"expected {expected}")
+
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or math.isnan(v):
+                bad(name, "a number")
+            return float(v)
+
+        if not 0.0 <= number("temperature") or math.isinf(self.temperature):
+            bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+            bad("top_k", "an integer (<= 0 disables top-k)")
+        if not 0.0 < number("top_p") <= 1.0:
+            bad("top_p", "0 < top_p <= 1 (1 disables top-p)")
+        if not 0.0 <= number("min_p") <= 1.0:
+            bad("min_p", "0 <= min_p <= 1 (0 disables min-p)")
+        if not 0.0 < number("repetition_penalty") or math.isinf(self.repetition_penalty):
+            bad("repetition_penalty", "a finite number > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                bad(name, "-2 <= value <= 2 (0 disables it)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or self.seed < 0):
+            bad("seed", "None or an integer >= 0")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool)
+                                            or not isinstance(self.max_tokens, (int, np.integer))
+                                            or self.max_tokens < 1):
+            bad("max_tokens", "None or an integer >= 1")
+        if not isinstance(self.logprobs, bool):
+            bad("logprobs", "True or False")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, (int, np.integer)) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"an integer 0..{MAX_TOP_LOGPROBS}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError(f"[SamplingParams] stop={self.stop!r} is invalid: expected "
+                                          f"non-empty strings")
+        for t in self.stop_token_ids:
+            if t < 0:
+                bad("stop_token_ids", "token ids >= 0")
+        for k, v in (self.logit_bias or {}).items():
+            if k < 0 or not -100.0 <= v <= 100.0:
+                raise SamplingParamsError(f"[SamplingParams] logit_bias entry {k}: {v} is invalid: expected "
+                                          f"token id >= 0 and bias -100..100")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the options must exist in a vocab of vocab_size rows."""
+        for name, ids in (("logit_bias", list((self.logit_bias or {}).keys())),
+                          ("stop_token_ids", list(self.stop_token_ids))):
+            for t in ids:
+                if t >= vocab_size:
+                    raise SamplingParamsError(f"[SamplingParams] {name} names token id {t}: expected ids "
+                                              f"0..{vocab_size - 1} (the model's vocab)")
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives (log-softmax of the raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64, copy=False)
+    m = np.max(x)
+    return (x - m - np.log(np.sum(np.exp(x - m)))).astype(np.float32)
+
+
+class Sampler:
+    """Applies `SamplingParams` to one logits row per step; tracks token counts for the penalties.
+
+    sampler = Sampler(params, vocab_size, prompt_tokens)
+    token = sampler.sample(logits_row)   # also records `token` as generated
+    """
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_tokens: Iterable[int] = ()):
+        params.check_vocab(vocab_size)
+        self.params = params
+        self.vocab_size = int(vocab_size)
+        self.rng = np.random.default_rng(params.seed)
+        self._bias_ids = self._bias_vals = None
+        if params.logit_bias:
+            self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64)
+            self._bias_vals = np.fromiter(params.logit_bias.values(), np.float32)
+        self._needs_rep = params.repetition_penalty != 1.0
+        self._needs_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        # token ids seen in prompt or output (repetition penalty); counts over the output only
+        self._seen = np.zeros(self.vocab_size, bool)
+        self._counts = np.zeros(self.vocab_size, np.int32)
+        prompt = np.asarray(list(prompt_tokens), np.int64)
+        if prompt.size:
+            self._seen[prompt[(prompt >= 0) & (prompt < self.vocab_size)]] = True
+
+    # ---- pieces, each a pure function of a logits row (exposed for tests) -------------------------
+    def process(self, logits: np.ndarray) -> np.ndarray:
+        """Bias and penalties applied: float32 [vocab] (a copy)."""
+        x = np.array(logits, np.float32, copy=True).reshape(-1)
+        if x.shape[0] != self.vocab_size:
+            raise ValueError(f"[Sampler] logits row has {x.shape[0]} entries, expected vocab_size {self.vocab_size}")
+        p = self.params
+        if self._bias_ids is not None:
+            x[self._bias_ids] += self._bias_vals
+        if self._needs_rep:
+            ids = np.flatnonzero(self._seen)
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if self._needs_counts:
+            ids = np.flatnonzero(self._counts)
+            c = self._counts[ids].astype(np.float32)
+            x[ids] -= p.frequency_penalty * c + p.presence_penalty
+        return x
+
+    def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Temperature, top-k, top-p, min-p on processed logits -> (token ids, probabilities summing to 1).
+
+        Sorted best first when top-p is active (it needs the order); otherwise in vocab order.
+        """
+        p = self.params
+        z = x.astype(np.float64) / p.temperature
+        n = z.shape[0]
+        pool = np.argpartition(-z, p.top_k - 1)[:p.top_k] if 0 < p.top_k < n else np.arange(n)
+        zp = z[pool]
+        e = np.exp(zp - zp.max())
+        total = e.sum()
+        keep = np.arange(pool.size)
+        if p.top_p < 1.0:
+            if pool.size > _TOP_P_CANDIDATES:
+                # the best few usually hold top_p of the mass: then only they need sorting
+                part = np.argpartition(-zp, _TOP_P_CANDIDATES - 1)[:_TOP_P_CANDIDATES]
+                if e[part].sum() >= p.top_p * total * (1 + 1e-9):
+                    keep = part
+            keep = keep[np.argsort(-zp[keep], kind="stable")]
+            probs = e[keep] / total
+            mass_before = np.cumsum(probs) - probs
+            keep = keep[:max(int(np.count_nonzero(mass_before < p.top_p)), 1)]
+        if p.min_p > 0.0:
+            emax = e[keep].max()
+            keep = keep[e[keep] >= p.min_p * emax]
+        probs = e[keep]
+        return pool[keep], probs / probs.sum()
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Choose the next token from one logits row ([vocab] or [1, vocab]) and record it as generated."""
+        x = self.process(logits)
+        if self.params.greedy:
+            token = int(np.argmax(x))
+        else:
+            ids, probs = self.candidates(x)
+            u = self.rng.random()
+            i = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+            token = int(ids[min(i, ids.size - 1)])
+        self.accept(token)
+        return token
+
+    def accept(self, token: int) -> None:
+        """Record a generated token (for the penalties)."""
+        if 0 <= token < self.vocab_size:
+            self._seen[token] = True
+            self._counts[token] += 1
+
+    def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs:
+        """Log-softmax of the raw logits: the chosen token's logprob and the top_logprobs best."""
+        lp = log_softmax(np.asarray(logits, np.float32).reshape(-1))
+        top: dict[int, float] = {}
+        n = self.params.top_logprobs
+        if n > 0:
+            ids = np.argpartition(-lp, n - 1)[:n]
+            ids = ids[np.argsort(-lp[ids], kind="stable")]
+            top = {int(i): float(lp[i]) for i in ids}
+        return TokenLogprobs(int(token), float(lp[token]), top)
+
+
+def stop_sequences(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop)

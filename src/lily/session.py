@@ -1,0 +1,250 @@
+"""Session: one conversation's engine state plus the tokens in it, and the decode loop.
+
+The loop is Python over single decode steps, so Ctrl-C or closing a stream stops within one step. The
+last sampled token is kept *pending* (sampled, not yet run through the model) and is fed at the start of
+the next prefill/generate, so a finished generation costs no extra forward.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .errors import ContextLengthError, LilyError
+from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
+                         StopStringMatcher, collect, resolve_sampling)
+from .sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from .model import Model
+
+Prompt = "str | Sequence[int] | np.ndarray | Sequence[Mapping[str, Any]]"
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A point of a session to come back to (`Session.restore`); the engine state is a deep copy."""
+
+    state: Any
+    tokens: tuple[int, ...]
+    pending: tuple[int, ...]
+    last_logits: np.ndarray | None
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens) + len(self.pending)
+
+
+@dataclass
+class PrefillResult:
+    prompt_tokens: int   # tokens in the session after the prefill
+    cached_tokens: int   # of those, already in the state before it
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.seconds if self.seconds > 0 else 0.0
+
+
+class Session:
+    """Explicit state for multi-turn use.
+
+    s = model.session()
+    s.prefill("Once upon a time")           # text/ids are appended; chat messages are the whole conversation
+    r = s.generate(max_tokens=32)           # continues from the state; the reply's tokens join s.tokens
+    snap = s.snapshot(); ...; s.restore(snap)
+    """
+
+    def __init__(self, model: "Model"):
+        self.model = model
+        self._engine = model.engine
+        self._state = self._engine.new_state()
+        self._tokens: list[int] = []     # run through the model (in the state)
+        self._pending: list[int] = []    # sampled, not yet run through the model
+        self._last_logits: np.ndarray | None = None  # [vocab] after the last token in the state
+
+    # ---- inspection ----------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the session, in order (prompt and generated)."""
+        return self._tokens + self._pending
+
+    @property
+    def position(self) -> int:
+        return len(self._tokens) + len(self._pending)
+
+    @property
+    def max_context(self) -> int:
+        return self.model.max_context
+
+    @property
+    def nbytes(self) -> int:
+        return int(getattr(self._state, "nbytes", 0))
+
+    def __repr__(self) -> str:
+        return f"Session(position={self.position}, max_context={self.max_context})"
+
+    # ---- state management -----------------------------------------------------------------------
+    def reset(self) -> None:
+        self._state = self._engine.new_state()
+        self._tokens, self._pending, self._last_logits = [], [], None
+
+    def snapshot(self) -> SessionSnapshot:
+        return SessionSnapshot(self._state.snapshot(), tuple(self._tokens), tuple(self._pending),
+                               None if self._last_logits is None else self._last_logits.copy())
+
+    def restore(self, snap: SessionSnapshot) -> None:
+        if not isinstance(snap, SessionSnapshot):
+            raise TypeError(f"[Session.restore] expected a SessionSnapshot from Session.snapshot(), "
+                            f"got {type(snap).__name__}")
+        self._state.restore(snap.state)
+        self._tokens, self._pending = list(snap.tokens), list(snap.pending)
+        self._last_logits = None if snap.last_logits is None else snap.last_logits.copy()
+
+    # ---- prompts ----------------------------------------------------------------------------------
+    def _new_tokens(self, prompt: Any, template_kwargs: Mapping[str, Any]) -> list[int]:
+        """The tokens this prompt adds to the session (reconciling a whole chat conversation)."""
+        ids, is_chat = self.model._prompt_ids(prompt, **template_kwargs)
+        if not is_chat:
+            return ids
+        # a chat is the whole conversation: continue if the session holds a prefix of it, else start over
+        have = self.tokens
+        if len(have) <= len(ids) and ids[:len(have)] == have:
+            return ids[len(have):]
+        self.reset()
+        return ids
+
+    def _check_room(self, new: int, max_tokens: int | None) -> int:
+        """Raise ContextLengthError unless new prompt tokens (+ max_tokens) fit; returns the max_tokens to use."""
+        prompt = self.position + new
+        ctx = self.max_context
+        if max_tokens == 0:  # prefill only
+            if prompt > ctx:
+                raise ContextLengthError(f"[prefill] the prompt is {prompt} tokens, which exceeds the context "
+                                         f"size {ctx} (shorten it or load with a larger max_context)")
+            return 0
+        if max_tokens is None:
+            if prompt >= ctx:
+                raise ContextLengthError(
+                    f"[generate] the prompt is {prompt} tokens and the context size is {ctx}: no room to "
+                    f"generate (shorten the prompt or load with a larger max_context)")
+            return ctx - prompt
+        if prompt + max_tokens > ctx:
+            raise ContextLengthError(
+                f"[generate] the prompt is {prompt} tokens and max_tokens is {max_tokens}, {prompt + max_tokens} "
+                f"in all, which exceeds the context size {ctx} (shorten the prompt, lower max_tokens, or load "
+                f"with a larger max_context)")
+        return max_tokens
+
+    def _feed(self, ids: Sequence[int], logits: str = "last") -> np.ndarray | None:
+        """Run pending + ids through the engine; returns the last logits row [vocab] (None if nothing ran
+        and none is known)."""
+        run = self._pending + [int(t) for t in ids]
+        if not run:
+            return self._last_logits
+        if self.position + len(ids) > self.max_context:
+            raise ContextLengthError(f"[prefill] {self.position + len(ids)} tokens exceed the context size "
+                                     f"{self.max_context}")
+        before = self._state.position
+        self._last_logits = None
+        try:
+            out = self._engine.forward(self._state, np.asarray(run, np.int32), logits=logits,
+                                       chunk_size=self.model.chunk_size)
+        finally:  # keep the token bookkeeping true to the state even if interrupted
+            done = max(0, min(len(run), self._state.position - before))
+            self._tokens.extend(run[:done])
+            self._pending = run[done:]
+        if logits == "last":
+            self._last_logits = np.asarray(out[-1], np.float32)
+        return self._last_logits
+
+    def prefill(self, prompt: Any, **template_kwargs: Any) -> PrefillResult:
+        """Run a prompt through the model. Text and token ids are appended to the session; a list of chat
+        messages is the whole conversation so far (rendered with the chat template, add_generation_prompt
+        defaulting to True) and reuses the session's state when the session holds a prefix of it."""
+        t0 = time.perf_counter()
+        new = self._new_tokens(prompt, template_kwargs)
+        cached = len(self._tokens)
+        self._check_room(len(new), 0)
+        self._feed(new)
+        return PrefillResult(self.position, cached, time.perf_counter() - t0)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate(self, prompt: Any = None, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                 logprobs: bool | int = False, top_logprobs: int | None = None,
+                 logit_bias: Mapping[int, float] | None = None, stream: bool = False,
+                 sampling: SamplingParams | None = None, **template_kwargs: Any
+                 ) -> GenerationResult | Iterator[GenerationChunk]:
+        """Generate from the session's state (after running `prompt`, if given, through it).
+
+        Options left as None come from the checkpoint's generation_config.json, else neutral defaults
+        (see SamplingParams). `sampling=` passes a ready SamplingParams instead. Template kwargs
+        (enable_thinking, preserve_thinking, tools, add_generation_prompt, ...) apply to chat messages.
+        """
+        if sampling is None:
+            sampling = resolve_sampling(
+                self.model.generation_config, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed, stop=stop,
+                stop_token_ids=stop_token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
+                logit_bias=logit_bias)
+        t0 = time.perf_counter()
+        new = [] if prompt is None else self._new_tokens(prompt, template_kwargs)
+        budget = self._check_room(len(new), sampling.max_tokens)
+        if not new and not self._pending and self._last_logits is None:
+            raise LilyError("[generate] the session is empty: pass a prompt or prefill() one first")
+        chunks = self._decode_loop(new, sampling, budget, time.perf_counter() - t0)
+        return chunks if stream else collect(chunks)
+
+    def _decode_loop(self, new: list[int], params: SamplingParams, budget: int, prep_s: float
+                     ) -> Iterator[GenerationChunk]:
+        # timings start when the stream is first pulled (plus the prompt preparation time)
+        t0 = time.perf_counter() - prep_s
+        model = self.model
+        stats = GenerationStats(prompt_tokens=self.position + len(new), cached_tokens=len(self._tokens))
+        logits = self._feed(new)
+        t_prefilled = time.perf_counter()
+        stats.prefill_s = t_prefilled - t0
+        vocab = logits.shape[-1]
+        sampler = Sampler(params, vocab, prompt_tokens=self.tokens)
+        detok = model.tokenizer.streaming_detokenizer(skip_special_tokens=True)
+        matcher = StopStringMatcher(params.stop)
+        stop_ids = set(model.stop_token_ids) | set(params.stop_token_ids)
+        t_first = None
+
+        def finish(text: str, token: int, lp, reason: str, why) -> GenerationChunk:
+            now = time.perf_counter()
+            stats.decode_s = now - (t_first or now)
+            stats.total_s = now - t0
+            return GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None,
+                                   reason, why, stats)
+
+        for step in range(budget):
+            token = sampler.sample(logits)
+            lp = sampler.logprobs(logits, token) if params.logprobs else None
+            self._pending.append(token)
+            stats.generated_tokens += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            if token in stop_ids:
+                text, _ = matcher.flush(detok.flush())
+                yield finish(text, token, lp, FINISH_STOP, token)
+                return
+            text, hit = matcher.push(detok.add(token))
+            if hit is not None:
+                yield finish(text, token, lp, FINISH_STOP, hit)
+                return
+            if step == budget - 1:
+                tail, hit = matcher.flush(detok.flush())
+                yield finish(text + tail, token, lp, FINISH_STOP if hit else FINISH_LENGTH, hit)
+                return
+            yield GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None)
+            logits = self._feed([])  # one decode step: runs the pending token
