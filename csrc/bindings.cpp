@@ -1,0 +1,194 @@
+// The only file that includes nanobind: lily._lily.Engine / State per docs/engine_contract.md.
+// Weight arrays are borrowed zero-copy; the Engine wrapper keeps a reference to each of them.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdlib>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/engine.h"
+#include "cuda/runtime.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Array = nb::ndarray<nb::ro, nb::device::cpu>;
+
+lily::DType to_dtype(const nb::dlpack::dtype& t) {
+  using C = nb::dlpack::dtype_code;
+  if (t.lanes != 1) return lily::DType::Other;
+  if (t.code == static_cast<uint8_t>(C::Float) && t.bits == 32) return lily::DType::F32;
+  if (t.code == static_cast<uint8_t>(C::UInt) && t.bits == 16) return lily::DType::U16;
+  if (t.code == static_cast<uint8_t>(C::Bfloat) && t.bits == 16) return lily::DType::U16;
+  if (t.code == static_cast<uint8_t>(C::UInt) && t.bits == 32) return lily::DType::U32;
+  if (t.code == static_cast<uint8_t>(C::Int) && t.bits == 32) return lily::DType::I32;
+  return lily::DType::Other;
+}
+
+lily::ConfigDict to_config_dict(const nb::dict& d) {
+  lily::ConfigDict c;
+  for (auto [k, v] : d) {
+    std::string key = nb::cast<std::string>(nb::str(k));
+    if (key == "layer_types") {
+      for (auto t : nb::cast<nb::list>(v)) c.layer_types.push_back(nb::cast<std::string>(t));
+    } else if (nb::isinstance<nb::bool_>(v) || nb::isinstance<nb::int_>(v) || nb::isinstance<nb::float_>(v)) {
+      c.nums[key] = nb::cast<double>(v);
+    }
+  }
+  return c;
+}
+
+struct PyState {
+  std::shared_ptr<lily::State> st;
+};
+
+struct PyEngine {
+  std::vector<Array> keep;  // borrowed weight arrays, alive as long as the engine
+  std::unique_ptr<lily::Engine> eng;
+
+  PyEngine(nb::dict config, nb::dict tensors, nb::dict quant, int threads, int64_t max_context) {
+    lily::Config cfg = lily::Config::from_dict(to_config_dict(config));
+    lily::TensorMap tmap;
+    keep.reserve(nb::len(tensors));
+    for (auto [k, v] : tensors) {
+      std::string name = nb::cast<std::string>(nb::str(k));
+      Array a;
+      if (!nb::try_cast(v, a, /*convert=*/false))
+        throw std::invalid_argument("[lily] tensor " + name + " is not a CPU array (got " +
+                                    nb::cast<std::string>(nb::str(v.type())) + ")");
+      // Only contiguous arrays are borrowed; a silent copy would duplicate the weights.
+      int64_t expect = 1;
+      for (int i = static_cast<int>(a.ndim()) - 1; i >= 0; --i) {
+        if (a.shape(i) != 1 && a.stride(i) != expect)
+          throw std::invalid_argument("[lily] tensor " + name + " is not C-contiguous");
+        expect *= static_cast<int64_t>(a.shape(i));
+      }
+      lily::TensorView tv;
+      tv.ptr = a.data();
+      tv.dtype = to_dtype(a.dtype());
+      for (size_t i = 0; i < a.ndim(); ++i) tv.shape.push_back(static_cast<int64_t>(a.shape(i)));
+      tmap[name] = tv;
+      keep.push_back(a);
+    }
+    lily::QuantMap qmap;
+    for (auto [k, v] : quant) {
+      auto t = nb::cast<nb::tuple>(v);
+      if (nb::len(t) != 2) throw std::invalid_argument("[lily] quant entries must be (bits, group_size)");
+      qmap[nb::cast<std::string>(nb::str(k))] = {nb::cast<int>(t[0]), nb::cast<int>(t[1])};
+    }
+    const char* dbg = std::getenv("LILY_DEBUG");
+    const bool debug = dbg && *dbg && std::string(dbg) != "0";
+    if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
+    nb::gil_scoped_release rel;
+    eng = std::make_unique<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug);
+  }
+
+  PyState new_state() const { return PyState{std::shared_ptr<lily::State>(eng->new_state())}; }
+
+  nb::ndarray<nb::numpy, float, nb::ndim<2>> forward(PyState& state, nb::handle tokens, const std::string& logits,
+                                                     int64_t chunk_size) {
+    const lily::LogitsMode mode = lily::parse_logits_mode(logits);
+    nb::module_ np = nb::module_::import_("numpy");
+    nb::object arr = np.attr("asarray")(tokens);
+    if (nb::cast<int>(arr.attr("ndim")) != 1)
+      throw std::invalid_argument("[lily] forward: tokens must be a 1-D array of token ids");
+    const std::string kind = nb::cast<std::string>(arr.attr("dtype").attr("kind"));
+    if (kind != "i" && kind != "u" && !(kind == "f" && nb::cast<int64_t>(arr.attr("size")) == 0))
+      throw std::invalid_argument("[lily] forward: tokens must be integers, got dtype " +
+                                  nb::cast<std::string>(nb::str(arr.attr("dtype"))));
+    auto ids64 = nb::cast<nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(
+        np.attr("ascontiguousarray")(arr, "dtype"_a = np.attr("int64")));
+    const int64_t S = static_cast<int64_t>(ids64.shape(0));
+    const int64_t V = eng->config().vocab;
+    std::vector<int32_t> ids(S);
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t t = ids64.data()[i];
+      if (t < 0 || t >= V)
+        throw std::invalid_argument("[lily] forward: token id " + std::to_string(t) + " at index " +
+                                    std::to_string(i) + " is out of range for vocab_size " + std::to_string(V));
+      ids[i] = static_cast<int32_t>(t);
+    }
+    const int64_t rows = lily::Engine::logits_rows(mode, S);
+    float* out = new float[static_cast<size_t>(std::max<int64_t>(rows * V, 1))];
+    nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    {
+      nb::gil_scoped_release rel;
+      eng->forward(*state.st, ids.data(), S, mode, chunk_size, out);
+    }
+    return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(rows), static_cast<size_t>(V)},
+                                                      owner);
+  }
+};
+
+nb::dict build_info() {
+  nb::dict d;
+  nb::list backends;
+  std::string all = LILY_BACKENDS;
+  size_t p = 0;
+  while (p <= all.size()) {
+    size_t q = all.find(',', p);
+    if (q == std::string::npos) q = all.size();
+    if (q > p) backends.append(all.substr(p, q - p));
+    p = q + 1;
+  }
+#ifdef LILY_HAVE_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+  d["backends"] = backends;
+  d["simd"] = lily::cpu_simd_features();
+  d["simd_flags"] = std::string(LILY_SIMD_FLAGS);
+  d["compiler"] = std::string(LILY_COMPILER);
+  d["default_chunk_cpu"] = lily::Engine::kDefaultChunkCpu;
+  return d;
+}
+
+int cuda_device_count() {
+#ifdef LILY_HAVE_CUDA
+  return lily::cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+NB_MODULE(_lily, m) {
+  m.doc() = "lily C++ engine (see docs/engine_contract.md)";
+
+  nb::class_<PyState>(m, "State")
+      .def_prop_ro("position", [](const PyState& s) { return s.st->position; }, "tokens seen")
+      .def_prop_ro("nbytes", [](const PyState& s) { return s.st->nbytes(); },
+                   "bytes held: KV in use + fixed recurrent/conv state")
+      .def("snapshot", [](const PyState& s) { return PyState{std::make_shared<lily::State>(s.st->snapshot())}; },
+           "deep, independent copy (KV up to position, DeltaNet + conv state)")
+      .def("restore", [](PyState& s, const PyState& snap) { s.st->restore(*snap.st); }, "snap"_a,
+           "make this state equal to snap (snap stays usable)")
+      .def("__repr__", [](const PyState& s) {
+        return "<lily._lily.State position=" + std::to_string(s.st->position) +
+               " nbytes=" + std::to_string(s.st->nbytes()) + ">";
+      });
+
+  nb::class_<PyEngine>(m, "Engine")
+      .def(nb::init<nb::dict, nb::dict, nb::dict, int, int64_t>(), "config"_a, "tensors"_a, "quant"_a,
+           "threads"_a = 0, "max_context"_a = 4096)
+      .def("new_state", &PyEngine::new_state, "empty context at position 0")
+      .def("forward", &PyEngine::forward, "state"_a, "tokens"_a, "logits"_a = "last", "chunk_size"_a = 0,
+           "Run tokens (int [S]) through the model; returns float32 logits [0|1|S, vocab].")
+      .def_prop_ro("max_context", [](const PyEngine& e) { return e.eng->max_context(); })
+      .def_prop_ro("backend", [](const PyEngine& e) { return std::string(e.eng->backend_name()); })
+      .def_prop_ro("threads", [](const PyEngine& e) { return e.eng->threads(); })
+      .def_prop_ro("vocab_size", [](const PyEngine& e) { return e.eng->config().vocab; })
+      .def_prop_ro("debug", [](const PyEngine& e) { return e.eng->debug(); });
+
+  m.def("build_info", &build_info, "backends compiled, cuda flag, SIMD features, compiler");
+  m.def("cuda_device_count", &cuda_device_count, "visible CUDA devices; 0 when there is no driver");
+}

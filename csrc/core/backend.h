@@ -1,0 +1,40 @@
+// The narrow Backend interface, at sub-block granularity. The engine's layer loop is written once
+// against it; each backend fuses its own kernel chains inside a sub-block. The residual stream
+// x [S, H] lives in the backend (device memory on GPU backends); only logits cross to the host.
+// Every entry point takes S rows; decode is S == 1 and may take a specialised path.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/config.h"
+#include "core/state.h"
+#include "core/weights.h"
+
+namespace lily {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  virtual int threads() const = 0;
+
+  // x[S, H] = E[ids[S]]; starts a chunk of S rows.
+  virtual void embed(const int32_t* ids, int64_t S) = 0;
+  // x += DeltaNet(RMSNorm(x; in_norm)); advances st (conv + recurrent state) by S rows.
+  virtual void deltanet_block(int layer, DeltaNetState& st, int64_t S) = 0;
+  // x += Attention(RMSNorm(x; in_norm)) for positions pos0..pos0+S-1; writes those rows of kv.
+  virtual void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) = 0;
+  // x += MoE(RMSNorm(x; post_norm)).
+  virtual void moe_block(int layer, int64_t S) = 0;
+  // logits[n, V] (host) = RMSNorm(x[row0 : row0+n]; final_norm) W_lm^T.
+  virtual void head(int64_t row0, int64_t n, float* logits) = 0;
+};
+
+// debug: poison every scratch buffer with NaN at the start of each chunk.
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, const Weights& w, int threads, bool debug);
+
+// SIMD features the CPU backend was compiled with, e.g. "avx2 fma avx512f".
+std::string cpu_simd_features();
+
+}  // namespace lily

@@ -1,0 +1,64 @@
+#include "core/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace lily {
+
+LogitsMode parse_logits_mode(const std::string& s) {
+  if (s == "last") return LogitsMode::Last;
+  if (s == "all") return LogitsMode::All;
+  if (s == "none") return LogitsMode::None;
+  throw std::invalid_argument("[lily] logits must be 'last', 'all' or 'none', got '" + s + "'");
+}
+
+Engine::Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quant, int threads,
+               int64_t max_context, bool debug)
+    : cfg_(cfg), weights_(load_weights(cfg_, tensors, quant)), max_context_(max_context), debug_(debug) {
+  if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
+  if (threads < 0) throw std::invalid_argument("[lily] threads must be >= 0 (0 = all hardware threads)");
+  backend_ = make_cpu_backend(cfg_, weights_, threads, debug);
+}
+
+void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
+  if (S < 1) throw std::invalid_argument("[lily] forward: tokens is empty (need at least one token)");
+  if (st.max_context != max_context_ || st.kv_row != static_cast<int64_t>(cfg_.n_kv_heads) * cfg_.head_dim ||
+      st.layer_slot.size() != static_cast<size_t>(cfg_.n_layers))
+    throw std::invalid_argument("[lily] forward: state was created by a different engine");
+  if (st.position + S > max_context_)
+    throw std::invalid_argument("[lily] forward: position " + std::to_string(st.position) + " + " +
+                                std::to_string(S) + " tokens exceeds max_context " + std::to_string(max_context_));
+  for (int64_t i = 0; i < S; ++i)
+    if (tokens[i] < 0 || tokens[i] >= cfg_.vocab)
+      throw std::invalid_argument("[lily] forward: token id " + std::to_string(tokens[i]) + " at index " +
+                                  std::to_string(i) + " is out of range for vocab_size " +
+                                  std::to_string(cfg_.vocab));
+}
+
+void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
+                     float* logits) {
+  std::lock_guard<std::mutex> lk(mu_);
+  validate(st, tokens, S);
+  if (chunk_size < 0) throw std::invalid_argument("[lily] forward: chunk_size must be >= 0");
+  const int64_t chunk = chunk_size > 0 ? chunk_size : kDefaultChunkCpu;
+  const int64_t V = cfg_.vocab;
+  if (debug_) std::fill(logits, logits + logits_rows(mode, S) * V, std::numeric_limits<float>::quiet_NaN());
+  st.reserve(st.position + S);
+  for (int64_t c0 = 0; c0 < S; c0 += chunk) {
+    const int64_t n = std::min(chunk, S - c0);
+    backend_->embed(tokens + c0, n);
+    for (int L = 0; L < cfg_.n_layers; ++L) {
+      const int slot = st.layer_slot[L];
+      if (cfg_.layer_types[L] == LayerType::Attention) backend_->attention_block(L, st.kv[slot], st.position, n);
+      else backend_->deltanet_block(L, st.dn[slot], n);
+      backend_->moe_block(L, n);
+    }
+    if (mode == LogitsMode::All) backend_->head(0, n, logits + c0 * V);
+    else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);
+    st.position += n;
+  }
+}
+
+}  // namespace lily

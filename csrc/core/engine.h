@@ -1,0 +1,57 @@
+// The engine: validates requests, owns weights views and the backend, and runs the layer loop
+// (x += mixer(norm(x)); x += moe(norm(x))) over prefill chunks of bounded size.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/backend.h"
+#include "core/config.h"
+#include "core/state.h"
+#include "core/weights.h"
+
+namespace lily {
+
+enum class LogitsMode { None, Last, All };
+
+// Parses "none" | "last" | "all"; throws std::invalid_argument otherwise.
+LogitsMode parse_logits_mode(const std::string& s);
+
+class Engine {
+ public:
+  static constexpr int64_t kDefaultChunkCpu = 256;
+
+  // tensors: views that must outlive the engine (the binding keeps the arrays alive).
+  Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quant, int threads, int64_t max_context,
+         bool debug = false);
+
+  std::unique_ptr<State> new_state() const { return std::make_unique<State>(cfg_, max_context_); }
+
+  // Throws std::invalid_argument naming the problem (empty, token out of range, context overflow).
+  void validate(const State& st, const int32_t* tokens, int64_t S) const;
+
+  // Runs S tokens (prefill in chunks of chunk_size rows, 0 = backend default; S == 1 is a decode step)
+  // and advances st.position by S. logits: [rows(mode, S), V] with rows 0 / 1 / S for none / last / all.
+  void forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size, float* logits);
+
+  static int64_t logits_rows(LogitsMode mode, int64_t S) {
+    return mode == LogitsMode::All ? S : mode == LogitsMode::Last ? 1 : 0;
+  }
+
+  const Config& config() const { return cfg_; }
+  int64_t max_context() const { return max_context_; }
+  const char* backend_name() const { return backend_->name(); }
+  int threads() const { return backend_->threads(); }
+  bool debug() const { return debug_; }
+
+ private:
+  Config cfg_;
+  Weights weights_;
+  int64_t max_context_;
+  bool debug_;
+  std::unique_ptr<Backend> backend_;
+  std::mutex mu_;  // one forward at a time: backend buffers are shared
+};
+
+}  // namespace lily

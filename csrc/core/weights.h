@@ -1,0 +1,60 @@
+// Named weight lookup + validation. Every tensor the engine needs is found once here, its shape and
+// dtype checked against the config, and kept as a view; small float vectors given in bf16 are upcast.
+#pragma once
+#include <deque>
+#include <vector>
+
+#include "core/config.h"
+#include "core/tensor.h"
+
+namespace lily {
+
+struct DeltaNetWeights {
+  Linear qkv;                     // [C, H]
+  Linear z;                       // [Hv*Dv, H]
+  Linear b, a;                    // [Hv, H]
+  Linear out;                     // [H, Hv*Dv]
+  const float* conv_w = nullptr;  // [C, K] (stored [C, K, 1])
+  const float* dt_bias = nullptr; // [Hv]
+  const float* a_log = nullptr;   // [Hv]
+  const float* norm = nullptr;    // [Dv], used as stored (no +1)
+};
+
+struct AttentionWeights {
+  Linear q;                       // [2*Hq*D, H], per head [query(D) | gate(D)]
+  Linear k, v;                    // [Hkv*D, H]
+  Linear o;                       // [H, Hq*D]
+  const float* q_norm = nullptr;  // [D]
+  const float* k_norm = nullptr;  // [D]
+};
+
+struct MoeWeights {
+  Linear router;                  // [E, H]
+  Linear gate, up;                // experts [E, I, H]
+  Linear down;                    // experts [E, H, I]
+  Linear sh_gate, sh_up;          // [Is, H]
+  Linear sh_down;                 // [H, Is]
+  Linear sh_expert_gate;          // [1, H]
+};
+
+struct LayerWeights {
+  LayerType type;
+  const float* in_norm = nullptr;    // [H]
+  const float* post_norm = nullptr;  // [H]
+  DeltaNetWeights dn;
+  AttentionWeights attn;
+  MoeWeights moe;
+};
+
+struct Weights {
+  Linear embed;                       // [V, H]
+  const float* final_norm = nullptr;  // [H]
+  Linear lm_head;                     // [V, H]
+  std::vector<LayerWeights> layers;
+  std::deque<std::vector<float>> owned;  // upcast copies of small bf16 vectors
+};
+
+// Throws std::invalid_argument with "[lily] tensor NAME ..." on a missing or mis-shaped tensor.
+Weights load_weights(const Config& cfg, const TensorMap& tensors, const QuantMap& quant);
+
+}  // namespace lily

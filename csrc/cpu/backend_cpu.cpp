@@ -1,0 +1,159 @@
+// CPU backend: fp32 activations, multithreaded, weights dequantized on the fly.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/backend.h"
+#include "cpu/attention.h"
+#include "cpu/deltanet.h"
+#include "cpu/linear.h"
+#include "cpu/moe.h"
+#include "cpu/ops.h"
+#include "cpu/thread_pool.h"
+
+namespace lily {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(const Config& cfg, const Weights& w, int threads, bool debug)
+      : cfg_(cfg), w_(w), pool_(threads), debug_(debug) {}
+
+  const char* name() const override { return "cpu"; }
+  int threads() const override { return pool_.size(); }
+
+  void embed(const int32_t* ids, int64_t S) override {
+    reserve(S);
+    cpu::embed(pool_, w_.embed, ids, S, x_.data());
+  }
+
+  void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
+    const LayerWeights& lw = w_.layers[layer];
+    const DeltaNetWeights& w = lw.dn;
+    const int64_t H = cfg_.hidden;
+    cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
+    cpu::linear(pool_, w.qkv, h_.data(), S, qkv_.data());
+    cpu::linear(pool_, w.z, h_.data(), S, z_.data());
+    cpu::linear(pool_, w.b, h_.data(), S, b_.data());
+    cpu::linear(pool_, w.a, h_.data(), S, a_.data());
+    kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
+                         cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
+    cpu::deltanet_forward(pool_, p, qkv_.data(), z_.data(), b_.data(), a_.data(), w.conv_w, w.dt_bias, w.a_log,
+                          w.norm, st.conv.data(), st.ssm.data(), u_.data(), y_.data());
+    cpu::linear(pool_, w.out, y_.data(), S, t_.data());
+    add_residual(S);
+  }
+
+  void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override {
+    const LayerWeights& lw = w_.layers[layer];
+    const AttentionWeights& w = lw.attn;
+    const int64_t H = cfg_.hidden;
+    cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
+    cpu::linear(pool_, w.q, h_.data(), S, qg_.data());
+    cpu::linear(pool_, w.k, h_.data(), S, k_.data());
+    cpu::linear(pool_, w.v, h_.data(), S, v_.data());
+    kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
+                          static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
+                          1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, pos0, S};
+    cpu::attention_forward(pool_, p, qg_.data(), k_.data(), v_.data(), w.q_norm, w.k_norm, kv.k.data(),
+                           kv.v.data(), o_.data());
+    cpu::linear(pool_, w.o, o_.data(), S, t_.data());
+    add_residual(S);
+  }
+
+  void moe_block(int layer, int64_t S) override {
+    const LayerWeights& lw = w_.layers[layer];
+    const int64_t H = cfg_.hidden;
+    cpu::rms_norm(pool_, x_.data(), lw.post_norm, cfg_.rms_eps, S, H, h_.data());
+    kp::MoeParams p{cfg_.hidden, cfg_.n_experts, cfg_.top_k, cfg_.moe_inter, cfg_.shared_inter,
+                    cfg_.norm_topk_prob ? 1 : 0, S};
+    cpu::moe_forward(pool_, p, lw.moe, h_.data(), t_.data(), moe_);
+    add_residual(S);
+  }
+
+  void head(int64_t row0, int64_t n, float* logits) override {
+    const int64_t H = cfg_.hidden;
+    cpu::rms_norm(pool_, x_.data() + row0 * H, w_.final_norm, cfg_.rms_eps, n, H, h_.data());
+    cpu::linear(pool_, w_.lm_head, h_.data(), n, logits);
+  }
+
+ private:
+  void add_residual(int64_t S) {
+    float* x = x_.data();
+    const float* t = t_.data();
+    const int64_t n = S * cfg_.hidden;
+    pool_.parallel_for(n, 1 << 14, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) x[i] += t[i];
+    });
+  }
+
+  // Buffers bounded by the chunk's row count S.
+  void reserve(int64_t S) {
+    const int64_t H = cfg_.hidden, D = cfg_.head_dim;
+    auto grow = [&](std::vector<float>& v, int64_t n) {
+      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+      if (debug_) std::fill(v.begin(), v.end(), std::numeric_limits<float>::quiet_NaN());
+    };
+    grow(x_, S * H);
+    grow(h_, S * H);
+    grow(t_, S * H);
+    if (cfg_.n_attention_layers()) {
+      grow(qg_, S * 2 * cfg_.n_heads * D);
+      grow(k_, S * cfg_.n_kv_heads * D);
+      grow(v_, S * cfg_.n_kv_heads * D);
+      grow(o_, S * cfg_.n_heads * D);
+    }
+    if (cfg_.n_deltanet_layers()) {
+      grow(qkv_, S * cfg_.conv_dim());
+      grow(u_, S * cfg_.conv_dim());
+      grow(z_, S * cfg_.value_dim());
+      grow(y_, S * cfg_.value_dim());
+      grow(b_, S * cfg_.lin_v_heads);
+      grow(a_, S * cfg_.lin_v_heads);
+    }
+    if (debug_) {
+      for (auto* v : {&moe_.logits, &moe_.top_w, &moe_.row_w, &moe_.hb, &moe_.g, &moe_.up, &moe_.d, &moe_.sg,
+                      &moe_.su, &moe_.sig})
+        std::fill(v->begin(), v->end(), std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+
+  const Config& cfg_;
+  const Weights& w_;
+  ThreadPool pool_;
+  bool debug_;
+  std::vector<float> x_, h_, t_;         // [S, H] residual, normed input, sub-block output
+  std::vector<float> qg_, k_, v_, o_;    // attention: [S, 2*Hq*D], [S, Hkv*D] x2, [S, Hq*D]
+  std::vector<float> qkv_, u_, z_, y_;   // deltanet: [S, C] x2, [S, Hv*Dv] x2
+  std::vector<float> b_, a_;             // deltanet: [S, Hv]
+  cpu::MoeScratch moe_;
+};
+
+}  // namespace
+
+std::string cpu_simd_features() {
+  std::string f;
+#ifdef __SSE4_2__
+  f += "sse4.2 ";
+#endif
+#ifdef __AVX2__
+  f += "avx2 ";
+#endif
+#ifdef __FMA__
+  f += "fma ";
+#endif
+#ifdef __AVX512F__
+  f += "avx512f ";
+#endif
+#ifdef __ARM_NEON
+  f += "neon ";
+#endif
+  if (!f.empty()) f.pop_back();
+  return f;
+}
+
+std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, const Weights& w, int threads, bool debug) {
+  return std::make_unique<CpuBackend>(cfg, w, threads, debug);
+}
+
+}  // namespace lily

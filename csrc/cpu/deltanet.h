@@ -1,0 +1,19 @@
+// Gated DeltaNet core (model.md §4.3 steps 3-8, without the projections).
+#pragma once
+#include "cpu/thread_pool.h"
+#include "kernels/params.h"
+
+namespace lily::cpu {
+
+// qkv: [S, C] pre-conv projections, channels [q: Hk*Dk | k: Hk*Dk | v: Hv*Dv]
+// z: [S, Hv*Dv]; b, a: [S, Hv]
+// conv_w: [C, K]; dt_bias, a_log: [Hv]; norm_w: [Dv]
+// conv_state: [K-1, C] previous pre-conv rows, oldest first (updated)
+// ssm: [Hv, Dv, Dk] fp32 recurrent state (updated)
+// u: scratch [S, C]
+// y: [S, Hv*Dv] output = RMSNorm(o; norm_w) * SiLU(z)
+void deltanet_forward(ThreadPool& pool, const kp::DeltaNetParams& p, const float* qkv, const float* z,
+                      const float* b, const float* a, const float* conv_w, const float* dt_bias,
+                      const float* a_log, const float* norm_w, float* conv_state, float* ssm, float* u, float* y);
+
+}  // namespace lily::cpu
