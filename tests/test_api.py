@@ -237,7 +237,16 @@ def test_load_errors():
             lily.load(backend="reference")
 
 
-def test_load_synthetic_checkpoint_on_reference(tmp_path):
+def _backends():
+    try:
+        importlib.import_module("lily._lily")
+        return ["reference", "cpu"]
+    except ImportError:
+        return ["reference"]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_load_synthetic_checkpoint(tmp_path, backend):
     writer = pytest.importorskip("lily.testing.checkpoint_writer")
     pytest.importorskip("lily.checkpoint")
     from lily.testing import random_weights, tiny_configs
@@ -245,10 +254,16 @@ def test_load_synthetic_checkpoint_on_reference(tmp_path):
     tensors, quant = random_weights(cfg, seed=0)
     writer.write_mlx_checkpoint(tmp_path, cfg, tensors, quant)
     writer.write_tokenizer(tmp_path, vocab_size=cfg.vocab_size)
-    m = lily.load(tmp_path, backend="reference", max_context=64)
-    assert m.backend == "reference" and m.max_context == 64 and m.params > 0
+    m = lily.load(tmp_path, backend=backend, max_context=64)
+    assert m.backend == backend and m.max_context == 64 and m.params > 0
     assert m.chat_template.available
     r = m.generate([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
     assert len(r.token_ids) >= 1 and r.stats.prompt_tokens > 0
+    s = m.session()
+    s.prefill("Hello")
+    snap = s.snapshot()
+    a = s.generate(max_tokens=3, temperature=0).token_ids
+    s.restore(snap)
+    assert s.generate(max_tokens=3, temperature=0).token_ids == a
     with pytest.raises(ContextLengthError, match="max_position_embeddings"):
         lily.load(tmp_path, backend="reference", max_context=10**7)

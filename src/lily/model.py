@@ -42,25 +42,30 @@ def _engine_factory(backend: str):
             f"backend='reference' for the slow NumPy engine") from None
     built = _built_backends(_lily)
     if backend not in built:
+        hint = {"cuda": "rebuild with -C cmake.define.LILY_CUDA=ON on a machine with the CUDA toolkit",
+                "metal": "Metal is built on macOS (Apple Silicon) only"}.get(backend, "")
         raise BackendUnavailableError(
             f"[lily.load] backend {backend!r} is not built into this install of lily (built: "
-            f"{', '.join(built)}, reference); rebuild with -C cmake.define.LILY_{backend.upper()}=ON on a machine "
-            f"with the {'CUDA toolkit' if backend == 'cuda' else 'Metal SDK (macOS)'}"
-            if backend in ("cuda", "metal") else
-            f"[lily.load] backend {backend!r} is not built into this install of lily (built: {', '.join(built)})")
+            f"{', '.join(built)}, reference){'; ' + hint if hint else ''}")
     if backend == "cpu":
         return _lily.Engine, "cpu"
+    if backend == "cuda" and hasattr(_lily, "cuda_device_count") and _lily.cuda_device_count() == 0:
+        raise BackendUnavailableError("[lily.load] backend 'cuda' is built but no CUDA device is visible "
+                                      "(check the driver and CUDA_VISIBLE_DEVICES), or use backend='cpu'")
 
     def make(*args, **kwargs):
-        return _lily.Engine(*args, backend=backend, **kwargs)
+        try:
+            return _lily.Engine(*args, backend=backend, **kwargs)
+        except TypeError as e:
+            raise BackendUnavailableError(f"[lily.load] backend {backend!r} is built but lily._lily.Engine did "
+                                          f"not accept backend={backend!r}: {e}") from None
     return make, backend
 
 
 def _built_backends(ext) -> list[str]:
-    names = getattr(ext, "BACKENDS", None) or getattr(ext, "backends", None)
-    if callable(names):
-        names = names()
-    return list(names) if names else ["cpu"]
+    """Backends compiled into the extension (lily._lily.build_info()["backends"])."""
+    info = ext.build_info() if hasattr(ext, "build_info") else {}
+    return list(info.get("backends") or ["cpu"])
 
 
 def _count_params(tensors: Mapping[str, np.ndarray], quant: Mapping[str, tuple[int, int]]) -> int:

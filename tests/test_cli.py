@@ -1,0 +1,68 @@
+"""`lily` command line on a synthetic checkpoint (reference backend; cpu too when the extension is built)."""
+import importlib
+import re
+
+import pytest
+
+from lily.cli import main
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    writer = pytest.importorskip("lily.testing.checkpoint_writer")
+    pytest.importorskip("lily.checkpoint")
+    from lily.testing import random_weights, tiny_configs
+    folder = tmp_path_factory.mktemp("ckpt")
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=0)
+    writer.write_mlx_checkpoint(folder, cfg, tensors, quant)
+    writer.write_tokenizer(folder, vocab_size=cfg.vocab_size)
+    return str(folder)
+
+
+def backends():
+    out = ["reference"]
+    try:
+        importlib.import_module("lily._lily")
+        out.append("cpu")
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("mode", ["--chat", "--raw"])
+def test_generate_streams_text_and_stats(ckpt, backend, mode, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    rc = main(["generate", "--model", ckpt, "--backend", backend, mode, "Hello", "-n", "6", "-t", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.endswith("\n")
+    assert re.search(r"prompt \d+ tok, prefill [\d.]+ tok/s, TTFT [\d.]+ s, decode [\d.]+ tok/s, \d+ tok", err)
+
+
+def test_info(ckpt, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    assert main(["info", "--model", ckpt, "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lily ") and "backend: reference" in out and "max_context:" in out
+
+
+def test_chat_loop_keeps_session(ckpt, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    lines = iter(["Hi", "/reset", "Again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", ckpt, "--backend", "reference", "-n", "4", "-t", "0", "--no-think"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("decode") == 2
+
+
+@pytest.mark.parametrize("cmd", ["serve", "bench", "convert"])
+def test_later_commands_say_not_yet(cmd, capsys):
+    assert main([cmd, "--port", "1"]) == 2
+    assert "not yet available" in capsys.readouterr().err
+
+
+def test_errors_are_one_line_and_nonzero(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path), "--backend", "reference", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.json" in err
