@@ -42,8 +42,8 @@ EIGHT_BIT_SUFFIXES = (".mlp.gate", ".shared_expert_gate")
 # norms that HF stores zero-centred (x * (1 + w)); linear_attn.norm is NOT one of them
 SHIFTED_NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                          ".q_norm.weight", ".k_norm.weight")
-# rows per quantization work item (bounds the float32 temporaries to ~64 MB each)
-_CHUNK_ELEMS = 16 * 1024 * 1024
+# elements per quantization work item: ~16 MB of float32 per temporary, so 16 threads stay near 1 GB
+_CHUNK_ELEMS = 4 * 1024 * 1024
 
 
 @dataclass
@@ -301,16 +301,23 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
     quant: dict[str, tuple[int, int]] = {}
     bar = tqdm(total=len(lin) + len(vec), unit="tensor", desc=f"Loading {folder.name}",
                disable=_progress_disabled(progress), leave=False)
+    nbytes = 0
+
+    def advance(names: tuple[str, ...]) -> None:
+        nonlocal nbytes
+        nbytes += sum(tensors[n].nbytes for n in names if n in tensors)
+        bar.set_postfix_str(f"{nbytes / 2**30:.2f} GiB", refresh=False)
+        bar.update(1)
     try:
         for module, shape in lin.items():
             spec = ctx.linear(module, shape, tensors)
             if spec is not None:
                 quant[module] = spec
-            bar.update(1)
+            advance((module + ".weight", module + ".scales", module + ".biases"))
         for name, shape in vec.items():
             shift = hf_layout and (name.endswith(SHIFTED_NORM_SUFFIXES) or name == "model.norm.weight")
             tensors[name] = ctx.vector(name, shape, shift=shift)
-            bar.update(1)
+            advance((name,))
     finally:
         bar.close()
 
@@ -326,7 +333,7 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
         tokenizer_path=tok if tok.is_file() else None,
         chat_template=_chat_template(folder),
         generation_config=_read_json(folder / "generation_config.json", required=False) or {},
-        nbytes=int(sum(a.nbytes for a in tensors.values())),
+        nbytes=nbytes,
         source_format="hf" if hf_layout else "mlx", raw_config=raw)
 
 

@@ -38,6 +38,14 @@ def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     """uint codes [..., n] (n a multiple of 32/bits) -> uint32 [..., n*bits/32], LSB first."""
     per = 32 // bits
+    if q.shape[-1] % per:
+        raise ValueError(f"pack_codes: last dim {q.shape[-1]} is not a multiple of {per}")
+    if bits in (4, 8):
+        # fast path: build the little-endian bytes, then reinterpret 4 bytes as one uint32 word
+        b = q.astype(np.uint8)
+        if bits == 4:
+            b = b[..., 0::2] | (b[..., 1::2] << np.uint8(4))
+        return np.ascontiguousarray(b).view("<u4").astype(np.uint32, copy=False)
     q = q.astype(np.uint32).reshape(*q.shape[:-1], q.shape[-1] // per, per)
     shifts = (np.arange(per, dtype=np.uint32) * bits)
     return np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
@@ -88,9 +96,11 @@ def quantize(w: np.ndarray, bits: int = 4, group_size: int = 64,
     # every operand is float32 so NumPy never promotes to float64 (which would change roundings)
     scale = np.where(nz, edge / np.where(nz, q0, np.float32(1)), scale).astype(np.float32)
     bias = np.where(nz, edge, np.float32(0)).astype(np.float32)
-    q = np.rint((g - bias[..., None]) / scale[..., None])
+    q = np.subtract(g, bias[..., None])            # in-place passes: this runs over 35B weights
+    np.divide(q, scale[..., None], out=q)
+    np.rint(q, out=q)
     np.clip(q, 0, n_bins, out=q)
-    codes = pack_codes(q.reshape(w.shape).astype(np.uint32), bits)
+    codes = pack_codes(q.reshape(w.shape), bits)
     if scales_dtype == "f32":
         return codes, scale, bias
     if scales_dtype != "bf16":
