@@ -559,3 +559,16 @@ def test_tokenizer_loads_in_transformers(tmp_path):
         ids = ids["input_ids"]
     assert ids[0] == info["special"]["<|im_start|>"]
     assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_export_converted_checkpoint(tmp_path):
+    from lily.testing.checkpoint_writer import export_checkpoint
+    folder, _ = _hf(tmp_path, "tiny_odd")
+    write_tokenizer(folder, tiny_configs()["tiny_odd"].vocab_size)
+    ck = _load(folder)
+    out = export_checkpoint(ck, tmp_path / "out", shard_bytes=100_000)
+    back = _load(out)
+    assert back.source_format == "mlx" and back.quant == ck.quant
+    for k in ck.tensors:
+        np.testing.assert_array_equal(back.tensors[k], ck.tensors[k], err_msg=k)
+    assert back.chat_template == ck.chat_template and back.tokenizer_path is not None

@@ -299,3 +299,19 @@ def write_tokenizer(folder: str | os.PathLike, vocab_size: int = 512, *, corpus:
     (folder / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False))
     return {"vocab_size": tok.get_vocab_size(), "special": ids, "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"]}
+
+
+def export_checkpoint(ck: Any, folder: str | os.PathLike, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Save a LoadedCheckpoint (e.g. an HF bf16 model quantized at load) as an MLX export that
+    load_checkpoint and mlx-lm read back: weights + config + generation_config + tokenizer files
+    and chat template copied from the source folder. The basis of `lily convert`."""
+    import shutil
+    folder = Path(folder)
+    write_mlx_checkpoint(folder, ck.raw_config or ck.config, ck.tensors, ck.quant, shard_bytes=shard_bytes,
+                         generation_config=ck.generation_config or None)
+    src = Path(ck.path)
+    for pattern in ("tokenizer*", "chat_template.jinja", "vocab.json", "merges.txt", "special_tokens_map.json"):
+        for f in src.glob(pattern):
+            if f.is_file() and not (folder / f.name).exists():
+                shutil.copy2(f, folder / f.name)
+    return folder
