@@ -164,6 +164,18 @@ def test_sampling_frequencies_follow_distribution():
     np.testing.assert_allclose(counts, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0], atol=0.015)
 
 
+def test_two_level_draw_on_a_large_row_follows_distribution():
+    n = 50_000
+    x = np.full(n, -30.0, np.float32)
+    hot = {7: 0.5, 20_000: 0.3, 49_999: 0.2}  # first block, a middle block, the ragged tail block
+    for i, p in hot.items():
+        x[i] = np.log(p)
+    s = Sampler(SamplingParams(seed=1), n)
+    draws = np.array([s.sample(x) for _ in range(6000)])
+    for i, p in hot.items():
+        assert abs(np.mean(draws == i) - p) < 0.03
+
+
 def test_logprobs_are_raw_log_softmax():
     x = logits_row(10)
     s = Sampler(SamplingParams(temperature=0.5, top_logprobs=5, logprobs=True, logit_bias={0: 30.0}), V)

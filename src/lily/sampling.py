@@ -185,31 +185,49 @@ class Sampler:
     def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature, top-k, top-p, min-p on processed logits -> (token ids, probabilities summing to 1).
 
-        Sorted best first when top-p is active (it needs the order); otherwise in vocab order.
+        Sorted best first when top-p is active (it needs the order); otherwise in no particular order.
         """
+        ids, weights = self._weights(x)
+        return (np.arange(x.shape[0]) if ids is None else ids), weights / weights.sum()
+
+    def _weights(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(token ids or None for the whole row, unnormalised probabilities) after the filters."""
         p = self.params
-        z = x.astype(np.float64) / p.temperature
-        n = z.shape[0]
-        pool = np.argpartition(-z, p.top_k - 1)[:p.top_k] if 0 < p.top_k < n else np.arange(n)
-        zp = z[pool]
-        e = np.exp(zp - zp.max())
-        total = e.sum()
-        keep = np.arange(pool.size)
+        n = x.shape[0]
+        # temperature keeps the order, so top-k picks on the float32 row; the maths runs in float64
+        pool = np.argpartition(x, n - p.top_k)[n - p.top_k:] if 0 < p.top_k < n else None
+        zp = (x if pool is None else x[pool]).astype(np.float64)
+        zp -= zp.max()
+        if p.temperature != 1.0:
+            zp *= 1.0 / p.temperature
+        e = np.exp(zp, out=zp)
+        keep = None  # indices into e; None = all
         if p.top_p < 1.0:
-            if pool.size > _TOP_P_CANDIDATES:
-                # the best few usually hold top_p of the mass: then only they need sorting
-                part = np.argpartition(-zp, _TOP_P_CANDIDATES - 1)[:_TOP_P_CANDIDATES]
-                if e[part].sum() >= p.top_p * total * (1 + 1e-9):
-                    keep = part
-            keep = keep[np.argsort(-zp[keep], kind="stable")]
-            probs = e[keep] / total
-            mass_before = np.cumsum(probs) - probs
-            keep = keep[:max(int(np.count_nonzero(mass_before < p.top_p)), 1)]
+            keep = self._nucleus(e, e.sum())
         if p.min_p > 0.0:
-            emax = e[keep].max()
-            keep = keep[e[keep] >= p.min_p * emax]
-        probs = e[keep]
-        return pool[keep], probs / probs.sum()
+            threshold = p.min_p * (1.0 if keep is None else e[keep[0]])  # the best token has e == 1
+            keep = np.flatnonzero(e >= threshold) if keep is None else keep[e[keep] >= threshold]
+        if keep is None:
+            return pool, e
+        return (keep if pool is None else pool[keep]), e[keep]
+
+    def _nucleus(self, e: np.ndarray, total: float) -> np.ndarray:
+        """Indices into e (unnormalised probabilities) of the top-p set, best first. Sorts only the best
+        few when they already hold top_p of the mass (the usual case for a language model)."""
+        top_p = self.params.top_p
+        order = None
+        for m in (_TOP_P_CANDIDATES, 16 * _TOP_P_CANDIDATES):
+            if e.size <= 2 * m:
+                break
+            part = np.argpartition(e, e.size - m)[e.size - m:]
+            if e[part].sum() >= top_p * total * (1 + 1e-9):
+                order = part[np.argsort(-e[part])]
+                break
+        if order is None:
+            order = np.argsort(-e)
+        probs = e[order] / total
+        mass_before = np.cumsum(probs) - probs
+        return order[:max(int(np.count_nonzero(mass_before < top_p)), 1)]
 
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token from one logits row ([vocab] or [1, vocab]) and record it as generated."""
@@ -217,12 +235,29 @@ class Sampler:
         if self.params.greedy:
             token = int(np.argmax(x))
         else:
-            ids, probs = self.candidates(x)
-            u = self.rng.random()
-            i = int(np.searchsorted(np.cumsum(probs), u, side="right"))
-            token = int(ids[min(i, ids.size - 1)])
+            ids, weights = self._weights(x)
+            i = self._draw(weights)
+            token = i if ids is None else int(ids[i])
         self.accept(token)
         return token
+
+    def _draw(self, w: np.ndarray, block: int = 1024) -> int:
+        """Index drawn with probability w / w.sum(). Two levels (block sums, then one block's cumsum)
+        because a cumsum over a 248k row costs more than everything else in a sampling step."""
+        r = self.rng.random()
+        if w.size <= 4 * block:
+            cdf = np.cumsum(w)
+            return min(int(np.searchsorted(cdf, r * cdf[-1], side="right")), w.size - 1)
+        full = w.size // block * block
+        sums = w[:full].reshape(-1, block).sum(axis=1)
+        if full < w.size:
+            sums = np.append(sums, w[full:].sum())
+        cdf = np.cumsum(sums)
+        target = r * cdf[-1]
+        b = min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)
+        target -= cdf[b - 1] if b > 0 else 0.0
+        inner = np.cumsum(w[b * block:(b + 1) * block])
+        return b * block + min(int(np.searchsorted(inner, target, side="right")), inner.size - 1)
 
     def accept(self, token: int) -> None:
         """Record a generated token (for the penalties)."""
@@ -232,14 +267,16 @@ class Sampler:
 
     def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs:
         """Log-softmax of the raw logits: the chosen token's logprob and the top_logprobs best."""
-        lp = log_softmax(np.asarray(logits, np.float32).reshape(-1))
+        x = np.asarray(logits, np.float32).reshape(-1)
+        m = float(x.max())
+        log_z = m + math.log(float(np.exp(x - m).sum(dtype=np.float64)))
         top: dict[int, float] = {}
         n = self.params.top_logprobs
         if n > 0:
-            ids = np.argpartition(-lp, n - 1)[:n]
-            ids = ids[np.argsort(-lp[ids], kind="stable")]
-            top = {int(i): float(lp[i]) for i in ids}
-        return TokenLogprobs(int(token), float(lp[token]), top)
+            ids = np.argpartition(x, x.size - n)[x.size - n:]
+            ids = ids[np.argsort(-x[ids], kind="stable")]
+            top = {int(i): float(x[i]) - log_z for i in ids}
+        return TokenLogprobs(int(token), float(x[token]) - log_z, top)
 
 
 def stop_sequences(stop: str | Sequence[str] | None) -> tuple[str, ...]:
