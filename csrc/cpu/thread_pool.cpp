@@ -29,12 +29,12 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::work(int tid) {
+void ThreadPool::work(Job& job, int tid) {
   t_in_job = true;
   for (;;) {
-    int64_t b = next_.fetch_add(chunk_);
-    if (b >= n_) break;
-    call_(ctx_, b, std::min(n_, b + chunk_), tid);
+    const int64_t b = job.next.fetch_add(job.chunk, std::memory_order_relaxed);
+    if (b >= job.n) break;
+    job.call(job.ctx, b, std::min(job.n, b + job.chunk), tid);
   }
   t_in_job = false;
 }
@@ -43,19 +43,20 @@ void ThreadPool::worker(int tid) {
   uint64_t seen = 0;
   for (;;) {
     // Spin first: consecutive jobs of one decode step arrive microseconds apart.
-    int spins = 0;
-    while (generation_.load(std::memory_order_acquire) == seen && spins < 20000) {
-      LILY_PAUSE();
-      ++spins;
-    }
-    if (generation_.load(std::memory_order_acquire) == seen) {
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == seen && spins < 4000; ++spins) LILY_PAUSE();
+    Job* job = nullptr;
+    {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return generation_.load() != seen; });
+      seen = generation_.load();
+      if (stop_) return;
+      job = job_;
+      if (job) job->refs.fetch_add(1, std::memory_order_relaxed);
     }
-    seen = generation_.load(std::memory_order_acquire);
-    if (stop_) return;
-    work(tid);
-    busy_.fetch_sub(1, std::memory_order_acq_rel);
+    if (job) {
+      work(*job, tid);
+      job->refs.fetch_sub(1, std::memory_order_release);
+    }
   }
 }
 
@@ -65,20 +66,28 @@ void ThreadPool::run(int64_t n, int64_t grain, Call call, void* ctx) {
     call(ctx, 0, n, 0);
     return;
   }
-  call_ = call;
-  ctx_ = ctx;
-  n_ = n;
+  Job job;
+  job.call = call;
+  job.ctx = ctx;
+  job.n = n;
   // Several chunks per thread balance uneven work (e.g. causal attention rows).
-  chunk_ = std::max<int64_t>(grain, (n + 4 * n_threads_ - 1) / (4 * n_threads_));
-  next_.store(0);
-  busy_.store(n_threads_ - 1);
+  job.chunk = std::max<int64_t>(grain, (n + 4 * n_threads_ - 1) / (4 * n_threads_));
   {
     std::lock_guard<std::mutex> lk(mu_);
+    job_ = &job;
     generation_.fetch_add(1, std::memory_order_acq_rel);
   }
   cv_.notify_all();
-  work(0);
-  while (busy_.load(std::memory_order_acquire) != 0) LILY_PAUSE();
+  work(job, 0);
+  {
+    // No worker can join after this; wait only for those that did (they hold claimed chunks).
+    std::lock_guard<std::mutex> lk(mu_);
+    job_ = nullptr;
+  }
+  for (int spins = 0; job.refs.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < 2000) LILY_PAUSE();
+    else std::this_thread::yield();
+  }
 }
 
 }  // namespace lily

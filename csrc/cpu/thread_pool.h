@@ -1,5 +1,7 @@
-// Small fork-join thread pool (no OpenMP dependency). The calling thread takes part in the work;
-// workers spin briefly between jobs (decode issues many small jobs per token), then sleep.
+// Small fork-join thread pool (no OpenMP dependency). The calling thread takes part in the work and
+// finishes it alone if workers are slow to wake (oversubscribed machines): a job waits only for the
+// workers that actually joined it. Workers spin briefly between jobs (decode issues many small jobs
+// per token), then sleep.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -31,22 +33,25 @@ class ThreadPool {
 
  private:
   using Call = void (*)(void*, int64_t, int64_t, int);
+  // One parallel_for call; lives on the caller's stack until every worker that joined has left.
+  struct Job {
+    Call call;
+    void* ctx;
+    int64_t n, chunk;
+    std::atomic<int64_t> next{0};
+    std::atomic<int> refs{0};
+  };
   void run(int64_t n, int64_t grain, Call call, void* ctx);
   void worker(int tid);
-  void work(int tid);
+  static void work(Job& job, int tid);
 
   int n_threads_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> busy_{0};
+  Job* job_ = nullptr;  // published job, guarded by mu_
   bool stop_ = false;
-  // current job
-  Call call_ = nullptr;
-  void* ctx_ = nullptr;
-  int64_t n_ = 0, chunk_ = 1;
-  std::atomic<int64_t> next_{0};
 };
 
 }  // namespace lily
