@@ -572,3 +572,22 @@ def test_export_converted_checkpoint(tmp_path):
     for k in ck.tensors:
         np.testing.assert_array_equal(back.tensors[k], ck.tensors[k], err_msg=k)
     assert back.chat_template == ck.chat_template and back.tokenizer_path is not None
+
+
+def test_hf_checkpoint_logits_equal_mlx_export_logits(tmp_path):
+    """Issue 2: a tiny HF bf16 checkpoint quantized at load gives the same logits as the MLX export
+    (by mlx_lm.convert) of the same weights, both run through lily's CPU engine."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.convert import convert
+
+    import lily
+    from _metrics import assert_close
+    from tolerances import tol
+    folder, _ = _hf(tmp_path, "tiny_dk_ne_dv")
+    write_tokenizer(folder, tiny_configs()["tiny_dk_ne_dv"].vocab_size)
+    out = tmp_path / "converted"
+    convert(str(folder), str(out), quantize=True, q_group_size=64, q_bits=4)
+    tokens = np.random.default_rng(3).integers(0, 700, 96).astype(np.int32)
+    hf_logits = lily.load(str(folder), backend="cpu").logits(tokens)
+    mlx_logits = lily.load(str(out), backend="cpu").logits(tokens)
+    assert_close("hf quantized at load vs mlx export", hf_logits, mlx_logits, tol("hf_vs_mlx_export")["rel_rms"])
