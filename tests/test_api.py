@@ -124,6 +124,16 @@ def test_session_continues_like_one_long_prompt(model):
     assert s.position == len(s.tokens)
 
 
+def test_model_prefill_returns_a_ready_session(model):
+    s = model.prefill([{"role": "user", "content": "Hi"}], enable_thinking=False)
+    assert s.position == len(model.apply_chat_template([{"role": "user", "content": "Hi"}], enable_thinking=False,
+                                                        tokenize=True))
+    r = s.generate(max_tokens=3, temperature=0)
+    assert r.stats.cached_tokens == r.stats.prompt_tokens  # nothing recomputed
+    assert r.token_ids == model.generate([{"role": "user", "content": "Hi"}], enable_thinking=False,
+                                         max_tokens=3, temperature=0).token_ids
+
+
 def test_session_snapshot_restore(model):
     s = model.session()
     s.prefill(PROMPT)

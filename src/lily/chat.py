@@ -13,7 +13,7 @@ import dataclasses
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .errors import LilyError
 
@@ -31,8 +31,6 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
@@ -215,5 +213,3 @@ def render_chat(template: str | None, messages: Sequence[Any], **kwargs: Any) ->
     """One-shot rendering: `render_chat(source, messages, add_generation_prompt=True, enable_thinking=False)`."""
     return ChatTemplate(template).render(messages, **kwargs)
 
-
-ToolLike = Mapping[str, Any] | Callable[..., Any]

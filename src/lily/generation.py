@@ -3,7 +3,7 @@ are pure Python: stop-string matching across chunk boundaries and resolving samp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .sampling import SamplingParams, TokenLogprobs

@@ -222,12 +222,36 @@ class Model:
         """Run a prompt in a throwaway session and report its prefill timing."""
         return Session(self).prefill(prompt, **template_kwargs)
 
-    def generate(self, prompt: Any, *, stream: bool = False, **kwargs: Any
+    def generate(self, prompt: Any, *, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                 logprobs: bool | int = False, top_logprobs: int | None = None,
+                 logit_bias: Mapping[int, float] | None = None, stream: bool = False,
+                 enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
+                 tools: Sequence[Any] | None = None, **template_kwargs: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
-        """Generate from a prompt (str: raw text; list[int]: token ids; list of message dicts: chat via the
-        checkpoint's template). Keyword options: see `Session.generate`. Each call starts from an empty state.
+        """Generate from a prompt, starting from an empty state.
+
+        prompt: str (raw text, no template), list[int] (token ids), or a list of chat message dicts
+        (rendered with the checkpoint's chat template and add_generation_prompt=True; enable_thinking,
+        preserve_thinking, tools and other template kwargs apply to these only).
+        Sampling options left as None come from the checkpoint's generation_config.json, else neutral
+        defaults (SamplingParams). max_tokens=None: until a stop token/string or the context is full.
+        stream=True returns an iterator of GenerationChunk; the last one has finish_reason and stats.
+        Raises ContextLengthError when the prompt plus max_tokens does not fit in max_context.
         """
-        return Session(self).generate(prompt, stream=stream, **kwargs)
+        for name, value in (("enable_thinking", enable_thinking), ("preserve_thinking", preserve_thinking),
+                            ("tools", tools)):
+            if value is not None:
+                template_kwargs[name] = value
+        return Session(self).generate(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=logit_bias, stream=stream,
+            **template_kwargs)
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [S, vocab] for token_ids, from an empty state."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -277,11 +277,3 @@ class Sampler:
             ids = ids[np.argsort(-x[ids], kind="stable")]
             top = {int(i): float(x[i]) - log_z for i in ids}
         return TokenLogprobs(int(token), float(x[token]) - log_z, top)
-
-
-def stop_sequences(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    return tuple(stop)

@@ -20,9 +20,6 @@ from .sampling import Sampler, SamplingParams
 if TYPE_CHECKING:
     from .model import Model
 
-Prompt = "str | Sequence[int] | np.ndarray | Sequence[Mapping[str, Any]]"
-
-
 @dataclass(frozen=True)
 class SessionSnapshot:
     """A point of a session to come back to (`Session.restore`); the engine state is a deep copy."""
