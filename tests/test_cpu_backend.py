@@ -223,3 +223,18 @@ def test_dense_f32_weights_and_lifetime():
     gc.collect()
     assert_close("dense f32 logits[all]", eng.forward(eng.new_state(), toks, logits="all"), want,
                  tol("model_vs_reference")["rel_rms"])
+
+
+def test_bf16_small_vectors_are_upcast():
+    # norms / conv taps / dt_bias / A_log given as bf16 bits give the same result as their f32 values
+    cfg = CONFIGS["tiny"]
+    tensors, quant = random_weights(cfg, seed=5)
+    from lily.quant import f32_to_bf16
+    small = {k: f32_to_bf16(v) for k, v in tensors.items()
+             if v.dtype == np.float32 and not k.endswith("A_log")}
+    toks = _tokens(cfg, 6)
+    e32 = _lily.Engine(cfg.to_dict(), tensors, quant, threads=1)
+    e16 = _lily.Engine(cfg.to_dict(), {**tensors, **small}, quant, threads=1)
+    a = e32.forward(e32.new_state(), toks, logits="all")
+    b = e16.forward(e16.new_state(), toks, logits="all")
+    np.testing.assert_array_equal(a, b)
