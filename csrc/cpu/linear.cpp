@@ -135,6 +135,29 @@ inline void dot4(const float* w0, const float* w1, const float* w2, const float*
   out[0] = r0, out[1] = r1, out[2] = r2, out[3] = r3;
 }
 
+#ifdef LILY_AVX2
+// Register-blocked 4 weight rows x 2 activation rows: 6 loads feed 8 FMAs.
+inline void dot4x2(const float* const w[4], const float* x0, const float* x1, int64_t n, float o0[4],
+                   float o1[4]) {
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 u = _mm256_loadu_ps(x0 + i), v = _mm256_loadu_ps(x1 + i);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wj = _mm256_loadu_ps(w[j] + i);
+      a[j] = _mm256_fmadd_ps(wj, u, a[j]);
+      a[4 + j] = _mm256_fmadd_ps(wj, v, a[4 + j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    float r0 = simd::hsum(a[j]), r1 = simd::hsum(a[4 + j]);
+    for (int64_t k = i; k < n; ++k) r0 += w[j][k] * x0[k], r1 += w[j][k] * x1[k];
+    o0[j] = r0, o1[j] = r1;
+  }
+}
+#endif
+
 void gemm_rows(const Linear& W, const float* x, int64_t ldx, int64_t S, float* y, int64_t ldy, int64_t r0,
                int64_t r1) {
   const int64_t in = W.in;
@@ -154,7 +177,17 @@ void gemm_rows(const Linear& W, const float* x, int64_t ldx, int64_t S, float* y
         rows[j] = rows[0];  // padding lanes compute a duplicate that is never stored
       }
     }
-    for (int64_t s = 0; s < S; ++s) {
+    int64_t s = 0;
+#ifdef LILY_AVX2
+    for (; s + 2 <= S; s += 2) {
+      float o0[4], o1[4];
+      dot4x2(rows, x + s * ldx, x + (s + 1) * ldx, in, o0, o1);
+      float* y0 = y + s * ldy + t0;
+      float* y1 = y0 + ldy;
+      for (int64_t j = 0; j < nr; ++j) y0[j] = o0[j], y1[j] = o1[j];
+    }
+#endif
+    for (; s < S; ++s) {
       float o[4];
       dot4(rows[0], rows[1], rows[2], rows[3], x + s * ldx, in, o);
       float* ys = y + s * ldy + t0;
