@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -92,9 +93,8 @@ struct PyEngine {
 
   PyState new_state() const { return PyState{std::shared_ptr<lily::State>(eng->new_state())}; }
 
-  nb::ndarray<nb::numpy, float, nb::ndim<2>> forward(PyState& state, nb::handle tokens, const std::string& logits,
-                                                     int64_t chunk_size) {
-    const lily::LogitsMode mode = lily::parse_logits_mode(logits);
+  // tokens (any 1-D integer array-like) -> int32 ids, range-checked against the vocabulary.
+  std::vector<int32_t> parse_tokens(nb::handle tokens) const {
     nb::module_ np = nb::module_::import_("numpy");
     nb::object arr = np.attr("asarray")(tokens);
     if (nb::cast<int>(arr.attr("ndim")) != 1)
@@ -115,6 +115,40 @@ struct PyEngine {
                                     std::to_string(i) + " is out of range for vocab_size " + std::to_string(V));
       ids[i] = static_cast<int32_t>(t);
     }
+    return ids;
+  }
+
+  // Teacher-forced run that also returns the residual stream after every sub-block:
+  // {"embed", "mixer.L", "moe.L": float32 [S, H], "logits": float32 [S, V]}.
+  nb::dict forward_trace(PyState& state, nb::handle tokens, int64_t chunk_size) {
+    std::vector<int32_t> ids = parse_tokens(tokens);
+    const int64_t S = static_cast<int64_t>(ids.size());
+    const int64_t V = eng->config().vocab, H = eng->config().hidden;
+    std::vector<float> logits(static_cast<size_t>(std::max<int64_t>(S * V, 1)));
+    lily::Trace trace;
+    {
+      nb::gil_scoped_release rel;
+      eng->forward(*state.st, ids.data(), S, lily::LogitsMode::All, chunk_size, logits.data(), &trace);
+    }
+    nb::module_ np = nb::module_::import_("numpy");
+    auto to_np = [&](const std::vector<float>& v, int64_t rows, int64_t cols) {
+      nb::object a = np.attr("empty")(nb::make_tuple(rows, cols), "dtype"_a = np.attr("float32"));
+      auto view = nb::cast<nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>>(a);
+      std::copy(v.begin(), v.begin() + rows * cols, view.data());
+      return a;
+    };
+    nb::dict d;
+    for (auto& [name, v] : trace) d[name.c_str()] = to_np(v, S, H);
+    d["logits"] = to_np(logits, S, V);
+    return d;
+  }
+
+  nb::ndarray<nb::numpy, float, nb::ndim<2>> forward(PyState& state, nb::handle tokens, const std::string& logits,
+                                                     int64_t chunk_size) {
+    const lily::LogitsMode mode = lily::parse_logits_mode(logits);
+    std::vector<int32_t> ids = parse_tokens(tokens);
+    const int64_t S = static_cast<int64_t>(ids.size());
+    const int64_t V = eng->config().vocab;
     const int64_t rows = lily::Engine::logits_rows(mode, S);
     float* out = new float[static_cast<size_t>(std::max<int64_t>(rows * V, 1))];
     nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
@@ -181,6 +215,7 @@ NB_MODULE(_lily, m) {
       .def(nb::init<nb::dict, nb::dict, nb::dict, int, int64_t>(), "config"_a, "tensors"_a, "quant"_a,
            "threads"_a = 0, "max_context"_a = 4096)
       .def("new_state", &PyEngine::new_state, "empty context at position 0")
+      .def("forward_trace", &PyEngine::forward_trace, "state"_a, "tokens"_a, "chunk_size"_a = 0)
       .def("forward", &PyEngine::forward, "state"_a, "tokens"_a, "logits"_a = "last", "chunk_size"_a = 0,
            "Run tokens (int [S]) through the model; returns float32 logits [0|1|S, vocab].")
       .def_prop_ro("max_context", [](const PyEngine& e) { return e.eng->max_context(); })

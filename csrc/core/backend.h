@@ -27,6 +27,8 @@ class Backend {
   virtual void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) = 0;
   // x += MoE(RMSNorm(x; post_norm)).
   virtual void moe_block(int layer, int64_t S) = 0;
+  // out[S, H] (host) = the residual stream x; used to trace named intermediates in tests.
+  virtual void read_residual(int64_t S, float* out) = 0;
   // logits[n, V] (host) = RMSNorm(x[row0 : row0+n]; final_norm) W_lm^T.
   virtual void head(int64_t row0, int64_t n, float* logits) = 0;
 };

@@ -38,7 +38,7 @@ void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
 }
 
 void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
-                     float* logits) {
+                     float* logits, Trace* trace) {
   std::lock_guard<std::mutex> lk(mu_);
   validate(st, tokens, S);
   if (chunk_size < 0) throw std::invalid_argument("[lily] forward: chunk_size must be >= 0");
@@ -48,12 +48,22 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
   st.reserve(st.position + S);
   for (int64_t c0 = 0; c0 < S; c0 += chunk) {
     const int64_t n = std::min(chunk, S - c0);
+    auto record = [&](const std::string& name) {
+      if (!trace) return;
+      auto& v = (*trace)[name];
+      const size_t old = v.size();
+      v.resize(old + static_cast<size_t>(n) * cfg_.hidden);
+      backend_->read_residual(n, v.data() + old);
+    };
     backend_->embed(tokens + c0, n);
+    record("embed");
     for (int L = 0; L < cfg_.n_layers; ++L) {
       const int slot = st.layer_slot[L];
       if (cfg_.layer_types[L] == LayerType::Attention) backend_->attention_block(L, st.kv[slot], st.position, n);
       else backend_->deltanet_block(L, st.dn[slot], n);
+      record("mixer." + std::to_string(L));
       backend_->moe_block(L, n);
+      record("moe." + std::to_string(L));
     }
     if (mode == LogitsMode::All) backend_->head(0, n, logits + c0 * V);
     else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);

@@ -4,7 +4,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "core/backend.h"
 #include "core/config.h"
@@ -14,6 +16,10 @@
 namespace lily {
 
 enum class LogitsMode { None, Last, All };
+
+// Residual stream x [S, H] after each named sub-block ("embed", "mixer.L", "moe.L"), rows appended per
+// chunk: lets tests compare every sub-block with lily.reference on the same inputs (style rule 8).
+using Trace = std::map<std::string, std::vector<float>>;
 
 // Parses "none" | "last" | "all"; throws std::invalid_argument otherwise.
 LogitsMode parse_logits_mode(const std::string& s);
@@ -33,7 +39,8 @@ class Engine {
 
   // Runs S tokens (prefill in chunks of chunk_size rows, 0 = backend default; S == 1 is a decode step)
   // and advances st.position by S. logits: [rows(mode, S), V] with rows 0 / 1 / S for none / last / all.
-  void forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size, float* logits);
+  void forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size, float* logits,
+               Trace* trace = nullptr);
 
   static int64_t logits_rows(LogitsMode mode, int64_t S) {
     return mode == LogitsMode::All ? S : mode == LogitsMode::Last ? 1 : 0;

@@ -71,6 +71,10 @@ class CpuBackend final : public Backend {
     add_residual(S);
   }
 
+  void read_residual(int64_t S, float* out) override {
+    std::copy(x_.data(), x_.data() + S * cfg_.hidden, out);
+  }
+
   void head(int64_t row0, int64_t n, float* logits) override {
     const int64_t H = cfg_.hidden;
     cpu::rms_norm(pool_, x_.data() + row0 * H, w_.final_norm, cfg_.rms_eps, n, H, h_.data());
