@@ -48,6 +48,63 @@ lily::ConfigDict to_config_dict(const nb::dict& d) {
 
 struct PyState {
   std::shared_ptr<lily::State> st;
+
+  // Host copies of the whole state, by name: "position" (int64 scalar), "kv.i.k"/"kv.i.v" [position, Hkv*D],
+  // "dn.i.ssm" [Hv*Dv*Dk], "dn.i.conv" [(K-1)*C] (i = slot among layers of that kind). For Session.save.
+  nb::dict export_arrays() const {
+    nb::module_ np = nb::module_::import_("numpy");
+    auto arr = [&](const float* src, int64_t n) {
+      nb::object a = np.attr("empty")(n, "dtype"_a = np.attr("float32"));
+      auto view = nb::cast<nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(a);
+      std::copy(src, src + n, view.data());
+      return a;
+    };
+    nb::dict d;
+    d["position"] = np.attr("int64")(st->position);
+    const int64_t used = st->position * st->kv_row;
+    for (size_t i = 0; i < st->kv.size(); ++i) {
+      d[("kv." + std::to_string(i) + ".k").c_str()] = arr(st->kv[i].k.data(), used).attr("reshape")(st->position, st->kv_row);
+      d[("kv." + std::to_string(i) + ".v").c_str()] = arr(st->kv[i].v.data(), used).attr("reshape")(st->position, st->kv_row);
+    }
+    for (size_t i = 0; i < st->dn.size(); ++i) {
+      d[("dn." + std::to_string(i) + ".ssm").c_str()] = arr(st->dn[i].ssm.data(), (int64_t)st->dn[i].ssm.size());
+      d[("dn." + std::to_string(i) + ".conv").c_str()] = arr(st->dn[i].conv.data(), (int64_t)st->dn[i].conv.size());
+    }
+    return d;
+  }
+
+  // Inverse of export_arrays; every array must be present with the size this model's state has.
+  void import_arrays(nb::dict d) {
+    nb::module_ np = nb::module_::import_("numpy");
+    auto get = [&](const std::string& name, int64_t n) {
+      if (!d.contains(name.c_str())) throw std::invalid_argument("[lily] State.import_arrays: missing array '" + name + "'");
+      auto a = nb::cast<nb::ndarray<const float, nb::c_contig, nb::device::cpu>>(
+          np.attr("ascontiguousarray")(d[name.c_str()], "dtype"_a = np.attr("float32")));
+      if (static_cast<int64_t>(a.size()) != n)
+        throw std::invalid_argument("[lily] State.import_arrays: array '" + name + "' has " + std::to_string(a.size()) +
+                                    " values, expected " + std::to_string(n));
+      return a;
+    };
+    if (!d.contains("position")) throw std::invalid_argument("[lily] State.import_arrays: missing 'position'");
+    const int64_t pos = nb::cast<int64_t>(nb::int_(d["position"]));
+    if (pos < 0 || pos > st->max_context)
+      throw std::invalid_argument("[lily] State.import_arrays: position " + std::to_string(pos) +
+                                  " is outside 0..max_context " + std::to_string(st->max_context));
+    st->reserve(pos);
+    for (size_t i = 0; i < st->kv.size(); ++i) {
+      auto k = get("kv." + std::to_string(i) + ".k", pos * st->kv_row);
+      auto v = get("kv." + std::to_string(i) + ".v", pos * st->kv_row);
+      std::copy(k.data(), k.data() + k.size(), st->kv[i].k.begin());
+      std::copy(v.data(), v.data() + v.size(), st->kv[i].v.begin());
+    }
+    for (size_t i = 0; i < st->dn.size(); ++i) {
+      auto a = get("dn." + std::to_string(i) + ".ssm", (int64_t)st->dn[i].ssm.size());
+      auto c = get("dn." + std::to_string(i) + ".conv", (int64_t)st->dn[i].conv.size());
+      std::copy(a.data(), a.data() + a.size(), st->dn[i].ssm.begin());
+      std::copy(c.data(), c.data() + c.size(), st->dn[i].conv.begin());
+    }
+    st->position = pos;
+  }
 };
 
 struct PyEngine {
@@ -206,6 +263,8 @@ NB_MODULE(_lily, m) {
            "deep, independent copy (KV up to position, DeltaNet + conv state)")
       .def("restore", [](PyState& s, const PyState& snap) { s.st->restore(*snap.st); }, "snap"_a,
            "make this state equal to snap (snap stays usable)")
+      .def("export_arrays", &PyState::export_arrays, "host copies of the state by name (for saving)")
+      .def("import_arrays", &PyState::import_arrays, "arrays"_a, "inverse of export_arrays")
       .def("__repr__", [](const PyState& s) {
         return "<lily._lily.State position=" + std::to_string(s.st->position) +
                " nbytes=" + std::to_string(s.st->nbytes()) + ">";

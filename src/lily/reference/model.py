@@ -44,6 +44,28 @@ class ReferenceState:
         c = snap.snapshot()
         self.position, self.kv, self.conv, self.rec = c.position, c.kv, c.conv, c.rec
 
+    def export_arrays(self) -> dict[str, np.ndarray]:
+        """Same names and flat layouts as the C++ State (docs/engine_contract.md)."""
+        d: dict[str, np.ndarray] = {"position": np.int64(self.position)}
+        for slot, (k, v) in enumerate(self.kv[i] for i in sorted(self.kv)):
+            d[f"kv.{slot}.k"] = k.reshape(k.shape[0], -1).copy()
+            d[f"kv.{slot}.v"] = v.reshape(v.shape[0], -1).copy()
+        for slot, i in enumerate(sorted(self.rec)):
+            d[f"dn.{slot}.ssm"] = self.rec[i].ravel().copy()
+            d[f"dn.{slot}.conv"] = self.conv[i].ravel().copy()
+        return d
+
+    def import_arrays(self, d: dict[str, np.ndarray]) -> None:
+        cfg = self.cfg
+        self.position = int(d["position"])
+        for slot, i in enumerate(sorted(self.kv)):
+            shape = (self.position, cfg.num_key_value_heads, cfg.head_dim)
+            self.kv[i] = (np.asarray(d[f"kv.{slot}.k"], np.float32).reshape(shape).copy(),
+                          np.asarray(d[f"kv.{slot}.v"], np.float32).reshape(shape).copy())
+        for slot, i in enumerate(sorted(self.rec)):
+            self.rec[i] = np.asarray(d[f"dn.{slot}.ssm"], np.float32).reshape(self.rec[i].shape).copy()
+            self.conv[i] = np.asarray(d[f"dn.{slot}.conv"], np.float32).reshape(self.conv[i].shape).copy()
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv.values()) + \
