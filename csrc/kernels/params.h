@@ -1,7 +1,12 @@
 // Plain argument structs per kernel family, shared by host C++, CUDA (.cu) and Metal (.metal) code.
-// Only fixed-width scalars: no pointers (buffers are bound separately), no std types.
+// Only fixed-width scalars: no pointers (buffers are bound separately), no std types, no vector types
+// (their size differs between MSL and C++); 64-bit fields 8-byte aligned, so layouts agree everywhere.
 #pragma once
+#if defined(__METAL_VERSION__)
+#include <metal_stdlib>  // fixed-width integer types in MSL
+#else
 #include <stdint.h>
+#endif
 
 namespace lily {
 namespace kp {

@@ -1,0 +1,39 @@
+"""Shared setup of the Metal tests: the project's MSL toolchain (tools/msl) on sys.path, and helpers."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools", "msl"))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import emu  # noqa: E402
+import mslc  # noqa: E402
+
+METAL_DIR = os.path.join(ROOT, "metal")
+CLANG_HINT = "install it with: apt-get install -y clang-16 (the address-space check runs clang in C++-for-OpenCL mode)"
+
+
+def metal_files() -> list[str]:
+    return sorted(os.path.join(METAL_DIR, f) for f in os.listdir(METAL_DIR) if f.endswith(".metal"))
+
+
+@pytest.fixture(scope="session")
+def have_clang():
+    if shutil.which(mslc.CLANG) is None:
+        pytest.fail(f"{mslc.CLANG} not found: {CLANG_HINT}")
+    return True
+
+
+def lib(name: str) -> emu.Library:
+    """The emulator build of metal/<name>.metal (cached per session)."""
+    return emu.library(os.path.join(METAL_DIR, name + ".metal"))
+
+
+def nan_like(shape, dtype=np.float32) -> np.ndarray:
+    return np.full(shape, np.nan, dtype)
