@@ -53,22 +53,22 @@ struct PyState {
   // "dn.i.ssm" [Hv*Dv*Dk], "dn.i.conv" [(K-1)*C] (i = slot among layers of that kind). For Session.save.
   nb::dict export_arrays() const {
     nb::module_ np = nb::module_::import_("numpy");
-    auto arr = [&](const float* src, int64_t n) {
+    auto arr = [&](int64_t n, auto&& fill) {
       nb::object a = np.attr("empty")(n, "dtype"_a = np.attr("float32"));
       auto view = nb::cast<nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(a);
-      std::copy(src, src + n, view.data());
+      fill(view.data());
       return a;
     };
     nb::dict d;
     d["position"] = np.attr("int64")(st->position);
     const int64_t used = st->position * st->kv_row;
-    for (size_t i = 0; i < st->kv.size(); ++i) {
-      d[("kv." + std::to_string(i) + ".k").c_str()] = arr(st->kv[i].k.data(), used).attr("reshape")(st->position, st->kv_row);
-      d[("kv." + std::to_string(i) + ".v").c_str()] = arr(st->kv[i].v.data(), used).attr("reshape")(st->position, st->kv_row);
-    }
+    for (size_t i = 0; i < st->kv.size(); ++i)
+      for (bool value : {false, true})
+        d[("kv." + std::to_string(i) + (value ? ".v" : ".k")).c_str()] =
+            arr(used, [&](float* p) { st->read_kv(i, value, p); }).attr("reshape")(st->position, st->kv_row);
     for (size_t i = 0; i < st->dn.size(); ++i) {
-      d[("dn." + std::to_string(i) + ".ssm").c_str()] = arr(st->dn[i].ssm.data(), (int64_t)st->dn[i].ssm.size());
-      d[("dn." + std::to_string(i) + ".conv").c_str()] = arr(st->dn[i].conv.data(), (int64_t)st->dn[i].conv.size());
+      d[("dn." + std::to_string(i) + ".ssm").c_str()] = arr(st->ssm_size, [&](float* p) { st->read_dn(i, false, p); });
+      d[("dn." + std::to_string(i) + ".conv").c_str()] = arr(st->conv_size, [&](float* p) { st->read_dn(i, true, p); });
     }
     return d;
   }
@@ -90,18 +90,24 @@ struct PyState {
     if (pos < 0 || pos > st->max_context)
       throw std::invalid_argument("[lily] State.import_arrays: position " + std::to_string(pos) +
                                   " is outside 0..max_context " + std::to_string(st->max_context));
-    st->reserve(pos);
+    // Validate every array before writing any, so a bad dict leaves the state untouched.
+    std::vector<nb::ndarray<const float, nb::c_contig, nb::device::cpu>> kvs, dns;
     for (size_t i = 0; i < st->kv.size(); ++i) {
-      auto k = get("kv." + std::to_string(i) + ".k", pos * st->kv_row);
-      auto v = get("kv." + std::to_string(i) + ".v", pos * st->kv_row);
-      std::copy(k.data(), k.data() + k.size(), st->kv[i].k.begin());
-      std::copy(v.data(), v.data() + v.size(), st->kv[i].v.begin());
+      kvs.push_back(get("kv." + std::to_string(i) + ".k", pos * st->kv_row));
+      kvs.push_back(get("kv." + std::to_string(i) + ".v", pos * st->kv_row));
     }
     for (size_t i = 0; i < st->dn.size(); ++i) {
-      auto a = get("dn." + std::to_string(i) + ".ssm", (int64_t)st->dn[i].ssm.size());
-      auto c = get("dn." + std::to_string(i) + ".conv", (int64_t)st->dn[i].conv.size());
-      std::copy(a.data(), a.data() + a.size(), st->dn[i].ssm.begin());
-      std::copy(c.data(), c.data() + c.size(), st->dn[i].conv.begin());
+      dns.push_back(get("dn." + std::to_string(i) + ".ssm", st->ssm_size));
+      dns.push_back(get("dn." + std::to_string(i) + ".conv", st->conv_size));
+    }
+    st->reserve(pos);
+    for (size_t i = 0; i < st->kv.size(); ++i) {
+      st->write_kv(i, false, kvs[2 * i].data(), pos);
+      st->write_kv(i, true, kvs[2 * i + 1].data(), pos);
+    }
+    for (size_t i = 0; i < st->dn.size(); ++i) {
+      st->write_dn(i, false, dns[2 * i].data());
+      st->write_dn(i, true, dns[2 * i + 1].data());
     }
     st->position = pos;
   }
@@ -111,7 +117,8 @@ struct PyEngine {
   std::vector<Array> keep;  // borrowed weight arrays, alive as long as the engine
   std::unique_ptr<lily::Engine> eng;
 
-  PyEngine(nb::dict config, nb::dict tensors, nb::dict quant, int threads, int64_t max_context) {
+  PyEngine(nb::dict config, nb::dict tensors, nb::dict quant, int threads, int64_t max_context,
+           const std::string& backend) {
     lily::Config cfg = lily::Config::from_dict(to_config_dict(config));
     lily::TensorMap tmap;
     keep.reserve(nb::len(tensors));
@@ -145,7 +152,7 @@ struct PyEngine {
     const bool debug = dbg && *dbg && std::string(dbg) != "0";
     if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
     nb::gil_scoped_release rel;
-    eng = std::make_unique<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug);
+    eng = std::make_unique<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug, backend);
   }
 
   PyState new_state() const { return PyState{std::shared_ptr<lily::State>(eng->new_state())}; }
@@ -271,8 +278,9 @@ NB_MODULE(_lily, m) {
       });
 
   nb::class_<PyEngine>(m, "Engine")
-      .def(nb::init<nb::dict, nb::dict, nb::dict, int, int64_t>(), "config"_a, "tensors"_a, "quant"_a,
-           "threads"_a = 0, "max_context"_a = 4096)
+      .def(nb::init<nb::dict, nb::dict, nb::dict, int, int64_t, const std::string&>(), "config"_a, "tensors"_a,
+           "quant"_a, "threads"_a = 0, "max_context"_a = 4096, "backend"_a = "cpu",
+           "backend: 'cpu' | 'cuda' (RuntimeError when not built or no device is visible)")
       .def("new_state", &PyEngine::new_state, "empty context at position 0")
       .def("forward_trace", &PyEngine::forward_trace, "state"_a, "tokens"_a, "chunk_size"_a = 0)
       .def("forward", &PyEngine::forward, "state"_a, "tokens"_a, "logits"_a = "last", "chunk_size"_a = 0,
@@ -281,7 +289,8 @@ NB_MODULE(_lily, m) {
       .def_prop_ro("backend", [](const PyEngine& e) { return std::string(e.eng->backend_name()); })
       .def_prop_ro("threads", [](const PyEngine& e) { return e.eng->threads(); })
       .def_prop_ro("vocab_size", [](const PyEngine& e) { return e.eng->config().vocab; })
-      .def_prop_ro("debug", [](const PyEngine& e) { return e.eng->debug(); });
+      .def_prop_ro("debug", [](const PyEngine& e) { return e.eng->debug(); })
+      .def_prop_ro("default_chunk", [](const PyEngine& e) { return e.eng->default_chunk(); });
 
   m.def("build_info", &build_info, "backends compiled, cuda flag, SIMD features, compiler");
   m.def("cuda_device_count", &cuda_device_count, "visible CUDA devices; 0 when there is no driver");

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/config.h"
+#include "core/memory.h"
 #include "core/state.h"
 #include "core/weights.h"
 
@@ -18,6 +19,13 @@ class Backend {
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
   virtual int threads() const = 0;
+  // Where State arrays live, and the KV cache element type (fp32 on CPU, bf16 on GPUs).
+  virtual std::shared_ptr<Memory> memory() const = 0;
+  virtual Elem kv_elem() const = 0;
+  // Prefill chunk rows when the caller passes 0: bounds temporary memory.
+  virtual int64_t default_chunk() const = 0;
+  // Waits until all queued work is done (GPU backends queue asynchronously); called at the end of forward.
+  virtual void sync() {}
 
   // x[S, H] = E[ids[S]]; starts a chunk of S rows.
   virtual void embed(const int32_t* ids, int64_t S) = 0;
@@ -35,6 +43,13 @@ class Backend {
 
 // debug: poison every scratch buffer with NaN at the start of each chunk.
 std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, const Weights& w, int threads, bool debug);
+// Throws std::runtime_error("[lily] backend 'cuda': no CUDA device ...") when no device is visible.
+std::unique_ptr<Backend> make_cuda_backend(const Config& cfg, const Weights& w, bool debug);
+
+// The one dispatch point: "cpu" | "cuda". Throws std::invalid_argument for an unknown name and
+// std::runtime_error for a backend not compiled into this build or with no device.
+std::unique_ptr<Backend> make_backend(const std::string& name, const Config& cfg, const Weights& w, int threads,
+                                      bool debug);
 
 // SIMD features the CPU backend was compiled with, e.g. "avx2 fma avx512f".
 std::string cpu_simd_features();

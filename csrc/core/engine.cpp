@@ -15,16 +15,16 @@ LogitsMode parse_logits_mode(const std::string& s) {
 }
 
 Engine::Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quant, int threads,
-               int64_t max_context, bool debug)
+               int64_t max_context, bool debug, const std::string& backend)
     : cfg_(cfg), weights_(load_weights(cfg_, tensors, quant)), max_context_(max_context), debug_(debug) {
   if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
   if (threads < 0) throw std::invalid_argument("[lily] threads must be >= 0 (0 = all hardware threads)");
-  backend_ = make_cpu_backend(cfg_, weights_, threads, debug);
+  backend_ = make_backend(backend, cfg_, weights_, threads, debug);
 }
 
 void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
   if (S < 1) throw std::invalid_argument("[lily] forward: tokens is empty (need at least one token)");
-  if (st.max_context != max_context_ || st.kv_row != static_cast<int64_t>(cfg_.n_kv_heads) * cfg_.head_dim ||
+  if (st.max_context != max_context_ || st.mem != backend_->memory() || st.kv_row != static_cast<int64_t>(cfg_.n_kv_heads) * cfg_.head_dim ||
       st.layer_slot.size() != static_cast<size_t>(cfg_.n_layers))
     throw std::invalid_argument("[lily] forward: state was created by a different engine");
   if (st.position + S > max_context_)
@@ -42,7 +42,7 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
   std::lock_guard<std::mutex> lk(mu_);
   validate(st, tokens, S);
   if (chunk_size < 0) throw std::invalid_argument("[lily] forward: chunk_size must be >= 0");
-  const int64_t chunk = chunk_size > 0 ? chunk_size : kDefaultChunkCpu;
+  const int64_t chunk = chunk_size > 0 ? chunk_size : backend_->default_chunk();
   const int64_t V = cfg_.vocab;
   if (debug_) std::fill(logits, logits + logits_rows(mode, S) * V, std::numeric_limits<float>::quiet_NaN());
   st.reserve(st.position + S);
@@ -69,6 +69,7 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
     else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);
     st.position += n;
   }
+  backend_->sync();
 }
 
 }  // namespace lily

@@ -29,10 +29,13 @@ class Engine {
   static constexpr int64_t kDefaultChunkCpu = 256;
 
   // tensors: views that must outlive the engine (the binding keeps the arrays alive).
+  // backend: "cpu" | "cuda" (see make_backend).
   Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quant, int threads, int64_t max_context,
-         bool debug = false);
+         bool debug = false, const std::string& backend = "cpu");
 
-  std::unique_ptr<State> new_state() const { return std::make_unique<State>(cfg_, max_context_); }
+  std::unique_ptr<State> new_state() const {
+    return std::make_unique<State>(cfg_, max_context_, backend_->memory(), backend_->kv_elem());
+  }
 
   // Throws std::invalid_argument naming the problem (empty, token out of range, context overflow).
   void validate(const State& st, const int32_t* tokens, int64_t S) const;
@@ -49,6 +52,7 @@ class Engine {
   const Config& config() const { return cfg_; }
   int64_t max_context() const { return max_context_; }
   const char* backend_name() const { return backend_->name(); }
+  int64_t default_chunk() const { return backend_->default_chunk(); }
   int threads() const { return backend_->threads(); }
   bool debug() const { return debug_; }
 

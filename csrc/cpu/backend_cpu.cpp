@@ -21,6 +21,9 @@ class CpuBackend final : public Backend {
 
   const char* name() const override { return "cpu"; }
   int threads() const override { return pool_.size(); }
+  std::shared_ptr<Memory> memory() const override { return host_memory(); }
+  Elem kv_elem() const override { return Elem::F32; }
+  int64_t default_chunk() const override { return 256; }
 
   void embed(const int32_t* ids, int64_t S) override {
     reserve(S);
@@ -39,7 +42,7 @@ class CpuBackend final : public Backend {
     kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                          cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
     cpu::deltanet_forward(pool_, p, qkv_.data(), z_.data(), b_.data(), a_.data(), w.conv_w, w.dt_bias, w.a_log,
-                          w.norm, st.conv.data(), st.ssm.data(), u_.data(), y_.data());
+                          w.norm, st.conv.as<float>(), st.ssm.as<float>(), u_.data(), y_.data());
     cpu::linear(pool_, w.out, y_.data(), S, t_.data());
     add_residual(S);
   }
@@ -55,8 +58,8 @@ class CpuBackend final : public Backend {
     kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                           static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
                           1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, pos0, S};
-    cpu::attention_forward(pool_, p, qg_.data(), k_.data(), v_.data(), w.q_norm, w.k_norm, kv.k.data(),
-                           kv.v.data(), o_.data());
+    cpu::attention_forward(pool_, p, qg_.data(), k_.data(), v_.data(), w.q_norm, w.k_norm, kv.k.as<float>(),
+                           kv.v.as<float>(), o_.data());
     cpu::linear(pool_, w.o, o_.data(), S, t_.data());
     add_residual(S);
   }

@@ -49,5 +49,38 @@ struct MoeParams {
   int64_t S;
 };
 
+// One linear layer y = x W^T, W [out, in] (per expert when stacked). kind: 0 = MLX affine quantized
+// (codes [E?, out, in*bits/32] u32, scales/biases [E?, out, in/group] bf16), 1 = dense bf16, 2 = dense f32.
+struct LinearParams {
+  int32_t kind;
+  int32_t bits;
+  int32_t group;
+  int32_t pad_;
+  int64_t out;
+  int64_t in;
+  int64_t expert_words;   // u32 words per expert (quantized)
+  int64_t expert_groups;  // scale/bias entries per expert (quantized)
+  int64_t expert_elems;   // weight elements per expert (dense)
+};
+
+// Row mapping of a GEMM over tiles of rows. Plain: tile t covers rows [t*BM, min(M, t*BM+BM)) of expert 0.
+// Grouped (MoE): tile t covers sorted pairs [tile_row0[t], +tile_rows[t]) of expert tile_expert[t];
+// n_tiles (device) says how many tiles exist, so the grid can be an upper bound launched without a sync.
+struct GemmParams {
+  int64_t M;        // rows (plain) or pairs (grouped)
+  int64_t lda;      // elements between A rows (bf16)
+  int64_t ldy;      // elements between output rows
+  int32_t grouped;  // 0 plain, 1 grouped
+  int32_t accumulate;  // y += result instead of y = result (fp32 output only)
+};
+
+// Multi-head attention partial results: one (m, l, o[D]) per (row, query head, split) for split-K.
+struct AttnSplitParams {
+  int32_t n_splits;
+  int32_t split_len;    // keys per split (multiple of 32)
+  int32_t rows_per_block;
+  int32_t pad_;
+};
+
 }  // namespace kp
 }  // namespace lily

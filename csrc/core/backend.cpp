@@ -1,0 +1,23 @@
+// Backend factory. Compiled into the extension module (not lily_core) so that LILY_HAVE_CUDA decides
+// whether the CUDA backend is linked at all; core/ itself never sees a GPU header.
+#include <stdexcept>
+
+#include "core/backend.h"
+
+namespace lily {
+
+std::unique_ptr<Backend> make_backend(const std::string& name, const Config& cfg, const Weights& w, int threads,
+                                      bool debug) {
+  if (name == "cpu") return make_cpu_backend(cfg, w, threads, debug);
+  if (name == "cuda") {
+#ifdef LILY_HAVE_CUDA
+    return make_cuda_backend(cfg, w, debug);
+#else
+    throw std::runtime_error("[lily] backend 'cuda' is not built into this install (nvcc was not found at build "
+                             "time); use backend='cpu'");
+#endif
+  }
+  throw std::invalid_argument("[lily] unknown backend '" + name + "': expected 'cpu' or 'cuda'");
+}
+
+}  // namespace lily

@@ -1,0 +1,217 @@
+#include "cuda/kernels.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kKeyTile = 32;  // keys per shared-memory tile: one key per lane when scoring
+
+// One warp per (row, head) of Hq query heads + Hkv key heads: RMSNorm, partial RoPE (angles in double,
+// as the CPU twin), then q to fp32 scratch and k, v to the bf16 cache.
+__global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float* k, const float* v, const float* qn,
+                            const float* kn, float* q, bf16* kc, bf16* vc) {
+  extern __shared__ float prep_smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim, nh = p.n_heads + p.n_kv_heads;
+  const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+  if (wid >= p.S * nh) return;
+  float* row = prep_smem + warp * D;
+  const int64_t t = wid / nh, kv_row = static_cast<int64_t>(p.n_kv_heads) * D;
+  const int hh = static_cast<int>(wid % nh);
+  const bool is_q = hh < p.n_heads;
+  const float* src = is_q ? qg + (t * p.n_heads + hh) * 2 * D : k + t * kv_row + static_cast<int64_t>(hh - p.n_heads) * D;
+  const float* w = is_q ? qn : kn;
+  float ss = 0.f;
+  for (int i = lane; i < D; i += 32) {
+    row[i] = src[i];
+    ss += row[i] * row[i];
+  }
+  ss = warp_sum(ss);
+  const float inv = 1.f / sqrtf(ss / static_cast<float>(D) + p.eps);
+  for (int i = lane; i < D; i += 32) row[i] = row[i] * inv * w[i];
+  __syncwarp();
+  const int half = p.rotary_dim / 2;
+  for (int i = lane; i < half; i += 32) {
+    const double inv_freq = pow(static_cast<double>(p.rope_theta), -2.0 * i / p.rotary_dim);
+    const double ang = static_cast<double>(p.pos0 + t) * inv_freq;
+    const float cs = static_cast<float>(cos(ang)), sn = static_cast<float>(sin(ang));
+    const float a = row[i], b = row[i + half];
+    row[i] = a * cs - b * sn;
+    row[i + half] = b * cs + a * sn;
+  }
+  __syncwarp();
+  if (is_q) {
+    for (int i = lane; i < D; i += 32) q[(t * p.n_heads + hh) * D + i] = row[i];
+  } else {
+    const int64_t off = (p.pos0 + t) * kv_row + static_cast<int64_t>(hh - p.n_heads) * D;
+    const float* vs = v + t * kv_row + static_cast<int64_t>(hh - p.n_heads) * D;
+    for (int i = lane; i < D; i += 32) {
+      kc[off + i] = __float2bfloat16(row[i]);
+      vc[off + i] = __float2bfloat16(vs[i]);
+    }
+  }
+}
+
+// Block = (tile of R query rows, KV head g, key split s); one warp per (row, query head of g's group), so
+// the G heads of a KV head share every K/V tile load (GQA packing). Scores: one key per lane against q in
+// shared memory; online softmax per warp; output dims lane + 32 i per lane. Writes (m, l, o[D]) partials.
+template <int D>
+__global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* q, const bf16* kc,
+                            const bf16* vc, float* part) {
+  constexpr int LD = D + 2;  // bf16 row stride: rows start one bank apart
+  constexpr int NO = D / 32;
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(attn_smem);
+  bf16* Vs = Ks + kKeyTile * LD;
+  float* qs = reinterpret_cast<float*>(Vs + kKeyTile * LD);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = p.n_heads / p.n_kv_heads, R = sp.rows_per_block;
+  const int g = blockIdx.y, s = blockIdx.z;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * R;
+  const int64_t t = t0 + warp / G;
+  const int h = g * G + warp % G;
+  const bool active = warp < R * G && t < p.S;
+  const int64_t kv_row = static_cast<int64_t>(p.n_kv_heads) * D;
+  const int64_t split0 = static_cast<int64_t>(s) * sp.split_len;
+  const int64_t t_last = min64(t0 + R, p.S) - 1;
+  const int64_t block_end = min64(split0 + sp.split_len, p.pos0 + t_last + 1);
+  const int64_t my_end = min64(split0 + sp.split_len, p.pos0 + t + 1);
+
+  float* qw = qs + warp * D;
+  if (active)
+    for (int i = lane; i < D; i += 32) qw[i] = q[(t * p.n_heads + h) * D + i];
+  float m = -INFINITY, l = 0.f, o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; ++i) o[i] = 0.f;
+
+  for (int64_t k0 = split0; k0 < block_end; k0 += kKeyTile) {
+    __syncthreads();  // previous tile consumed (and q staged on the first pass)
+    for (int u = threadIdx.x; u < kKeyTile * D / 8; u += blockDim.x) {
+      const int r = u / (D / 8), c = u % (D / 8);
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
+      if (k0 + r < block_end) {
+        const int64_t off = (k0 + r) * kv_row + static_cast<int64_t>(g) * D + c * 8;
+        kv = *reinterpret_cast<const uint4*>(kc + off);
+        vv = *reinterpret_cast<const uint4*>(vc + off);
+      }
+      uint32_t* kd = reinterpret_cast<uint32_t*>(Ks + r * LD + c * 8);
+      uint32_t* vd = reinterpret_cast<uint32_t*>(Vs + r * LD + c * 8);
+      kd[0] = kv.x, kd[1] = kv.y, kd[2] = kv.z, kd[3] = kv.w;
+      vd[0] = vv.x, vd[1] = vv.y, vd[2] = vv.z, vd[3] = vv.w;
+    }
+    __syncthreads();
+    if (!active || k0 >= my_end) continue;
+    const bool valid = k0 + lane < my_end;
+    float sc = -INFINITY;
+    if (valid) {
+      const __nv_bfloat162* kr = reinterpret_cast<const __nv_bfloat162*>(Ks + lane * LD);
+      const float2* q2 = reinterpret_cast<const float2*>(qw);
+      float acc = 0.f;
+#pragma unroll 8
+      for (int d2 = 0; d2 < D / 2; ++d2) {
+        const float2 kf = __bfloat1622float2(kr[d2]), qf = q2[d2];
+        acc += qf.x * kf.x + qf.y * kf.y;
+      }
+      sc = acc * p.scale;
+    }
+    const float m_new = fmaxf(m, warp_max(sc));
+    const float pr = valid ? expf(sc - m_new) : 0.f;
+    const float corr = expf(m - m_new);  // 0 on the first tile (m = -inf)
+    l = l * corr + warp_sum(pr);
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] *= corr;
+    const int nk = static_cast<int>(min64(kKeyTile, my_end - k0));
+    for (int j = 0; j < nk; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, pr, j);
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[i] += pj * bf2f(Vs[j * LD + lane + 32 * i]);
+    }
+    m = m_new;
+  }
+  if (!active) return;
+  float* out = part + ((t * p.n_heads + h) * sp.n_splits + s) * (D + 2);
+  if (lane == 0) out[0] = m, out[1] = l;
+#pragma unroll
+  for (int i = 0; i < NO; ++i) out[2 + lane + 32 * i] = o[i];
+}
+
+// One warp per (row, query head): merge the splits, normalise, apply the sigmoid output gate, write bf16.
+__global__ void attn_combine_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* part, const float* qg,
+                                    bf16* o) {
+  const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32, D = p.head_dim;
+  if (wid >= p.S * p.n_heads) return;
+  const float* pp = part + wid * sp.n_splits * (D + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < sp.n_splits; ++s) M = fmaxf(M, pp[s * (D + 2)]);
+  float L = 0.f;
+  for (int s = 0; s < sp.n_splits; ++s) {
+    const float ms = pp[s * (D + 2)];
+    if (ms != -INFINITY) L += pp[s * (D + 2) + 1] * expf(ms - M);
+  }
+  const float inv = 1.f / L;
+  const float* gate = qg + wid * 2 * D + D;  // row t, head h: qg[(t*Hq + h)*2D + D ..]
+  for (int d = lane; d < D; d += 32) {
+    float acc = 0.f;
+    for (int s = 0; s < sp.n_splits; ++s) {
+      const float ms = pp[s * (D + 2)];
+      if (ms != -INFINITY) acc += pp[s * (D + 2) + 2 + d] * expf(ms - M);
+    }
+    o[wid * D + d] = __float2bfloat16(acc * inv * (1.f / (1.f + expf(-gate[d]))));
+  }
+}
+
+int rows_per_block(const kp::AttentionParams& p) {
+  const int G = p.n_heads / p.n_kv_heads;
+  return G >= 8 ? 1 : 8 / G;
+}
+
+template <int D>
+void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
+                 const bf16* kc, const bf16* vc, float* part) {
+  const int G = p.n_heads / p.n_kv_heads, warps = sp.rows_per_block * G;
+  const size_t smem = 2 * kKeyTile * (D + 2) * sizeof(bf16) + warps * D * sizeof(float);
+  if (smem > 48 * 1024)
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block), p.n_kv_heads, sp.n_splits);
+  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part);
+  LILY_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* qg, const float* k, const float* v,
+                    const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache) {
+  const int64_t warps = p.S * (p.n_heads + p.n_kv_heads);
+  prep_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 8 * p.head_dim * sizeof(float), st>>>(
+      p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache);
+  LILY_LAUNCH_CHECK();
+}
+
+kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
+  kp::AttnSplitParams sp{};
+  sp.rows_per_block = rows_per_block(p);
+  const int64_t keys = p.pos0 + p.S;
+  const int64_t base = (p.S + sp.rows_per_block - 1) / sp.rows_per_block * p.n_kv_heads;
+  // Enough blocks for two waves; a split keeps at least 64 keys so the merge stays cheap.
+  int64_t n = std::clamp<int64_t>((2 * sm_count + base - 1) / base, 1, (keys + 63) / 64);
+  const int64_t len = ((keys + n - 1) / n + kKeyTile - 1) / kKeyTile * kKeyTile;
+  sp.split_len = static_cast<int32_t>(len);
+  sp.n_splits = static_cast<int32_t>((keys + len - 1) / len);
+  return sp;
+}
+
+void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
+               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o) {
+  switch (p.head_dim) {
+    case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part); break;
+    case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part); break;
+    case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part); break;
+    case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part); break;
+    default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
+  }
+  const int64_t threads = p.S * p.n_heads * 32;
+  attn_combine_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, sp, part, qg, o);
+  LILY_LAUNCH_CHECK();
+}
+
+}  // namespace lily::cuda

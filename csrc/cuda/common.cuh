@@ -1,0 +1,86 @@
+// Shared device helpers of the CUDA backend: error checks, bf16 conversion, warp reductions, and the
+// device view of a linear layer (LinearParams + pointers) with per-element dequantization.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/params.h"
+
+namespace lily::cuda {
+
+using bf16 = __nv_bfloat16;
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("[lily] cuda: ") + what + ": " + cudaGetErrorString(e));
+}
+#define LILY_CUDA_CHECK(x) ::lily::cuda::check((x), #x)
+// After a launch: reports configuration errors at once (asynchronous faults surface at the next sync).
+#define LILY_LAUNCH_CHECK() ::lily::cuda::check(cudaGetLastError(), __func__)
+
+// Device view of a Linear; pointers into device memory.
+struct DLinear {
+  kp::LinearParams p;
+  const uint32_t* codes = nullptr;
+  const uint16_t* scales = nullptr;
+  const uint16_t* biases = nullptr;
+  const void* dense = nullptr;
+};
+
+__device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+__device__ __forceinline__ float bf2f(bf16 b) { return __bfloat162float(b); }
+
+__host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
+// log(1 + e^x) without overflow (same threshold as the CPU backend).
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// 8 consecutive weights W[row, k0..k0+8) of expert e as floats (k0 % 8 == 0; zero past `in`).
+__device__ __forceinline__ void load_w8(const DLinear& W, int64_t e, int64_t row, int64_t k0, float out[8]) {
+  const kp::LinearParams& p = W.p;
+  if (p.kind == 0) {
+    const int64_t wpr = p.in * p.bits / 32, gpr = p.in / p.group;
+    const uint32_t* c = W.codes + e * p.expert_words + row * wpr;
+    const int64_t g = e * p.expert_groups + row * gpr + k0 / p.group;
+    const float s = bf2f(W.scales[g]), b = bf2f(W.biases[g]);
+    if (p.bits == 4) {
+      const uint32_t w = c[k0 / 8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) out[j] = s * static_cast<float>((w >> (4 * j)) & 15u) + b;
+    } else {
+      const uint32_t w0 = c[k0 / 4], w1 = c[k0 / 4 + 1];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        out[j] = s * static_cast<float>((w0 >> (8 * j)) & 255u) + b;
+        out[4 + j] = s * static_cast<float>((w1 >> (8 * j)) & 255u) + b;
+      }
+    }
+  } else if (p.kind == 1) {
+    const uint16_t* d = static_cast<const uint16_t*>(W.dense) + e * p.expert_elems + row * p.in;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = k0 + j < p.in ? bf2f(d[k0 + j]) : 0.f;
+  } else {
+    const float* d = static_cast<const float*>(W.dense) + e * p.expert_elems + row * p.in;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = k0 + j < p.in ? d[k0 + j] : 0.f;
+  }
+}
+
+}  // namespace lily::cuda

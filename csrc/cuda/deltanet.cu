@@ -1,0 +1,153 @@
+#include "cuda/kernels.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kConvRows = 32;   // rows per thread of the conv (channels x row-blocks in the grid)
+constexpr int kScanWarps = 4;   // state rows (dv) per block of the scan
+
+// Row i of X = [conv_state (K-1 rows); qkv (S rows)] at channel c.
+__device__ __forceinline__ float conv_x(const float* cs, const float* qkv, int64_t i, int64_t c, int64_t C, int K) {
+  return i < K - 1 ? cs[i * C + c] : qkv[(i - (K - 1)) * C + c];
+}
+
+// u[t, c] = silu(sum_j w[c, j] X[t + j, c]); tap K-1 multiplies the current row. Reads conv_state only.
+__global__ void conv_kernel(kp::DeltaNetParams p, const float* qkv, const float* w, const float* cs, float* u) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, C = p.conv_dim;
+  if (c >= C) return;
+  const int K = p.conv_kernel;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kConvRows, t1 = min64(p.S, t0 + kConvRows);
+  for (int64_t t = t0; t < t1; ++t) {
+    float acc = 0.f;
+    for (int j = 0; j < K; ++j) acc += w[c * K + j] * conv_x(cs, qkv, t + j, c, C, K);
+    u[t * C + c] = acc / (1.f + expf(-acc));
+  }
+}
+
+// New conv state = the last K-1 rows of X; ascending r only overwrites rows no longer needed.
+__global__ void conv_state_kernel(kp::DeltaNetParams p, const float* qkv, float* cs) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, C = p.conv_dim;
+  if (c >= C) return;
+  const int K = p.conv_kernel;
+  for (int r = 0; r < K - 1; ++r) cs[r * C + c] = conv_x(cs, qkv, p.S + r, c, C, K);
+}
+
+// One warp per (row, q-or-k head): x *= 1/sqrt(sum x^2 + eps), times Dk^-0.5 for q.
+__global__ void l2norm_kernel(kp::DeltaNetParams p, float* u) {
+  const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32, nh = 2 * p.k_heads;
+  if (wid >= p.S * nh) return;
+  const int64_t t = wid / nh;
+  const int hh = static_cast<int>(wid % nh);
+  float* x = u + t * p.conv_dim + static_cast<int64_t>(hh) * p.k_dim;
+  float ss = 0.f;
+  for (int i = lane; i < p.k_dim; i += 32) ss += x[i] * x[i];
+  ss = warp_sum(ss);
+  const float inv = 1.f / sqrtf(ss + p.qk_eps) * (hh < p.k_heads ? rsqrtf(static_cast<float>(p.k_dim)) : 1.f);
+  for (int i = lane; i < p.k_dim; i += 32) x[i] *= inv;
+}
+
+// One warp per state row (h, dv): lanes hold S[h, dv, lane + 32 i] for i < NK in registers for all S tokens;
+// both dot products are warp reductions. Same update order as the CPU twin: decay, delta rule, read-out.
+template <int NK>
+__global__ void __launch_bounds__(kScanWarps * 32)
+    scan_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,
+                const float* a_log, float* ssm, float* y) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = blockIdx.y, dv = blockIdx.x * kScanWarps + warp;
+  if (dv >= p.v_dim) return;
+  const int Dk = p.k_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
+  const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk;
+  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
+  float st[NK];
+#pragma unroll
+  for (int i = 0; i < NK; ++i) st[i] = lane + 32 * i < Dk ? sp[lane + 32 * i] : 0.f;
+  const float A = expf(a_log[h]), dtb = dt_bias[h];
+  const float* qp = u + static_cast<int64_t>(kh) * Dk;
+  const float* kp_ = u + key_dim + static_cast<int64_t>(kh) * Dk;
+  const float* vp = u + 2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv;
+  for (int64_t t = 0; t < p.S; ++t) {
+    float q[NK], k[NK];
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      const bool in = lane + 32 * i < Dk;
+      q[i] = in ? qp[t * C + lane + 32 * i] : 0.f;
+      k[i] = in ? kp_[t * C + lane + 32 * i] : 0.f;
+    }
+    const float v = vp[t * C];
+    const float beta = 1.f / (1.f + expf(-b[t * Hv + h]));
+    const float g = expf(-A * softplusf_(a[t * Hv + h] + dtb));
+    float kst = 0.f;
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      st[i] *= g;
+      kst += st[i] * k[i];
+    }
+    const float delta = beta * (v - warp_sum(kst));
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      st[i] += delta * k[i];
+      o += st[i] * q[i];
+    }
+    o = warp_sum(o);
+    if (lane == 0) y[t * Hv * p.v_dim + static_cast<int64_t>(h) * p.v_dim + dv] = o;
+  }
+#pragma unroll
+  for (int i = 0; i < NK; ++i)
+    if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
+}
+
+// One warp per (row, value head): RMSNorm(y; w) * silu(z) -> bf16 (the out_proj input).
+__global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const float* z, const float* w, bf16* out) {
+  const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32, Dv = p.v_dim;
+  if (wid >= p.S * p.v_heads) return;
+  const float* yr = y + wid * Dv;
+  const float* zr = z + wid * Dv;
+  float ss = 0.f;
+  for (int i = lane; i < Dv; i += 32) ss += yr[i] * yr[i];
+  ss = warp_sum(ss);
+  const float inv = 1.f / sqrtf(ss / static_cast<float>(Dv) + p.norm_eps);
+  for (int i = lane; i < Dv; i += 32) {
+    const float zz = zr[i];
+    out[wid * Dv + i] = __float2bfloat16(yr[i] * inv * w[i] * (zz / (1.f + expf(-zz))));
+  }
+}
+
+}  // namespace
+
+void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
+                   float* conv_state, float* u) {
+  const unsigned cblocks = static_cast<unsigned>((p.conv_dim + 127) / 128);
+  conv_kernel<<<dim3(cblocks, static_cast<unsigned>((p.S + kConvRows - 1) / kConvRows)), 128, 0, st>>>(
+      p, qkv, conv_w, conv_state, u);
+  LILY_LAUNCH_CHECK();
+  conv_state_kernel<<<cblocks, 128, 0, st>>>(p, qkv, conv_state);
+  LILY_LAUNCH_CHECK();
+  const int64_t threads = p.S * 2 * p.k_heads * 32;
+  l2norm_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, u);
+  LILY_LAUNCH_CHECK();
+}
+
+void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y) {
+  const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
+  switch ((p.k_dim + 31) / 32) {
+    case 1: scan_kernel<1><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 2: scan_kernel<2><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 3: scan_kernel<3><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 4: scan_kernel<4><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    default: throw std::invalid_argument("[lily] cuda deltanet_scan: linear_key_head_dim > 128 is not supported");
+  }
+  LILY_LAUNCH_CHECK();
+}
+
+void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
+                         const float* w, bf16* out) {
+  const int64_t threads = p.S * p.v_heads * 32;
+  gated_norm_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, y, z, w, out);
+  LILY_LAUNCH_CHECK();
+}
+
+}  // namespace lily::cuda

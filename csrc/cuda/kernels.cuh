@@ -1,0 +1,57 @@
+// Launchers of the non-GEMM kernel families (misc.cu, routing.cu, deltanet.cu, attention.cu).
+// All pointers are device pointers; all launches go to stream `st` and never synchronise.
+#pragma once
+#include "cuda/common.cuh"
+#include "kernels/params.h"
+
+namespace lily::cuda {
+
+// misc.cu
+// x[s, :] = E[ids[s], :] (dequantized rows).  ids: int32 [S], x: fp32 [S, E.in].
+void embed(cudaStream_t st, const DLinear& E, const int32_t* ids, int64_t S, float* x);
+// y[r, :] = bf16(x[r, :] * rsqrt(mean(x[r]^2) + eps) * w).  x: fp32 [rows, n], w: fp32 [n], y: bf16 [rows, n].
+void rms_norm(cudaStream_t st, const float* x, const float* w, float eps, int64_t rows, int64_t n, bf16* y);
+// Fills n bytes with 0xFF (NaN in fp32 and bf16): debug poisoning of scratch buffers.
+void poison(cudaStream_t st, void* p, size_t n);
+
+// routing.cu
+// Router softmax (fp32) over E experts, top-k by repeated argmax (ties -> lower index), optional renorm.
+// logits: fp32 [S, E] -> top_idx int32 [S, k], top_w fp32 [S, k].
+void moe_route(cudaStream_t st, const kp::MoeParams& p, const float* logits, int32_t* top_idx, float* top_w);
+// Groups the S*k (token, expert) pairs by expert and cuts each group into tiles of at most tile_rows:
+//   pair_row[P] (token row), pair_id[P] (s*k + j), pair_w[P]; tiles: n_tiles[1], tile_expert/row0/rows[max_tiles].
+// One block, no host synchronisation; max_tiles = ceil(S*k / tile_rows) + E.
+void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, const float* top_w, int tile_rows,
+              int32_t* pair_row, int32_t* pair_id, float* pair_w, int32_t* n_tiles, int32_t* tile_expert,
+              int32_t* tile_row0, int32_t* tile_rows_out);
+// x[s, :] += sigmoid(gate[s]) * sh[s, :] + sum_j d[s*k + j, :].  sh, d (fp32 [S, H], [S*k, H]), gate fp32 [S].
+void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const float* d, float* x);
+
+// deltanet.cu
+// Causal depthwise conv over [conv_state; qkv] + SiLU, then per-head l2 norm of q (times Dk^-0.5) and k.
+// qkv: fp32 [S, C] -> u fp32 [S, C]; conv_w fp32 [C, K]; conv_state fp32 [K-1, C] updated.
+void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
+                   float* conv_state, float* u);
+// Gated delta rule recurrence over S rows with the state [Hv, Dv, Dk] fp32 in registers; b, a: fp32 [S, Hv];
+// y: fp32 [S, Hv*Dv] (before the gated norm).
+void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y);
+// out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
+void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
+                         const float* w, bf16* out);
+
+// attention.cu
+// q/k RMSNorm + partial RoPE; k, v appended to the bf16 cache at rows pos0..pos0+S-1.
+// qg: fp32 [S, Hq, 2D] ([query | gate] per head) -> q fp32 [S, Hq, D]; k, v fp32 [S, Hkv*D];
+// k_cache, v_cache bf16 [capacity, Hkv*D].
+void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* qg, const float* k, const float* v,
+                    const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache);
+// Split plan for S rows at pos0: how many key splits keep the GPU busy; partials hold
+// S * Hq * n_splits * (D + 2) floats.
+kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count);
+// Causal GQA attention over the cache (keys 0..pos0+t for row t), then o = bf16(softmax(qK^T) V * sigmoid(gate)).
+// part: fp32 scratch [S, Hq, n_splits, D + 2]; o: bf16 [S, Hq*D].
+void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
+               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o);
+
+}  // namespace lily::cuda

@@ -1,0 +1,297 @@
+#include <mma.h>
+
+#include "cuda/linear.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kGemvWarps = 8;
+constexpr int BM = kGemmBM, BN = 64, BK = 64;
+constexpr int LDS = BK + 8;  // bf16 row stride of the A/B tiles (pad against bank conflicts; wmma needs %8)
+constexpr int LDC = BN + 4;  // fp32 row stride of the epilogue tile
+
+// dot(W[e, row, :], xs) by one warp; xs: bf16 [in] in shared memory. Result valid in every lane.
+// Quantized rows use sum_i (s q_i + b) x_i = s dot(q, x) + b sum(x) per group; each lane reads one
+// 4-byte code word at a time, so a warp's load is 128 contiguous bytes and x reads are conflict-free.
+__device__ float warp_dot(const DLinear& W, int64_t e, int64_t row, const bf16* xs, int lane) {
+  const kp::LinearParams& p = W.p;
+  float acc = 0.f;
+  if (p.kind == 0) {
+    const int64_t gpr = p.in / p.group;
+    const uint16_t* sc = W.scales + e * p.expert_groups + row * gpr;
+    const uint16_t* bi = W.biases + e * p.expert_groups + row * gpr;
+    if (p.bits == 4) {
+      const int64_t wpr = p.in / 8;
+      const int wpg = p.group / 8;
+      const uint32_t* c = W.codes + e * p.expert_words + row * wpr;
+#pragma unroll 4
+      for (int64_t w = lane; w < wpr; w += 32) {
+        const uint32_t q = __ldg(c + w);
+        const uint4 xv = *reinterpret_cast<const uint4*>(xs + w * 8);
+        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+        float qx = 0.f, sx = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 xf = __bfloat1622float2(x2[j]);
+          qx += static_cast<float>((q >> (8 * j)) & 15u) * xf.x + static_cast<float>((q >> (8 * j + 4)) & 15u) * xf.y;
+          sx += xf.x + xf.y;
+        }
+        const int64_t g = w / wpg;
+        acc += bf2f(sc[g]) * qx + bf2f(bi[g]) * sx;
+      }
+    } else {
+      const int64_t wpr = p.in / 4;
+      const int wpg = p.group / 4;
+      const uint32_t* c = W.codes + e * p.expert_words + row * wpr;
+#pragma unroll 4
+      for (int64_t w = lane; w < wpr; w += 32) {
+        const uint32_t q = __ldg(c + w);
+        const uint2 xv = *reinterpret_cast<const uint2*>(xs + w * 4);
+        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+        const float2 a = __bfloat1622float2(x2[0]), b = __bfloat1622float2(x2[1]);
+        const float qx = static_cast<float>(q & 255u) * a.x + static_cast<float>((q >> 8) & 255u) * a.y +
+                         static_cast<float>((q >> 16) & 255u) * b.x + static_cast<float>(q >> 24) * b.y;
+        const int64_t g = w / wpg;
+        acc += bf2f(sc[g]) * qx + bf2f(bi[g]) * (a.x + a.y + b.x + b.y);
+      }
+    }
+  } else if (p.kind == 1) {
+    const uint16_t* d = static_cast<const uint16_t*>(W.dense) + e * p.expert_elems + row * p.in;
+    for (int64_t i = lane; i < p.in; i += 32) acc += bf2f(d[i]) * bf2f(xs[i]);
+  } else {
+    const float* d = static_cast<const float*>(W.dense) + e * p.expert_elems + row * p.in;
+    for (int64_t i = lane; i < p.in; i += 32) acc += d[i] * bf2f(xs[i]);
+  }
+  return warp_sum(acc);
+}
+
+// One activation row per blockIdx.y (slot j: the token, or the j-th routed expert of a token);
+// each warp computes rows_per_warp consecutive output rows. DUAL: y = bf16(silu(x W0^T) * (x W1^T)).
+template <bool DUAL>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_kernel(DLinear W0, DLinear W1, const bf16* x, int64_t x_step, const int32_t* ids, float* y, bf16* yb,
+                int64_t y_step, const float* scale, int accumulate, int rows_per_warp) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);
+  const int j = blockIdx.y;
+  const int64_t in = W0.p.in, out = W0.p.out;
+  const bf16* xj = x + j * x_step;
+  for (int64_t i = threadIdx.x; i < in; i += blockDim.x) xs[i] = xj[i];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t e = ids ? ids[j] : 0;
+  const float sc = scale ? scale[j] : 1.f;
+  for (int r = 0; r < rows_per_warp; ++r) {
+    const int64_t row = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * rows_per_warp + r;
+    if (row >= out) return;
+    const float a0 = warp_dot(W0, e, row, xs, lane);
+    if constexpr (DUAL) {
+      const float a1 = warp_dot(W1, e, row, xs, lane);
+      if (lane == 0) yb[j * y_step + row] = __float2bfloat16(siluf_(a0) * a1);
+    } else if (lane == 0) {
+      float* o = y + j * y_step + row;
+      *o = accumulate ? *o + a0 * sc : a0 * sc;
+    }
+  }
+}
+
+template <bool DUAL>
+void launch_gemv(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t x_step,
+                 const int32_t* ids, int slots, float* y, bf16* yb, int64_t y_step, const float* scale,
+                 bool accumulate) {
+  const int64_t out = W0.p.out;
+  // Big outputs (lm_head) take several rows per warp so the x staging is amortised.
+  const int rpw = out >= (1 << 15) ? 4 : 1;
+  const int64_t blocks = (out + kGemvWarps * rpw - 1) / (kGemvWarps * rpw);
+  const size_t smem = (W0.p.in * sizeof(bf16) + 15) / 16 * 16;
+  gemv_kernel<DUAL><<<dim3(static_cast<unsigned>(blocks), slots), kGemvWarps * 32, smem, st>>>(
+      W0, W1, x, x_step, ids, y, yb, y_step, scale, accumulate ? 1 : 0, rpw);
+  LILY_LAUNCH_CHECK();
+}
+
+using namespace nvcuda;
+
+// Tensor-core GEMM over a 64x64 output tile, 4 warps (each 32x32 = 2x2 wmma fragments of 16x16x16 bf16).
+// The weight tile is dequantized into shared memory as bf16; A rows may be gathered (MoE pairs).
+template <bool DUAL>
+__global__ void __launch_bounds__(128)
+    gemm_kernel(DLinear W0, DLinear W1, kp::GemmParams gp, GroupMap g, const bf16* A, float* y, bf16* yb) {
+  constexpr int kTileBytes = BM * LDS * 2;
+  constexpr int kMainBytes = kTileBytes * (DUAL ? 3 : 2);
+  constexpr int kEpiBytes = BM * LDC * 4 * (DUAL ? 2 : 1);
+  __shared__ __align__(128) unsigned char smem[kMainBytes > kEpiBytes ? kMainBytes : kEpiBytes];
+  bf16* As = reinterpret_cast<bf16*>(smem);
+  bf16* Bs0 = As + BM * LDS;
+  bf16* Bs1 = Bs0 + BN * LDS;
+  float* Cs = reinterpret_cast<float*>(smem);
+
+  const int tid = threadIdx.x, warp = tid / 32, wm = warp / 2, wn = warp % 2;
+  int64_t r0, e = 0;
+  int nrows;
+  if (gp.grouped) {
+    const int t = blockIdx.x;
+    if (t >= *g.n_tiles) return;
+    e = g.tile_expert[t];
+    r0 = g.tile_row0[t];
+    nrows = g.tile_rows[t];
+  } else {
+    r0 = static_cast<int64_t>(blockIdx.x) * BM;
+    nrows = static_cast<int>(min64(BM, gp.M - r0));
+  }
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN, N = W0.p.out, K = W0.p.in;
+  const bool vec_a = gp.lda % 8 == 0 && reinterpret_cast<uintptr_t>(A) % 16 == 0;
+  const int c = tid % 8;  // 8-element column chunk this thread loads
+  int64_t arow[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = tid / 8 + 16 * i;
+    arow[i] = m < nrows ? (gp.grouped && g.a_rows ? g.a_rows[r0 + m] : r0 + m) : -1;
+  }
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc0[2][2], acc1[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::fill_fragment(acc0[i][j], 0.f);
+      if constexpr (DUAL) wmma::fill_fragment(acc1[i][j], 0.f);
+    }
+
+  for (int64_t k0 = 0; k0 < K; k0 += BK) {
+    const int64_t kk = k0 + c * 8;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = tid / 8 + 16 * i;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (arow[i] >= 0 && kk < K) {
+        const bf16* src = A + arow[i] * gp.lda + kk;
+        if (vec_a && kk + 8 <= K) {
+          v = *reinterpret_cast<const uint4*>(src);
+        } else {
+          bf16* vb = reinterpret_cast<bf16*>(&v);
+          for (int j = 0; j < 8; ++j) vb[j] = kk + j < K ? src[j] : __float2bfloat16(0.f);
+        }
+      }
+      *reinterpret_cast<uint4*>(As + m * LDS + c * 8) = v;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = tid / 8 + 16 * i;
+      const bool ok = n0 + n < N && kk < K;
+      float w[8];
+      __nv_bfloat162 packed[4];
+      if (ok) load_w8(W0, e, n0 + n, kk, w);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) packed[j] = ok ? __floats2bfloat162_rn(w[2 * j], w[2 * j + 1]) : __nv_bfloat162{};
+      *reinterpret_cast<uint4*>(Bs0 + n * LDS + c * 8) = *reinterpret_cast<uint4*>(packed);
+      if constexpr (DUAL) {
+        if (ok) load_w8(W1, e, n0 + n, kk, w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) packed[j] = ok ? __floats2bfloat162_rn(w[2 * j], w[2 * j + 1]) : __nv_bfloat162{};
+        *reinterpret_cast<uint4*>(Bs1 + n * LDS + c * 8) = *reinterpret_cast<uint4*>(packed);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], As + (wm * 32 + i * 16) * LDS + ks, LDS);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], Bs0 + (wn * 32 + j * 16) * LDS + ks, LDS);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc0[i][j], a[i], b[j], acc0[i][j]);
+      if constexpr (DUAL) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], Bs1 + (wn * 32 + j * 16) * LDS + ks, LDS);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) wmma::mma_sync(acc1[i][j], a[i], b[j], acc1[i][j]);
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::store_matrix_sync(Cs + (wm * 32 + i * 16) * LDC + wn * 32 + j * 16, acc0[i][j], LDC, wmma::mem_row_major);
+      if constexpr (DUAL)
+        wmma::store_matrix_sync(Cs + BM * LDC + (wm * 32 + i * 16) * LDC + wn * 32 + j * 16, acc1[i][j], LDC,
+                                wmma::mem_row_major);
+    }
+  __syncthreads();
+  for (int idx = tid; idx < BM * BN; idx += 128) {
+    const int m = idx / BN, n = idx % BN;
+    if (m >= nrows || n0 + n >= N) continue;
+    const int64_t pr = r0 + m;
+    const int64_t orow = gp.grouped && g.y_rows ? g.y_rows[pr] : pr;
+    const float v = Cs[m * LDC + n];
+    if constexpr (DUAL) {
+      yb[orow * gp.ldy + n0 + n] = __float2bfloat16(siluf_(v) * Cs[BM * LDC + m * LDC + n]);
+    } else {
+      const float r = v * (gp.grouped && g.scale ? g.scale[pr] : 1.f);
+      float* o = y + orow * gp.ldy + n0 + n;
+      *o = gp.accumulate ? *o + r : r;
+    }
+  }
+}
+
+template <bool DUAL>
+void launch_gemm(cudaStream_t st, const DLinear& W0, const DLinear& W1, const kp::GemmParams& gp, const GroupMap& g,
+                 const bf16* A, float* y, bf16* yb) {
+  const int64_t tiles = gp.grouped ? g.max_tiles : (gp.M + BM - 1) / BM;
+  if (tiles == 0) return;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>((W0.p.out + BN - 1) / BN));
+  gemm_kernel<DUAL><<<grid, 128, 0, st>>>(W0, W1, gp, g, A, y, yb);
+  LILY_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
+            bool accumulate) {
+  if (S == 1) return launch_gemv<false>(st, W, W, x, 0, nullptr, 1, y, nullptr, 0, nullptr, accumulate);
+  kp::GemmParams gp{S, ldx, ldy, 0, accumulate ? 1 : 0};
+  launch_gemm<false>(st, W, W, gp, GroupMap{}, x, y, nullptr);
+}
+
+void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
+                     bf16* y, int64_t ldy) {
+  if (S == 1) return launch_gemv<true>(st, W0, W1, x, 0, nullptr, 1, nullptr, y, 0, nullptr, false);
+  kp::GemmParams gp{S, ldx, ldy, 0, 0};
+  launch_gemm<true>(st, W0, W1, gp, GroupMap{}, x, nullptr, y);
+}
+
+void experts_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const int32_t* ids, int k, const bf16* x,
+                     bf16* act) {
+  launch_gemv<true>(st, W0, W1, x, 0, ids, k, nullptr, act, W0.p.out, nullptr, false);
+}
+
+void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const float* w, int k, const bf16* act,
+                  float* d) {
+  launch_gemv<false>(st, W2, W2, act, W2.p.in, ids, k, d, nullptr, W2.p.out, w, false);
+}
+
+void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
+                     int64_t ldh, bf16* act) {
+  GroupMap m = g;
+  m.y_rows = nullptr;
+  m.scale = nullptr;
+  kp::GemmParams gp{0, ldh, W0.p.out, 1, 0};
+  launch_gemm<true>(st, W0, W1, gp, m, h, nullptr, act);
+}
+
+void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d) {
+  GroupMap m = g;
+  m.a_rows = nullptr;
+  kp::GemmParams gp{0, W2.p.in, W2.p.out, 1, 0};
+  launch_gemm<false>(st, W2, W2, gp, m, act, d, nullptr);
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,45 @@
+// Linear layers on the GPU: y = x W^T with bf16 activations, weights dequantized on the fly, fp32 accumulate.
+// Decode (one row) takes the warp-per-row GEMV; prefill the tensor-core GEMM that dequantizes each
+// weight tile into shared memory. Both also run the MoE experts (expert ids read on the device).
+#pragma once
+#include "cuda/common.cuh"
+
+namespace lily::cuda {
+
+// Rows of A, weights and outputs of a grouped (MoE) GEMM; all device pointers.
+struct GroupMap {
+  const int32_t* n_tiles = nullptr;      // [1] tiles in use
+  const int32_t* tile_expert = nullptr;  // [max_tiles]
+  const int32_t* tile_row0 = nullptr;    // [max_tiles] first sorted pair of the tile
+  const int32_t* tile_rows = nullptr;    // [max_tiles] pairs in the tile (<= kGemmBM)
+  const int32_t* a_rows = nullptr;       // [pairs] row of A per sorted pair (nullptr: A is in sorted order)
+  const int32_t* y_rows = nullptr;       // [pairs] output row per sorted pair (nullptr: sorted order)
+  const float* scale = nullptr;          // [pairs] multiplies the result (routing weight), or nullptr
+  int64_t max_tiles = 0;                 // grid bound
+};
+
+constexpr int kGemmBM = 64;
+
+// y[s*ldy + r] (=|+=) sum_i x[s*ldx + i] W[r, i] for s < S, r < W.out. x: bf16 [S, ldx], y: fp32 [S, ldy].
+void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
+            bool accumulate = false);
+// y[s, r] = bf16(silu(x W0^T) * (x W1^T)) for s < S; y: bf16 [S, ldy] (gate/up pair of an FFN).
+void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
+                     bf16* y, int64_t ldy);
+
+// Decode MoE, one token: for slot j < k, expert e = ids[j]:
+//   act[j, :] = bf16(silu(x W0[e]^T) * (x W1[e]^T))           x: bf16 [H], act: bf16 [k, I]
+void experts_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const int32_t* ids, int k, const bf16* x,
+                     bf16* act);
+//   d[j, :] = w[j] * (act[j] W2[e]^T)                          d: fp32 [k, H]
+void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const float* w, int k, const bf16* act,
+                  float* d);
+
+// Prefill MoE over sorted (token, expert) pairs and the tile map of `g`:
+//   gate/up: act[p, :] = bf16(silu(h[a_rows[p]] W0[e]^T) * (h[a_rows[p]] W1[e]^T))   act: bf16 [pairs, I]
+void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
+                     int64_t ldh, bf16* act);
+//   down: d[y_rows[p], :] = scale[p] * (act[p] W2[e]^T)                                d: fp32 [pairs, H]
+void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d);
+
+}  // namespace lily::cuda
