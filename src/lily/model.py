@@ -208,9 +208,20 @@ class Model:
                         f"dicts, got {type(prompt).__name__}")
 
     # ---- running ---------------------------------------------------------------------------------
-    def session(self) -> Session:
-        """A fresh session (empty state) for multi-turn use."""
-        return Session(self)
+    def session(self, prefix_cache: Any = None) -> Session:
+        """A fresh session (empty state) for multi-turn use. With a `lily.prefix_cache.PrefixCache`, it keeps
+        state snapshots at turn boundaries and continues any later prompt from the longest one it holds."""
+        return Session(self, prefix_cache)
+
+    def load_session(self, path: str | Path, prefix_cache: Any = None) -> Session:
+        """A session saved by `Session.save` with this model (SessionFileError for another model's file)."""
+        return Session.load(path, self, prefix_cache)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of these weights + tokenizer + config (session files carry it)."""
+        from .prefix_cache import model_fingerprint
+        return model_fingerprint(self)
 
     def prefill(self, prompt: Any, **template_kwargs: Any) -> Session:
         """Run a prompt; returns the session holding it, ready for `.generate()`."""
@@ -297,6 +308,9 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     engine = factory(engine_config, ckpt.tensors, ckpt.quant, threads=threads, max_context=max_context)
     tokenizer = Tokenizer(ckpt.tokenizer_path)
     template = ChatTemplate(ckpt.chat_template, _special_token_strings(ckpt.tokenizer_path), origin=str(ckpt.path))
-    return Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
-                 path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
-                 chunk_size=chunk_size)
+    model = Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
+                  path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
+                  chunk_size=chunk_size)
+    from .prefix_cache import weights_digest
+    model.weights_digest = weights_digest(ckpt.tensors)  # identifies saved sessions' model
+    return model

@@ -4,12 +4,15 @@ Order of operations (HF / vLLM): logit bias -> repetition penalty (prompt + gene
 presence / frequency penalties (generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw from
 a seeded `np.random.Generator`. Temperature 0 is greedy argmax of the biased, penalised logits.
 Logprobs are the log-softmax of the raw logits (before bias, penalties and temperature), as in vLLM.
+
+A `constraint` (e.g. a grammar, lily.server.grammar) masks the processed logits before the filters: its
+`mask(x)` returns the row with disallowed tokens at -inf, and `accept(token)` advances it.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
 import numpy as np
 
@@ -123,6 +126,16 @@ class SamplingParams:
                                               f"0..{vocab_size - 1} (the model's vocab)")
 
 
+class TokenConstraint(Protocol):
+    """What `Sampler` needs of a constrained-decoding mask (a grammar matcher)."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """The float32 [vocab] row with every token the constraint forbids set to -inf."""
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled token."""
+
+
 @dataclass
 class TokenLogprobs:
     """Logprob of the sampled token and the top alternatives (log-softmax of the raw logits)."""
@@ -145,9 +158,11 @@ class Sampler:
     token = sampler.sample(logits_row)   # also records `token` as generated
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int, prompt_tokens: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_tokens: Iterable[int] = (),
+                 constraint: TokenConstraint | None = None):
         params.check_vocab(vocab_size)
         self.params = params
+        self.constraint = constraint
         self.vocab_size = int(vocab_size)
         self.rng = np.random.default_rng(params.seed)
         self._bias_ids = self._bias_vals = None
@@ -232,6 +247,11 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token from one logits row ([vocab] or [1, vocab]) and record it as generated."""
         x = self.process(logits)
+        if self.constraint is not None:
+            x = self.constraint.mask(x)
+            if not np.isfinite(x.max()):
+                raise LilyError("[Sampler] the constraint (grammar) allows no token at this step: the "
+                                "grammar cannot continue the text generated so far")
         if self.params.greedy:
             token = int(np.argmax(x))
         else:
@@ -260,7 +280,9 @@ class Sampler:
         return b * block + min(int(np.searchsorted(inner, target, side="right")), inner.size - 1)
 
     def accept(self, token: int) -> None:
-        """Record a generated token (for the penalties)."""
+        """Record a generated token (for the penalties and the constraint)."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if 0 <= token < self.vocab_size:
             self._seen[token] = True
             self._counts[token] += 1

@@ -3,12 +3,17 @@
 The loop is Python over single decode steps, so Ctrl-C or closing a stream stops within one step. The
 last sampled token is kept *pending* (sampled, not yet run through the model) and is fed at the start of
 the next prefill/generate, so a finished generation costs no extra forward.
+
+Prefix reuse: a prompt that is the *whole* context (chat messages, or `whole=True`) continues from the
+session's state when the session holds a prefix of it, else from the longest snapshot of the session's
+`PrefixCache` that is a prefix of it; snapshots are taken at turn boundaries and every N tokens while
+prefilling (see lily.prefix_cache). `save(path)` / `Session.load(path, model)` keep a session on disk.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -19,6 +24,10 @@ from .sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from .model import Model
+    from .prefix_cache import PrefixCache
+
+# progress(done, total) is called between prefill pieces; it may raise (e.g. to cancel a request)
+ProgressCallback = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class SessionSnapshot:
@@ -55,13 +64,15 @@ class Session:
     snap = s.snapshot(); ...; s.restore(snap)
     """
 
-    def __init__(self, model: "Model"):
+    def __init__(self, model: "Model", prefix_cache: "PrefixCache | None" = None):
         self.model = model
         self._engine = model.engine
         self._state = self._engine.new_state()
         self._tokens: list[int] = []     # run through the model (in the state)
         self._pending: list[int] = []    # sampled, not yet run through the model
         self._last_logits: np.ndarray | None = None  # [vocab] after the last token in the state
+        self.prefix_cache = prefix_cache
+        self.progress_tokens = 4096      # prefill piece between progress callbacks (when one is given)
 
     # ---- inspection ----------------------------------------------------------------------------
     @property
@@ -102,17 +113,37 @@ class Session:
         self._last_logits = None if snap.last_logits is None else snap.last_logits.copy()
 
     # ---- prompts ----------------------------------------------------------------------------------
-    def _new_tokens(self, prompt: Any, template_kwargs: Mapping[str, Any]) -> list[int]:
-        """The tokens this prompt adds to the session (reconciling a whole chat conversation)."""
+    def _new_tokens(self, prompt: Any, template_kwargs: Mapping[str, Any], whole: bool = False) -> list[int]:
+        """The tokens this prompt adds to the session. Chat messages (and any prompt with whole=True) are
+        the whole context: the session keeps the longest prefix of it that it can, see `_reuse`."""
         ids, is_chat = self.model._prompt_ids(prompt, **template_kwargs)
-        if not is_chat:
+        if not (is_chat or whole):
             return ids
-        # a chat is the whole conversation: continue if the session holds a prefix of it, else start over
-        have = self.tokens
-        if len(have) <= len(ids) and ids[:len(have)] == have:
-            return ids[len(have):]
-        self.reset()
-        return ids
+        return self._reuse(ids)
+
+    def _reuse(self, ids: Sequence[int]) -> list[int]:
+        """Make the state hold the longest available prefix of `ids` (the live state if it is a prefix,
+        else the longest usable prefix-cache snapshot, else nothing); returns the tokens still to run."""
+        ids = [int(t) for t in ids]
+        held = self._tokens
+        live = len(held) if len(held) <= len(ids) and ids[:len(held)] == held else -1
+        if live == len(ids) and live > 0 and self._last_logits is None:
+            live = -1  # holds the whole prompt but not the next-token logits (interrupted): not usable
+        cache = self.prefix_cache
+        n, snap = cache.lookup(ids) if cache is not None else (0, None)
+        if live >= 0 and live >= n:
+            if self._pending and ids[live:live + len(self._pending)] != self._pending:
+                self._pending = []  # sampled but not in the state: drop it if the prompt goes elsewhere
+            return ids[self.position:]
+        if cache is not None and held and live < 0 and not cache.contains(held):
+            # the live state is about to be replaced: keep it (e.g. a reply end) for a later request
+            cache.insert(SessionSnapshot(self._state.snapshot(), tuple(held), (),
+                                         None if self._last_logits is None else self._last_logits.copy()))
+        if snap is not None:
+            self.restore(snap)
+        else:
+            self.reset()
+        return ids[len(self._tokens):]
 
     def _check_room(self, new: int, max_tokens: int | None) -> int:
         """Raise ContextLengthError unless new prompt tokens (+ max_tokens) fit; returns the max_tokens to use."""
@@ -158,16 +189,80 @@ class Session:
             self._last_logits = np.asarray(out[-1], np.float32)
         return self._last_logits
 
-    def prefill(self, prompt: Any, **template_kwargs: Any) -> PrefillResult:
+    def _feed_prompt(self, new: Sequence[int], progress: ProgressCallback | None = None) -> np.ndarray | None:
+        """Run pending + new tokens in pieces: snapshots into the prefix cache at the points it asks for,
+        and progress(done, total) every `progress_tokens` tokens. Returns the last logits row."""
+        start = len(self._tokens)
+        full = self._tokens + self._pending + [int(t) for t in new]
+        end = len(full)
+        if end == start:
+            return self._last_logits
+        snaps: set[int] = set()
+        if self.prefix_cache is not None:
+            snaps = set(self.prefix_cache.snapshot_points(full, start, end, self.model.tokenizer.im_start_id))
+        cuts = set(snaps)
+        if progress is not None and self.progress_tokens > 0:
+            cuts.update(range(start + self.progress_tokens, end, self.progress_tokens))
+        first = start + len(self._pending)
+        logits = None
+        for cut in sorted(c for c in cuts if first <= c < end) + [end]:
+            if cut <= len(self._tokens):
+                continue
+            logits = self._feed(full[self.position:cut], logits="last" if (cut in snaps or cut == end) else "none")
+            if cut in snaps:
+                self.prefix_cache.insert(self.snapshot())
+            if progress is not None:
+                progress(cut - start, end - start)
+        return logits
+
+    def prefill(self, prompt: Any, *, whole: bool = False, progress: ProgressCallback | None = None,
+                **template_kwargs: Any) -> PrefillResult:
         """Run a prompt through the model. Text and token ids are appended to the session; a list of chat
         messages is the whole conversation so far (rendered with the chat template, add_generation_prompt
-        defaulting to True) and reuses the session's state when the session holds a prefix of it."""
+        defaulting to True) and reuses the session's state (or its prefix cache) for the longest prefix held.
+        whole=True treats text / token ids the same way (the prompt is the whole context)."""
         t0 = time.perf_counter()
-        new = self._new_tokens(prompt, template_kwargs)
+        new = self._new_tokens(prompt, template_kwargs, whole)
         cached = len(self._tokens)
         self._check_room(len(new), 0)
-        self._feed(new)
+        self._feed_prompt(new, progress)
         return PrefillResult(self.position, cached, time.perf_counter() - t0)
+
+    def flush(self) -> None:
+        """Run the pending token (sampled, e.g. the final <|im_end|>, not yet run through the model) now,
+        so the state holds every token of the session (a later turn then reuses all of them)."""
+        if self._pending:
+            self._feed([])
+
+    # ---- disk ----------------------------------------------------------------------------------------
+    def save(self, path: str | Any) -> Any:
+        """Write the session (state, tokens, and the prefix-cache snapshots on its own token path) to a
+        safetensors file; `Session.load(path, model)` brings it back on the same model."""
+        from .prefix_cache import save_session_file
+
+        chain = []
+        if self.prefix_cache is not None:
+            n = len(self._tokens)
+            chain = [e for e in self.prefix_cache.entries()
+                     if len(e.tokens) < n and list(e.tokens) == self._tokens[:len(e.tokens)]]
+        chain.append(SessionSnapshot(self._state, tuple(self._tokens), (), self._last_logits))
+        return save_session_file(path, chain, self.model, pending=self._pending)
+
+    @classmethod
+    def load(cls, path: str | Any, model: "Model", prefix_cache: "PrefixCache | None" = None) -> "Session":
+        """A session read from a file written by `Session.save` with the same model (SessionFileError if
+        it came from another one). Earlier snapshots in the file go into `prefix_cache` when given."""
+        from .prefix_cache import load_session_file
+
+        snaps, pending = load_session_file(path, model)
+        s = cls(model, prefix_cache)
+        head = snaps[-1]
+        s._state, s._tokens, s._pending = head.state, list(head.tokens), list(pending)
+        s._last_logits = None if head.last_logits is None else np.asarray(head.last_logits, np.float32)
+        if prefix_cache is not None:
+            for snap in snaps[:-1]:
+                prefix_cache.insert(snap)
+        return s
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, *, max_tokens: int | None = None, temperature: float | None = None,
@@ -177,13 +272,17 @@ class Session:
                  stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                  logprobs: bool | int = False, top_logprobs: int | None = None,
                  logit_bias: Mapping[int, float] | None = None, stream: bool = False,
-                 sampling: SamplingParams | None = None, **template_kwargs: Any
+                 sampling: SamplingParams | None = None, whole: bool = False,
+                 progress: ProgressCallback | None = None, constraint: Any = None, **template_kwargs: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
         """Generate from the session's state (after running `prompt`, if given, through it).
 
         Options left as None come from the checkpoint's generation_config.json, else neutral defaults
         (see SamplingParams). `sampling=` passes a ready SamplingParams instead. Template kwargs
         (enable_thinking, preserve_thinking, tools, add_generation_prompt, ...) apply to chat messages.
+        whole=True: the prompt (text or ids) is the whole context, reusing the longest prefix held (chat
+        messages always are). progress(done, total) is called during the prefill and may raise to cancel.
+        constraint: a token mask applied before sampling (see `lily.sampling.Sampler`), e.g. a grammar.
         """
         if sampling is None:
             sampling = resolve_sampling(
@@ -193,24 +292,24 @@ class Session:
                 stop_token_ids=stop_token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
                 logit_bias=logit_bias)
         t0 = time.perf_counter()
-        new = [] if prompt is None else self._new_tokens(prompt, template_kwargs)
+        new = [] if prompt is None else self._new_tokens(prompt, template_kwargs, whole)
         budget = self._check_room(len(new), sampling.max_tokens)
         if not new and not self._pending and self._last_logits is None:
             raise LilyError("[generate] the session is empty: pass a prompt or prefill() one first")
-        chunks = self._decode_loop(new, sampling, budget, time.perf_counter() - t0)
+        chunks = self._decode_loop(new, sampling, budget, time.perf_counter() - t0, progress, constraint)
         return chunks if stream else collect(chunks)
 
-    def _decode_loop(self, new: list[int], params: SamplingParams, budget: int, prep_s: float
-                     ) -> Iterator[GenerationChunk]:
+    def _decode_loop(self, new: list[int], params: SamplingParams, budget: int, prep_s: float,
+                     progress: ProgressCallback | None = None, constraint: Any = None) -> Iterator[GenerationChunk]:
         # timings start when the stream is first pulled (plus the prompt preparation time)
         t0 = time.perf_counter() - prep_s
         model = self.model
         stats = GenerationStats(prompt_tokens=self.position + len(new), cached_tokens=len(self._tokens))
-        logits = self._feed(new)
+        logits = self._feed_prompt(new, progress)
         t_prefilled = time.perf_counter()
         stats.prefill_s = t_prefilled - t0
         vocab = logits.shape[-1]
-        sampler = Sampler(params, vocab, prompt_tokens=self.tokens)
+        sampler = Sampler(params, vocab, prompt_tokens=self.tokens, constraint=constraint)
         detok = model.tokenizer.streaming_detokenizer(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
         stop_ids = set(model.stop_token_ids) | set(params.stop_token_ids)
