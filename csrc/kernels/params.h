@@ -82,5 +82,66 @@ struct AttnSplitParams {
   int32_t pad_;
 };
 
+// ---- Metal kernels (metal/*.metal); fp32 activations, weights in checkpoint format ----
+
+// One linear layer's weight. fmt: 0 = 4-bit, 1 = 8-bit MLX affine (codes u32 [E?, out, in*bits/32],
+// scales/biases bf16 [E?, out, in/group]), 2 = dense bf16 [E?, out, in], 3 = dense f32.
+struct LinearArgs {
+  int32_t fmt;
+  int32_t in_dim;
+  int32_t out_dim;
+  int32_t group;
+};
+
+// Row-parallel GEMV: y[s, r] (+)= dot(W[r, :], x[s, :]) with s = threadgroup y (decode: S = 1).
+struct GemvArgs {
+  int32_t x_stride;    // floats between rows of x
+  int32_t y_stride;    // floats between rows of y
+  int32_t accumulate;  // 1: y += result (residual add fused)
+  int32_t pad_;
+};
+
+// Y = A W^T on simdgroup matrices. Plain: tile t covers rows [t*BM, +BM) of M. Grouped (MoE): tile t
+// covers sorted pairs [tile_row0[t], +tile_rows[t]) of expert tile_expert[t]; n_tiles comes from the
+// device, so the grid is an upper bound (max_tiles) and spare threadgroups exit.
+struct GemmArgs {
+  int32_t M;           // rows of A (plain) or sorted (row, expert) pairs (grouped)
+  int32_t grouped;     // 1: expert block map
+  int32_t gather;      // 1: A row of pair p is row_index[p] (expert gate/up); 0: A row p
+  int32_t epilogue;    // 0: Y = R, 1: Y += R, 2: Y = silu(R_gate) * R_up (two weights)
+  int32_t lda;         // floats between rows of A
+  int32_t ldy;         // floats between rows of Y
+  int32_t max_tiles;   // grid.y (grouped: upper bound of the block map)
+  int32_t pad_;
+};
+
+// Routing on the device: top-k, per-block expert histogram, offsets and block map, scatter.
+struct RouteArgs {
+  int32_t S;           // rows
+  int32_t n_experts;   // E
+  int32_t top_k;
+  int32_t norm_topk;   // renormalise the top-k weights
+  int32_t block_rows;  // rows per histogram block (32)
+  int32_t n_blocks;    // ceil(S / block_rows)
+  int32_t tile_rows;   // BM of the grouped GEMM the block map is built for
+  int32_t max_tiles;   // capacity of the block map
+};
+
+// Fused MoE decode chains (one row): slots 0..top_k-1 are routed experts, slot top_k the shared expert.
+struct MoeDecodeArgs {
+  int32_t top_k;
+  int32_t inter;         // I (routed)
+  int32_t shared_inter;  // Is
+  int32_t act_stride;    // floats between slots of the activation buffer (max(I, Is))
+};
+
+// RMSNorm over rows: y[s, :] = x[s, :] * rsqrt(mean(x^2) + eps) * w.
+struct NormArgs {
+  int32_t dim;
+  float eps;
+  int32_t x_stride;
+  int32_t y_stride;
+};
+
 }  // namespace kp
 }  // namespace lily

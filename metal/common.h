@@ -1,0 +1,100 @@
+// Helpers shared by lily's Metal kernels: bf16 bits, weight formats, row-chunk dot products.
+// Activations are fp32 in device memory; weights stay in their checkpoint format (MLX affine 4/8-bit
+// codes with bf16 scales/biases, or dense bf16/f32) and are dequantized in registers.
+#pragma once
+#include <metal_stdlib>
+#include "kernels/params.h"
+using namespace metal;
+namespace kp = lily::kp;
+
+// Weight formats (template parameter WF of the linear kernels): kp::WeightFormat in params.h.
+constant constexpr int WF_Q4 = 0;
+constant constexpr int WF_Q8 = 1;
+constant constexpr int WF_BF16 = 2;
+constant constexpr int WF_F32 = 3;
+
+inline float bf16(ushort b) { return as_type<float>(uint(b) << 16); }
+inline float silu(float x) { return x / (1.0f + exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+
+// Values per chunk: one lane reads one 16-byte (32-byte for f32) chunk of a weight row per step.
+constexpr int wf_vpc(int wf) { return wf == WF_Q4 ? 32 : wf == WF_Q8 ? 16 : 8; }
+
+// One linear layer's buffers; `w` holds codes (quantized) or the dense matrix.
+struct WRef {
+    device const uchar*  w;
+    device const ushort* s;
+    device const ushort* b;
+};
+
+// Expert e of a stacked weight [E, out, in].
+inline WRef w_expert(WRef r, uint e, constant kp::LinearArgs& a) {
+    WRef o = r;
+    if (a.fmt <= WF_Q8) {
+        o.w += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim) * ulong(a.fmt == WF_Q4 ? 4 : 8) / 8u;
+        o.s += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim / a.group);
+        o.b += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim / a.group);
+    } else {
+        o.w += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim) * ulong(a.fmt == WF_BF16 ? 2 : 4);
+    }
+    return o;
+}
+
+// Loads chunk c of activation row x (VPC floats) into registers; returns their sum (for affine biases).
+template <int WF>
+inline float load_x_chunk(device const float* x, uint c, thread float* xv) {
+    constexpr int VPC = wf_vpc(WF);
+    float sum = 0.0f;
+    for (int i = 0; i < VPC; i += 4) {
+        const float4 v = *(device const float4*)(x + c * VPC + i);
+        xv[i] = v.x; xv[i + 1] = v.y; xv[i + 2] = v.z; xv[i + 3] = v.w;
+        sum += (v.x + v.y) + (v.z + v.w);
+    }
+    return sum;
+}
+
+// dot(W[row, chunk c], xv) for one chunk. Quantized: s*dot(q, x) + b*sum(x) per group (group % VPC == 0).
+template <int WF>
+inline float chunk_dot(WRef r, uint row, uint c, const thread float* xv, float xsum, constant kp::LinearArgs& a) {
+    constexpr int VPC = wf_vpc(WF);
+    if (WF == WF_Q4 || WF == WF_Q8) {
+        constexpr uint BITS = WF == WF_Q4 ? 4 : 8;
+        constexpr uint PER = 32 / BITS;
+        const ulong words_per_row = ulong(a.in_dim) / PER;
+        const uint4 q = *(device const uint4*)((device const uint*)r.w + row * words_per_row + c * 4);
+        const ulong g = ulong(row) * ulong(a.in_dim / a.group) + (c * VPC) / uint(a.group);
+        float qx = 0.0f;
+        for (uint wd = 0; wd < 4; wd++) {
+            const uint word = q[wd];
+            for (uint i = 0; i < PER; i++)
+                qx += float((word >> (BITS * i)) & ((1u << BITS) - 1u)) * xv[wd * PER + i];
+        }
+        return bf16(r.s[g]) * qx + bf16(r.b[g]) * xsum;
+    } else if (WF == WF_BF16) {
+        device const ushort* p = (device const ushort*)r.w + ulong(row) * a.in_dim + c * VPC;
+        const ushort4 u0 = *(device const ushort4*)p, u1 = *(device const ushort4*)(p + 4);
+        float acc = 0.0f;
+        for (int i = 0; i < 4; i++) acc += bf16(u0[i]) * xv[i] + bf16(u1[i]) * xv[4 + i];
+        return acc;
+    } else {
+        device const float* p = (device const float*)r.w + ulong(row) * a.in_dim + c * VPC;
+        const float4 f0 = *(device const float4*)p, f1 = *(device const float4*)(p + 4);
+        return dot(f0, float4(xv[0], xv[1], xv[2], xv[3])) + dot(f1, float4(xv[4], xv[5], xv[6], xv[7]));
+    }
+}
+
+// W[row, k] dequantized (used by the GEMM tile loaders).
+template <int WF>
+inline float w_at(WRef r, uint row, uint k, constant kp::LinearArgs& a) {
+    if (WF == WF_Q4 || WF == WF_Q8) {
+        constexpr uint BITS = WF == WF_Q4 ? 4 : 8;
+        constexpr uint PER = 32 / BITS;
+        const uint word = ((device const uint*)r.w)[ulong(row) * (a.in_dim / PER) + k / PER];
+        const ulong g = ulong(row) * ulong(a.in_dim / a.group) + k / uint(a.group);
+        return bf16(r.s[g]) * float((word >> (BITS * (k % PER))) & ((1u << BITS) - 1u)) + bf16(r.b[g]);
+    } else if (WF == WF_BF16) {
+        return bf16(((device const ushort*)r.w)[ulong(row) * a.in_dim + k]);
+    } else {
+        return ((device const float*)r.w)[ulong(row) * a.in_dim + k];
+    }
+}
