@@ -1,7 +1,8 @@
-"""`lily` command line: generate, chat, info (serve, bench and convert come in later versions).
+"""`lily` command line: generate, chat, serve, info (bench and convert come in later versions).
 
     lily generate "Explain RoPE in one paragraph." --max-tokens 200
     lily chat --model mlx-community/Qwen3.6-35B-A3B-4bit
+    lily serve --model mlx-community/Qwen3.6-35B-A3B-4bit --port 8000 --session-dir ~/.cache/lily/sessions
     lily info
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-NOT_YET = ("serve", "bench", "convert")
+NOT_YET = ("bench", "convert")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_sampling_args(c, max_tokens=None)
     c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--session", default=None, metavar="FILE",
+                   help="session file: loaded at start when it exists, saved on /save and at exit")
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models)")
+    _add_model_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)")
+    v.add_argument("--model-name", default=None, help="model id clients send (default: the checkpoint folder name)")
+    v.add_argument("--session-dir", default=None, metavar="DIR",
+                   help="keep the prefix cache on disk: loaded at start, saved at shutdown and on "
+                        "POST /v1/sessions/save")
+    v.add_argument("--cache-gib", type=float, default=4.0, help="prefix-cache budget in GiB (default 4)")
+    v.add_argument("--snapshot-interval", type=int, default=4096,
+                   help="also snapshot every N tokens of a long prefill (0 = turn boundaries only)")
+    v.add_argument("--thinking", choices=["on", "off"], default=None,
+                   help="server default for enable_thinking (default: the chat template's)")
+    v.add_argument("--reasoning-field", choices=["both", "reasoning_content", "reasoning"], default="both",
+                   help="where reasoning goes in responses (default: both names)")
+    v.add_argument("--keepalive", type=float, default=10.0, help="SSE keep-alive comment interval in seconds")
+    v.add_argument("--progress-tokens", type=int, default=4096,
+                   help="SSE prefill progress comment every N prompt tokens")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     i = sub.add_parser("info", help="lily install, backends and checkpoint facts")
     _add_model_args(i)
@@ -108,41 +132,112 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = ("Type a message. /reset starts over, /save [FILE] saves the session, /stats shows the cache, "
+             "/exit (or Ctrl-D) quits.")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
+    """Multi-turn chat on one session: each turn sends the whole conversation, and the session continues
+    from the longest prefix it holds (the live state, or a snapshot of its prefix cache), so only the new
+    user turn is prefilled. The reply's exact tokens are kept, so re-rendering the conversation as text
+    does not change how it tokenizes."""
+    import os
+
+    from .prefix_cache import PrefixCache, ReplyTokens
+    from .session import Session
+
     model = _load(args)
-    session = model.session()
+    cache = PrefixCache(max_bytes=2 << 30)
+    replies = ReplyTokens()
+    session = model.session(prefix_cache=cache)
+    if args.session and os.path.exists(args.session):
+        session = Session.load(args.session, model, cache)
+        print(f"[loaded {args.session}: {session.position} tokens]", file=sys.stderr)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    if session.metadata.get("messages"):
+        messages = list(session.metadata["messages"])
     kwargs = _sampling_kwargs(args)
+    template_kwargs = {"preserve_thinking": True}  # earlier think blocks stay, so the history is a prefix
     if args.no_think:
-        kwargs["enable_thinking"] = False
-    print(f"{model!r}\nType a message; /reset starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)
+        template_kwargs["enable_thinking"] = False
+    print(f"{model!r}\n{CHAT_HELP}", file=sys.stderr)
+
+    def save(path: str) -> None:
+        session.save(path, metadata={"messages": messages})
+        print(f"[saved {session.position} tokens to {path}]", file=sys.stderr)
+
     while True:
         try:
             line = input(">>> ")
         except EOFError:
             print(file=sys.stderr)
-            return 0
-        if not line.strip():
+            break
+        cmd = line.strip()
+        if not cmd:
             continue
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd == "/reset":
             session.reset()
             messages = messages[:1] if args.system else []
             continue
+        if cmd == "/stats":
+            print(f"[session {session.position} tokens; {cache!r}]", file=sys.stderr)
+            continue
+        if cmd.startswith("/save"):
+            path = cmd[len("/save"):].strip() or args.session
+            if not path:
+                print("[/save needs a file name (or start with --session FILE)]", file=sys.stderr)
+            else:
+                save(path)
+            continue
         messages.append({"role": "user", "content": line})
+        text = model.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
+        ids = replies.encode(model.tokenizer, text)
         try:
-            # preserve_thinking keeps earlier think blocks, so the session's tokens stay a prefix
-            text, last = _stream(session.generate(messages, stream=True, preserve_thinking=True, **kwargs))
+            parts, last, sampled = [], None, []
+            for c in session.generate(ids, whole=True, stream=True, **kwargs):
+                sampled.append(c.token_id)
+                if c.text:
+                    sys.stdout.write(c.text)
+                    sys.stdout.flush()
+                    parts.append(c.text)
+                last = c
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
             messages.pop()
-            session.reset()
             continue
         print()
+        reply = "".join(parts)
+        if last is not None and isinstance(last.stop_reason, int) and sampled and sampled[-1] == last.stop_reason:
+            sampled = sampled[:-1]
+            session.flush()  # the end-of-turn token joins the state now, while the user types
+        replies.remember(model.tokenizer.decode(sampled), sampled)
         if last is not None and last.stats is not None:
-            print(last.stats.summary(), file=sys.stderr)
-        messages.append({"role": "assistant", "content": text})
+            print(f"[{last.stats.summary()}]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": reply})
+    if args.session:
+        save(args.session)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    try:
+        from .server.app import ServerConfig, serve
+    except ImportError as e:
+        print(f"error: lily serve needs the server extra ({e}): pip install 'lily[server]'", file=sys.stderr)
+        return 1
+    model = _load(args)
+    config = ServerConfig(model_name=args.model_name, api_key=args.api_key or os.environ.get("LILY_API_KEY"),
+                          session_dir=args.session_dir, cache_bytes=int(args.cache_gib * (1 << 30)),
+                          snapshot_interval=args.snapshot_interval, keepalive_s=args.keepalive,
+                          progress_tokens=args.progress_tokens,
+                          default_thinking=None if args.thinking is None else args.thinking == "on",
+                          reasoning_field=args.reasoning_field)
+    print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(model, host=args.host, port=args.port, config=config, log_level=args.log_level)
+    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -175,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "serve": cmd_serve}[args.command](args)
     except LilyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -317,6 +317,7 @@ class ReplyTokens:
     def __init__(self, max_entries: int = 64):
         self.max_entries = int(max_entries)
         self._replies: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._texts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # raw prompt + completion (no template)
 
     def __len__(self) -> int:
         return len(self._replies)
@@ -328,6 +329,32 @@ class ReplyTokens:
         self._replies.move_to_end(text)
         while len(self._replies) > self.max_entries:
             self._replies.popitem(last=False)
+
+    def remember_text(self, text: str, ids: Sequence[int]) -> None:
+        """A raw-text context (a completions prompt plus its completion) and its exact tokens."""
+        if text and ids:
+            self._texts[text] = tuple(int(t) for t in ids)
+            self._texts.move_to_end(text)
+            while len(self._texts) > self.max_entries:
+                self._texts.popitem(last=False)
+
+    def encode_text(self, tokenizer: Any, text: str) -> list[int]:
+        """Raw text -> ids, continuing the exact tokens of the longest remembered context it starts with."""
+        best = max((t for t in self._texts if text.startswith(t)), key=len, default=None)
+        if best is None:
+            return tokenizer.encode(text)
+        rest = text[len(best):]
+        return list(self._texts[best]) + (tokenizer.encode(rest) if rest else [])
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps([[t, list(ids)] for t, ids in self._replies.items()], ensure_ascii=False))
+
+    def load(self, path: str | os.PathLike) -> None:
+        try:
+            for text, ids in json.loads(Path(path).read_text()):
+                self.remember(text, ids)
+        except (OSError, ValueError, TypeError):
+            pass  # a missing or damaged file only costs some prefix reuse
 
     def encode(self, tokenizer: Any, text: str) -> list[int]:
         spans: list[tuple[int, int, tuple[int, ...]]] = []
@@ -386,7 +413,7 @@ def model_fingerprint(model: "Model") -> str:
 
 # ---- session files ---------------------------------------------------------------------------------------
 def save_session_file(path: str | os.PathLike, chain: Sequence["SessionSnapshot"], model: "Model",
-                      pending: Sequence[int] = ()) -> Path:
+                      pending: Sequence[int] = (), metadata: Mapping[str, Any] | None = None) -> Path:
     """Write snapshots that lie on one token path (each a prefix of the next) to a safetensors file."""
     from safetensors.numpy import save_file
 
@@ -414,6 +441,8 @@ def save_session_file(path: str | os.PathLike, chain: Sequence["SessionSnapshot"
     meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "fingerprint": model_fingerprint(model),
             "model": str(model.path), "vocab_size": str(model.vocab_size),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if metadata:
+        meta["user"] = json.dumps(dict(metadata), ensure_ascii=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -429,6 +458,11 @@ def read_session_metadata(path: str | os.PathLike) -> dict[str, str]:
             return dict(f.metadata() or {})
     except Exception as e:  # safetensors raises its own error types
         raise SessionFileError(f"[Session.load] {path} is not a readable safetensors file: {e}") from None
+
+
+def read_session_user_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    raw = read_session_metadata(path).get("user")
+    return json.loads(raw) if raw else {}
 
 
 def load_session_file(path: str | os.PathLike, model: "Model") -> tuple[list["SessionSnapshot"], list[int]]:

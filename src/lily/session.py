@@ -73,6 +73,7 @@ class Session:
         self._last_logits: np.ndarray | None = None  # [vocab] after the last token in the state
         self.prefix_cache = prefix_cache
         self.progress_tokens = 4096      # prefill piece between progress callbacks (when one is given)
+        self.metadata: dict[str, Any] = {}  # what Session.save(path, metadata=...) stored
 
     # ---- inspection ----------------------------------------------------------------------------
     @property
@@ -235,9 +236,10 @@ class Session:
             self._feed([])
 
     # ---- disk ----------------------------------------------------------------------------------------
-    def save(self, path: str | Any) -> Any:
+    def save(self, path: str | Any, metadata: Mapping[str, Any] | None = None) -> Any:
         """Write the session (state, tokens, and the prefix-cache snapshots on its own token path) to a
-        safetensors file; `Session.load(path, model)` brings it back on the same model."""
+        safetensors file; `Session.load(path, model)` brings it back on the same model. `metadata` (JSON
+        data, e.g. the chat messages) comes back as `.metadata` of the loaded session."""
         from .prefix_cache import save_session_file
 
         chain = []
@@ -246,16 +248,17 @@ class Session:
             chain = [e for e in self.prefix_cache.entries()
                      if len(e.tokens) < n and list(e.tokens) == self._tokens[:len(e.tokens)]]
         chain.append(SessionSnapshot(self._state, tuple(self._tokens), (), self._last_logits))
-        return save_session_file(path, chain, self.model, pending=self._pending)
+        return save_session_file(path, chain, self.model, pending=self._pending, metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Any, model: "Model", prefix_cache: "PrefixCache | None" = None) -> "Session":
         """A session read from a file written by `Session.save` with the same model (SessionFileError if
         it came from another one). Earlier snapshots in the file go into `prefix_cache` when given."""
-        from .prefix_cache import load_session_file
+        from .prefix_cache import load_session_file, read_session_user_metadata
 
         snaps, pending = load_session_file(path, model)
         s = cls(model, prefix_cache)
+        s.metadata = read_session_user_metadata(path)
         head = snaps[-1]
         s._state, s._tokens, s._pending = head.state, list(head.tokens), list(pending)
         s._last_logits = None if head.last_logits is None else np.asarray(head.last_logits, np.float32)
