@@ -33,6 +33,27 @@ class Weight:
             self.dense = w
             self.bufs = [w, w, w]
 
+    @classmethod
+    def from_tensors(cls, tensors: dict, quant: dict, module: str) -> "Weight":
+        """A weight of the engine contract (tensors + quant dicts of lily.testing.random_weights)."""
+        self = cls.__new__(cls)
+        codes = tensors[module + ".weight"]
+        if module in quant:
+            bits, self.group = quant[module]
+            self.fmt = "q4" if bits == 4 else "q8"
+            self.scales, self.biases = tensors[module + ".scales"], tensors[module + ".biases"]
+            self.inp = codes.shape[-1] * 32 // bits
+            self.dense = dequantize(codes, self.scales, self.biases, bits, self.group)
+            self.bufs = [codes, self.scales, self.biases]
+        else:
+            self.fmt, self.group = ("bf16" if codes.dtype == np.uint16 else "f32"), 0
+            self.inp = codes.shape[-1]
+            self.dense = bf16_to_f32(codes) if codes.dtype == np.uint16 else codes
+            self.bufs = [codes, codes, codes]
+        self.codes, self.out = codes, codes.shape[-2]
+        self.experts = codes.shape[0] if codes.ndim == 3 else 0
+        return self
+
     def args(self):
         return emu.params("LinearArgs", fmt=FMT[self.fmt], in_dim=self.inp, out_dim=self.out,
                           group=self.group if self.fmt in ("q4", "q8") else 0)
@@ -78,3 +99,76 @@ def gemm(w: Weight, a: np.ndarray, *, t: str = "f32", bm: int = 32, y0: np.ndarr
                     [np.ascontiguousarray(a, np.float32), *w.bufs, *w2, y, w.args(), ga, *maps],
                     outputs=[7], poison=y0 is None)
     return out
+
+
+def route(logits: np.ndarray, k: int, norm: bool = True, bm: int = 32):
+    """Routing on the device: -> dict(ids, wts, sorted_row, sorted_w, inv, block_map)."""
+    S, E = logits.shape
+    nb = -(-S // 32)
+    max_tiles = -(-S * k // bm) + E
+    ra = emu.params("RouteArgs", S=S, n_experts=E, top_k=k, norm_topk=int(norm), block_rows=32, n_blocks=nb,
+                    tile_rows=bm, max_tiles=max_tiles)
+    L = lib("moe")
+    ids, wts = emu.run3(L, "moe_topk_j8" if E > 32 else "moe_topk_j1", (S, 1, 1), (32, 1, 1),
+                        [logits.astype(np.float32), np.zeros((S, k), np.int32), np.zeros((S, k), np.float32), ra],
+                        outputs=[1, 2])
+    counts, = emu.run3(L, "moe_count", (nb, 1, 1), (32, 1, 1), [ids, np.zeros((nb, E), np.int32), ra], outputs=[1])
+    nt = -(-E // 32) * 32
+    base, te, tr0, trn, ntl = emu.run3(
+        L, "moe_offsets", (1, 1, 1), (nt, 1, 1),
+        [counts, np.zeros((nb, E), np.int32), *[np.full(max_tiles, -7, np.int32) for _ in range(3)],
+         np.zeros(1, np.int32), ra], outputs=[1, 2, 3, 4, 5])
+    srow, sw, inv = emu.run3(L, "moe_scatter", (nb, 1, 1), (32, 1, 1),
+                             [ids, wts, base, np.zeros(S * k, np.int32), np.zeros(S * k, np.float32),
+                              np.zeros((S, k), np.int32), ra], outputs=[3, 4, 5])
+    return dict(ids=ids, wts=wts, counts=counts, sorted_row=srow, sorted_w=sw, inv=inv,
+                block_map=(te, tr0, trn, int(ntl[0]), max_tiles))
+
+
+def moe_prefill(x: np.ndarray, h: np.ndarray, W: dict, k: int, norm: bool = True, bm: int = 32) -> np.ndarray:
+    """x + MoE(h) through the prefill chain (router GEMM, device routing, grouped GEMMs, combine).
+    W: router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate (Weight objects)."""
+    S = h.shape[0]
+    logits = gemm(W["router"], h)
+    sgl = gemm(W["sh_expert_gate"], h)
+    r = route(logits, k, norm, bm)
+    act = gemm(W["gate"], h, bm=bm, up=W["up"], block_map=r["block_map"], row_index=r["sorted_row"], M=S * k)
+    yd = gemm(W["down"], act, bm=bm, block_map=r["block_map"], M=S * k)
+    ysh = gemm(W["sh_down"], gemm(W["sh_gate"], h, up=W["sh_up"]))
+    mp = emu.params("MoeParams", hidden=x.shape[1], n_experts=W["router"].out, top_k=k, S=S)
+    out, = emu.run3(lib("moe"), "moe_combine", (-(-x.shape[1] // 64), S, 1), (64, 1, 1),
+                    [x, yd, ysh, sgl[:, 0].copy(), r["inv"], r["wts"], mp], outputs=[0], poison=False)
+    return out
+
+
+def moe_decode(x: np.ndarray, h: np.ndarray, W: dict, k: int, norm: bool = True) -> np.ndarray:
+    """x + MoE(h) for one row through the fused decode chains."""
+    H = h.shape[1]
+    logits = gemv(W["router"], h)
+    sgl = gemv(W["sh_expert_gate"], h)
+    E = W["router"].out
+    ra = emu.params("RouteArgs", S=1, n_experts=E, top_k=k, norm_topk=int(norm), block_rows=32, n_blocks=1)
+    ids, wts = emu.run3(lib("moe"), "moe_topk_j8" if E > 32 else "moe_topk_j1", (1, 1, 1), (32, 1, 1),
+                        [logits, np.zeros(k, np.int32), np.zeros(k, np.float32), ra], outputs=[1, 2])
+    I, Is = W["gate"].out, W["sh_gate"].out
+    stride = -(-max(I, Is) // 8) * 8
+    ma = emu.params("MoeDecodeArgs", top_k=k, inter=I, shared_inter=Is, act_stride=stride)
+    fmt = W["gate"].fmt
+    rows = GEMV_ROWS * GEMV_NSG
+    act, = emu.run3(lib("moe"), f"moe_gate_up_decode_{fmt}", (-(-max(I, Is) // rows), k + 1, 1), (32 * GEMV_NSG, 1, 1),
+                    [h, ids, *W["gate"].bufs, *W["up"].bufs, *W["sh_gate"].bufs, *W["sh_up"].bufs,
+                     np.zeros((k + 1, stride), np.float32), W["gate"].args(), W["sh_gate"].args(), ma], outputs=[14])
+    out, = emu.run3(lib("moe"), f"moe_down_decode_{W['down'].fmt}", (-(-H // rows), 1, 1), (32 * GEMV_NSG, 1, 1),
+                    [act, ids, wts, sgl[0], *W["down"].bufs, *W["sh_down"].bufs, x[0].copy(), W["down"].args(),
+                     W["sh_down"].args(), ma], outputs=[10], poison=False)
+    return out[None, :]
+
+
+MOE_MODULES = {"router": "gate", "gate": "switch_mlp.gate_proj", "up": "switch_mlp.up_proj",
+               "down": "switch_mlp.down_proj", "sh_gate": "shared_expert.gate_proj", "sh_up": "shared_expert.up_proj",
+               "sh_down": "shared_expert.down_proj", "sh_expert_gate": "shared_expert_gate"}
+
+
+def moe_weights(tensors: dict, quant: dict, layer: int) -> dict:
+    p = f"model.layers.{layer}.mlp."
+    return {k: Weight.from_tensors(tensors, quant, p + m) for k, m in MOE_MODULES.items()}

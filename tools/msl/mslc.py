@@ -206,6 +206,8 @@ def lint(src: str, path: str) -> list[str]:
             errs.append(f"{path}:{n}: error: dynamic allocation and printf are not available in MSL")
         if re.search(r"\bthrow\b|\btry\s*\{|\bdynamic_cast\b|\btypeid\b|\bvirtual\b", line):
             errs.append(f"{path}:{n}: error: exceptions, RTTI and virtual functions are not available in MSL")
+        if re.match(r"\s*threadgroup\s+[^;()=]*\]\s*,", line):
+            errs.append(f"{path}:{n}: error: declare one threadgroup variable per statement")
         if re.search(r"#\s*include\s*<(?!metal_)", line):
             errs.append(f"{path}:{n}: error: only <metal_*> system headers exist in MSL")
     info = parse(src)
