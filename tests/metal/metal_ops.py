@@ -172,3 +172,45 @@ MOE_MODULES = {"router": "gate", "gate": "switch_mlp.gate_proj", "up": "switch_m
 def moe_weights(tensors: dict, quant: dict, layer: int) -> dict:
     p = f"model.layers.{layer}.mlp."
     return {k: Weight.from_tensors(tensors, quant, p + m) for k, m in MOE_MODULES.items()}
+
+
+def _nk(dk: int) -> int:
+    return 1 if dk <= 32 else 2 if dk <= 64 else 4
+
+
+def dn_params(Hk, Hv, Dk, Dv, K, S, eps=1e-6):
+    return emu.params("DeltaNetParams", k_heads=Hk, v_heads=Hv, k_dim=Dk, v_dim=Dv, conv_kernel=K,
+                      conv_dim=2 * Hk * Dk + Hv * Dv, norm_eps=eps, qk_eps=1e-6, S=S)
+
+
+def gdn_conv(qkv, conv_w, conv_state, p):
+    """-> (u [S, C], conv_state')."""
+    C = qkv.shape[1]
+    u, st = emu.run3(lib("deltanet"), "gdn_conv", (-(-C // 64), 1, 1), (64, 1, 1),
+                     [qkv, conv_w, conv_state, np.zeros_like(qkv), p], outputs=[3, 2], poison=[3])
+    return u, st
+
+
+def gdn_scan(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None, fuse=False, nsg=2):
+    """-> (o or y [S, Hv*Dv], state'); fuse applies the gated RMSNorm in the same kernel."""
+    Hv, Dv, Dk = state.shape
+    S = u.shape[0]
+    rows = 4
+    if fuse:
+        name, grid, tg = f"gdn_scan_norm_nk{_nk(Dk)}", (1, Hv, 1), (32 * -(-Dv // rows), 1, 1)
+    else:
+        name, grid, tg = f"gdn_scan_nk{_nk(Dk)}", (-(-Dv // (rows * nsg)), Hv, 1), (32 * nsg, 1, 1)
+    zz = z if z is not None else np.zeros(1, np.float32)
+    nw = norm_w if norm_w is not None else np.zeros(1, np.float32)
+    o, st = emu.run3(lib("deltanet"), name, grid, tg,
+                     [u, b, a, a_log, dt_bias, state, np.zeros((S, Hv * Dv), np.float32), zz, nw, p],
+                     outputs=[6, 5], poison=[6])
+    return o, st
+
+
+def gdn_gated_norm(o, z, w, p):
+    Dv = w.shape[0]
+    rows = o.size // Dv
+    y, = emu.run3(lib("deltanet"), "gdn_gated_norm", (rows, 1, 1), (32, 1, 1), [o, z, w, p], outputs=[0],
+                  poison=False)
+    return y

@@ -248,12 +248,12 @@ def run3(lib: Library, kernel: str, grid, tg, buffers, outputs, tg_mem=(), fc=No
          seed: int = 1, poison: bool = True) -> list[np.ndarray]:
     """Dispatch in the three schedules (forward, reverse, shuffled); raise EmulatorError on any diagnostic
     or any difference between schedules (a race); return the output buffers (list, in `outputs` order).
-    poison: output buffers are filled with NaN (0xFF bytes) first, so unwritten elements show."""
+    poison: output buffers (True: all of `outputs`; or a list of buffer indices, e.g. to spare in/out
+    buffers) are filled with NaN (0xFF bytes) first, so unwritten elements show."""
     bufs = dict(enumerate(buffers)) if isinstance(buffers, (list, tuple)) else dict(buffers)
     bufs = {i: (np.asarray(b).copy() if b is not None else None) for i, b in bufs.items()}
-    if poison:
-        for i in outputs:
-            bufs[i].reshape(-1).view(np.uint8)[:] = 0xFF
+    for i in (outputs if poison is True else (poison or [])):
+        bufs[i].reshape(-1).view(np.uint8)[:] = 0xFF
     results = []
     for sched in (0, 1, 2):
         r = lib.dispatch(kernel, grid, tg, bufs, tg_mem=tg_mem, fc=fc, sched=sched, seed=seed, nthreads=nthreads)
