@@ -133,29 +133,34 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
   for (int i = 0; i < NO; ++i) out[2 + lane + 32 * i] = o[i];
 }
 
-// One warp per (row, query head): merge the splits, normalise, apply the sigmoid output gate, write bf16.
+// One block per (row, query head): warp 0 turns the split maxima into merge weights in shared memory, then
+// threads over d merge, normalise, apply the sigmoid output gate and write bf16.
 __global__ void attn_combine_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* part, const float* qg,
                                     bf16* o) {
-  const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32, D = p.head_dim;
-  if (wid >= p.S * p.n_heads) return;
-  const float* pp = part + wid * sp.n_splits * (D + 2);
-  float M = -INFINITY;
-  for (int s = 0; s < sp.n_splits; ++s) M = fmaxf(M, pp[s * (D + 2)]);
-  float L = 0.f;
-  for (int s = 0; s < sp.n_splits; ++s) {
-    const float ms = pp[s * (D + 2)];
-    if (ms != -INFINITY) L += pp[s * (D + 2) + 1] * expf(ms - M);
-  }
-  const float inv = 1.f / L;
-  const float* gate = qg + wid * 2 * D + D;  // row t, head h: qg[(t*Hq + h)*2D + D ..]
-  for (int d = lane; d < D; d += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < sp.n_splits; ++s) {
+  extern __shared__ float wts[];  // [n_splits]
+  const int64_t wid = blockIdx.x;
+  const int D = p.head_dim, ns = sp.n_splits;
+  const float* pp = part + wid * ns * (D + 2);
+  if (threadIdx.x < 32) {
+    float M = -INFINITY;
+    for (int s = threadIdx.x; s < ns; s += 32) M = fmaxf(M, pp[s * (D + 2)]);
+    M = warp_max(M);
+    float L = 0.f;
+    for (int s = threadIdx.x; s < ns; s += 32) {
       const float ms = pp[s * (D + 2)];
-      if (ms != -INFINITY) acc += pp[s * (D + 2) + 2 + d] * expf(ms - M);
+      wts[s] = ms == -INFINITY ? 0.f : expf(ms - M);
+      L += wts[s] * pp[s * (D + 2) + 1];
     }
-    o[wid * D + d] = __float2bfloat16(acc * inv * (1.f / (1.f + expf(-gate[d]))));
+    L = warp_sum(L);
+    __syncwarp();
+    for (int s = threadIdx.x; s < ns; s += 32) wts[s] /= L;
+  }
+  __syncthreads();
+  const float* gate = qg + wid * 2 * D + D;  // row t, head h: qg[(t*Hq + h)*2D + D ..]
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < ns; ++s) acc += pp[s * (D + 2) + 2 + d] * wts[s];
+    o[wid * D + d] = __float2bfloat16(acc * (1.f / (1.f + expf(-gate[d]))));
   }
 }
 
@@ -209,8 +214,8 @@ void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSpli
     case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part); break;
     default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
   }
-  const int64_t threads = p.S * p.n_heads * 32;
-  attn_combine_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, sp, part, qg, o);
+  attn_combine_kernel<<<static_cast<unsigned>(p.S * p.n_heads), std::min(p.head_dim, 256), sp.n_splits * sizeof(float),
+                        st>>>(p, sp, part, qg, o);
   LILY_LAUNCH_CHECK();
 }
 

@@ -10,67 +10,96 @@ constexpr int BM = kGemmBM, BN = 64, BK = 64;
 constexpr int LDS = BK + 8;  // bf16 row stride of the A/B tiles (pad against bank conflicts; wmma needs %8)
 constexpr int LDC = BN + 4;  // fp32 row stride of the epilogue tile
 
-// dot(W[e, row, :], xs) by one warp; xs: bf16 [in] in shared memory. Result valid in every lane.
-// Quantized rows use sum_i (s q_i + b) x_i = s dot(q, x) + b sum(x) per group; each lane reads one
-// 4-byte code word at a time, so a warp's load is 128 contiguous bytes and x reads are conflict-free.
-__device__ float warp_dot(const DLinear& W, int64_t e, int64_t row, const bf16* xs, int lane) {
+// Partial dots of NR consecutive weight rows [row0, row0 + NR) of expert e with xs (bf16 [in], shared memory),
+// one lane's share each (reduce over the warp afterwards). Quantized rows: each lane reads one 16-byte chunk
+// per row per step (32 4-bit or 16 8-bit codes), NR rows at once so 16*NR bytes are in flight per lane.
+// Codes become floats without I2F: (code << shift) | 0x3F800000 is the float 1 + code/2^bits, and
+//   sum_i (s q_i + b) x_i = s 2^bits sum_i (1 + q_i/2^bits) x_i + (b - s 2^bits) sum_i x_i.
+template <int NR, int BITS>
+__device__ __forceinline__ void quant_rows(const DLinear& W, int64_t e, int64_t row0, const bf16* xs, int lane,
+                                           float acc[NR]) {
+  constexpr int VPC = 128 / BITS, VPW = 32 / BITS;  // values per chunk, per word
+  constexpr float SCALE = static_cast<float>(1 << BITS);
+  constexpr uint32_t MASK = ((1u << BITS) - 1u) << (23 - BITS);
   const kp::LinearParams& p = W.p;
-  float acc = 0.f;
-  if (p.kind == 0) {
-    const int64_t gpr = p.in / p.group;
-    const uint16_t* sc = W.scales + e * p.expert_groups + row * gpr;
-    const uint16_t* bi = W.biases + e * p.expert_groups + row * gpr;
-    if (p.bits == 4) {
-      const int64_t wpr = p.in / 8;
-      const int wpg = p.group / 8;
-      const uint32_t* c = W.codes + e * p.expert_words + row * wpr;
-#pragma unroll 4
-      for (int64_t w = lane; w < wpr; w += 32) {
-        const uint32_t q = __ldg(c + w);
-        const uint4 xv = *reinterpret_cast<const uint4*>(xs + w * 8);
-        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-        float qx = 0.f, sx = 0.f;
+  const int64_t cpr = p.in / VPC, gpr = p.in / p.group;
+  const int cpg = p.group / VPC;
+  const uint4* base = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words);
+  const uint16_t* sc = W.scales + e * p.expert_groups;
+  const uint16_t* bi = W.biases + e * p.expert_groups;
+  int64_t rows[NR];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 xf = __bfloat1622float2(x2[j]);
-          qx += static_cast<float>((q >> (8 * j)) & 15u) * xf.x + static_cast<float>((q >> (8 * j + 4)) & 15u) * xf.y;
-          sx += xf.x + xf.y;
-        }
-        const int64_t g = w / wpg;
-        acc += bf2f(sc[g]) * qx + bf2f(bi[g]) * sx;
-      }
-    } else {
-      const int64_t wpr = p.in / 4;
-      const int wpg = p.group / 4;
-      const uint32_t* c = W.codes + e * p.expert_words + row * wpr;
-#pragma unroll 4
-      for (int64_t w = lane; w < wpr; w += 32) {
-        const uint32_t q = __ldg(c + w);
-        const uint2 xv = *reinterpret_cast<const uint2*>(xs + w * 4);
-        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-        const float2 a = __bfloat1622float2(x2[0]), b = __bfloat1622float2(x2[1]);
-        const float qx = static_cast<float>(q & 255u) * a.x + static_cast<float>((q >> 8) & 255u) * a.y +
-                         static_cast<float>((q >> 16) & 255u) * b.x + static_cast<float>(q >> 24) * b.y;
-        const int64_t g = w / wpg;
-        acc += bf2f(sc[g]) * qx + bf2f(bi[g]) * (a.x + a.y + b.x + b.y);
+  for (int i = 0; i < NR; ++i) rows[i] = min64(row0 + i, p.out - 1);
+  for (int64_t ch = lane; ch < cpr; ch += 32) {
+    uint4 q[NR];
+    float s[NR], b[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      q[i] = __ldg(base + rows[i] * cpr + ch);
+      const int64_t g = rows[i] * gpr + ch / cpg;
+      s[i] = bf2f(sc[g]);
+      b[i] = bf2f(bi[g]);
+    }
+    float x[VPC];
+    float sx = 0.f;
+#pragma unroll
+    for (int u = 0; u < VPC / 8; ++u) {
+      const uint4 xv = reinterpret_cast<const uint4*>(xs + ch * VPC)[u];
+      const uint32_t w4[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        x[8 * u + 2 * j] = __uint_as_float(w4[j] << 16);
+        x[8 * u + 2 * j + 1] = __uint_as_float(w4[j] & 0xFFFF0000u);
+        sx += x[8 * u + 2 * j] + x[8 * u + 2 * j + 1];
       }
     }
-  } else if (p.kind == 1) {
-    const uint16_t* d = static_cast<const uint16_t*>(W.dense) + e * p.expert_elems + row * p.in;
-    for (int64_t i = lane; i < p.in; i += 32) acc += bf2f(d[i]) * bf2f(xs[i]);
-  } else {
-    const float* d = static_cast<const float*>(W.dense) + e * p.expert_elems + row * p.in;
-    for (int64_t i = lane; i < p.in; i += 32) acc += d[i] * bf2f(xs[i]);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const uint32_t qw[4] = {q[i].x, q[i].y, q[i].z, q[i].w};
+      float d = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int j = 0; j < VPW; ++j) {
+          const int sh = (23 - BITS) - BITS * j;  // moves code j to the top mantissa bits
+          const uint32_t m = (sh >= 0 ? qw[w] << sh : qw[w] >> -sh) & MASK;
+          d += __uint_as_float(m | 0x3F800000u) * x[w * VPW + j];
+        }
+      acc[i] += s[i] * SCALE * d + (b[i] - SCALE * s[i]) * sx;
+    }
   }
-  return warp_sum(acc);
+}
+
+template <int NR>
+__device__ __forceinline__ void warp_rows(const DLinear& W, int64_t e, int64_t row0, const bf16* xs, int lane,
+                                          float acc[NR]) {
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+  const kp::LinearParams& p = W.p;
+  if (p.kind == 0) {
+    if (p.bits == 4) quant_rows<NR, 4>(W, e, row0, xs, lane, acc);
+    else quant_rows<NR, 8>(W, e, row0, xs, lane, acc);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const int64_t row = min64(row0 + i, p.out - 1);
+    if (p.kind == 1) {
+      const uint16_t* d = static_cast<const uint16_t*>(W.dense) + e * p.expert_elems + row * p.in;
+      for (int64_t k = lane; k < p.in; k += 32) acc[i] += bf2f(d[k]) * bf2f(xs[k]);
+    } else {
+      const float* d = static_cast<const float*>(W.dense) + e * p.expert_elems + row * p.in;
+      for (int64_t k = lane; k < p.in; k += 32) acc[i] += d[k] * bf2f(xs[k]);
+    }
+  }
 }
 
 // One activation row per blockIdx.y (slot j: the token, or the j-th routed expert of a token);
-// each warp computes rows_per_warp consecutive output rows. DUAL: y = bf16(silu(x W0^T) * (x W1^T)).
-template <bool DUAL>
+// each warp computes NR consecutive output rows. DUAL: y = bf16(silu(x W0^T) * (x W1^T)).
+template <int NR, bool DUAL>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(DLinear W0, DLinear W1, const bf16* x, int64_t x_step, const int32_t* ids, float* y, bf16* yb,
-                int64_t y_step, const float* scale, int accumulate, int rows_per_warp) {
+                int64_t y_step, const float* scale, int accumulate) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* xs = reinterpret_cast<bf16*>(smem_raw);
   const int j = blockIdx.y;
@@ -79,34 +108,50 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   for (int64_t i = threadIdx.x; i < in; i += blockDim.x) xs[i] = xj[i];
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * NR;
+  if (row0 >= out) return;
   const int64_t e = ids ? ids[j] : 0;
+  float a0[NR], a1[NR];
+  warp_rows<NR>(W0, e, row0, xs, lane, a0);
+  if constexpr (DUAL) warp_rows<NR>(W1, e, row0, xs, lane, a1);
   const float sc = scale ? scale[j] : 1.f;
-  for (int r = 0; r < rows_per_warp; ++r) {
-    const int64_t row = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * rows_per_warp + r;
-    if (row >= out) return;
-    const float a0 = warp_dot(W0, e, row, xs, lane);
+#pragma unroll
+  for (int i = 0; i < NR; ++i) {
+    const float r0 = warp_sum(a0[i]);
+    const int64_t row = row0 + i;
     if constexpr (DUAL) {
-      const float a1 = warp_dot(W1, e, row, xs, lane);
-      if (lane == 0) yb[j * y_step + row] = __float2bfloat16(siluf_(a0) * a1);
-    } else if (lane == 0) {
+      const float r1 = warp_sum(a1[i]);
+      if (lane == 0 && row < out) yb[j * y_step + row] = __float2bfloat16(siluf_(r0) * r1);
+    } else if (lane == 0 && row < out) {
       float* o = y + j * y_step + row;
-      *o = accumulate ? *o + a0 * sc : a0 * sc;
+      *o = accumulate ? *o + r0 * sc : r0 * sc;
     }
   }
+}
+
+template <int NR, bool DUAL>
+void launch_gemv_nr(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t x_step,
+                    const int32_t* ids, int slots, float* y, bf16* yb, int64_t y_step, const float* scale,
+                    bool accumulate) {
+  const int64_t blocks = (W0.p.out + kGemvWarps * NR - 1) / (kGemvWarps * NR);
+  const size_t smem = (W0.p.in * sizeof(bf16) + 15) / 16 * 16;
+  gemv_kernel<NR, DUAL><<<dim3(static_cast<unsigned>(blocks), slots), kGemvWarps * 32, smem, st>>>(
+      W0, W1, x, x_step, ids, y, yb, y_step, scale, accumulate ? 1 : 0);
+  LILY_LAUNCH_CHECK();
 }
 
 template <bool DUAL>
 void launch_gemv(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t x_step,
                  const int32_t* ids, int slots, float* y, bf16* yb, int64_t y_step, const float* scale,
                  bool accumulate) {
-  const int64_t out = W0.p.out;
-  // Big outputs (lm_head) take several rows per warp so the x staging is amortised.
-  const int rpw = out >= (1 << 15) ? 4 : 1;
-  const int64_t blocks = (out + kGemvWarps * rpw - 1) / (kGemvWarps * rpw);
-  const size_t smem = (W0.p.in * sizeof(bf16) + 15) / 16 * 16;
-  gemv_kernel<DUAL><<<dim3(static_cast<unsigned>(blocks), slots), kGemvWarps * 32, smem, st>>>(
-      W0, W1, x, x_step, ids, y, yb, y_step, scale, accumulate ? 1 : 0, rpw);
-  LILY_LAUNCH_CHECK();
+  // More rows per warp only where there are warps to spare: each warp then keeps more loads in flight.
+  const int64_t rows = W0.p.out * slots;
+  if (rows >= (1 << 16))
+    launch_gemv_nr<4, DUAL>(st, W0, W1, x, x_step, ids, slots, y, yb, y_step, scale, accumulate);
+  else if (rows >= (1 << 14))
+    launch_gemv_nr<2, DUAL>(st, W0, W1, x, x_step, ids, slots, y, yb, y_step, scale, accumulate);
+  else
+    launch_gemv_nr<1, DUAL>(st, W0, W1, x, x_step, ids, slots, y, yb, y_step, scale, accumulate);
 }
 
 using namespace nvcuda;

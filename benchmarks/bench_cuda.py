@@ -1,0 +1,236 @@
+"""Full-size CUDA benchmark: Qwen3.6-35B-A3B shapes with random 4-bit weights generated in memory (no disk),
+prefill tok/s at several prompt lengths and decode tok/s at the same context lengths, the fraction of the
+hardware limits measured in the same run, and the decode time by kernel family (torch.profiler sees our kernels).
+
+    python3 benchmarks/bench_cuda.py --out results_dir [--lengths 256,512,...] [--budget-s 300]
+
+Writes bench_cuda_h200.json ({hardware, git_sha, settings, rows: [{engine, phase, tokens, tok_s, ...}]}) and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lily import _lily
+from lily.testing import full_config
+from lily.testing.weights import GROUP, default_quant_bits, linear_modules
+
+BF16_ONE = 0x3F80
+
+
+def bf16_bits(x: float) -> np.uint16:
+    return np.uint16(np.float32(x).view(np.uint32) >> 16)
+
+
+def synthetic_weights(cfg, seed=0):
+    """Random codes sliced from one pool (views, no copies), scales giving each linear std ~ 1/sqrt(in)
+    (0.1x on residual outputs, 2x on the router), zero-mean through the bias."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 2**32, size=1 << 27, dtype=np.uint32)  # 512 MB
+    tensors, quant = {}, {}
+    for mod, shape in linear_modules(cfg).items():
+        bits = default_quant_bits(mod, shape)
+        std = 1.0 / np.sqrt(shape[-1])
+        if mod.endswith((".out_proj", ".o_proj", ".down_proj")):
+            std *= 0.1
+        if mod.endswith(".mlp.gate"):
+            std *= 2.0
+        if bits is None:
+            tensors[mod + ".weight"] = np.full(shape, bf16_bits(std), np.uint16)
+            continue
+        words = int(np.prod(shape[:-1])) * shape[-1] * bits // 32
+        off = int(rng.integers(0, pool.size - words))
+        tensors[mod + ".weight"] = pool[off:off + words].reshape(*shape[:-1], shape[-1] * bits // 32)
+        levels = (1 << bits) - 1
+        scale = std / (levels / np.sqrt(12.0))
+        gshape = (*shape[:-1], shape[-1] // GROUP)
+        tensors[mod + ".scales"] = np.full(gshape, bf16_bits(scale), np.uint16)
+        tensors[mod + ".biases"] = np.full(gshape, bf16_bits(-scale * levels / 2), np.uint16)
+        quant[mod] = (bits, GROUP)
+    H = cfg.hidden_size
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
+    tensors["model.norm.weight"] = ones(H)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        tensors[p + ".input_layernorm.weight"] = ones(H)
+        tensors[p + ".post_attention_layernorm.weight"] = ones(H)
+        if cfg.is_attention(i):
+            tensors[p + ".self_attn.q_norm.weight"] = ones(cfg.head_dim)
+            tensors[p + ".self_attn.k_norm.weight"] = ones(cfg.head_dim)
+        else:
+            a = p + ".linear_attn"
+            Hv = cfg.linear_num_value_heads
+            tensors[a + ".conv1d.weight"] = (0.3 * rng.standard_normal((cfg.conv_dim, cfg.linear_conv_kernel_dim, 1))
+                                             ).astype(np.float32)
+            tensors[a + ".dt_bias"] = np.zeros(Hv, np.float32)
+            tensors[a + ".A_log"] = np.log(rng.uniform(1, 16, Hv)).astype(np.float32)
+            tensors[a + ".norm.weight"] = ones(cfg.linear_value_head_dim)
+    return tensors, quant
+
+
+def measure_ceilings():
+    """Device copy bandwidth (read + write bytes / s) and bf16 matrix rate, via torch (present on the device)."""
+    import torch
+    n = 4 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):
+        b.copy_(a)
+    ts = []
+    for _ in range(5):
+        e0.record(); b.copy_(a); e1.record(); e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    bw = 2 * n / float(np.median(ts))
+    del a, b
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        m @ m
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(10):
+        m @ m
+    e1.record(); e1.synchronize()
+    flops = 10 * 2 * 8192**3 / (e0.elapsed_time(e1) / 1e3)
+    return bw, flops, torch.cuda.get_device_name()
+
+
+def kernel_profile(fn, steps):
+    """Kernel time by family over `steps` calls of fn (CUPTI via torch.profiler) and launches per call."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            fn(i)
+    fam: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        name = ev.name
+        if "gemv_kernel" in name or "gemm_kernel" in name:
+            key = ("gemv" if "gemv" in name else "gemm") + (" gate/up" if "true>" in name else "")
+        else:
+            key = next((k for k in ("scan_kernel", "attn_kernel", "attn_combine", "prep_kernel", "conv", "l2norm",
+                                    "gated_norm", "route_kernel", "sort_kernel", "combine_kernel", "rms_norm",
+                                    "embed", "Memcpy", "Memset") if k in name), name[:40])
+        fam.setdefault(key, []).append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+    total = sum(sum(v) for v in fam.values())
+    return {k: {"launches_per_step": len(v) / steps, "us_per_step": sum(v) / steps, "share": sum(v) / max(total, 1e-9)}
+            for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192,16384")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--budget-s", type=float, default=300)
+    args = ap.parse_args()
+    t_start = time.time()
+    cfg = full_config()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    bw, mflops, gpu_name = measure_ceilings()
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mflops / 1e12:.0f} TFLOP/s", flush=True)
+    t0 = time.time()
+    tensors, quant = synthetic_weights(cfg)
+    gen_s = time.time() - t0
+    t0 = time.time()
+    eng = _lily.Engine(cfg.to_dict(), tensors, quant, max_context=max(lengths) + 64 + args.decode_steps,
+                       backend="cuda")
+    load_s = time.time() - t0
+    print(f"weights generated {gen_s:.1f}s, uploaded {load_s:.1f}s", flush=True)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, cfg.vocab_size, max(lengths) + 64 + args.decode_steps).astype(np.int32)
+    eng.forward(eng.new_state(), toks[:512], logits="last")  # warm-up (allocations, module load)
+
+    # bytes per decoded token (perf.md): active weights + DeltaNet state read and written + KV read.
+    w_bytes, dn_bytes, kv_per_tok = 1.670e9, 126e6, 20480
+    flops_per_tok = 4.9e9
+    attn_flops = lambda ctx: cfg.num_hidden_layers // 4 * cfg.num_attention_heads * cfg.head_dim * 4 * ctx  # noqa
+    rows, profile_4k, profile_pf = [], None, None
+    for L in lengths:
+        if time.time() - t_start > args.budget_s:
+            print(f"budget reached: skipping {L}+", flush=True)
+            break
+        st = eng.new_state()
+        t0 = time.perf_counter()
+        eng.forward(st, toks[:L], logits="last")
+        dt = time.perf_counter() - t0
+        tok_s = L / dt
+        fl = (flops_per_tok + attn_flops(L / 2)) * tok_s
+        rows.append({"engine": "lily-cuda", "phase": "prefill", "tokens": L, "tok_s": tok_s, "seconds": dt,
+                     "frac_matrix_rate": fl / mflops})
+        for t in toks[L:L + 3]:
+            eng.forward(st, np.array([t], np.int32), logits="last")
+        n = args.decode_steps
+        t0 = time.perf_counter()
+        for t in toks[L + 3:L + 3 + n]:
+            eng.forward(st, np.array([t], np.int32), logits="last")
+        dt = time.perf_counter() - t0
+        dtok = n / dt
+        bytes_tok = w_bytes + dn_bytes + kv_per_tok * L
+        rows.append({"engine": "lily-cuda", "phase": "decode", "tokens": L, "tok_s": dtok, "ms_per_token": 1e3 * dt / n,
+                     "frac_bandwidth": bytes_tok * dtok / bw})
+        print(f"L={L:6d} prefill {tok_s:9.1f} tok/s   decode {dtok:7.1f} tok/s ({1e3 * dt / n:.2f} ms)", flush=True)
+        if L == 2048:
+            try:
+                profile_pf = kernel_profile(lambda i: eng.forward(eng.new_state(), toks[:L], logits="last"), 1)
+            except Exception as e:
+                profile_pf = {"error": repr(e)}
+        if L == 4096:
+            try:
+                dt_toks = toks[L + 3 + n:]
+                profile_4k = kernel_profile(
+                    lambda i: eng.forward(st, dt_toks[i:i + 1], logits="last"), 8)
+            except Exception as e:  # profiling is a report extra, never a reason to lose the figures
+                profile_4k = {"error": repr(e)}
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"hardware": {"gpu": gpu_name, "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mflops,
+                        "host": platform.node(), "cpu_count": os.cpu_count()},
+           "git_sha": os.environ.get("LILY_GIT_SHA", "unknown"),
+           "settings": {"config": "full_config() (Qwen3.6-35B-A3B shapes), random 4-bit g64 codes, 8-bit router",
+                        "chunk": eng.default_chunk, "decode_steps": args.decode_steps, "cuda_graph": False,
+                        "weights_gen_s": gen_s, "upload_s": load_s, "build": _lily.build_info()},
+           "rows": rows, "decode_profile_4k": profile_4k, "prefill_profile_2k": profile_pf}
+    (out / "bench_cuda_h200.json").write_text(json.dumps(res, indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        for i, ph in enumerate(("prefill", "decode")):
+            r = [x for x in rows if x["phase"] == ph]
+            ax[i].plot([x["tokens"] for x in r], [x["tok_s"] for x in r], "o-", label="lily-cuda")
+            ax[i].set_xscale("log", base=2)
+            ax[i].set_xlabel("prompt tokens" if ph == "prefill" else "context tokens")
+            ax[i].set_ylabel("tokens/s")
+            ax[i].set_title(f"{ph} on {gpu_name}")
+            ax[i].grid(True, alpha=0.3)
+            ax[i].legend()
+        fig.tight_layout()
+        fig.savefig(out / "bench_cuda_h200.png", dpi=110)
+    except Exception as e:
+        print("plot failed:", e)
+    print("\nphase    tokens     tok/s   fraction of limit")
+    for r in rows:
+        frac = r.get("frac_bandwidth", r.get("frac_matrix_rate"))
+        print(f"{r['phase']:8s} {r['tokens']:6d} {r['tok_s']:10.1f}   {frac:.3f}")
+    if profile_pf and "error" not in profile_pf:
+        print("\nprefill 2K by kernel family: launches, us, share")
+        for k, v in list(profile_pf.items())[:12]:
+            print(f"  {k:24s} {v['launches_per_step']:6.1f} {v['us_per_step']:9.1f} {v['share']:.3f}")
+    if profile_4k and "error" not in profile_4k:
+        print("\ndecode @4K by kernel family: launches/step, us/step, share")
+        for k, v in list(profile_4k.items())[:14]:
+            print(f"  {k:24s} {v['launches_per_step']:6.1f} {v['us_per_step']:9.1f} {v['share']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
