@@ -22,7 +22,7 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -87,6 +87,7 @@ class PrefixCache:
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self.nbytes = 0
         self.hits = self.misses = self.evictions = 0
+        self._files: set[Path] = set()  # session files this cache loaded or wrote (save_dir may replace them)
 
     # ---- queries ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -251,23 +252,25 @@ class PrefixCache:
 
     def save_dir(self, folder: str | os.PathLike, model: "Model", extra: Sequence["SessionSnapshot"] = ()
                  ) -> list[Path]:
-        """Write every stored snapshot (plus `extra`) under `folder`, one file per trie path; files of
-        paths that no longer exist are removed. Returns the files of the current paths."""
+        """Write every stored snapshot (plus `extra`) under `folder`, one file per trie path; files this
+        cache loaded or wrote earlier whose path no longer exists are removed (other files are left alone).
+        Returns the files of the current paths."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         for snap in extra:
             if not self.contains(snap.tokens):
                 self.insert(snap)
         keep = []
+        fingerprint = model_fingerprint(model)
         for chain in self.paths():
-            name = _path_name(chain)
+            name = _path_name(chain, fingerprint)
             path = folder / name
             if not path.exists():
                 save_session_file(path, chain, model)
             keep.append(path)
-        for old in folder.glob("*" + SESSION_SUFFIX):
-            if old not in keep:
-                old.unlink(missing_ok=True)
+        for old in self._files - set(keep):
+            old.unlink(missing_ok=True)
+        self._files = set(keep)
         return keep
 
     def load_dir(self, folder: str | os.PathLike, model: "Model") -> int:
@@ -289,11 +292,12 @@ class PrefixCache:
                 break
             for s in snaps:
                 added += int(self.insert(s))
+            self._files.add(path)
         return added
 
 
-def _path_name(chain: Sequence["SessionSnapshot"]) -> str:
-    h = hashlib.sha1()
+def _path_name(chain: Sequence["SessionSnapshot"], fingerprint: str) -> str:
+    h = hashlib.sha1(fingerprint.encode())
     for s in chain:
         h.update(np.asarray(s.tokens, np.int64).tobytes())
         h.update(b"|")
@@ -507,7 +511,3 @@ def load_session_file(path: str | os.PathLike, model: "Model") -> tuple[list["Se
         logits = arrays.get(prefix + "logits")
         snaps.append(SessionSnapshot(state, tuple(tokens[:p]), (), None if logits is None else logits.copy()))
     return snaps, arrays["pending"].astype(np.int64).tolist()
-
-
-def iter_session_files(folder: str | os.PathLike) -> Iterable[Path]:
-    return sorted(Path(folder).glob("*" + SESSION_SUFFIX))

@@ -42,7 +42,8 @@ def free_port() -> int:
 class LiveServer:
     """`python -m lily serve ...` in a subprocess; stop() sends SIGINT (graceful: sessions are saved)."""
 
-    def __init__(self, ckpt: Path, log: Path, *extra: str, api_key: str | None = API_KEY, max_context: int = 4096):
+    def __init__(self, ckpt: Path, log: Path, *extra: str, api_key: str | None = API_KEY, max_context: int = 4096,
+                 env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -52,7 +53,7 @@ class LiveServer:
                 "--model-name", "tiny", "--log-level", "warning", *extra]
         if api_key:
             args += ["--api-key", api_key]
-        env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # the same lily as this test process
+        env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})}  # the same lily as this process
         self._log = open(log, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()

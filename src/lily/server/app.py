@@ -24,6 +24,7 @@ from starlette.responses import StreamingResponse
 from ..chat import ChatTemplateError
 from ..errors import ContextLengthError, LilyError
 from ..model import Model
+from ..sampling import SamplingParamsError
 from ..prefix_cache import DEFAULT_CACHE_BYTES, DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, ReplyTokens
 from .grammar import GrammarConstraint, GrammarError, json_schema_grammar, tool_call_grammar
 from .output import ChatOutput
@@ -107,7 +108,7 @@ def _as_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, ContextLengthError):
         return bad_request(str(e), code="context_length_exceeded")
-    if isinstance(e, (GrammarError, ChatTemplateError)):
+    if isinstance(e, (GrammarError, ChatTemplateError, SamplingParamsError)):
         return bad_request(str(e))
     if isinstance(e, Cancelled):
         return APIError(499, str(e), type="cancelled")
@@ -322,6 +323,10 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
+
+    @app.exception_handler(LilyError)
+    async def _lily_error(request: Request, e: LilyError):
+        return error_response(_as_api_error(e))
 
     @app.exception_handler(Exception)
     async def _any_error(request: Request, e: Exception):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .reasoning import held_suffix
@@ -129,7 +129,7 @@ class _Open:
     call: ToolCall | None = None
     pos: int = 0                 # parsed up to here in buf
     n_args: int = 0
-    params: dict[str, Any] = field(default_factory=dict)
+    ws: str = ""                 # whitespace before <tool_call> (content again if this is not a call)
 
 
 class ToolCallParser:
@@ -156,9 +156,10 @@ class ToolCallParser:
                     self._content(events, emit)
                     self.buf = self.buf[len(emit):]
                     return events
-                self._content(events, self.buf[:at].rstrip())
+                before = self.buf[:at]
+                self._content(events, before.rstrip())
                 self.buf = self.buf[at + len(TOOL_CALL):]
-                self.open = _Open(len(self.calls))
+                self.open = _Open(len(self.calls), ws=before[len(before.rstrip()):])
             end = self.buf.find(TOOL_CALL_END)
             body = self.buf if end < 0 else self.buf[:end]
             self.open.buf = body
@@ -177,7 +178,7 @@ class ToolCallParser:
             o = self.open
             self._parse(events, final=True)
             if o.call is None:
-                self._content(events, TOOL_CALL + o.buf)
+                self._content(events, o.ws + TOOL_CALL + o.buf)
             self.open = None
         elif self.buf:
             self._content(events, self.buf)
@@ -242,7 +243,7 @@ class ToolCallParser:
             if not isinstance(name, str) or not isinstance(args, dict):
                 raise ValueError
         except (ValueError, KeyError, TypeError):
-            self._content(events, TOOL_CALL + o.buf)
+            self._content(events, o.ws + TOOL_CALL + o.buf)
             return
         o.call = ToolCall(new_call_id(), name)
         self.calls.append(o.call)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import queue
 import threading
 import time
@@ -72,6 +73,9 @@ class EngineWorker:
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "last_cancel_steps": None,
                       "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
         self._stopping = False
+        # test hook: pretend every decode step takes this long (a fast tiny model finishes before a client
+        # can hang up); only read from the environment, never from a request
+        self._step_delay = float(os.environ.get("LILY_TEST_STEP_DELAY", "0") or 0)
 
     def start(self) -> None:
         self._thread.start()
@@ -152,6 +156,8 @@ class EngineWorker:
                     self.stats["cached_tokens"] += s.cached_tokens
                     self.stats["generated_tokens"] += s.generated_tokens
                 job.emit("chunk", chunk)
+                if self._step_delay:
+                    time.sleep(self._step_delay)
                 if job.cancel.is_set():
                     raise Cancelled
             self.stats["completed"] += 1
