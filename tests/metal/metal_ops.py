@@ -214,3 +214,78 @@ def gdn_gated_norm(o, z, w, p):
     y, = emu.run3(lib("deltanet"), "gdn_gated_norm", (rows, 1, 1), (32, 1, 1), [o, z, w, p], outputs=[0],
                   poison=False)
     return y
+
+
+def rope_table(rotary_dim: int, theta: float) -> np.ndarray:
+    """[rd/2, 2] float32 (hi, lo) split of theta^(-2i/rd) computed in double, as the host does."""
+    f = theta ** (-np.arange(rotary_dim // 2, dtype=np.float64) * 2.0 / rotary_dim)
+    hi = f.astype(np.float32)
+    return np.stack([hi, (f - hi.astype(np.float64)).astype(np.float32)], 1)
+
+
+def attn_params(Hq, Hkv, D, rd, theta, pos0, S, eps=1e-6):
+    return emu.params("AttentionParams", n_heads=Hq, n_kv_heads=Hkv, head_dim=D, rotary_dim=rd,
+                      rope_theta=theta, eps=eps, scale=D ** -0.5, pos0=pos0, S=S)
+
+
+def _hpg(nd: int) -> int:
+    return 8 if nd == 8 else 4
+
+
+def attn_prep(qg, k, v, q_norm, k_norm, rope, k_cache, v_cache, p):
+    """-> (q [S, Hq*D], k_cache', v_cache')."""
+    S = qg.shape[0]
+    Hq, Hkv, D = int(p["n_heads"]), int(p["n_kv_heads"]), int(p["head_dim"])
+    q, kc, vc = emu.run3(lib("attention"), f"attn_prep_nd{D // 32}", (S, Hq + Hkv, 1), (32, 1, 1),
+                         [qg, k, v, q_norm, k_norm, rope, np.zeros((S, Hq * D), np.float32), k_cache, v_cache, p],
+                         outputs=[6, 7, 8], poison=[6])
+    return q, kc, vc
+
+
+def attn_prefill(q, qg, k_cache, v_cache, p, rows=4):
+    S = q.shape[0]
+    Hq, Hkv, D = int(p["n_heads"]), int(p["n_kv_heads"]), int(p["head_dim"])
+    nd = D // 32
+    hpg = _hpg(nd)
+    grid = (-(-S // rows), Hkv, -(-(Hq // Hkv) // hpg))
+    out, = emu.run3(lib("attention"), f"attn_prefill_nd{nd}_h{hpg}", grid, (32 * rows, 1, 1),
+                    [q, qg, k_cache, v_cache, np.zeros((S, Hq * D), np.float32), p], outputs=[4])
+    return out
+
+
+def attn_decode(q, qg, k_cache, v_cache, p, split_len=32, nsg=2):
+    """One row at position pos0 (keys 0..pos0), split-K with parts of split_len keys."""
+    Hq, Hkv, D = int(p["n_heads"]), int(p["n_kv_heads"]), int(p["head_dim"])
+    nd = D // 32
+    hpg = _hpg(nd)
+    T = int(p["pos0"]) + 1
+    parts = -(-T // split_len)
+    sp = emu.params("AttnSplitParams", n_splits=parts, split_len=split_len)
+    grid = (-(-parts // nsg), Hkv, -(-(Hq // Hkv) // hpg))
+    ml, po = emu.run3(lib("attention"), f"attn_decode_nd{nd}_h{hpg}", grid, (32 * nsg, 1, 1),
+                      [q, k_cache, v_cache, np.zeros((Hq, parts, 2), np.float32),
+                       np.zeros((Hq, parts, D), np.float32), p, sp], outputs=[3, 4])
+    out, = emu.run3(lib("attention"), f"attn_decode_combine_nd{nd}", (Hq, 1, 1), (32, 1, 1),
+                    [ml, po, qg, np.zeros((1, Hq * D), np.float32), p, sp], outputs=[3])
+    return out
+
+
+def rms_norm(x, w, eps=1e-6, nt=64):
+    S, n = x.shape
+    na = emu.params("NormArgs", dim=n, eps=eps, x_stride=n, y_stride=n)
+    y, = emu.run3(lib("norm"), "rms_norm", (S, 1, 1), (nt, 1, 1), [x, w, np.zeros_like(x), na], outputs=[2])
+    return y
+
+
+def embed(w: Weight, ids):
+    ids = np.asarray(ids, np.int32)
+    x, = emu.run3(lib("norm"), f"embed_{w.fmt}", (len(ids), 1, 1), (64, 1, 1),
+                  [*w.bufs, ids, np.zeros((len(ids), w.inp), np.float32), w.args()], outputs=[4])
+    return x
+
+
+def argmax(logits, slot=1, nt=256):
+    na = emu.params("NormArgs", dim=logits.size, x_stride=slot)
+    tok, = emu.run3(lib("norm"), "argmax", (1, 1, 1), (nt, 1, 1), [logits, np.full(2, -1, np.int32), na],
+                    outputs=[1], poison=False)
+    return int(tok[slot])

@@ -1,0 +1,114 @@
+"""metal/attention.metal: q/k prep (norms, partial RoPE, KV append), causal prefill attention, split-K decode
+attention, and the whole attention mixer against lily.reference.attention."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _metrics import assert_close
+from metal_ops import Weight, attn_decode, attn_params, attn_prefill, attn_prep, gemm, gemv, rope_table
+from tolerances import tol
+
+from lily.reference.attention import attention_mixer
+from lily.reference.linear import Weights
+from lily.reference.ops import rms_norm, rope, sigmoid, softmax
+from lily.testing import random_weights, tiny_configs
+
+TOL = tol("op_vs_reference")["rel_rms"]
+THETA = 1e7
+
+
+@pytest.mark.parametrize("S,Hq,Hkv,D,pos0", [(3, 4, 2, 64, 0), (1, 3, 1, 64, 300), (5, 2, 1, 32, 17),
+                                             (2, 16, 2, 256, 4000)])
+def test_prep(rng, S, Hq, Hkv, D, pos0):
+    rd = D // 4
+    qg = rng.standard_normal((S, Hq * 2 * D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv * D)).astype(np.float32)
+    qn, kn = (1 + 0.1 * rng.standard_normal((2, D))).astype(np.float32)
+    cap = pos0 + S + 3
+    kc0 = rng.standard_normal((cap, Hkv * D)).astype(np.float32)
+    vc0 = rng.standard_normal((cap, Hkv * D)).astype(np.float32)
+    p = attn_params(Hq, Hkv, D, rd, THETA, pos0, S)
+    q, kc, vc = attn_prep(qg, k, v, qn, kn, rope_table(rd, THETA), kc0, vc0, p)
+    pos = np.arange(pos0, pos0 + S)
+    ref_q = rope(rms_norm(qg.reshape(S, Hq, 2 * D)[..., :D], qn, 1e-6), pos, rd, THETA)
+    ref_k = rope(rms_norm(k.reshape(S, Hkv, D), kn, 1e-6), pos, rd, THETA)
+    assert_close(f"attn_prep q S={S} D={D} pos0={pos0}", q, ref_q.reshape(S, -1), TOL)
+    assert_close(f"attn_prep k D={D} pos0={pos0}", kc[pos0:pos0 + S], ref_k.reshape(S, -1), TOL)
+    np.testing.assert_array_equal(vc[pos0:pos0 + S], v)
+    untouched = np.r_[0:pos0, pos0 + S:cap]
+    np.testing.assert_array_equal(kc[untouched], kc0[untouched])
+    np.testing.assert_array_equal(vc[untouched], vc0[untouched])
+
+
+def _attn_ref(q, qg, kc, vc, Hq, Hkv, D, pos0):
+    """q [S, Hq, D] (prepared), cache [T, Hkv, D] -> gated output [S, Hq*D]."""
+    S = q.shape[0]
+    G = Hq // Hkv
+    out = np.zeros((S, Hq, D))
+    for t in range(S):
+        T = pos0 + t + 1
+        for h in range(Hq):
+            s = q[t, h] @ kc[:T, h // G].T * D ** -0.5
+            out[t, h] = softmax(s) @ vc[:T, h // G]
+    gate = qg.reshape(S, Hq, 2 * D)[..., D:]
+    return (out * sigmoid(gate)).reshape(S, -1)
+
+
+def _attn_inputs(rng, S, Hq, Hkv, D, pos0):
+    T = pos0 + S
+    q = rng.standard_normal((S, Hq, D)).astype(np.float32)
+    qg = rng.standard_normal((S, Hq * 2 * D)).astype(np.float32)
+    kc = rng.standard_normal((T + 2, Hkv, D)).astype(np.float32)
+    vc = rng.standard_normal((T + 2, Hkv, D)).astype(np.float32)
+    return q, qg, kc, vc
+
+
+@pytest.mark.parametrize("S,Hq,Hkv,D,pos0", [(1, 4, 2, 64, 0), (6, 3, 1, 64, 9), (5, 2, 1, 32, 0),
+                                             (3, 16, 2, 256, 40)])
+def test_prefill(rng, S, Hq, Hkv, D, pos0):
+    q, qg, kc, vc = _attn_inputs(rng, S, Hq, Hkv, D, pos0)
+    p = attn_params(Hq, Hkv, D, D // 4, THETA, pos0, S)
+    out = attn_prefill(q.reshape(S, -1), qg, kc.reshape(len(kc), -1), vc.reshape(len(vc), -1), p)
+    assert_close(f"attn_prefill S={S} Hq={Hq} D={D} pos0={pos0}", out, _attn_ref(q, qg, kc, vc, Hq, Hkv, D, pos0), TOL)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,pos0,split", [(4, 2, 64, 0, 32), (3, 1, 64, 99, 32), (2, 1, 32, 70, 16),
+                                                 (16, 2, 256, 130, 64)])
+def test_decode_split_k(rng, Hq, Hkv, D, pos0, split):
+    q, qg, kc, vc = _attn_inputs(rng, 1, Hq, Hkv, D, pos0)
+    p = attn_params(Hq, Hkv, D, D // 4, THETA, pos0, 1)
+    out = attn_decode(q.reshape(1, -1), qg, kc.reshape(len(kc), -1), vc.reshape(len(vc), -1), p, split_len=split)
+    assert_close(f"attn_decode Hq={Hq} D={D} T={pos0 + 1} split={split}", out,
+                 _attn_ref(q, qg, kc, vc, Hq, Hkv, D, pos0), TOL)
+
+
+@pytest.mark.parametrize("name,S,pos0", [("tiny", 7, 5), ("tiny_dk_ne_dv", 1, 12), ("tiny_odd", 3, 0)])
+def test_attention_mixer_vs_reference(rng, name, S, pos0):
+    """Projections + prep + attention + o_proj against the reference mixer, with a cache already holding
+    pos0 rows (prefill for S > 1, split-K decode for S == 1)."""
+    cfg = tiny_configs()[name]
+    layer = 3
+    tensors, quant = random_weights(cfg, seed=11)
+    ref_w = Weights(tensors, quant)
+    pre = f"model.layers.{layer}.self_attn"
+    W = {m: Weight.from_tensors(tensors, quant, f"{pre}.{m}") for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    h = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
+    kc0 = rng.standard_normal((pos0, Hkv, D)).astype(np.float32)
+    vc0 = rng.standard_normal((pos0, Hkv, D)).astype(np.float32)
+    ref_out, ref_k, ref_v = attention_mixer(h, ref_w, layer, cfg, kc0, vc0, np.arange(pos0, pos0 + S))
+    cap = pos0 + S + 1
+    kc = np.zeros((cap, Hkv * D), np.float32)
+    vc = np.zeros((cap, Hkv * D), np.float32)
+    kc[:pos0], vc[:pos0] = kc0.reshape(pos0, Hkv * D), vc0.reshape(pos0, Hkv * D)
+    lin = gemv if S == 1 else gemm
+    qg, k, v = (lin(W[m], h) for m in ("q_proj", "k_proj", "v_proj"))
+    p = attn_params(Hq, Hkv, D, cfg.rotary_dim, cfg.rope_theta, pos0, S)
+    q, kc, vc = attn_prep(qg, k, v, ref_w.vec(pre + ".q_norm.weight"), ref_w.vec(pre + ".k_norm.weight"),
+                          rope_table(cfg.rotary_dim, cfg.rope_theta), kc, vc, p)
+    o = attn_decode(q, qg, kc, vc, p, split_len=8) if S == 1 else attn_prefill(q, qg, kc, vc, p)
+    x0 = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
+    out = lin(W["o_proj"], o, x0) if S == 1 else gemm(W["o_proj"], o, y0=x0)
+    assert_close(f"attention mixer {name} S={S} pos0={pos0}", out - x0, ref_out, TOL)
+    assert_close(f"attention k cache {name}", kc[:pos0 + S], ref_k.reshape(pos0 + S, -1), TOL)
