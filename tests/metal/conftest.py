@@ -30,9 +30,13 @@ def have_clang():
     return True
 
 
+# family -> path of a modified copy of its .metal file (tests/metal/test_planted_bugs.py)
+OVERRIDE: dict[str, str] = {}
+
+
 def lib(name: str) -> emu.Library:
-    """The emulator build of metal/<name>.metal (cached per session)."""
-    return emu.library(os.path.join(METAL_DIR, name + ".metal"))
+    """The emulator build of metal/<name>.metal (cached per session), or of its planted copy."""
+    return emu.library(OVERRIDE.get(name) or os.path.join(METAL_DIR, name + ".metal"))
 
 
 def nan_like(shape, dtype=np.float32) -> np.ndarray:

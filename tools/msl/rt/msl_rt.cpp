@@ -1,8 +1,8 @@
 // CPU runtime for MSL-as-C++ kernels: one fiber per GPU thread, simdgroups of 32 lanes.
 // A fiber runs until it reaches a sync point (simd_* collective, simdgroup_matrix op, simdgroup or
 // threadgroup barrier) or exits. When every fiber of the threadgroup is blocked, the scheduler resolves
-// pending simd collectives (per simdgroup, lowest source line first = reconvergence heuristic), then
-// threadgroup barriers. Running each thread to its next sync point is adversarial for missing barriers;
+// pending simd collectives (lowest source line first within a simdgroup = reconvergence heuristic;
+// simdgroups skewed or in lockstep depending on the schedule), then threadgroup barriers. Running each thread to its next sync point is adversarial for missing barriers;
 // running the same dispatch in forward, reverse and shuffled order (threads and threadgroups) and
 // comparing outputs exposes races. Threadgroup memory is poisoned (0xFF bytes = NaN) per threadgroup.
 #include "../include/msl_rt_api.h"
@@ -102,6 +102,7 @@ struct Runner {  // one per OS thread
   Shared* sh = nullptr;
   unsigned long switches = 0, collectives = 0, barriers = 0, divergent = 0;
   std::vector<unsigned> seg_live;  // per simdgroup: lanes live at its last sync point
+  std::vector<unsigned> sg_order;
   ~Runner() { for (auto& x : f) if (x.stack) give_stack(x.stack); }
   void diag(const std::string& s) { std::lock_guard<std::mutex> g(sh->mu); sh->diags.insert(s); }
 };
@@ -164,38 +165,78 @@ void init_fiber(Runner& r, unsigned i, const unsigned tg[3], const unsigned grid
   x.st = St::Runnable;
 }
 
-// Resolves at most one pending collective per simdgroup; returns true if any was resolved.
-// Strict rule: the participants must be every lane that was live when the simdgroup last synchronised
-// (seg_live); a lane that exited in between skipped the collective, which is reported as divergence.
-bool resolve_collectives(Runner& r, unsigned T, unsigned nsg) {
-  bool progress = false;
-  for (unsigned s = 0; s < nsg; s++) {
-    unsigned lo = s * 32, hi = std::min(T, lo + 32), live = r.seg_live[s], best = ~0u;
-    for (unsigned i = lo; i < hi; i++)
-      if (r.f[i].st == St::AtSimd) best = std::min(best, r.f[i].line);
-    if (best == ~0u) continue;
-    const void* ins[32] = {nullptr};
-    unsigned mask = 0;
-    for (unsigned i = lo; i < hi; i++)
-      if (r.f[i].st == St::AtSimd && r.f[i].line == best) { mask |= 1u << (i - lo); ins[i - lo] = r.f[i].in; }
-    if (mask != live) {
-      r.divergent++;
-      char b[220];
-      snprintf(b, sizeof b, "ERROR line %u: simdgroup collective reached by lanes 0x%08x of live lanes 0x%08x "
-               "(divergent control flow)", best, mask, live);
-      r.diag(b);
-    }
-    for (unsigned i = lo; i < hi; i++) {
-      Fiber& x = r.f[i];
-      if (!(mask >> (i - lo) & 1u)) continue;
-      if (x.fn) x.fn(ins, mask, i - lo, x.out);
-      x.st = St::Runnable;
-    }
-    r.seg_live[s] = 0;
-    for (unsigned i = lo; i < hi; i++) if (r.f[i].st != St::Done) r.seg_live[s] |= 1u << (i - lo);
-    r.collectives++;
-    progress = true;
+// Resolves the pending collective of simdgroup s with the lowest source line (reconvergence heuristic);
+// returns false if none is pending. Strict rule: the participants must be every lane that was live when
+// the simdgroup last synchronised (seg_live); a lane that exited in between skipped the collective.
+bool resolve_sg(Runner& r, unsigned s, unsigned T) {
+  const unsigned lo = s * 32, hi = std::min(T, lo + 32), live = r.seg_live[s];
+  unsigned best = ~0u;
+  for (unsigned i = lo; i < hi; i++)
+    if (r.f[i].st == St::AtSimd) best = std::min(best, r.f[i].line);
+  if (best == ~0u) return false;
+  const void* ins[32] = {nullptr};
+  unsigned mask = 0;
+  for (unsigned i = lo; i < hi; i++)
+    if (r.f[i].st == St::AtSimd && r.f[i].line == best) { mask |= 1u << (i - lo); ins[i - lo] = r.f[i].in; }
+  if (mask != live) {
+    r.divergent++;
+    char b[220];
+    snprintf(b, sizeof b, "ERROR line %u: simdgroup collective reached by lanes 0x%08x of live lanes 0x%08x "
+             "(divergent control flow)", best, mask, live);
+    r.diag(b);
   }
+  for (unsigned i = lo; i < hi; i++) {
+    Fiber& x = r.f[i];
+    if (!(mask >> (i - lo) & 1u)) continue;
+    if (x.fn) x.fn(ins, mask, i - lo, x.out);
+    x.st = St::Runnable;
+  }
+  r.seg_live[s] = 0;
+  for (unsigned i = lo; i < hi; i++) if (r.f[i].st != St::Done) r.seg_live[s] |= 1u << (i - lo);
+  r.collectives++;
+  return true;
+}
+
+void run_fiber(Runner& r, Fiber& x) {
+  r.cur = &x;
+#ifdef MSL_FAST_SWITCH
+  msl_ctx_switch(&r.sched_sp, x.sp);
+#else
+  swapcontext(&r.sched, &x.ctx);
+#endif
+  r.switches++;
+}
+
+// One step of the skewed schedules (0: simdgroup 0 first, 1: last first): the first simdgroup in priority
+// order that can move runs its lanes to their next sync point, or has its collective resolved. That
+// simdgroup therefore runs ahead, alone, until it blocks at a threadgroup barrier or exits, which exposes
+// a missing barrier between threadgroup-memory writes by one simdgroup and reads by another.
+bool step_skewed(Runner& r, unsigned T, unsigned nsg, int sched) {
+  for (unsigned k = 0; k < nsg; k++) {
+    const unsigned s = sched == 1 ? nsg - 1 - k : k;
+    const unsigned lo = s * 32, hi = std::min(T, lo + 32);
+    bool ran = false;
+    for (unsigned j = lo; j < hi; j++) {
+      const unsigned i = sched == 1 ? hi - 1 - (j - lo) : j;
+      if (r.f[i].st == St::Runnable) { run_fiber(r, r.f[i]); ran = true; }
+    }
+    if (ran || resolve_sg(r, s, T)) return true;
+  }
+  return false;
+}
+
+// One step of the lockstep schedule (2): every runnable thread in a shuffled order, then one collective
+// per simdgroup, simdgroups in a shuffled order.
+bool step_lockstep(Runner& r, unsigned T, unsigned nsg, std::vector<unsigned>& order, std::mt19937& rng) {
+  std::shuffle(order.begin(), order.end(), rng);
+  for (unsigned i : order)
+    if (r.f[i].st == St::Runnable) run_fiber(r, r.f[i]);
+  std::vector<unsigned>& sgs = r.sg_order;
+  sgs.resize(nsg);
+  for (unsigned s = 0; s < nsg; s++) sgs[s] = s;
+  std::shuffle(sgs.begin(), sgs.end(), rng);
+  bool progress = false;
+  for (unsigned s : sgs) progress |= resolve_sg(r, s, T);
   return progress;
 }
 
@@ -210,21 +251,9 @@ void run_threadgroup(Runner& r, const unsigned tg[3], const unsigned grid[3], co
   r.seg_live.assign(nsg, 0);
   for (unsigned i = 0; i < T; i++) r.seg_live[i / 32] |= 1u << (i % 32);
   std::vector<unsigned> order(T);
-  for (unsigned i = 0; i < T; i++) order[i] = sched == 1 ? T - 1 - i : i;
+  for (unsigned i = 0; i < T; i++) order[i] = i;
   for (;;) {
-    if (sched == 2) std::shuffle(order.begin(), order.end(), rng);
-    for (unsigned i : order) {
-      Fiber& x = r.f[i];
-      if (x.st != St::Runnable) continue;
-      r.cur = &x;
-#ifdef MSL_FAST_SWITCH
-      msl_ctx_switch(&r.sched_sp, x.sp);
-#else
-      swapcontext(&r.sched, &x.ctx);
-#endif
-      r.switches++;
-    }
-    if (resolve_collectives(r, T, nsg)) continue;
+    if (sched == 2 ? step_lockstep(r, T, nsg, order, rng) : step_skewed(r, T, nsg, sched)) continue;
     unsigned live = 0, at_bar = 0;
     std::set<unsigned> lines;
     for (unsigned i = 0; i < T; i++) {
