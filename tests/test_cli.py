@@ -56,7 +56,7 @@ def test_chat_loop_keeps_session(ckpt, capsys, monkeypatch):
     assert err.count("decode") == 2
 
 
-@pytest.mark.parametrize("cmd", ["serve", "bench", "convert"])
+@pytest.mark.parametrize("cmd", ["bench", "convert"])
 def test_later_commands_say_not_yet(cmd, capsys):
     assert main([cmd, "--port", "1"]) == 2
     assert "not yet available" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -322,6 +323,7 @@ class ReplyTokens:
         self.max_entries = int(max_entries)
         self._replies: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._texts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # raw prompt + completion (no template)
+        self._lock = threading.Lock()  # a server remembers on one thread and encodes on others
 
     def __len__(self) -> int:
         return len(self._replies)
@@ -329,29 +331,35 @@ class ReplyTokens:
     def remember(self, text: str, ids: Sequence[int]) -> None:
         if not text or not ids:
             return
-        self._replies[text] = tuple(int(t) for t in ids)
-        self._replies.move_to_end(text)
-        while len(self._replies) > self.max_entries:
-            self._replies.popitem(last=False)
+        with self._lock:
+            self._replies[text] = tuple(int(t) for t in ids)
+            self._replies.move_to_end(text)
+            while len(self._replies) > self.max_entries:
+                self._replies.popitem(last=False)
 
     def remember_text(self, text: str, ids: Sequence[int]) -> None:
         """A raw-text context (a completions prompt plus its completion) and its exact tokens."""
         if text and ids:
-            self._texts[text] = tuple(int(t) for t in ids)
-            self._texts.move_to_end(text)
-            while len(self._texts) > self.max_entries:
-                self._texts.popitem(last=False)
+            with self._lock:
+                self._texts[text] = tuple(int(t) for t in ids)
+                self._texts.move_to_end(text)
+                while len(self._texts) > self.max_entries:
+                    self._texts.popitem(last=False)
 
     def encode_text(self, tokenizer: Any, text: str) -> list[int]:
         """Raw text -> ids, continuing the exact tokens of the longest remembered context it starts with."""
-        best = max((t for t in self._texts if text.startswith(t)), key=len, default=None)
+        with self._lock:
+            best = max((t for t in self._texts if text.startswith(t)), key=len, default=None)
+            head = self._texts[best] if best is not None else None
         if best is None:
             return tokenizer.encode(text)
         rest = text[len(best):]
-        return list(self._texts[best]) + (tokenizer.encode(rest) if rest else [])
+        return list(head) + (tokenizer.encode(rest) if rest else [])
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps([[t, list(ids)] for t, ids in self._replies.items()], ensure_ascii=False))
+        with self._lock:
+            items = [[t, list(ids)] for t, ids in self._replies.items()]
+        Path(path).write_text(json.dumps(items, ensure_ascii=False))
 
     def load(self, path: str | os.PathLike) -> None:
         try:
@@ -362,7 +370,9 @@ class ReplyTokens:
 
     def encode(self, tokenizer: Any, text: str) -> list[int]:
         spans: list[tuple[int, int, tuple[int, ...]]] = []
-        for reply, ids in reversed(self._replies.items()):
+        with self._lock:
+            replies = list(self._replies.items())
+        for reply, ids in reversed(replies):
             i = text.find(reply)
             while i >= 0:
                 j = i + len(reply)

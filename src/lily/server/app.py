@@ -225,7 +225,8 @@ class LilyServer:
         if tools and (choice == "required" or forced):
             if constraint is not None:
                 raise bad_request("response_format and a forced tool_choice cannot be combined", param="tool_choice")
-            constraint = GrammarConstraint(model, tool_call_grammar(tools, forced), start_after)
+            grammar = tool_call_grammar(tools, forced, parallel=req.parallel_tool_calls is not False)
+            constraint = GrammarConstraint(model, grammar, start_after)
         return {"ids": ids, "sampling": sampling, "constraint": constraint, "in_reasoning": in_reasoning,
                 "tools": tools, "parse_tools": bool(tools) and choice != "none"}
 

@@ -77,9 +77,9 @@ def _value_rule(schema: Mapping[str, Any] | None) -> str:
     return "%json " + json.dumps(dict(schema), ensure_ascii=False)
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> str:
-    """Lark grammar: one (named) or one or more (required) tool calls in the model's XML format, with each
-    function's parameters in schema order (required ones always, optional ones allowed)."""
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+    """Lark grammar: one (named, or parallel=False) or one or more (required) tool calls in the model's XML
+    format, with each function's parameters in schema order (required ones always, optional ones allowed)."""
     llg = _llg()
     fns = []
     for t in tools:
@@ -103,7 +103,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = Non
                      f'{_lark_str("</function>" + chr(10))}')
         alts.append(f"f{i}")
     call = "call: <tool_call> (" + " | ".join(alts) + ") </tool_call>"
-    start = "start: call" if name is not None else 'start: call ("\\n" call)*'
+    start = "start: call" if name is not None or not parallel else 'start: call ("\\n" call)*'
     return llg.LLMatcher.grammar_from_lark("\n".join([start, call, *rules]))
 
 

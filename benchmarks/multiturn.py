@@ -1,0 +1,241 @@
+"""Multi-turn agentic benchmark: time to first token per turn with prefix reuse on and off.
+
+A 10-turn agent loop (system prompt with tool definitions, one user task, then per turn: the model's tool
+call, sent back as an assistant message, and a tool result that grows the context) is run twice on the same
+model: with prefix reuse (one session + PrefixCache + ReplyTokens: what `lily serve` does) and without (every
+turn prefills the whole conversation from an empty state, as engines without hybrid-state reuse do).
+The tool calls are forced by the tool-call grammar so that a random synthetic model produces real calls.
+
+    python benchmarks/multiturn.py --config small --backend cpu --target-tokens 16384
+    python benchmarks/multiturn.py --model /path/to/Qwen3.6-35B-A3B-4bit --backend cuda --target-tokens 16384
+
+Writes benchmarks/results/multiturn_<tag>.json (hardware, git sha, settings, per-turn figures) and a PNG plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a text file from the user's project and return its contents.",
+        "parameters": {"type": "object", "required": ["path"], "properties": {
+            "path": {"type": "string", "maxLength": 24, "description": "Path relative to the project root"},
+            "max_lines": {"type": "integer", "minimum": 1, "maximum": 999}}}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the project for a regular expression.",
+        "parameters": {"type": "object", "required": ["pattern"], "properties": {
+            "pattern": {"type": "string", "maxLength": 24}}}}},
+]
+SYSTEM = ("You are a careful coding agent working in the user's repository. Use the tools to read files and "
+          "search before you answer. Keep answers short and cite the files you used.")
+WORDS = ("the engine loads weights tokenizes prompts and generates tokens while the session keeps its state "
+         "between turns so that nothing already seen is computed twice def main return value print open file "
+         "read write path config model layer attention expert router cache snapshot restore").split()
+
+
+def small_config() -> dict:
+    """A mid-size config for CPU runs: the real layer pattern and ratios, small dimensions."""
+    from lily.testing import config_dict
+    d = dict(config_dict("tiny"))
+    d.update(hidden_size=512, num_hidden_layers=8, vocab_size=2048, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+             linear_value_head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+             shared_expert_intermediate_size=256, max_position_embeddings=65536)
+    d["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]
+    return d
+
+
+def make_checkpoint(name: str, folder: Path) -> Path:
+    from lily.config import ModelConfig
+    from lily.testing import config_dict, random_weights, write_mlx_checkpoint, write_tokenizer
+    d = small_config() if name == "small" else dict(config_dict(name))
+    d["max_position_embeddings"] = max(d["max_position_embeddings"], 65536)
+    tok = write_tokenizer(folder, vocab_size=min(d["vocab_size"], 4096))
+    d["eos_token_id"] = tok["eos_token_id"]
+    tensors, quant = random_weights(ModelConfig.from_dict(d), 0)
+    write_mlx_checkpoint(folder, d, tensors, quant, generation_config={"eos_token_id": [tok["eos_token_id"]]})
+    return folder
+
+
+def tool_result(tokenizer, n_tokens: int, rng: np.random.Generator) -> str:
+    """Synthetic file contents of about n_tokens tokens."""
+    lines, count = [], 0
+    while count < n_tokens:
+        line = " ".join(rng.choice(WORDS, size=12))
+        lines.append(line)
+        count += len(tokenizer.encode(line + "\n"))
+    return "\n".join(lines)
+
+
+def run_conversation(model, *, reuse: bool, turns: int, target: int, seed: int, max_tokens: int) -> list[dict]:
+    from lily.generation import resolve_sampling
+    from lily.prefix_cache import PrefixCache, ReplyTokens
+    from lily.server.grammar import GrammarConstraint, tool_call_grammar
+    from lily.server.tool_calls import parse_tool_calls
+
+    rng = np.random.default_rng(seed)
+    cache = PrefixCache(max_bytes=8 << 30) if reuse else None
+    replies = ReplyTokens()
+    session = model.session(prefix_cache=cache)
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Find where the session state is restored and explain it briefly."}]
+    kw = {"enable_thinking": False}
+    sampling = resolve_sampling(model.generation_config, max_tokens=max_tokens, temperature=0.0)
+    rows = []
+    for turn in range(1, turns + 1):
+        text = model.chat_template.render(messages, add_generation_prompt=True, tools=TOOLS, **kw)
+        ids = replies.encode(model.tokenizer, text) if reuse else model.tokenizer.encode(text)
+        if not reuse:
+            session.reset()
+        constraint = GrammarConstraint(model, tool_call_grammar(TOOLS, "read_file"))
+        t0 = time.perf_counter()
+        stream = session.generate(ids, whole=True, stream=True, sampling=sampling, constraint=constraint)
+        first = next(stream)
+        ttft = time.perf_counter() - t0
+        chunks = [first, *stream]
+        out = [c.token_id for c in chunks]
+        stats = chunks[-1].stats  # the last chunk carries the stats
+        rows.append({"turn": turn, "prompt_tokens": len(ids), "cached_tokens": stats.cached_tokens,
+                     "prefilled_tokens": len(ids) - stats.cached_tokens, "ttft_s": ttft,
+                     "prefill_s": stats.prefill_s, "generated_tokens": len(out)})
+        stop = out[-1] if out and out[-1] in model.stop_token_ids else None
+        reply_ids = out[:-1] if stop is not None else out
+        if reuse and stop is not None:
+            session.flush()  # the server does this between requests
+        reply = model.tokenizer.decode(reply_ids)
+        replies.remember(reply, reply_ids)
+        content, calls = parse_tool_calls(reply, TOOLS)
+        tool_calls = [{"id": c.id, "type": "function",
+                       "function": {"name": c.name, "arguments": json.loads(c.arguments or "{}")}} for c in calls]
+        messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
+        # the tool result grows the context evenly towards the target over the remaining turns
+        grow = (target - len(ids) - len(out)) // max(1, turns - turn)
+        messages.append({"role": "tool", "content": tool_result(model.tokenizer, max(16, grow - len(out)), rng)})
+        print(f"  turn {turn:2d}: prompt {len(ids):6d} tok, cached {stats.cached_tokens:6d}, "
+              f"TTFT {ttft * 1e3:8.1f} ms", flush=True)
+    return rows
+
+
+def hardware() -> dict:
+    info = {"machine": platform.machine(), "system": platform.system(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+        info["memory_gib"] = round(int(mem) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            info["gpu"] = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label, style in (("reuse_off", "prefix reuse off (full prefill)", "o-"),
+                              ("reuse_on", "prefix reuse on (lily)", "s-")):
+        rows = result["runs"][key]
+        a.plot([r["turn"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], style, label=label)
+        b.plot([r["turn"] for r in rows], [r["prefilled_tokens"] for r in rows], style, label=label)
+    s = result["settings"]
+    a.set(xlabel="turn", ylabel="time to first token (ms)", yscale="log",
+          title=f"TTFT per turn ({s['backend']}, {s['config']})")
+    b.set(xlabel="turn", ylabel="tokens prefilled", yscale="log", title="prompt tokens actually computed")
+    for ax in (a, b):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"lily multi-turn agentic session, {s['turns']} turns growing to ~{s['target_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: a synthetic one of --config)")
+    p.add_argument("--config", default="small", help="synthetic config: tiny, small, full")
+    p.add_argument("--backend", default="cpu")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--target-tokens", type=int, default=16384)
+    p.add_argument("--max-tokens", type=int, default=200, help="token limit per reply (a forced tool call)")
+    p.add_argument("--tag", default=None, help="result file name tag (default: backend_config)")
+    p.add_argument("--note", default="", help="free text stored in the JSON")
+    args = p.parse_args(argv)
+
+    import lily
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else make_checkpoint(args.config, Path(tmp))
+        t0 = time.perf_counter()
+        model = lily.load(path, backend=args.backend, threads=args.threads,
+                          max_context=args.target_tokens + args.target_tokens // 4 + 1024)
+        load_s = time.perf_counter() - t0
+        config = args.config if not args.model else Path(args.model).name
+        print(f"{model!r} (loaded in {load_s:.1f} s)")
+        runs = {}
+        for key, reuse in (("reuse_on", True), ("reuse_off", False)):
+            print(f"{key}:")
+            runs[key] = run_conversation(model, reuse=reuse, turns=args.turns, target=args.target_tokens, seed=0,
+                                         max_tokens=args.max_tokens)
+    on, off = runs["reuse_on"], runs["reuse_off"]
+    summary = {
+        "final_prompt_tokens": on[-1]["prompt_tokens"],
+        "total_ttft_s": {"reuse_on": sum(r["ttft_s"] for r in on), "reuse_off": sum(r["ttft_s"] for r in off)},
+        "total_prefilled_tokens": {"reuse_on": sum(r["prefilled_tokens"] for r in on),
+                                   "reuse_off": sum(r["prefilled_tokens"] for r in off)},
+        "last_turn_ttft_s": {"reuse_on": on[-1]["ttft_s"], "reuse_off": off[-1]["ttft_s"]},
+        "last_turn_speedup": off[-1]["ttft_s"] / on[-1]["ttft_s"],
+        "mean_speedup_turns_2_on": float(np.mean([b["ttft_s"] / a["ttft_s"] for a, b in zip(on[1:], off[1:])])),
+    }
+    note = args.note or (f"{args.backend} backend, synthetic '{args.config}' config (random weights, not the "
+                         f"full model)" if not args.model else f"{args.backend} backend, {config}")
+    result = {"benchmark": "multiturn", "git_sha": git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "hardware": hardware(),
+              "settings": {"backend": model.backend, "config": config, "threads": model.threads,
+                           "turns": args.turns, "target_tokens": args.target_tokens, "max_tokens": args.max_tokens,
+                           "params": model.params, "weights_bytes": model.nbytes, "max_context": model.max_context,
+                           "sampling": "greedy, forced read_file tool call (grammar)", "enable_thinking": False,
+                           "note": note},
+              "summary": summary, "runs": runs}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or f"{args.backend}_{config}"
+    out = RESULTS / f"multiturn_{tag}.json"
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
