@@ -6,7 +6,7 @@ import json
 
 import pytest
 from _http import httpx
-from conftest import NO_THINK
+from _live import NO_THINK
 
 USER = [{"role": "user", "content": "Hello there, how are you today?"}]
 

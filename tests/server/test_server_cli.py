@@ -18,7 +18,7 @@ def _run_chat(monkeypatch, capsys, ckpt, lines, *extra):
 
     monkeypatch.setattr("builtins.input", fake_input)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from conftest import backend
+    from _live import backend
     rc = main(["chat", "--model", str(ckpt), "--backend", backend(), "-n", "8", "-t", "0", "--no-think", *extra])
     return rc, capsys.readouterr()
 

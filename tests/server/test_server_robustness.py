@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from _http import httpx
-from conftest import NO_THINK
+from _live import NO_THINK
 
 MSG = [{"role": "user", "content": "Tell me a story."}]
 
@@ -19,7 +19,7 @@ MSG = [{"role": "user", "content": "Tell me a story."}]
 def slow_server(tiny_ckpt, tmp_path_factory):
     """A server whose decode steps take 20 ms (LILY_TEST_STEP_DELAY, a test hook read from the environment
     only): the tiny model would otherwise finish a long generation before a client can hang up."""
-    from conftest import LiveServer
+    from _live import LiveServer
     srv = LiveServer(tiny_ckpt, tmp_path_factory.mktemp("slow") / "serve.log", env={"LILY_TEST_STEP_DELAY": "0.02"})
     yield srv
     srv.stop()

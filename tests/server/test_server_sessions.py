@@ -2,7 +2,7 @@
 turn after the restart prefills only its new tokens."""
 from __future__ import annotations
 
-from conftest import LiveServer
+from _live import LiveServer
 
 from lily.prefix_cache import SESSION_SUFFIX
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import NO_THINK
+from _live import NO_THINK
 
 from lily.server.reasoning import ReasoningParser
 from lily.server.tool_calls import ToolCallParser, convert_value, parse_tool_calls

@@ -1,0 +1,89 @@
+"""Helpers of the server tests: a live `lily serve` subprocess on a free 127.0.0.1 port, the backend to use."""
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+from _http import httpx
+
+API_KEY = "test-key"
+
+
+def backend() -> str:
+    try:
+        importlib.import_module("lily._lily")
+        return "cpu"
+    except ImportError:
+        return "reference"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`python -m lily serve ...` in a subprocess; stop() sends SIGINT (graceful: sessions are saved)."""
+
+    def __init__(self, ckpt: Path, log: Path, *extra: str, api_key: str | None = API_KEY, max_context: int = 4096,
+                 env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log
+        args = [sys.executable, "-m", "lily", "serve", "--model", str(ckpt), "--backend", backend(),
+                "--port", str(self.port), "--max-context", str(max_context), "--threads", "2",
+                "--model-name", "tiny", "--log-level", "warning", *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})}  # the same lily as this process
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lily serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"lily serve did not answer /health within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5.0).json()
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=60.0, **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
