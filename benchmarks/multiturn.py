@@ -70,6 +70,31 @@ def make_checkpoint(name: str, folder: Path) -> Path:
     return folder
 
 
+def synthetic_model(name: str, folder: Path, backend: str, threads: int, max_context: int):
+    """A synthetic model built in memory (no checkpoint written): the full config's 4-bit weights are views
+    of one random pool (benchmarks/bench_cuda.py), smaller configs use lily.testing.random_weights. The
+    tokenizer is lily.testing's small one; the model only ever samples tokens the grammar allows."""
+    from lily.chat import ChatTemplate
+    from lily.config import ModelConfig
+    from lily.model import Model, _engine_factory
+    from lily.testing import CHAT_TEMPLATE, config_dict, random_weights, write_tokenizer
+    from lily.tokenizer import Tokenizer
+    d = small_config() if name == "small" else dict(config_dict(name))
+    d["max_position_embeddings"] = max(d["max_position_embeddings"], max_context)
+    write_tokenizer(folder, vocab_size=min(d["vocab_size"], 4096))
+    cfg = ModelConfig.from_dict(d)
+    if name == "full":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_cuda import synthetic_weights
+        tensors, quant = synthetic_weights(cfg)
+    else:
+        tensors, quant = random_weights(cfg, 0)
+    factory, _ = _engine_factory(backend)
+    engine = factory(cfg.to_dict(), tensors, quant, threads=threads, max_context=max_context)
+    return Model(engine, Tokenizer(folder / "tokenizer.json"), cfg, chat_template=ChatTemplate(CHAT_TEMPLATE),
+                 path=f"synthetic-{name}", nbytes=sum(a.nbytes for a in tensors.values()))
+
+
 def tool_result(tokenizer, n_tokens: int, rng: np.random.Generator) -> str:
     """Synthetic file contents of about n_tokens tokens."""
     lines, count = [], 0
@@ -191,14 +216,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=200, help="token limit per reply (a forced tool call)")
     p.add_argument("--tag", default=None, help="result file name tag (default: backend_config)")
     p.add_argument("--note", default="", help="free text stored in the JSON")
+    p.add_argument("--in-memory", action="store_true",
+                   help="build the synthetic model in memory instead of writing a checkpoint (always for full)")
     args = p.parse_args(argv)
 
     import lily
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model) if args.model else make_checkpoint(args.config, Path(tmp))
+        max_context = args.target_tokens + args.target_tokens // 4 + 1024
         t0 = time.perf_counter()
-        model = lily.load(path, backend=args.backend, threads=args.threads,
-                          max_context=args.target_tokens + args.target_tokens // 4 + 1024)
+        if not args.model and (args.in_memory or args.config == "full"):
+            model = synthetic_model(args.config, Path(tmp), args.backend, args.threads, max_context)
+        else:
+            path = Path(args.model) if args.model else make_checkpoint(args.config, Path(tmp))
+            model = lily.load(path, backend=args.backend, threads=args.threads, max_context=max_context)
         load_s = time.perf_counter() - t0
         config = args.config if not args.model else Path(args.model).name
         print(f"{model!r} (loaded in {load_s:.1f} s)")
