@@ -177,6 +177,8 @@ def hardware() -> dict:
 
 
 def git_sha() -> str:
+    if os.environ.get("LILY_GIT_SHA"):  # a copy of the tree without .git (e.g. on a lent GPU machine)
+        return os.environ["LILY_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
