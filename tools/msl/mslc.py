@@ -333,6 +333,15 @@ def launchers(info: dict, structs: dict) -> str:
                 f = BUILTINS[kind]
                 args.append(f"msl::launch::bi<{P}>::get({f})")
             else: args.append(f"/* unsupported [[{attr}]] */")
+        # per [[buffer(i)]]: 'r' read-only (const / constant), 'w' written, '-' unused (hazard checks)
+        acc = {}
+        for decl, attr in k["params"]:
+            bm = re.match(r"buffer\(\s*(\d+)\s*\)", attr or "")
+            if bm:
+                head = re.split(r"[*&]", decl)[0].split()
+                acc[int(bm.group(1))] = "r" if ("const" in head or "constant" in head) else "w"
+        access = "".join(acc.get(i, "-") for i in range(max(acc) + 1)) if acc else ""
+        gen.append(f'extern "C" const char __msl_access_{host}[] = "{access}";')
         gen.append(f'extern "C" void __msl_launch_{host}(void** b, void** tg) {{\n'
                    f"  const msl_thread_ctx* c = msl_rt_ctx(); (void)c; (void)tg; (void)b;\n"
                    f"  {call}(" + ",\n    ".join(args) + ");\n}")
@@ -435,6 +444,29 @@ def build(path: str, include_dirs=None, opt: str = "-O2") -> tuple[int, str, str
         return rc, out, None
     os.replace(tmp, so)
     return 0, out, so
+
+
+HOST_SOURCES = ["csrc/core/config.cpp", "csrc/core/weights.cpp", "csrc/core/state.cpp", "csrc/metal/device_emu.cpp",
+                "csrc/metal/ops_metal.cpp", "csrc/metal/backend_metal.cpp", "csrc/metal/emu_capi.cpp"]
+
+
+def build_host() -> str:
+    """The Metal backend's host code with the emulated device (csrc/metal) as a shared library with the C
+    API of csrc/metal/emu_capi.cpp. Returns its path; raises RuntimeError with the compiler output."""
+    srcs = [os.path.join(REPO, f) for f in HOST_SOURCES]
+    hdrs = [os.path.join(d, f) for d in (os.path.join(REPO, "csrc", "core"), os.path.join(REPO, "csrc", "metal"),
+                                          os.path.join(REPO, "csrc", "kernels")) for f in sorted(os.listdir(d))
+            if f.endswith(".h")]
+    key = _key(*[open(f).read() for f in srcs + hdrs])
+    so = os.path.join(build_dir(), f"liblily_metal_emu.{key}.so")
+    if not os.path.exists(so):
+        tmp = so + f".{os.getpid()}.tmp"
+        rc, out = run(["g++", "-std=c++20", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                       "-I", os.path.join(REPO, "csrc"), *srcs, "-o", tmp, "-ldl", "-lpthread"])
+        if rc:
+            raise RuntimeError("Metal host build failed:\n" + out)
+        os.replace(tmp, so)
+    return so
 
 
 def check_all(path: str, include_dirs=None) -> list[tuple[str, int, str]]:

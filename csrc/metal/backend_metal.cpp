@@ -1,0 +1,450 @@
+#include "metal/backend_metal.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+namespace lily::metal {
+namespace {
+
+uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+BufRef at(BufRef r, size_t bytes) { return BufRef{r.buf, r.offset + bytes}; }
+
+}  // namespace
+
+BufRef BufferTable::ref(const void* p) const {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = m_.upper_bound(a);
+  if (it != m_.begin()) {
+    --it;
+    if (a < it->first + std::max<size_t>(it->second.bytes, 1)) return at(it->second.r, a - it->first);
+  }
+  throw std::logic_error("[lily] metal: memory at this address is not a device buffer");
+}
+
+// State arrays live in device buffers (shared storage): Memory::alloc returns their host-visible contents.
+class MetalBackend::DeviceMemory final : public Memory {
+ public:
+  explicit DeviceMemory(std::shared_ptr<Device> d) : dev(std::move(d)) {}
+  void* alloc(size_t bytes) override {
+    DevBuffer* b = dev->alloc(bytes);
+    void* p = dev->contents(b);
+    std::memset(p, 0, bytes);
+    std::lock_guard<std::mutex> g(mu);
+    table.add(p, bytes, BufRef{b, 0});
+    return p;
+  }
+  void release(void* p) noexcept override {
+    std::lock_guard<std::mutex> g(mu);
+    try {
+      BufRef r = table.ref(p);
+      table.remove(p);
+      dev->release(r.buf);
+    } catch (...) {
+    }
+  }
+  // Called by State between forwards, when the backend has synchronised: plain copies are safe.
+  void copy(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void to_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void from_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  BufRef ref(const void* p) {
+    std::lock_guard<std::mutex> g(mu);
+    return table.ref(p);
+  }
+  void add(const void* p, size_t bytes, BufRef r) {
+    std::lock_guard<std::mutex> g(mu);
+    table.add(p, bytes, r);
+  }
+
+  std::shared_ptr<Device> dev;
+  std::mutex mu;
+  BufferTable table;
+};
+
+struct MetalBackend::LayerW {
+  BufRef in_norm, post_norm;
+  DevLinear qkv, z, b, a, out;              // DeltaNet
+  BufRef conv_w, dt_bias, a_log, dn_norm;
+  DevLinear q, k, v, o;                     // attention
+  BufRef q_norm, k_norm;
+  DevLinear router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate;  // MoE
+};
+
+// Per-chunk temporaries, sized for `rows` rows; grown (after a sync) when a larger chunk arrives.
+struct MetalBackend::Scratch {
+  Device& dev;
+  std::vector<std::pair<DevBuffer*, size_t>> owned;
+  int64_t rows = 0, parts = 0, logit_rows = 0;
+  BufRef ids[2], x, h;
+  BufRef qkv, z, b, a, u, y;                // DeltaNet
+  BufRef qg, k, v, q, o, ml, po;            // attention
+  BufRef logits, sg, act, yd, ash, ysh, act_dec;
+  RouteBufs r;
+  BufRef head_h, head_logits, tok, step_logits;
+  int max_tiles = 0, act_stride = 0;
+
+  explicit Scratch(Device& d) : dev(d) {}
+  ~Scratch() { for (auto& b : owned) dev.release(b.first); }
+  BufRef make(size_t bytes) {
+    bytes = std::max<size_t>(bytes, 4);
+    DevBuffer* b = dev.alloc(bytes);
+    owned.emplace_back(b, bytes);
+    return BufRef{b, 0};
+  }
+  // debug: NaN (0xFF bytes) everywhere, so a kernel reading what no kernel wrote in this chunk shows.
+  void poison() {
+    for (auto& b : owned) std::memset(dev.contents(b.first), 0xFF, b.second);
+  }
+};
+
+MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug)
+    : cfg_(cfg), dev_(std::move(dev)), ops_(*dev_), debug_(debug), mem_(std::make_shared<DeviceMemory>(dev_)) {
+  const int64_t H = cfg.hidden;
+  auto vec = [&](const float* p, int64_t n) { return wrap(p, static_cast<size_t>(n) * 4); };
+  embed_ = wrap_linear(w.embed);
+  lm_head_ = wrap_linear(w.lm_head);
+  final_norm_ = vec(w.final_norm, H);
+  for (int L = 0; L < cfg.n_layers; ++L) {
+    const LayerWeights& lw = w.layers[L];
+    LayerW l;
+    l.in_norm = vec(lw.in_norm, H);
+    l.post_norm = vec(lw.post_norm, H);
+    if (lw.type == LayerType::DeltaNet) {
+      const DeltaNetWeights& d = lw.dn;
+      l.qkv = wrap_linear(d.qkv), l.z = wrap_linear(d.z), l.b = wrap_linear(d.b), l.a = wrap_linear(d.a);
+      l.out = wrap_linear(d.out);
+      l.conv_w = vec(d.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
+      l.dt_bias = vec(d.dt_bias, cfg.lin_v_heads);
+      l.a_log = vec(d.a_log, cfg.lin_v_heads);
+      l.dn_norm = vec(d.norm, cfg.lin_v_dim);
+    } else {
+      const AttentionWeights& a = lw.attn;
+      l.q = wrap_linear(a.q), l.k = wrap_linear(a.k), l.v = wrap_linear(a.v), l.o = wrap_linear(a.o);
+      l.q_norm = vec(a.q_norm, cfg.head_dim);
+      l.k_norm = vec(a.k_norm, cfg.head_dim);
+    }
+    const MoeWeights& m = lw.moe;
+    l.router = wrap_linear(m.router), l.gate = wrap_linear(m.gate), l.up = wrap_linear(m.up);
+    l.down = wrap_linear(m.down), l.sh_gate = wrap_linear(m.sh_gate), l.sh_up = wrap_linear(m.sh_up);
+    l.sh_down = wrap_linear(m.sh_down), l.sh_expert_gate = wrap_linear(m.sh_expert_gate);
+    fused_moe_decode_ &= l.gate.fmt == l.sh_gate.fmt && l.up.fmt == l.gate.fmt && l.sh_up.fmt == l.gate.fmt &&
+                         l.down.fmt == l.sh_down.fmt && (l.gate.fmt == "q4" || l.gate.fmt == "bf16") &&
+                         (l.down.fmt == "q4" || l.down.fmt == "bf16");
+    layers_.push_back(l);
+  }
+  // RoPE frequencies theta^(-2i/rd) in double, split into (hi, lo) floats for the kernel's exact reduction.
+  const int half = cfg.rotary_dim / 2;
+  DevBuffer* rb = dev_->alloc(std::max(1, half) * 8);
+  wrapped_.push_back(rb);
+  auto* rp = static_cast<float*>(dev_->contents(rb));
+  for (int i = 0; i < half; ++i) {
+    const double f = std::pow(cfg.rope_theta, -2.0 * i / cfg.rotary_dim);
+    rp[2 * i] = static_cast<float>(f);
+    rp[2 * i + 1] = static_cast<float>(f - static_cast<double>(rp[2 * i]));
+  }
+  rope_ = BufRef{rb, 0};
+}
+
+MetalBackend::~MetalBackend() {
+  try {
+    sync();
+  } catch (...) {
+  }
+  cb_.reset();
+  sc_.reset();
+  for (DevBuffer* b : wrapped_) dev_->release(b);
+}
+
+BufRef MetalBackend::ref(const void* p) const { return mem_->ref(p); }
+
+std::shared_ptr<Memory> MetalBackend::memory() const { return mem_; }
+
+BufRef MetalBackend::wrap(const void* p, size_t bytes) {
+  BufRef r = dev_->wrap(p, bytes);
+  wrapped_.push_back(r.buf);
+  mem_->add(p, bytes, r);
+  return r;
+}
+
+DevLinear MetalBackend::wrap_linear(const Linear& l) {
+  DevLinear d;
+  d.out = l.out, d.in = l.in, d.experts = l.experts;
+  const int64_t E = std::max<int64_t>(1, l.experts);
+  const std::string where = "[lily] metal: linear " + std::to_string(l.out) + "x" + std::to_string(l.in);
+  if (l.kind == Linear::Kind::Quant) {
+    if (l.bits != 4 && l.bits != 8) throw std::invalid_argument(where + ": only 4- and 8-bit codes have kernels");
+    if (l.group % 32 || l.in % l.group) throw std::invalid_argument(where + ": group size must be a multiple of 32");
+    d.fmt = l.bits == 4 ? "q4" : "q8";
+    d.w = wrap(l.codes, static_cast<size_t>(E * l.out * l.in * l.bits / 8));
+    d.s = wrap(l.scales, static_cast<size_t>(E * l.out * (l.in / l.group) * 2));
+    d.b = wrap(l.biases, static_cast<size_t>(E * l.out * (l.in / l.group) * 2));
+    d.args = kp::LinearArgs{l.bits == 4 ? 0 : 1, static_cast<int>(l.in), static_cast<int>(l.out), l.group};
+    return d;
+  }
+  if (l.in % 8) throw std::invalid_argument(where + ": dense in-dim must be a multiple of 8");
+  const bool bf = l.kind == Linear::Kind::DenseBF16;
+  d.fmt = bf ? "bf16" : "f32";
+  d.w = d.s = d.b = wrap(l.dense, static_cast<size_t>(E * l.out * l.in * (bf ? 2 : 4)));
+  d.args = kp::LinearArgs{bf ? 2 : 3, static_cast<int>(l.in), static_cast<int>(l.out), 0};
+  return d;
+}
+
+Encoder& MetalBackend::enc() {
+  if (!cb_) cb_ = dev_->command_buffer();
+  return cb_->encoder();
+}
+
+void MetalBackend::submit() {
+  if (!cb_) return;
+  cb_->commit();
+  inflight_.push_back(std::move(cb_));
+}
+
+void MetalBackend::wait_inflight(size_t keep) {
+  while (inflight_.size() > keep) {
+    std::unique_ptr<CommandBuffer> c = std::move(inflight_.front());
+    inflight_.pop_front();
+    c->wait();
+  }
+}
+
+void MetalBackend::sync() {
+  submit();
+  wait_inflight(0);
+}
+
+void MetalBackend::reserve(int64_t S) {
+  if (sc_ && sc_->rows >= S) return;
+  sync();
+  const Config& c = cfg_;
+  const int64_t n = std::max<int64_t>(S, sc_ ? 2 * sc_->rows : 16), H = c.hidden, k = c.top_k;
+  auto s = std::make_unique<Scratch>(*dev_);
+  s->rows = n;
+  for (auto& i : s->ids) i = s->make(n * 4);
+  s->x = s->make(n * H * 4), s->h = s->make(n * H * 4);
+  if (c.n_deltanet_layers()) {
+    s->qkv = s->make(n * c.conv_dim() * 4), s->u = s->make(n * c.conv_dim() * 4);
+    s->z = s->make(n * c.value_dim() * 4), s->y = s->make(n * c.value_dim() * 4);
+    s->b = s->make(n * c.lin_v_heads * 4), s->a = s->make(n * c.lin_v_heads * 4);
+  }
+  if (c.n_attention_layers()) {
+    const int64_t D = c.head_dim;
+    s->qg = s->make(n * 2 * c.n_heads * D * 4);
+    s->k = s->make(n * c.n_kv_heads * D * 4), s->v = s->make(n * c.n_kv_heads * D * 4);
+    s->q = s->make(n * c.n_heads * D * 4), s->o = s->make(n * c.n_heads * D * 4);
+  }
+  const int64_t E = c.n_experts, nb = cdiv(n, 32), I = c.moe_inter, Is = c.shared_inter;
+  s->max_tiles = static_cast<int>(cdiv(n * k, 16) + E);
+  s->logits = s->make(n * E * 4), s->sg = s->make(n * 4);
+  s->r.ids = s->make(n * k * 4), s->r.wts = s->make(n * k * 4);
+  s->r.counts = s->make(nb * E * 4), s->r.base = s->make(nb * E * 4);
+  s->r.tile_expert = s->make(s->max_tiles * 4), s->r.tile_row0 = s->make(s->max_tiles * 4);
+  s->r.tile_rows = s->make(s->max_tiles * 4), s->r.n_tiles = s->make(4);
+  s->r.sorted_row = s->make(n * k * 4), s->r.sorted_w = s->make(n * k * 4), s->r.inv = s->make(n * k * 4);
+  s->act = s->make(n * k * I * 4), s->yd = s->make(n * k * H * 4);
+  s->ash = s->make(n * Is * 4), s->ysh = s->make(n * H * 4);
+  s->act_stride = static_cast<int>((std::max(I, Is) + 7) / 8 * 8);
+  s->act_dec = s->make((k + 1) * s->act_stride * 4);
+  s->head_h = s->make(n * H * 4);
+  s->tok = s->make(2 * 4);
+  s->step_logits = s->make(2 * static_cast<int64_t>(c.vocab) * 4);
+  s->parts = sc_ ? sc_->parts : 0;
+  sc_ = std::move(s);
+}
+
+void MetalBackend::embed(const int32_t* ids, int64_t S) {
+  reserve(S);
+  // Chunk c uses ids slot c % 2; the chunk that used this slot before (c - 2) must have finished.
+  submit();
+  wait_inflight(debug_ ? 0 : 1);
+  if (debug_) sc_->poison();
+  BufRef slot = sc_->ids[chunk_++ % 2];
+  std::memcpy(static_cast<char*>(dev_->contents(slot.buf)) + slot.offset, ids, static_cast<size_t>(S) * 4);
+  embed_from(slot, S);
+}
+
+void MetalBackend::embed_from(BufRef ids, int64_t S) {
+  Encoder& e = enc();
+  ops_.embed(e, embed_, ids, sc_->x, static_cast<int>(S));
+  e.barrier();
+}
+
+void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
+  const LayerW& L = layers_[layer];
+  const Config& c = cfg_;
+  Scratch& s = *sc_;
+  const int n = static_cast<int>(S);
+  Encoder& e = enc();
+  ops_.rms_norm(e, s.x, L.in_norm, s.h, n, c.hidden, c.rms_eps);
+  e.barrier();
+  ops_.linear(e, L.qkv, s.h, s.qkv, n, false);
+  ops_.linear(e, L.z, s.h, s.z, n, false);
+  ops_.linear(e, L.b, s.h, s.b, n, false);
+  ops_.linear(e, L.a, s.h, s.a, n, false);
+  e.barrier();
+  const kp::DeltaNetParams p{c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim, c.conv_kernel, c.conv_dim(),
+                             c.rms_eps, 1e-6f, S};
+  ops_.gdn_conv(e, p, s.qkv, L.conv_w, ref(st.conv.data()), s.u);
+  e.barrier();
+  ops_.gdn_scan(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y);
+  e.barrier();
+  ops_.linear(e, L.out, s.y, s.x, n, true);
+  e.barrier();
+}
+
+void MetalBackend::attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) {
+  const LayerW& L = layers_[layer];
+  const Config& c = cfg_;
+  const int n = static_cast<int>(S);
+  if (S == 1 && Ops::attn_parts(pos0 + 1) > sc_->parts) {
+    sync();  // grow the split-K partials (geometrically, so rarely)
+    sc_->parts = std::max<int64_t>(Ops::attn_parts(pos0 + 1), 2 * sc_->parts);
+    sc_->ml = sc_->make(c.n_heads * sc_->parts * 2 * 4);
+    sc_->po = sc_->make(c.n_heads * sc_->parts * static_cast<int64_t>(c.head_dim) * 4);
+  }
+  Scratch& s = *sc_;
+  Encoder& e = enc();
+  ops_.rms_norm(e, s.x, L.in_norm, s.h, n, c.hidden, c.rms_eps);
+  e.barrier();
+  ops_.linear(e, L.q, s.h, s.qg, n, false);
+  ops_.linear(e, L.k, s.h, s.k, n, false);
+  ops_.linear(e, L.v, s.h, s.v, n, false);
+  e.barrier();
+  const kp::AttentionParams p{c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dim, static_cast<float>(c.rope_theta),
+                              c.rms_eps, 1.f / std::sqrt(static_cast<float>(c.head_dim)), 0, pos0, S};
+  const BufRef kc = ref(kv.k.data()), vc = ref(kv.v.data());
+  ops_.attn_prep(e, p, s.qg, s.k, s.v, L.q_norm, L.k_norm, rope_, s.q, kc, vc);
+  e.barrier();
+  if (S == 1) ops_.attn_decode(e, p, s.q, s.qg, kc, vc, s.ml, s.po, s.o);
+  else ops_.attn_prefill(e, p, s.q, s.qg, kc, vc, s.o);
+  e.barrier();
+  ops_.linear(e, L.o, s.o, s.x, n, true);
+  e.barrier();
+}
+
+void MetalBackend::moe_block(int layer, int64_t S) {
+  const LayerW& L = layers_[layer];
+  Encoder& e = enc();
+  ops_.rms_norm(e, sc_->x, L.post_norm, sc_->h, static_cast<int>(S), cfg_.hidden, cfg_.rms_eps);
+  e.barrier();
+  if (S == 1 && fused_moe_decode_) moe_decode(L);
+  else moe_prefill(L, S);
+}
+
+// Decode: router + shared-expert gate GEMVs, top-k, then the two fused chains (residual add included).
+void MetalBackend::moe_decode(const LayerW& L) {
+  const Config& c = cfg_;
+  Scratch& s = *sc_;
+  Encoder& e = enc();
+  ops_.linear(e, L.router, s.h, s.logits, 1, false);
+  ops_.linear(e, L.sh_expert_gate, s.h, s.sg, 1, false);
+  e.barrier();
+  ops_.moe_topk(e, s.logits, s.r.ids, s.r.wts, 1, c.n_experts, c.top_k, c.norm_topk_prob);
+  e.barrier();
+  ops_.moe_gate_up_decode(e, L.gate, L.up, L.sh_gate, L.sh_up, s.h, s.r.ids, s.act_dec, c.top_k, s.act_stride);
+  e.barrier();
+  ops_.moe_down_decode(e, L.down, L.sh_down, s.act_dec, s.r.ids, s.r.wts, s.sg, s.x, c.top_k, s.act_stride);
+  e.barrier();
+}
+
+// Prefill: routing on the device, grouped expert GEMMs over the block map, shared expert, combine.
+void MetalBackend::moe_prefill(const LayerW& L, int64_t S) {
+  const Config& c = cfg_;
+  Scratch& s = *sc_;
+  const int n = static_cast<int>(S), k = c.top_k, E = c.n_experts, pairs = n * k;
+  // Tile rows from the expert load: small tiles when experts get few rows each (less padding).
+  const bool small = pairs < 24 * E && (L.gate.fmt == "q4" || L.gate.fmt == "bf16") &&
+                     (L.down.fmt == "q4" || L.down.fmt == "bf16");
+  const int bm = small ? 16 : 32;
+  const int max_tiles = static_cast<int>(cdiv(pairs, bm) + E);
+  Encoder& e = enc();
+  ops_.linear(e, L.router, s.h, s.logits, n, false);
+  ops_.linear(e, L.sh_expert_gate, s.h, s.sg, n, false);
+  ops_.linear_glu(e, L.sh_gate, L.sh_up, s.h, s.ash, n);
+  e.barrier();
+  ops_.route(e, s.logits, s.r, n, E, k, c.norm_topk_prob, bm, max_tiles);
+  e.barrier();
+  ops_.grouped(e, L.gate, &L.up, s.h, c.hidden, true, s.r, s.act, pairs, bm, max_tiles);
+  ops_.linear(e, L.sh_down, s.ash, s.ysh, n, false);
+  e.barrier();
+  ops_.grouped(e, L.down, nullptr, s.act, c.moe_inter, false, s.r, s.yd, pairs, bm, max_tiles);
+  e.barrier();
+  ops_.moe_combine(e, s.x, s.yd, s.ysh, s.sg, s.r, n, c.hidden, k);
+  e.barrier();
+}
+
+void MetalBackend::read_residual(int64_t S, float* out) {
+  sync();
+  std::memcpy(out, dev_->contents(sc_->x.buf), static_cast<size_t>(S) * cfg_.hidden * 4);
+}
+
+void MetalBackend::head_into(int64_t row0, int64_t n, BufRef logits) {
+  Encoder& e = enc();
+  ops_.rms_norm(e, at(sc_->x, row0 * cfg_.hidden * 4), final_norm_, sc_->head_h, static_cast<int>(n), cfg_.hidden,
+                cfg_.rms_eps);
+  e.barrier();
+  ops_.linear(e, lm_head_, sc_->head_h, logits, static_cast<int>(n), false);
+  e.barrier();
+}
+
+void MetalBackend::head(int64_t row0, int64_t n, float* logits) {
+  if (sc_->logit_rows < n) {
+    sync();
+    sc_->logit_rows = std::max<int64_t>(n, 2 * sc_->logit_rows);
+    sc_->head_logits = sc_->make(sc_->logit_rows * cfg_.vocab * 4);
+  }
+  head_into(row0, n, sc_->head_logits);
+  sync();
+  std::memcpy(logits, dev_->contents(sc_->head_logits.buf), static_cast<size_t>(n) * cfg_.vocab * 4);
+}
+
+void MetalBackend::decode_greedy(State& st, int32_t first, int n, int32_t* tokens, float* logits) {
+  if (n <= 0) return;
+  reserve(1);
+  sync();
+  st.reserve(st.position + n);
+  if (Ops::attn_parts(st.position + n) > sc_->parts && cfg_.n_attention_layers()) {
+    sc_->parts = Ops::attn_parts(st.position + n);
+    sc_->ml = sc_->make(cfg_.n_heads * sc_->parts * 2 * 4);
+    sc_->po = sc_->make(cfg_.n_heads * sc_->parts * static_cast<int64_t>(cfg_.head_dim) * 4);
+  }
+  const int64_t V = cfg_.vocab;
+  auto* tok = static_cast<int32_t*>(dev_->contents(sc_->tok.buf));
+  auto* step_logits = static_cast<float*>(dev_->contents(sc_->step_logits.buf));
+  tok[0] = first;
+  // Step i reads slot i%2, writes its logits to half i%2 and its token to slot (i+1)%2. The host reads
+  // step i's results after waiting for it and before committing step i+2, which reuses both.
+  auto collect = [&](int i) {
+    tokens[i] = tok[(i + 1) % 2];
+    if (logits) std::memcpy(logits + i * V, step_logits + (i % 2) * V, V * 4);
+  };
+  for (int i = 0; i < n; ++i) {
+    embed_from(at(sc_->tok, (i % 2) * 4), 1);
+    for (int L = 0; L < cfg_.n_layers; ++L) {
+      const int slot = st.layer_slot[L];
+      if (cfg_.layer_types[L] == LayerType::Attention) attention_block(L, st.kv[slot], st.position, 1);
+      else deltanet_block(L, st.dn[slot], 1);
+      moe_block(L, 1);
+    }
+    const BufRef lg = at(sc_->step_logits, (i % 2) * V * 4);
+    head_into(0, 1, lg);
+    ops_.argmax(enc(), lg, static_cast<int>(V), sc_->tok, (i + 1) % 2);
+    submit();
+    st.position += 1;
+    if (i >= 1) {
+      wait_inflight(1);  // step i-1 done; step i may still run
+      collect(i - 1);
+    }
+  }
+  wait_inflight(0);
+  collect(n - 1);
+}
+
+std::unique_ptr<MetalBackend> make_metal_backend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev,
+                                                 bool debug) {
+  return std::make_unique<MetalBackend>(cfg, w, std::move(dev), debug);
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,90 @@
+// The narrow device layer under the Metal backend. Two implementations: device_mtl.mm (Apple: the Metal
+// framework, a metallib compiled from metal/*.metal) and device_emu.cpp (Linux: the same kernels built by
+// tools/msl and run in the CPU emulator). Everything above it (backend_metal.cpp, ops_metal.cpp: which
+// kernels, buffers, threadgroup sizes, the decode loop) is the same code on both.
+//
+// Model: buffers live in memory shared with the CPU (Apple unified memory; contents() is host-visible).
+// A command buffer has one compute encoder with concurrent dispatch: dispatches may overlap unless a
+// barrier() separates them, so the caller places a barrier wherever data flows. Command buffers of one
+// device execute in commit order.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace lily::metal {
+
+struct DevBuffer;   // opaque, owned by the Device
+struct Pipeline;    // opaque, cached by the Device per specialisation name
+
+struct BufRef {
+  DevBuffer* buf = nullptr;
+  size_t offset = 0;  // bytes
+};
+
+struct Size3 {
+  uint32_t x = 1, y = 1, z = 1;
+};
+
+class Encoder {
+ public:
+  virtual ~Encoder() = default;
+  virtual void set_pipeline(Pipeline* p) = 0;
+  virtual void set_buffer(int index, BufRef r) = 0;
+  // Small argument structs (params.h) copied at encode time.
+  virtual void set_bytes(int index, const void* data, size_t bytes) = 0;
+  // grid: threadgroups per grid; tg: threads per threadgroup.
+  virtual void dispatch(Size3 grid, Size3 tg) = 0;
+  // Every dispatch before completes, and its memory writes are visible, before any dispatch after starts.
+  virtual void barrier() = 0;
+};
+
+class CommandBuffer {
+ public:
+  virtual ~CommandBuffer() = default;
+  virtual Encoder& encoder() = 0;
+  // Ends encoding and submits; execution is asynchronous.
+  virtual void commit() = 0;
+  // Blocks until the command buffer has completed; throws std::runtime_error if the device reported an
+  // error (in emulation: any kernel diagnostic, a missing barrier, a crash).
+  virtual void wait() = 0;
+  virtual bool committed() const = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+  // Zero-filled buffer in shared storage.
+  virtual DevBuffer* alloc(size_t bytes) = 0;
+  // A buffer over existing host memory (memory-mapped weights) without a copy; the memory must outlive
+  // it. Returns the buffer and the offset of p inside it (Apple rounds to whole pages).
+  virtual BufRef wrap(const void* p, size_t bytes) = 0;
+  virtual void release(DevBuffer* b) = 0;
+  virtual void* contents(DevBuffer* b) = 0;
+  // The compute pipeline of a kernel by its [[host_name]], created on first use and cached.
+  virtual Pipeline* pipeline(const std::string& name) = 0;
+  // Upper bound of threads per threadgroup for a pipeline (1024 on Apple GPUs, less for heavy kernels).
+  virtual uint32_t max_threads(Pipeline* p) = 0;
+  virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
+  // Metal 4 tensor operations (MetalPerformancePrimitives) are available: gates the tensor-op GEMM path.
+  virtual bool has_tensor_ops() const = 0;
+};
+
+// Options of the emulated device (Linux). kernel_libs: ';'-separated paths of kernel libraries built by
+// tools/msl/mslc.py (one per metal/*.metal file). schedule: 0, 1, 2 (see tools/msl/rt/msl_rt.cpp) or
+// -1 to rotate through the three per dispatch. check_hazards: report a dispatch that touches a buffer
+// written (or writes one read) by an earlier dispatch of the same encoder without a barrier in between.
+struct EmuOptions {
+  std::string kernel_libs;
+  int schedule = -1;
+  int threads = 2;
+  bool check_hazards = true;
+};
+std::unique_ptr<Device> make_emulated_device(const EmuOptions& opt);
+
+// Apple: the default Metal device and lily's embedded metallib (device_mtl.mm).
+std::unique_ptr<Device> make_apple_device();
+
+}  // namespace lily::metal

@@ -1,0 +1,271 @@
+#include "metal/ops_metal.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace lily::metal {
+namespace {
+
+constexpr uint32_t kGemvRows = 4, kGemvSimdgroups = 2;  // rows per simdgroup (template ROWS), simdgroups
+constexpr uint32_t kGemmBN = 32, kGemmThreads = 128;
+constexpr uint32_t kScanRows = 4;                        // state rows per simdgroup (template ROWS)
+
+uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+template <class T>
+void bytes(Encoder& e, int i, const T& v) { e.set_bytes(i, &v, sizeof(T)); }
+
+void bind_w(Encoder& e, int i, const DevLinear& W) {
+  e.set_buffer(i, W.w);
+  e.set_buffer(i + 1, W.s);
+  e.set_buffer(i + 2, W.b);
+}
+
+// Register slices per lane: Dk (scan) or D (attention) in units of 32.
+int nk_for(int dk) {
+  if (dk <= 32) return 1;
+  if (dk <= 64) return 2;
+  if (dk <= 128) return 4;
+  throw std::invalid_argument("[lily] metal: DeltaNet key dim " + std::to_string(dk) + " > 128 is not instantiated");
+}
+int nd_for(int d) {
+  if (d == 32 || d == 64 || d == 256) return d / 32;
+  throw std::invalid_argument("[lily] metal: attention head dim " + std::to_string(d) + " is not instantiated (32/64/256)");
+}
+int hpg_for(int nd) { return nd == 8 ? 8 : 4; }
+
+}  // namespace
+
+void Ops::go(Encoder& e, const std::string& kernel, Size3 grid, Size3 tg) {
+  e.set_pipeline(pipe(kernel));
+  e.dispatch(grid, tg);
+}
+
+void Ops::linear(Encoder& e, const DevLinear& W, BufRef x, BufRef y, int S, bool accumulate, int x_stride,
+                 int y_stride) {
+  x_stride = x_stride ? x_stride : static_cast<int>(W.in);
+  y_stride = y_stride ? y_stride : static_cast<int>(W.out);
+  if (S <= kGemvMaxRows) {
+    bind_w(e, 0, W);
+    e.set_buffer(3, x);
+    e.set_buffer(4, y);
+    bytes(e, 5, W.args);
+    bytes(e, 6, kp::GemvArgs{x_stride, y_stride, accumulate ? 1 : 0, 0});
+    go(e, "gemv_" + W.fmt, {cdiv(W.out, kGemvRows * kGemvSimdgroups), static_cast<uint32_t>(S), 1},
+       {32 * kGemvSimdgroups, 1, 1});
+    return;
+  }
+  e.set_buffer(0, x);
+  bind_w(e, 1, W);
+  bind_w(e, 4, W);
+  e.set_buffer(7, y);
+  bytes(e, 8, W.args);
+  const int bm = 32;
+  bytes(e, 9, kp::GemmArgs{S, 0, 0, accumulate ? 1 : 0, x_stride, y_stride, static_cast<int>(cdiv(S, bm)), 0});
+  for (int i = 10; i <= 14; ++i) e.set_buffer(i, x);  // block map unused in the plain form
+  go(e, "gemm_" + W.fmt + "_f32_bm" + std::to_string(bm), {cdiv(W.out, kGemmBN), cdiv(S, bm), 1}, {kGemmThreads, 1, 1});
+}
+
+void Ops::linear_glu(Encoder& e, const DevLinear& Wg, const DevLinear& Wu, BufRef x, BufRef y, int S) {
+  e.set_buffer(0, x);
+  bind_w(e, 1, Wg);
+  bind_w(e, 4, Wu);
+  e.set_buffer(7, y);
+  bytes(e, 8, Wg.args);
+  const int bm = 32;
+  bytes(e, 9, kp::GemmArgs{S, 0, 0, 2, static_cast<int>(Wg.in), static_cast<int>(Wg.out), static_cast<int>(cdiv(S, bm)), 0});
+  for (int i = 10; i <= 14; ++i) e.set_buffer(i, x);
+  go(e, "gemm_glu_" + Wg.fmt + "_f32_bm" + std::to_string(bm), {cdiv(Wg.out, kGemmBN), cdiv(S, bm), 1},
+     {kGemmThreads, 1, 1});
+}
+
+void Ops::grouped(Encoder& e, const DevLinear& W, const DevLinear* Wu, BufRef a, int lda, bool gather,
+                  const RouteBufs& r, BufRef y, int pairs, int bm, int max_tiles) {
+  e.set_buffer(0, a);
+  bind_w(e, 1, W);
+  bind_w(e, 4, Wu ? *Wu : W);
+  e.set_buffer(7, y);
+  bytes(e, 8, W.args);
+  bytes(e, 9, kp::GemmArgs{pairs, 1, gather ? 1 : 0, Wu ? 2 : 0, lda, static_cast<int>(W.out), max_tiles, 0});
+  e.set_buffer(10, r.sorted_row);
+  e.set_buffer(11, r.tile_expert);
+  e.set_buffer(12, r.tile_row0);
+  e.set_buffer(13, r.tile_rows);
+  e.set_buffer(14, r.n_tiles);
+  go(e, std::string(Wu ? "gemm_glu_" : "gemm_") + W.fmt + "_f32_bm" + std::to_string(bm),
+     {cdiv(W.out, kGemmBN), static_cast<uint32_t>(max_tiles), 1}, {kGemmThreads, 1, 1});
+}
+
+void Ops::rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps) {
+  e.set_buffer(0, x);
+  e.set_buffer(1, w);
+  e.set_buffer(2, y);
+  bytes(e, 3, kp::NormArgs{dim, eps, dim, dim});
+  const uint32_t nt = std::min<uint32_t>(1024, std::max<uint32_t>(32, cdiv(dim, 8) / 32 * 32));
+  go(e, "rms_norm", {static_cast<uint32_t>(S), 1, 1}, {nt, 1, 1});
+}
+
+void Ops::embed(Encoder& e, const DevLinear& E, BufRef ids, BufRef x, int S) {
+  bind_w(e, 0, E);
+  e.set_buffer(3, ids);
+  e.set_buffer(4, x);
+  bytes(e, 5, E.args);
+  go(e, "embed_" + E.fmt, {static_cast<uint32_t>(S), 1, 1}, {128, 1, 1});
+}
+
+void Ops::argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot) {
+  e.set_buffer(0, logits);
+  e.set_buffer(1, tokens);
+  bytes(e, 2, kp::NormArgs{V, 0.f, slot, 0});
+  go(e, "argmax", {1, 1, 1}, {1024, 1, 1});
+}
+
+void Ops::gdn_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u) {
+  e.set_buffer(0, qkv);
+  e.set_buffer(1, conv_w);
+  e.set_buffer(2, conv_state);
+  e.set_buffer(3, u);
+  bytes(e, 4, p);
+  go(e, "gdn_conv", {cdiv(p.conv_dim, 128), 1, 1}, {128, 1, 1});
+}
+
+void Ops::gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+                   BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y) {
+  const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
+  const uint32_t sgs = cdiv(p.v_dim, kScanRows);
+  const bool fuse = sgs <= 32;
+  BufRef in[] = {u, b, a, a_log, dt_bias, state, y, z, norm_w};
+  for (int i = 0; i < 9; ++i) e.set_buffer(i, in[i]);
+  bytes(e, 9, p);
+  if (fuse) {
+    go(e, "gdn_scan_norm_" + nk, {1, static_cast<uint32_t>(p.v_heads), 1}, {32 * sgs, 1, 1});
+    return;
+  }
+  go(e, "gdn_scan_" + nk, {cdiv(p.v_dim, kScanRows * 2), static_cast<uint32_t>(p.v_heads), 1}, {64, 1, 1});
+  e.barrier();
+  e.set_buffer(0, y);
+  e.set_buffer(1, z);
+  e.set_buffer(2, norm_w);
+  bytes(e, 3, p);
+  go(e, "gdn_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
+}
+
+void Ops::attn_prep(Encoder& e, const kp::AttentionParams& p, BufRef qg, BufRef k, BufRef v, BufRef q_norm,
+                    BufRef k_norm, BufRef rope, BufRef q, BufRef k_cache, BufRef v_cache) {
+  BufRef in[] = {qg, k, v, q_norm, k_norm, rope, q, k_cache, v_cache};
+  for (int i = 0; i < 9; ++i) e.set_buffer(i, in[i]);
+  bytes(e, 9, p);
+  go(e, "attn_prep_nd" + std::to_string(nd_for(p.head_dim)),
+     {static_cast<uint32_t>(p.S), static_cast<uint32_t>(p.n_heads + p.n_kv_heads), 1}, {32, 1, 1});
+}
+
+void Ops::attn_prefill(Encoder& e, const kp::AttentionParams& p, BufRef q, BufRef qg, BufRef k_cache,
+                       BufRef v_cache, BufRef out) {
+  const int nd = nd_for(p.head_dim), hpg = hpg_for(nd), rows = 4;
+  BufRef in[] = {q, qg, k_cache, v_cache, out};
+  for (int i = 0; i < 5; ++i) e.set_buffer(i, in[i]);
+  bytes(e, 5, p);
+  go(e, "attn_prefill_nd" + std::to_string(nd) + "_h" + std::to_string(hpg),
+     {cdiv(p.S, rows), static_cast<uint32_t>(p.n_kv_heads), cdiv(p.n_heads / p.n_kv_heads, hpg)}, {32 * rows, 1, 1});
+}
+
+void Ops::attn_decode(Encoder& e, const kp::AttentionParams& p, BufRef q, BufRef qg, BufRef k_cache, BufRef v_cache,
+                      BufRef ml, BufRef po, BufRef out) {
+  const int nd = nd_for(p.head_dim), hpg = hpg_for(nd), nsg = 2;
+  const int parts = attn_parts(p.pos0 + 1);
+  const kp::AttnSplitParams sp{parts, kSplitLen, 0, 0};
+  BufRef in[] = {q, k_cache, v_cache, ml, po};
+  for (int i = 0; i < 5; ++i) e.set_buffer(i, in[i]);
+  bytes(e, 5, p);
+  bytes(e, 6, sp);
+  go(e, "attn_decode_nd" + std::to_string(nd) + "_h" + std::to_string(hpg),
+     {cdiv(parts, nsg), static_cast<uint32_t>(p.n_kv_heads), cdiv(p.n_heads / p.n_kv_heads, hpg)}, {32u * nsg, 1, 1});
+  e.barrier();
+  e.set_buffer(0, ml);
+  e.set_buffer(1, po);
+  e.set_buffer(2, qg);
+  e.set_buffer(3, out);
+  bytes(e, 4, p);
+  bytes(e, 5, sp);
+  go(e, "attn_decode_combine_nd" + std::to_string(nd), {static_cast<uint32_t>(p.n_heads), 1, 1}, {32, 1, 1});
+}
+
+void Ops::moe_topk(Encoder& e, BufRef logits, BufRef ids, BufRef wts, int S, int E, int k, bool norm) {
+  if (E > 256) throw std::invalid_argument("[lily] metal: more than 256 experts is not instantiated");
+  e.set_buffer(0, logits);
+  e.set_buffer(1, ids);
+  e.set_buffer(2, wts);
+  bytes(e, 3, kp::RouteArgs{S, E, k, norm ? 1 : 0, 32, static_cast<int>(cdiv(S, 32)), 0, 0});
+  go(e, E > 32 ? "moe_topk_j8" : "moe_topk_j1", {static_cast<uint32_t>(S), 1, 1}, {32, 1, 1});
+}
+
+void Ops::route(Encoder& e, BufRef logits, const RouteBufs& r, int S, int E, int k, bool norm, int bm,
+                int max_tiles) {
+  const int nb = static_cast<int>(cdiv(S, 32));
+  const kp::RouteArgs ra{S, E, k, norm ? 1 : 0, 32, nb, bm, max_tiles};
+  moe_topk(e, logits, r.ids, r.wts, S, E, k, norm);
+  e.barrier();
+  e.set_buffer(0, r.ids);
+  e.set_buffer(1, r.counts);
+  bytes(e, 2, ra);
+  go(e, "moe_count", {static_cast<uint32_t>(nb), 1, 1}, {32, 1, 1});
+  e.barrier();
+  BufRef off[] = {r.counts, r.base, r.tile_expert, r.tile_row0, r.tile_rows, r.n_tiles};
+  for (int i = 0; i < 6; ++i) e.set_buffer(i, off[i]);
+  bytes(e, 6, ra);
+  go(e, "moe_offsets", {1, 1, 1}, {std::max<uint32_t>(32, cdiv(E, 32) * 32), 1, 1});
+  e.barrier();
+  BufRef sc[] = {r.ids, r.wts, r.base, r.sorted_row, r.sorted_w, r.inv};
+  for (int i = 0; i < 6; ++i) e.set_buffer(i, sc[i]);
+  bytes(e, 6, ra);
+  go(e, "moe_scatter", {static_cast<uint32_t>(nb), 1, 1}, {32, 1, 1});
+}
+
+void Ops::moe_combine(Encoder& e, BufRef x, BufRef yd, BufRef ysh, BufRef sg, const RouteBufs& r, int S, int H, int k) {
+  BufRef in[] = {x, yd, ysh, sg, r.inv, r.wts};
+  for (int i = 0; i < 6; ++i) e.set_buffer(i, in[i]);
+  kp::MoeParams mp{};
+  mp.hidden = H;
+  mp.top_k = k;
+  mp.S = S;
+  bytes(e, 6, mp);
+  go(e, "moe_combine", {cdiv(H, 128), static_cast<uint32_t>(S), 1}, {128, 1, 1});
+}
+
+void Ops::moe_gate_up_decode(Encoder& e, const DevLinear& g, const DevLinear& u, const DevLinear& sg,
+                             const DevLinear& su, BufRef h, BufRef ids, BufRef act, int k, int act_stride) {
+  if (g.fmt != sg.fmt || u.fmt != g.fmt || su.fmt != g.fmt)
+    throw std::invalid_argument("[lily] metal: fused MoE decode needs one format for routed and shared gate/up");
+  e.set_buffer(0, h);
+  e.set_buffer(1, ids);
+  bind_w(e, 2, g);
+  bind_w(e, 5, u);
+  bind_w(e, 8, sg);
+  bind_w(e, 11, su);
+  e.set_buffer(14, act);
+  bytes(e, 15, g.args);
+  bytes(e, 16, sg.args);
+  bytes(e, 17, kp::MoeDecodeArgs{k, static_cast<int>(g.out), static_cast<int>(sg.out), act_stride});
+  go(e, "moe_gate_up_decode_" + g.fmt,
+     {cdiv(std::max(g.out, sg.out), kGemvRows * kGemvSimdgroups), static_cast<uint32_t>(k + 1), 1},
+     {32 * kGemvSimdgroups, 1, 1});
+}
+
+void Ops::moe_down_decode(Encoder& e, const DevLinear& d, const DevLinear& sd, BufRef act, BufRef ids, BufRef wts,
+                          BufRef sg_logit, BufRef x, int k, int act_stride) {
+  if (d.fmt != sd.fmt)
+    throw std::invalid_argument("[lily] metal: fused MoE decode needs one format for routed and shared down");
+  e.set_buffer(0, act);
+  e.set_buffer(1, ids);
+  e.set_buffer(2, wts);
+  e.set_buffer(3, sg_logit);
+  bind_w(e, 4, d);
+  bind_w(e, 7, sd);
+  e.set_buffer(10, x);
+  bytes(e, 11, d.args);
+  bytes(e, 12, sd.args);
+  bytes(e, 13, kp::MoeDecodeArgs{k, static_cast<int>(d.in), static_cast<int>(sd.in), act_stride});
+  go(e, "moe_down_decode_" + d.fmt, {cdiv(d.out, kGemvRows * kGemvSimdgroups), 1, 1}, {32 * kGemvSimdgroups, 1, 1});
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,78 @@
+// One encode function per kernel family of metal/*.metal: picks the specialisation (the pipeline name
+// spells it: gemv_q4, gemm_glu_q4_f32_bm16, gdn_scan_norm_nk4, attn_decode_nd8_h8, ...), binds buffers by
+// the indices of the kernel signature, fills the params.h struct and chooses grid and threadgroup sizes.
+// The same code drives the Apple device and the emulated one.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "kernels/params.h"
+#include "metal/device.h"
+
+namespace lily::metal {
+
+// A linear weight [E?, out, in] on the device in its checkpoint format.
+struct DevLinear {
+  BufRef w, s, b;              // codes or dense matrix; scales, biases (dense: bound to w, unused)
+  kp::LinearArgs args{};
+  std::string fmt;             // "q4" | "q8" | "bf16" | "f32"
+  int64_t out = 0, in = 0, experts = 0;
+};
+
+// Device routing results for a chunk of S rows (MoE prefill).
+struct RouteBufs {
+  BufRef ids, wts, counts, base, tile_expert, tile_row0, tile_rows, n_tiles, sorted_row, sorted_w, inv;
+};
+
+class Ops {
+ public:
+  explicit Ops(Device& dev) : dev_(dev) {}
+
+  // Rows at or below this use the row-parallel GEMV; above, the simdgroup-matrix GEMM.
+  static constexpr int kGemvMaxRows = 4;
+  // Decode attention: keys per split-K part.
+  static constexpr int kSplitLen = 256;
+
+  // y[S, out] (+)= x[S, in] W^T. x_stride / y_stride in floats (0: in / out).
+  void linear(Encoder& e, const DevLinear& W, BufRef x, BufRef y, int S, bool accumulate, int x_stride = 0,
+              int y_stride = 0);
+  // y[S, out] = silu(x Wg^T) * (x Wu^T), GEMM.
+  void linear_glu(Encoder& e, const DevLinear& Wg, const DevLinear& Wu, BufRef x, BufRef y, int S);
+  // Grouped expert GEMM over the block map: y[p] = A[row(p)] W_e^T (GLU when Wu) for pairs p < pairs.
+  void grouped(Encoder& e, const DevLinear& W, const DevLinear* Wu, BufRef a, int lda, bool gather,
+               const RouteBufs& r, BufRef y, int pairs, int bm, int max_tiles);
+
+  void rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps);
+  void embed(Encoder& e, const DevLinear& E, BufRef ids, BufRef x, int S);
+  void argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot);
+
+  void gdn_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u);
+  // Fused gated RMSNorm when the head fits one threadgroup (Dv <= 128); else scan + gdn_gated_norm.
+  void gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+                BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y);
+
+  void attn_prep(Encoder& e, const kp::AttentionParams& p, BufRef qg, BufRef k, BufRef v, BufRef q_norm,
+                 BufRef k_norm, BufRef rope, BufRef q, BufRef k_cache, BufRef v_cache);
+  void attn_prefill(Encoder& e, const kp::AttentionParams& p, BufRef q, BufRef qg, BufRef k_cache,
+                    BufRef v_cache, BufRef out);
+  // ml / po must hold Hq * parts(T) partials; returns after encoding both passes (barrier inside).
+  void attn_decode(Encoder& e, const kp::AttentionParams& p, BufRef q, BufRef qg, BufRef k_cache, BufRef v_cache,
+                   BufRef ml, BufRef po, BufRef out);
+  static int attn_parts(int64_t T) { return static_cast<int>((T + kSplitLen - 1) / kSplitLen); }
+
+  // Routing of S rows: top-k, histogram, offsets + block map, scatter (barriers inside).
+  void route(Encoder& e, BufRef logits, const RouteBufs& r, int S, int E, int k, bool norm, int bm, int max_tiles);
+  void moe_combine(Encoder& e, BufRef x, BufRef yd, BufRef ysh, BufRef sg, const RouteBufs& r, int S, int H, int k);
+  void moe_topk(Encoder& e, BufRef logits, BufRef ids, BufRef wts, int S, int E, int k, bool norm);
+  void moe_gate_up_decode(Encoder& e, const DevLinear& g, const DevLinear& u, const DevLinear& sg,
+                          const DevLinear& su, BufRef h, BufRef ids, BufRef act, int k, int act_stride);
+  void moe_down_decode(Encoder& e, const DevLinear& d, const DevLinear& sd, BufRef act, BufRef ids, BufRef wts,
+                       BufRef sg_logit, BufRef x, int k, int act_stride);
+
+ private:
+  Pipeline* pipe(const std::string& name) { return dev_.pipeline(name); }
+  void go(Encoder& e, const std::string& kernel, Size3 grid, Size3 tg);
+  Device& dev_;
+};
+
+}  // namespace lily::metal

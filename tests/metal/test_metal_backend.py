@@ -1,0 +1,143 @@
+"""The whole tiny model through the Metal backend (csrc/metal) on the emulated device: prefill in several
+chunks (teacher-forced logits for every row), then the double-buffered greedy decode loop; logits compared
+with the CPU backend. The backend computes in fp32, so the fp32 rows of the tolerance table apply (design.md
+§8: a fp32 backend matches a fp32 reference almost exactly). Each run happens in a forked child: a crash
+inside the emulator fails the test instead of the test process."""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+
+import numpy as np
+import pytest
+from _metrics import perplexity, rel_rms, top1_agreement
+from conftest import emu, metal_files, mslc
+from tolerances import tol
+
+from lily.testing import random_weights, tiny_configs
+
+_lily = pytest.importorskip("lily._lily")
+
+TOL = tol("model_vs_reference")
+DTYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.uint32): 2, np.dtype(np.int32): 3}
+
+
+def _in_child(fn, timeout=600):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        signal.alarm(timeout)
+        try:
+            data = pickle.dumps(("ok", fn()))
+        except BaseException as ex:  # noqa: BLE001 - reported to the parent
+            data = pickle.dumps(("error", f"{type(ex).__name__}: {ex}"))
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        pytest.fail(f"the Metal backend run crashed (status {status}: signal {os.WTERMSIG(status)})")
+    kind, val = pickle.loads(data)
+    if kind == "error":
+        pytest.fail(val)
+    return val
+
+
+class EmulatedMetalEngine:
+    """ctypes front of csrc/metal/emu_capi.cpp: the Metal backend on the emulated device."""
+
+    def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True):
+        libs = ";".join(emu.library(f).lib._name for f in metal_files())
+        self.lib = lib = ctypes.CDLL(mslc.build_host())
+        lib.lily_metal_emu_new.restype = ctypes.c_void_p
+        lib.lily_metal_emu_position.restype = ctypes.c_int64
+        lib.lily_metal_emu_position.argtypes = [ctypes.c_void_p]
+        lib.lily_metal_emu_free.argtypes = [ctypes.c_void_p]
+        d = cfg.to_dict()
+        nums = {k: float(v) for k, v in d.items() if isinstance(v, (int, float, bool))}
+        self._keep = [np.ascontiguousarray(t) for t in tensors.values()]
+        names = list(tensors)
+        shapes = np.concatenate([np.array(t.shape, np.int64) for t in self._keep])
+        cs = lambda xs: (ctypes.c_char_p * len(xs))(*[x.encode() for x in xs])  # noqa: E731
+        self.V = cfg.vocab_size
+        err = ctypes.create_string_buffer(4096)
+        self.h = lib.lily_metal_emu_new(
+            len(nums), cs(list(nums)), (ctypes.c_double * len(nums))(*nums.values()),
+            len(d["layer_types"]), cs(d["layer_types"]),
+            len(names), cs(names), (ctypes.c_void_p * len(names))(*[t.ctypes.data for t in self._keep]),
+            (ctypes.c_int * len(names))(*[DTYPES[t.dtype] for t in self._keep]),
+            (ctypes.c_int * len(names))(*[t.ndim for t in self._keep]), shapes.ctypes.data_as(ctypes.c_void_p),
+            len(quant), cs(list(quant)), (ctypes.c_int * len(quant))(*[b for b, _ in quant.values()]),
+            (ctypes.c_int * len(quant))(*[g for _, g in quant.values()]), libs.encode(), schedule, max_context,
+            int(debug), err, len(err))
+        if not self.h:
+            raise RuntimeError(err.value.decode())
+        self._shapes = shapes
+
+    def _check(self, rc, err):
+        if rc:
+            raise RuntimeError(err.value.decode())
+
+    def forward(self, tokens, chunk):
+        toks = np.ascontiguousarray(tokens, np.int32)
+        out = np.zeros((len(toks), self.V), np.float32)
+        err = ctypes.create_string_buffer(1 << 16)
+        self._check(self.lib.lily_metal_emu_forward(ctypes.c_void_p(self.h), toks.ctypes.data_as(ctypes.c_void_p),
+                                                    ctypes.c_int64(len(toks)), 1, ctypes.c_int64(chunk),
+                                                    out.ctypes.data_as(ctypes.c_void_p), err, len(err)), err)
+        return out
+
+    def decode(self, first, n):
+        toks = np.zeros(n, np.int32)
+        logits = np.zeros((n, self.V), np.float32)
+        err = ctypes.create_string_buffer(1 << 16)
+        self._check(self.lib.lily_metal_emu_decode(ctypes.c_void_p(self.h), ctypes.c_int32(first), n,
+                                                   toks.ctypes.data_as(ctypes.c_void_p),
+                                                   logits.ctypes.data_as(ctypes.c_void_p), err, len(err)), err)
+        return toks, logits
+
+    @property
+    def position(self):
+        return self.lib.lily_metal_emu_position(ctypes.c_void_p(self.h))
+
+
+def _report(name, metal, cpu, tokens):
+    err = rel_rms(metal, cpu)
+    t1 = top1_agreement(metal, cpu)
+    ppl = perplexity(metal, tokens) / perplexity(cpu, tokens)
+    print(f"{name:44s} top1 {t1:.4f}  ppl ratio {ppl:.6f}  rel_rms {err:.3e}")
+    assert np.all(np.isfinite(metal)), f"{name}: non-finite logits"
+    assert err <= TOL["rel_rms"] and t1 >= TOL["top1"], f"{name}: rel_rms {err:.3e}, top-1 {t1:.3f}"
+
+
+@pytest.mark.parametrize("name,prompt,chunk,steps", [("tiny", 40, 16, 8), ("tiny_dk_ne_dv", 21, 8, 5),
+                                                     ("tiny_odd", 13, 5, 4)])
+def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps):
+    cfg = tiny_configs()[name]
+    tensors, quant = random_weights(cfg, seed=21)
+    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, prompt).astype(np.int32)
+
+    def run():
+        eng = EmulatedMetalEngine(cfg, tensors, quant)
+        pre = eng.forward(toks, chunk)
+        first = int(np.argmax(pre[-1]))
+        gen, dec = eng.decode(first, steps)
+        return pre, first, gen, dec, eng.position
+
+    pre, first, gen, dec, pos = _in_child(run)
+    assert pos == prompt + steps
+    # CPU backend, teacher-forced on the same sequence (prompt + the tokens the Metal loop fed itself)
+    seq = np.concatenate([toks, [first], gen[:-1]]).astype(np.int32)
+    cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
+    ref = cpu.forward(cpu.new_state(), seq, logits="all")
+    _report(f"{name} prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
+    _report(f"{name} decode loop ({steps} steps)", dec, ref[prompt:], seq[prompt:])
+    # the loop fed back its own greedy choices
+    np.testing.assert_array_equal(gen, np.argmax(dec, -1))
+    assert first == int(np.argmax(ref[prompt - 1]))
