@@ -4,7 +4,8 @@
 // [K-1, C] (pre-conv rows, oldest first); o / y [S, Hv, Dv]. Value head h reads key head h / (Hv/Hk).
 #include "common.h"
 
-inline float softplus(float x) { return x > 20.0f ? x : log1p(exp(x)); }
+// log(1 + e^x); MSL has no log1p, so the far-negative tail uses softplus(x) ~ e^x (exact to float there).
+inline float softplus(float x) { return x > 20.0f ? x : (x < -15.0f ? exp(x) : log(1.0f + exp(x))); }
 
 // u[t, c] = silu(sum_j w[c, j] X[t + j, c]) with X = [conv_state; qkv]; then conv_state = last K-1 rows
 // of X. One thread per channel; channels are independent, so the state update needs no barrier.

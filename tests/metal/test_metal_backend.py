@@ -52,9 +52,9 @@ def _in_child(fn, timeout=600):
 class EmulatedMetalEngine:
     """ctypes front of csrc/metal/emu_capi.cpp: the Metal backend on the emulated device."""
 
-    def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True):
+    def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True, host_lib=None):
         libs = ";".join(emu.library(f).lib._name for f in metal_files())
-        self.lib = lib = ctypes.CDLL(mslc.build_host())
+        self.lib = lib = ctypes.CDLL(host_lib or mslc.build_host())
         lib.lily_metal_emu_new.restype = ctypes.c_void_p
         lib.lily_metal_emu_position.restype = ctypes.c_int64
         lib.lily_metal_emu_position.argtypes = [ctypes.c_void_p]

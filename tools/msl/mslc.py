@@ -450,10 +450,11 @@ HOST_SOURCES = ["csrc/core/config.cpp", "csrc/core/weights.cpp", "csrc/core/stat
                 "csrc/metal/ops_metal.cpp", "csrc/metal/backend_metal.cpp", "csrc/metal/emu_capi.cpp"]
 
 
-def build_host() -> str:
+def build_host(overrides: dict | None = None) -> str:
     """The Metal backend's host code with the emulated device (csrc/metal) as a shared library with the C
-    API of csrc/metal/emu_capi.cpp. Returns its path; raises RuntimeError with the compiler output."""
-    srcs = [os.path.join(REPO, f) for f in HOST_SOURCES]
+    API of csrc/metal/emu_capi.cpp. overrides: {repo-relative source: replacement path} (planted bugs).
+    Returns its path; raises RuntimeError with the compiler output."""
+    srcs = [(overrides or {}).get(f) or os.path.join(REPO, f) for f in HOST_SOURCES]
     hdrs = [os.path.join(d, f) for d in (os.path.join(REPO, "csrc", "core"), os.path.join(REPO, "csrc", "metal"),
                                           os.path.join(REPO, "csrc", "kernels")) for f in sorted(os.listdir(d))
             if f.endswith(".h")]
