@@ -120,12 +120,23 @@ def run_conversation(model, *, reuse: bool, turns: int, target: int, seed: int, 
     kw = {"enable_thinking": False}
     sampling = resolve_sampling(model.generation_config, max_tokens=max_tokens, temperature=0.0)
     rows = []
+    from lily.session import Session
+    real_snapshot, spent = Session.snapshot, [0.0]
+
+    def timed_snapshot(self):  # what the prefix cache costs: state copies while prefilling
+        t = time.perf_counter()
+        try:
+            return real_snapshot(self)
+        finally:
+            spent[0] += time.perf_counter() - t
+    Session.snapshot = timed_snapshot
     for turn in range(1, turns + 1):
         text = model.chat_template.render(messages, add_generation_prompt=True, tools=TOOLS, **kw)
         ids = replies.encode(model.tokenizer, text) if reuse else model.tokenizer.encode(text)
         if not reuse:
             session.reset()
         constraint = GrammarConstraint(model, tool_call_grammar(TOOLS, "read_file"))
+        spent[0] = 0.0
         t0 = time.perf_counter()
         stream = session.generate(ids, whole=True, stream=True, sampling=sampling, constraint=constraint)
         first = next(stream)
@@ -135,7 +146,9 @@ def run_conversation(model, *, reuse: bool, turns: int, target: int, seed: int, 
         stats = chunks[-1].stats  # the last chunk carries the stats
         rows.append({"turn": turn, "prompt_tokens": len(ids), "cached_tokens": stats.cached_tokens,
                      "prefilled_tokens": len(ids) - stats.cached_tokens, "ttft_s": ttft,
-                     "prefill_s": stats.prefill_s, "generated_tokens": len(out)})
+                     "prefill_s": stats.prefill_s, "snapshot_s": spent[0], "generated_tokens": len(out),
+                     "snapshots_held": len(cache) if cache is not None else 0,
+                     "cache_bytes": cache.nbytes if cache is not None else 0})
         stop = out[-1] if out and out[-1] in model.stop_token_ids else None
         reply_ids = out[:-1] if stop is not None else out
         if reuse and stop is not None:
@@ -150,8 +163,16 @@ def run_conversation(model, *, reuse: bool, turns: int, target: int, seed: int, 
         grow = (target - len(ids) - len(out)) // max(1, turns - turn)
         messages.append({"role": "tool", "content": tool_result(model.tokenizer, max(16, grow - len(out)), rng)})
         print(f"  turn {turn:2d}: prompt {len(ids):6d} tok, cached {stats.cached_tokens:6d}, "
-              f"TTFT {ttft * 1e3:8.1f} ms", flush=True)
+              f"TTFT {ttft * 1e3:8.1f} ms (snapshots {spent[0] * 1e3:.1f} ms)", flush=True)
+    Session.snapshot = real_snapshot
     return rows
+
+
+def warm_up(model) -> None:
+    """One prefill and a few decode steps on a throwaway state (allocations, kernel loading), untimed."""
+    s = model.session()
+    s.prefill([i % min(model.vocab_size, 256) for i in range(512)])
+    s.generate(max_tokens=4, temperature=0)
 
 
 def hardware() -> dict:
@@ -234,6 +255,7 @@ def main(argv=None) -> int:
         load_s = time.perf_counter() - t0
         config = args.config if not args.model else Path(args.model).name
         print(f"{model!r} (loaded in {load_s:.1f} s)")
+        warm_up(model)
         runs = {}
         for key, reuse in (("reuse_on", True), ("reuse_off", False)):
             print(f"{key}:")
