@@ -1,0 +1,49 @@
+# Metal backend on Apple platforms. Meant to be include()d by the top-level CMakeLists.txt inside
+# `if(APPLE AND LILY_METAL)`; it defines the static library lily_metal (link it into _lily and define
+# LILY_HAVE_METAL=1 there). Not run yet: no Apple machine was available (docs/metal.md).
+#
+# metal/*.metal -> .air (xcrun metal, IEEE math: -fno-fast-math) -> lily.metallib (xcrun metallib), embedded
+# in the extension through an assembler .incbin as lily_metallib / lily_metallib_size (device_mtl.mm).
+enable_language(OBJCXX ASM)
+
+file(GLOB LILY_METAL_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/metal/*.metal)
+set(LILY_METAL_HEADERS ${CMAKE_CURRENT_SOURCE_DIR}/metal/common.h ${CMAKE_CURRENT_SOURCE_DIR}/csrc/kernels/params.h)
+set(LILY_METAL_AIR "")
+foreach(src ${LILY_METAL_SOURCES})
+  get_filename_component(stem ${src} NAME_WE)
+  set(air ${CMAKE_CURRENT_BINARY_DIR}/metal/${stem}.air)
+  add_custom_command(
+    OUTPUT ${air}
+    COMMAND ${CMAKE_COMMAND} -E make_directory ${CMAKE_CURRENT_BINARY_DIR}/metal
+    COMMAND xcrun -sdk macosx metal -std=metal3.0 -Wall -Wextra -fno-fast-math
+            -I ${CMAKE_CURRENT_SOURCE_DIR}/metal -I ${CMAKE_CURRENT_SOURCE_DIR}/csrc -c ${src} -o ${air}
+    DEPENDS ${src} ${LILY_METAL_HEADERS}
+    COMMENT "metal ${stem}.metal"
+    VERBATIM)
+  list(APPEND LILY_METAL_AIR ${air})
+endforeach()
+
+set(LILY_METALLIB ${CMAKE_CURRENT_BINARY_DIR}/lily.metallib)
+add_custom_command(
+  OUTPUT ${LILY_METALLIB}
+  COMMAND xcrun -sdk macosx metallib ${LILY_METAL_AIR} -o ${LILY_METALLIB}
+  DEPENDS ${LILY_METAL_AIR}
+  COMMENT "metallib lily.metallib"
+  VERBATIM)
+
+set(LILY_METALLIB_ASM ${CMAKE_CURRENT_BINARY_DIR}/lily_metallib.s)
+file(WRITE ${LILY_METALLIB_ASM}
+  ".section __DATA,__const\n"
+  ".globl _lily_metallib\n.globl _lily_metallib_size\n"
+  ".p2align 4\n_lily_metallib:\n.incbin \"${LILY_METALLIB}\"\n_lily_metallib_end:\n"
+  ".p2align 3\n_lily_metallib_size:\n.quad _lily_metallib_end - _lily_metallib\n")
+set_source_files_properties(${LILY_METALLIB_ASM} PROPERTIES OBJECT_DEPENDS ${LILY_METALLIB})
+
+add_library(lily_metal STATIC
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/device_mtl.mm
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/ops_metal.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/backend_metal.cpp
+  ${LILY_METALLIB_ASM})
+target_include_directories(lily_metal PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
+target_compile_options(lily_metal PRIVATE $<$<COMPILE_LANGUAGE:OBJCXX>:-fobjc-arc>)
+target_link_libraries(lily_metal PUBLIC lily_core "-framework Metal" "-framework Foundation")
