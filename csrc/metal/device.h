@@ -81,6 +81,9 @@ struct EmuOptions {
   int schedule = -1;
   int threads = 2;
   bool check_hazards = true;
+  // Per-pipeline thread limit to emulate (Apple lowers it for register-heavy kernels), so the backend's
+  // fallbacks for a pipeline that cannot run 1024 threads are exercised in CI too.
+  uint32_t max_threads = 1024;
 };
 std::unique_ptr<Device> make_emulated_device(const EmuOptions& opt);
 

@@ -167,7 +167,7 @@ class EmuDevice final : public Device {
     }
     throw std::runtime_error("[lily] metal emulator: no kernel named '" + name + "' in the kernel libraries");
   }
-  uint32_t max_threads(Pipeline*) override { return 1024; }
+  uint32_t max_threads(Pipeline*) override { return opt_.max_threads; }
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(this); }
   bool has_tensor_ops() const override { return false; }
 
@@ -223,6 +223,9 @@ EmuCommandBuffer::~EmuCommandBuffer() {
 
 void EmuCommandBuffer::dispatch(Size3 grid, Size3 tg) {
   if (!pipe_) throw std::logic_error("[lily] metal: dispatch without a pipeline");
+  if (tg.x * tg.y * tg.z > dev_->opt().max_threads)
+    hazards_ += "kernel " + pipe_->name + ": " + std::to_string(tg.x * tg.y * tg.z) +
+                " threads per threadgroup exceed the pipeline's maximum " + std::to_string(dev_->opt().max_threads) + "\n";
   if (committed_) throw std::logic_error("[lily] metal: dispatch into a committed command buffer");
   const std::string& acc = pipe_->access;
   for (size_t i = 0; i < acc.size(); ++i) {

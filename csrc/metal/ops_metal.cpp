@@ -101,7 +101,8 @@ void Ops::rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, flo
   e.set_buffer(1, w);
   e.set_buffer(2, y);
   bytes(e, 3, kp::NormArgs{dim, eps, dim, dim});
-  const uint32_t nt = std::min<uint32_t>(1024, std::max<uint32_t>(32, cdiv(dim, 8) / 32 * 32));
+  const uint32_t cap = dev_.max_threads(pipe("rms_norm")) / 32 * 32;
+  const uint32_t nt = std::min<uint32_t>(cap, std::max<uint32_t>(32, cdiv(dim, 8) / 32 * 32));
   go(e, "rms_norm", {static_cast<uint32_t>(S), 1, 1}, {nt, 1, 1});
 }
 
@@ -117,7 +118,7 @@ void Ops::argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot) {
   e.set_buffer(0, logits);
   e.set_buffer(1, tokens);
   bytes(e, 2, kp::NormArgs{V, 0.f, slot, 0});
-  go(e, "argmax", {1, 1, 1}, {1024, 1, 1});
+  go(e, "argmax", {1, 1, 1}, {std::min<uint32_t>(1024, dev_.max_threads(pipe("argmax")) / 32 * 32), 1, 1});
 }
 
 void Ops::gdn_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u) {
@@ -133,7 +134,9 @@ void Ops::gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, 
                    BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y) {
   const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
   const uint32_t sgs = cdiv(p.v_dim, kScanRows);
-  const bool fuse = sgs <= 32;
+  // The fused form needs the whole head (Dv / 4 simdgroups) in one threadgroup; the compiler may allow
+  // fewer threads for this register-heavy pipeline, and then the unfused pair runs instead.
+  const bool fuse = 32 * sgs <= dev_.max_threads(pipe("gdn_scan_norm_" + nk));
   BufRef in[] = {u, b, a, a_log, dt_bias, state, y, z, norm_w};
   for (int i = 0; i < 9; ++i) e.set_buffer(i, in[i]);
   bytes(e, 9, p);
@@ -213,7 +216,10 @@ void Ops::route(Encoder& e, BufRef logits, const RouteBufs& r, int S, int E, int
   BufRef off[] = {r.counts, r.base, r.tile_expert, r.tile_row0, r.tile_rows, r.n_tiles};
   for (int i = 0; i < 6; ++i) e.set_buffer(i, off[i]);
   bytes(e, 6, ra);
-  go(e, "moe_offsets", {1, 1, 1}, {std::max<uint32_t>(32, cdiv(E, 32) * 32), 1, 1});
+  const uint32_t nt = std::max<uint32_t>(32, cdiv(E, 32) * 32);
+  if (nt > dev_.max_threads(pipe("moe_offsets")))
+    throw std::runtime_error("[lily] metal: moe_offsets needs one thread per expert (" + std::to_string(E) + ")");
+  go(e, "moe_offsets", {1, 1, 1}, {nt, 1, 1});
   e.barrier();
   BufRef sc[] = {r.ids, r.wts, r.base, r.sorted_row, r.sorted_w, r.inv};
   for (int i = 0; i < 6; ++i) e.set_buffer(i, sc[i]);

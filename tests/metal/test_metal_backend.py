@@ -52,7 +52,8 @@ def _in_child(fn, timeout=600):
 class EmulatedMetalEngine:
     """ctypes front of csrc/metal/emu_capi.cpp: the Metal backend on the emulated device."""
 
-    def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True, host_lib=None):
+    def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True, host_lib=None,
+                 max_threads=1024):
         libs = ";".join(emu.library(f).lib._name for f in metal_files())
         self.lib = lib = ctypes.CDLL(host_lib or mslc.build_host())
         lib.lily_metal_emu_new.restype = ctypes.c_void_p
@@ -74,8 +75,8 @@ class EmulatedMetalEngine:
             (ctypes.c_int * len(names))(*[DTYPES[t.dtype] for t in self._keep]),
             (ctypes.c_int * len(names))(*[t.ndim for t in self._keep]), shapes.ctypes.data_as(ctypes.c_void_p),
             len(quant), cs(list(quant)), (ctypes.c_int * len(quant))(*[b for b, _ in quant.values()]),
-            (ctypes.c_int * len(quant))(*[g for _, g in quant.values()]), libs.encode(), schedule, max_context,
-            int(debug), err, len(err))
+            (ctypes.c_int * len(quant))(*[g for _, g in quant.values()]), libs.encode(), schedule, max_threads,
+            ctypes.c_int64(max_context), int(debug), err, len(err))
         if not self.h:
             raise RuntimeError(err.value.decode())
         self._shapes = shapes
@@ -116,15 +117,16 @@ def _report(name, metal, cpu, tokens):
     assert err <= TOL["rel_rms"] and t1 >= TOL["top1"], f"{name}: rel_rms {err:.3e}, top-1 {t1:.3f}"
 
 
-@pytest.mark.parametrize("name,prompt,chunk,steps", [("tiny", 40, 16, 8), ("tiny_dk_ne_dv", 21, 8, 5),
-                                                     ("tiny_odd", 13, 5, 4)])
-def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps):
+@pytest.mark.parametrize("name,prompt,chunk,steps,max_threads", [
+    ("tiny", 40, 16, 8, 1024), ("tiny_dk_ne_dv", 21, 8, 5, 1024), ("tiny_odd", 13, 5, 4, 1024),
+    ("tiny", 9, 4, 3, 128)])   # 128: pipelines limited as Apple may limit register-heavy ones (fallback paths)
+def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps, max_threads):
     cfg = tiny_configs()[name]
     tensors, quant = random_weights(cfg, seed=21)
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, prompt).astype(np.int32)
 
     def run():
-        eng = EmulatedMetalEngine(cfg, tensors, quant)
+        eng = EmulatedMetalEngine(cfg, tensors, quant, max_threads=max_threads)
         pre = eng.forward(toks, chunk)
         first = int(np.argmax(pre[-1]))
         gen, dec = eng.decode(first, steps)
@@ -136,8 +138,9 @@ def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps):
     seq = np.concatenate([toks, [first], gen[:-1]]).astype(np.int32)
     cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
     ref = cpu.forward(cpu.new_state(), seq, logits="all")
-    _report(f"{name} prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
-    _report(f"{name} decode loop ({steps} steps)", dec, ref[prompt:], seq[prompt:])
+    tag = f"{name}" + (f" max_threads={max_threads}" if max_threads < 1024 else "")
+    _report(f"{tag} prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
+    _report(f"{tag} decode loop ({steps} steps)", dec, ref[prompt:], seq[prompt:])
     # the loop fed back its own greedy choices
     np.testing.assert_array_equal(gen, np.argmax(dec, -1))
     assert first == int(np.argmax(ref[prompt - 1]))
