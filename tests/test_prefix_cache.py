@@ -75,7 +75,7 @@ def test_lru_bound_in_bytes():
 
 
 def test_snapshot_points():
-    c = PrefixCache(max_bytes=10**6, interval=10)
+    c = PrefixCache(max_bytes=10**6, interval=10, min_gap=0)
     S = 99  # <|im_start|>
     toks = [S, 1, 1, S, 2, 2, 2, S, 3, 3, 3, 3, 3, S, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]
     # first boundary (3), the last two (7, 13), every 10 tokens (10, 20)
@@ -83,6 +83,11 @@ def test_snapshot_points():
     assert c.snapshot_points(toks[:9], 0, 9, S) == [3, 7]
     c.insert(snap(toks[:3]))
     assert c.snapshot_points(toks, 5, len(toks), S) == [7, 10, 13, 20]  # only after the start, only new ones
+    c.min_gap = 6  # points too close to the state's start: the state at the start is stored instead
+    assert c.snapshot_points(toks, 5, len(toks), S) == [5, 13, 20]
+    c.insert(snap(toks[:5]))
+    assert c.snapshot_points(toks, 5, len(toks), S) == [13, 20]
+    assert c.snapshot_points(toks, 0, 4, S) == []  # never the empty state
 
 
 # ---- sessions over a real engine ----------------------------------------------------------------------------

@@ -38,6 +38,9 @@ SESSION_VERSION = "1"
 SESSION_SUFFIX = ".lily-session.safetensors"
 DEFAULT_CACHE_BYTES = 4 << 30
 DEFAULT_SNAPSHOT_INTERVAL = 4096
+# a snapshot fewer tokens after the state's starting point saves less recompute than the extra prefill piece
+# (one more engine call) costs
+DEFAULT_MIN_GAP = 64
 
 
 class SessionFileError(LilyError, ValueError):
@@ -76,7 +79,8 @@ class PrefixCache:
     session = model.session(prefix_cache=cache)   # snapshots at turn boundaries, reuse across requests
     """
 
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, interval: int = DEFAULT_SNAPSHOT_INTERVAL):
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, interval: int = DEFAULT_SNAPSHOT_INTERVAL,
+                 min_gap: int = DEFAULT_MIN_GAP):
         if max_bytes < 0:
             raise ValueError(f"[PrefixCache] max_bytes={max_bytes} is invalid: expected >= 0")
         if interval < 0:
@@ -84,6 +88,7 @@ class PrefixCache:
                              f"snapshots)")
         self.max_bytes = int(max_bytes)
         self.interval = int(interval)
+        self.min_gap = int(min_gap)
         self._root = _Node((), None)
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self.nbytes = 0
@@ -218,19 +223,29 @@ class PrefixCache:
 
     # ---- what to snapshot ------------------------------------------------------------------------------
     def snapshot_points(self, tokens: Sequence[int], start: int, end: int, boundary_token: int | None) -> list[int]:
-        """Positions p in (start, end] worth a snapshot of tokens[:p] that the cache does not hold yet:
+        """Positions p in [start, end] worth a snapshot of tokens[:p] that the cache does not hold yet:
         just before the first and the last two `boundary_token`s (<|im_start|>: end of the system prompt,
         end of the last reply, end of the last user turn before the generation prompt), and every
-        `interval` tokens."""
-        points: set[int] = set()
+        `interval` tokens. `start` is what the state holds already: a point fewer than `min_gap` tokens
+        after it would cost one more prefill piece (engine call) to save little, so the state at `start`
+        is stored instead (a copy, no extra call)."""
+        candidates: set[int] = set()
         if boundary_token is not None:
             at = np.flatnonzero(np.asarray(tokens[:end], np.int64) == boundary_token)
             at = at[at > 0]
             if at.size:
-                points.update(int(p) for p in (at[0], *at[-2:]))
+                candidates.update(int(p) for p in (at[0], *at[-2:]))
         if self.interval > 0:
-            points.update(range((start // self.interval + 1) * self.interval, end + 1, self.interval))
-        return sorted(p for p in points if start < p <= end and not self.contains(tokens[:p]))
+            candidates.update(range((start // self.interval + 1) * self.interval, end + 1, self.interval))
+        points: set[int] = set()
+        for p in candidates:
+            if not start < p <= end or self.contains(tokens[:p]):
+                continue
+            points.add(start if p - start < self.min_gap else p)
+        points.discard(0)
+        if start in points and self.contains(tokens[:start]):
+            points.discard(start)
+        return sorted(points)
 
     # ---- disk -------------------------------------------------------------------------------------------
     def paths(self) -> list[list["SessionSnapshot"]]:

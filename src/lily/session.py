@@ -201,6 +201,10 @@ class Session:
         snaps: set[int] = set()
         if self.prefix_cache is not None:
             snaps = set(self.prefix_cache.snapshot_points(full, start, end, self.model.tokenizer.im_start_id))
+            if start in snaps:  # the state as it is now (its pending token not run yet)
+                self.prefix_cache.insert(SessionSnapshot(
+                    self._state.snapshot(), tuple(self._tokens), (),
+                    None if self._last_logits is None else self._last_logits.copy()))
         cuts = set(snaps)
         if progress is not None and self.progress_tokens > 0:
             cuts.update(range(start + self.progress_tokens, end, self.progress_tokens))
