@@ -105,67 +105,75 @@ def tool_result(tokenizer, n_tokens: int, rng: np.random.Generator) -> str:
     return "\n".join(lines)
 
 
-def run_conversation(model, *, reuse: bool, turns: int, target: int, seed: int, max_tokens: int) -> list[dict]:
-    from lily.generation import resolve_sampling
-    from lily.prefix_cache import PrefixCache, ReplyTokens
-    from lily.server.grammar import GrammarConstraint, tool_call_grammar
-    from lily.server.tool_calls import parse_tool_calls
+class Conversation:
+    """One agent loop on `model`, with prefix reuse (one session + PrefixCache + ReplyTokens, as `lily serve`)
+    or without (every turn prefills the whole conversation from an empty state). `step()` runs one turn."""
 
-    rng = np.random.default_rng(seed)
-    cache = PrefixCache(max_bytes=8 << 30) if reuse else None
-    replies = ReplyTokens()
-    session = model.session(prefix_cache=cache)
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "Find where the session state is restored and explain it briefly."}]
-    kw = {"enable_thinking": False}
-    sampling = resolve_sampling(model.generation_config, max_tokens=max_tokens, temperature=0.0)
-    rows = []
-    from lily.session import Session
-    real_snapshot, spent = Session.snapshot, [0.0]
+    def __init__(self, model, *, reuse: bool, turns: int, target: int, seed: int, max_tokens: int):
+        from lily.generation import resolve_sampling
+        from lily.prefix_cache import PrefixCache, ReplyTokens
+        self.model, self.reuse, self.turns, self.target = model, reuse, turns, target
+        self.rng = np.random.default_rng(seed)
+        self.cache = PrefixCache(max_bytes=8 << 30) if reuse else None
+        self.replies = ReplyTokens()
+        self.session = model.session(prefix_cache=self.cache)
+        self.messages = [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": "Find where the session state is restored and explain it."}]
+        self.sampling = resolve_sampling(model.generation_config, max_tokens=max_tokens, temperature=0.0)
+        self.turn = 0
+        self.rows: list[dict] = []
 
-    def timed_snapshot(self):  # what the prefix cache costs: state copies while prefilling
-        t = time.perf_counter()
-        try:
-            return real_snapshot(self)
-        finally:
-            spent[0] += time.perf_counter() - t
-    Session.snapshot = timed_snapshot
-    for turn in range(1, turns + 1):
-        text = model.chat_template.render(messages, add_generation_prompt=True, tools=TOOLS, **kw)
-        ids = replies.encode(model.tokenizer, text) if reuse else model.tokenizer.encode(text)
-        if not reuse:
-            session.reset()
+    def step(self) -> dict:
+        from lily.server.grammar import GrammarConstraint, tool_call_grammar
+        from lily.server.tool_calls import parse_tool_calls
+        from lily.session import Session
+        model, self.turn = self.model, self.turn + 1
+        text = model.chat_template.render(self.messages, add_generation_prompt=True, tools=TOOLS, enable_thinking=False)
+        ids = self.replies.encode(model.tokenizer, text) if self.reuse else model.tokenizer.encode(text)
+        if not self.reuse:
+            self.session.reset()
         constraint = GrammarConstraint(model, tool_call_grammar(TOOLS, "read_file"))
-        spent[0] = 0.0
-        t0 = time.perf_counter()
-        stream = session.generate(ids, whole=True, stream=True, sampling=sampling, constraint=constraint)
-        first = next(stream)
-        ttft = time.perf_counter() - t0
+        real_snapshot, spent = Session.snapshot, [0.0]
+
+        def timed_snapshot(s):  # what the prefix cache costs: state copies while prefilling
+            t = time.perf_counter()
+            try:
+                return real_snapshot(s)
+            finally:
+                spent[0] += time.perf_counter() - t
+        Session.snapshot = timed_snapshot
+        try:
+            t0 = time.perf_counter()
+            stream = self.session.generate(ids, whole=True, stream=True, sampling=self.sampling, constraint=constraint)
+            first = next(stream)
+            ttft = time.perf_counter() - t0
+        finally:
+            Session.snapshot = real_snapshot
         chunks = [first, *stream]
         out = [c.token_id for c in chunks]
         stats = chunks[-1].stats  # the last chunk carries the stats
-        rows.append({"turn": turn, "prompt_tokens": len(ids), "cached_tokens": stats.cached_tokens,
-                     "prefilled_tokens": len(ids) - stats.cached_tokens, "ttft_s": ttft,
-                     "prefill_s": stats.prefill_s, "snapshot_s": spent[0], "generated_tokens": len(out),
-                     "snapshots_held": len(cache) if cache is not None else 0,
-                     "cache_bytes": cache.nbytes if cache is not None else 0})
+        cache = self.cache
+        row = {"turn": self.turn, "prompt_tokens": len(ids), "cached_tokens": stats.cached_tokens,
+               "prefilled_tokens": len(ids) - stats.cached_tokens, "ttft_s": ttft, "prefill_s": stats.prefill_s,
+               "snapshot_s": spent[0], "generated_tokens": len(out),
+               "snapshots_held": len(cache) if cache is not None else 0,
+               "cache_bytes": cache.nbytes if cache is not None else 0}
+        self.rows.append(row)
         stop = out[-1] if out and out[-1] in model.stop_token_ids else None
         reply_ids = out[:-1] if stop is not None else out
-        if reuse and stop is not None:
-            session.flush()  # the server does this between requests
+        if self.reuse and stop is not None:
+            self.session.flush()  # the server does this between requests
         reply = model.tokenizer.decode(reply_ids)
-        replies.remember(reply, reply_ids)
+        self.replies.remember(reply, reply_ids)
         content, calls = parse_tool_calls(reply, TOOLS)
         tool_calls = [{"id": c.id, "type": "function",
                        "function": {"name": c.name, "arguments": json.loads(c.arguments or "{}")}} for c in calls]
-        messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
+        self.messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
         # the tool result grows the context evenly towards the target over the remaining turns
-        grow = (target - len(ids) - len(out)) // max(1, turns - turn)
-        messages.append({"role": "tool", "content": tool_result(model.tokenizer, max(16, grow - len(out)), rng)})
-        print(f"  turn {turn:2d}: prompt {len(ids):6d} tok, cached {stats.cached_tokens:6d}, "
-              f"TTFT {ttft * 1e3:8.1f} ms (snapshots {spent[0] * 1e3:.1f} ms)", flush=True)
-    Session.snapshot = real_snapshot
-    return rows
+        grow = (self.target - len(ids) - len(out)) // max(1, self.turns - self.turn)
+        self.messages.append({"role": "tool", "content": tool_result(model.tokenizer, max(16, grow - len(out)),
+                                                                     self.rng)})
+        return row
 
 
 def warm_up(model) -> None:
@@ -256,11 +264,18 @@ def main(argv=None) -> int:
         config = args.config if not args.model else Path(args.model).name
         print(f"{model!r} (loaded in {load_s:.1f} s)")
         warm_up(model)
-        runs = {}
-        for key, reuse in (("reuse_on", True), ("reuse_off", False)):
-            print(f"{key}:")
-            runs[key] = run_conversation(model, reuse=reuse, turns=args.turns, target=args.target_tokens, seed=0,
-                                         max_tokens=args.max_tokens)
+        # the two conversations advance in alternating order, turn by turn (design.md §9), so that a change
+        # in machine load hits both alike
+        convs = {key: Conversation(model, reuse=reuse, turns=args.turns, target=args.target_tokens, seed=0,
+                                   max_tokens=args.max_tokens) for key, reuse in (("reuse_on", True), ("reuse_off", False))}
+        for turn in range(args.turns):
+            order = ("reuse_on", "reuse_off") if turn % 2 == 0 else ("reuse_off", "reuse_on")
+            for key in order:
+                r = convs[key].step()
+                print(f"  {key:9s} turn {r['turn']:2d}: prompt {r['prompt_tokens']:6d} tok, cached "
+                      f"{r['cached_tokens']:6d}, TTFT {r['ttft_s'] * 1e3:8.1f} ms (snapshots "
+                      f"{r['snapshot_s'] * 1e3:.1f} ms)", flush=True)
+        runs = {key: c.rows for key, c in convs.items()}
     on, off = runs["reuse_on"], runs["reuse_off"]
     summary = {
         "final_prompt_tokens": on[-1]["prompt_tokens"],
@@ -279,6 +294,7 @@ def main(argv=None) -> int:
                            "turns": args.turns, "target_tokens": args.target_tokens, "max_tokens": args.max_tokens,
                            "params": model.params, "weights_bytes": model.nbytes, "max_context": model.max_context,
                            "sampling": "greedy, forced read_file tool call (grammar)", "enable_thinking": False,
+                           "order": "reuse on/off conversations alternate turn by turn; one warm-up first",
                            "note": note},
               "summary": summary, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from .chat import ChatTemplateError
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError, LilyError
 from .generation import GenerationChunk, GenerationResult, GenerationStats
 from .model import Model, load
+from .prefix_cache import PrefixCache, SessionFileError
 from .sampling import SamplingParams, SamplingParamsError
 from .session import Session
 
@@ -22,4 +23,4 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = ["load", "Model", "Session", "SamplingParams", "GenerationResult", "GenerationChunk",
            "GenerationStats", "LilyError", "CheckpointError", "BackendUnavailableError", "ContextLengthError",
-           "ChatTemplateError", "SamplingParamsError", "__version__"]
+           "ChatTemplateError", "SamplingParamsError", "PrefixCache", "SessionFileError", "__version__"]

@@ -177,6 +177,10 @@ class LilyServer:
         model = self.model
         messages = normalize_chat_messages(req.messages)
         kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "continue_final_message"})
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them from "
+                              f"the request (messages, tools)", param="chat_template_kwargs")
         if req.reasoning_effort is not None:
             if req.reasoning_effort not in ("none", "minimal", "low", "medium", "high"):
                 raise bad_request(f"reasoning_effort={req.reasoning_effort!r} is invalid: expected none, minimal, "
