@@ -214,8 +214,10 @@ void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSpli
     case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part); break;
     default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
   }
-  attn_combine_kernel<<<static_cast<unsigned>(p.S * p.n_heads), std::min(p.head_dim, 256), sp.n_splits * sizeof(float),
-                        st>>>(p, sp, part, qg, o);
+  // Rounded up to 16 bytes: the compiler may read the weights with vector loads past n_splits.
+  const size_t smem = (sp.n_splits * sizeof(float) + 31) / 16 * 16;
+  attn_combine_kernel<<<static_cast<unsigned>(p.S * p.n_heads), std::min(p.head_dim, 256), smem, st>>>(p, sp, part, qg,
+                                                                                                        o);
   LILY_LAUNCH_CHECK();
 }
 

@@ -59,17 +59,28 @@ __device__ __forceinline__ void load_w8(const DLinear& W, int64_t e, int64_t row
     const int64_t wpr = p.in * p.bits / 32, gpr = p.in / p.group;
     const uint32_t* c = W.codes + e * p.expert_words + row * wpr;
     const int64_t g = e * p.expert_groups + row * gpr + k0 / p.group;
+    // (code << shift) | 0x3F800000 is the float 1 + code/2^bits: no int-to-float conversion (quarter rate).
     const float s = bf2f(W.scales[g]), b = bf2f(W.biases[g]);
     if (p.bits == 4) {
       const uint32_t w = c[k0 / 8];
+      const float s16 = 16.f * s, b16 = b - s16;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) out[j] = s * static_cast<float>((w >> (4 * j)) & 15u) + b;
+      for (int j = 0; j < 8; ++j) {
+        const int sh = 19 - 4 * j;
+        const uint32_t m = (sh >= 0 ? w << sh : w >> -sh) & 0x00780000u;
+        out[j] = fmaf(s16, __uint_as_float(m | 0x3F800000u), b16);
+      }
     } else {
-      const uint32_t w0 = c[k0 / 4], w1 = c[k0 / 4 + 1];
+      const float s256 = 256.f * s, b256 = b - s256;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        out[j] = s * static_cast<float>((w0 >> (8 * j)) & 255u) + b;
-        out[4 + j] = s * static_cast<float>((w1 >> (8 * j)) & 255u) + b;
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t w = c[k0 / 4 + h];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int sh = 15 - 8 * j;
+          const uint32_t m = (sh >= 0 ? w << sh : w >> -sh) & 0x007F8000u;
+          out[4 * h + j] = fmaf(s256, __uint_as_float(m | 0x3F800000u), b256);
+        }
       }
     }
   } else if (p.kind == 1) {
