@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -130,6 +132,8 @@ class EmuDevice final : public Device {
     }
     queue_.join();
     for (auto& kv : pipes_) delete kv.second;
+    for (auto& kv : prof_)
+      std::fprintf(stderr, "emu %-28s %6ld dispatches %8.3f s\n", kv.first.c_str(), kv.second.second, kv.second.first);
   }
 
   std::string name() const override { return "emulated"; }
@@ -183,6 +187,14 @@ class EmuDevice final : public Device {
   }
 
   const EmuOptions& opt() const { return opt_; }
+  // LILY_EMU_PROFILE=1 (debugging aid): emulator seconds per kernel, printed when the device is destroyed.
+  void account(const std::string& k, double secs) {
+    if (!profile_) return;
+    std::lock_guard<std::mutex> g(pmu_);
+    auto& e = prof_[k];
+    e.first += secs;
+    e.second += 1;
+  }
   DispatchFn dispatch_fn() const { return dispatch_; }
   unsigned next_seq() { return seq_++; }
 
@@ -215,6 +227,8 @@ class EmuDevice final : public Device {
   bool stop_ = false;
   std::thread queue_;
   unsigned seq_ = 0;
+  bool profile_ = std::getenv("LILY_EMU_PROFILE") != nullptr;
+  std::map<std::string, std::pair<double, long>> prof_;
 };
 
 EmuCommandBuffer::~EmuCommandBuffer() {
@@ -267,6 +281,7 @@ void EmuCommandBuffer::run() {
     const int n = dev_->dispatch_fn()(c.p->launch, grid, tg, c.bufs.data(), nullptr, 0, sched, 1u, dev_->opt().threads,
                                       msg.data(), static_cast<int>(msg.size()), stats);
     if (n) err += "kernel " + c.p->name + " (schedule " + std::to_string(sched) + "): " + msg.data();
+    dev_->account(c.p->name, stats[0]);
   }
   finish(err);
 }

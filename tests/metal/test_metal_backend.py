@@ -103,6 +103,11 @@ class EmulatedMetalEngine:
                                                    logits.ctypes.data_as(ctypes.c_void_p), err, len(err)), err)
         return toks, logits
 
+    def close(self):
+        if self.h:
+            self.lib.lily_metal_emu_free(ctypes.c_void_p(self.h))
+            self.h = None
+
     @property
     def position(self):
         return self.lib.lily_metal_emu_position(ctypes.c_void_p(self.h))
@@ -117,11 +122,28 @@ def _report(name, metal, cpu, tokens):
     assert err <= TOL["rel_rms"] and t1 >= TOL["top1"], f"{name}: rel_rms {err:.3e}, top-1 {t1:.3f}"
 
 
+def _configs():
+    from lily.config import ModelConfig
+    from lily.testing.configs import tiny_config_dicts
+    out = tiny_configs()
+    # the real per-head shapes (head_dim 256, GQA 8:1, Dk = Dv = 128, 256 experts top-8) at small width:
+    # the specialisations the full model uses (attn *_nd8_h8, gdn_scan_norm_nk4 with 1024 threads, topk_j8);
+    # narrow hidden and expert widths keep the emulated grouped GEMMs (one tile per routed row) affordable
+    d = dict(tiny_config_dicts()["tiny"])
+    d.update(hidden_size=256, num_hidden_layers=4, vocab_size=1024, num_attention_heads=16, num_key_value_heads=2,
+             head_dim=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+             linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=64,
+             shared_expert_intermediate_size=64)
+    out["mid_real_heads"] = ModelConfig.from_dict(d)
+    return out
+
+
 @pytest.mark.parametrize("name,prompt,chunk,steps,max_threads", [
     ("tiny", 40, 16, 8, 1024), ("tiny_dk_ne_dv", 21, 8, 5, 1024), ("tiny_odd", 13, 5, 4, 1024),
-    ("tiny", 9, 4, 3, 128)])   # 128: pipelines limited as Apple may limit register-heavy ones (fallback paths)
+    ("tiny", 9, 4, 3, 128),    # 128: pipelines limited as Apple may limit register-heavy ones (fallback paths)
+    ("mid_real_heads", 10, 6, 3, 1024)])
 def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps, max_threads):
-    cfg = tiny_configs()[name]
+    cfg = _configs()[name]
     tensors, quant = random_weights(cfg, seed=21)
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, prompt).astype(np.int32)
 
@@ -130,7 +152,9 @@ def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps, max_t
         pre = eng.forward(toks, chunk)
         first = int(np.argmax(pre[-1]))
         gen, dec = eng.decode(first, steps)
-        return pre, first, gen, dec, eng.position
+        pos = eng.position
+        eng.close()
+        return pre, first, gen, dec, pos
 
     pre, first, gen, dec, pos = _in_child(run)
     assert pos == prompt + steps
