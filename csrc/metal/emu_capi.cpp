@@ -119,4 +119,13 @@ int lily_metal_emu_decode(void* p, int32_t first, int n, int32_t* tokens, float*
   }
 }
 
+// Snapshot / restore of the State, whose arrays live in device buffers (the backend's Memory).
+void* lily_metal_emu_snapshot(void* p) {
+  auto* h = static_cast<Handle*>(p);
+  h->be->sync();
+  return new State(h->st->snapshot());
+}
+void lily_metal_emu_restore(void* p, void* snap) { static_cast<Handle*>(p)->st->restore(*static_cast<State*>(snap)); }
+void lily_metal_emu_free_snapshot(void* snap) { delete static_cast<State*>(snap); }
+
 }  // extern "C"
