@@ -4,7 +4,8 @@
 //   KV head packed in the same simdgroup so every K/V row load serves all of them (GQA packing).
 // attn_decode + attn_decode_combine: split-K over fixed-size key blocks, one partial (m, l, o) per
 //   simdgroup, merged per query head, output gate applied in the combine.
-// Layouts: qg [S, Hq, 2D] (per head [query | gate]); k, v [S, Hkv*D]; cache [capacity, Hkv*D] fp32;
+// Layouts: qg [S, Hq, 2D] (per head [query | gate]); k, v [S, Hkv*D]; cache [capacity, Hkv*D] fp32, or
+// bf16 (kernels named *_kvbf16);
 // q [S, Hq, D]; out [S, Hq*D]. Lane l holds dims d = l + 32j, j < ND (D = 32*ND).
 #include "common.h"
 
@@ -22,7 +23,8 @@ inline float rope_angle(float pos, float hi, float lo) {
 
 // One simdgroup per (row t, head): heads [0, Hq) are query heads (written to q), [Hq, Hq+Hkv) KV heads
 // (normed + roped K and raw V appended at cache row pos0 + t). rope: [rotary_dim/2][2] (hi, lo) freqs.
-template <int ND>
+// KVT: cache element (float, or ushort holding bf16).
+template <int ND, typename KVT>
 kernel void attn_prep(device const float*          qg      [[buffer(0)]],   // [S, Hq*2D]
                       device const float*          kin     [[buffer(1)]],   // [S, Hkv*D]
                       device const float*          vin     [[buffer(2)]],   // [S, Hkv*D]
@@ -30,8 +32,8 @@ kernel void attn_prep(device const float*          qg      [[buffer(0)]],   // [
                       device const float*          k_norm  [[buffer(4)]],   // [D]
                       device const float*          rope    [[buffer(5)]],   // [rd/2, 2]
                       device float*                q       [[buffer(6)]],   // [S, Hq*D]
-                      device float*                k_cache [[buffer(7)]],   // [cap, Hkv*D]
-                      device float*                v_cache [[buffer(8)]],   // [cap, Hkv*D]
+                      device KVT*                  k_cache [[buffer(7)]],   // [cap, Hkv*D]
+                      device KVT*                  v_cache [[buffer(8)]],   // [cap, Hkv*D]
                       constant kp::AttentionParams& p      [[buffer(9)]],
                       uint2 tg   [[threadgroup_position_in_grid]],
                       uint  lane [[thread_index_in_simdgroup]])
@@ -42,7 +44,8 @@ kernel void attn_prep(device const float*          qg      [[buffer(0)]],   // [
     const ulong kv_row = ulong(Hkv) * D, cache_row = ulong(p.pos0) + t;
     device const float* src = is_q ? qg + (ulong(t) * Hq + hh) * 2 * D : kin + t * kv_row + kvh * D;
     device const float* w = is_q ? q_norm : k_norm;
-    device float* dst = is_q ? q + (ulong(t) * Hq + hh) * D : k_cache + cache_row * kv_row + kvh * D;
+    device float* qdst = q + (ulong(t) * Hq + hh) * D;
+    const ulong kbase = cache_row * kv_row + kvh * D;
     float ss = 0.0f;
     for (int j = 0; j < ND; j++) { const float x = src[lane + 32 * j]; ss += x * x; }
     const float inv = 1.0f / sqrt(simd_sum(ss) / float(D) + p.eps);
@@ -57,21 +60,25 @@ kernel void attn_prep(device const float*          qg      [[buffer(0)]],   // [
             const float xp = src[pd] * inv * w[pd];
             x = d < half_rd ? x * cos(a) - xp * sin(a) : x * cos(a) + xp * sin(a);
         }
-        dst[d] = x;
+        if (is_q) qdst[d] = x;
+        else kv_io<KVT>::store(k_cache, kbase + d, x);
     }
     if (!is_q)
         for (int j = 0; j < ND; j++) {
             const uint d = lane + 32 * j;
-            v_cache[cache_row * kv_row + kvh * D + d] = vin[t * kv_row + kvh * D + d];
+            kv_io<KVT>::store(v_cache, kbase + d, vin[t * kv_row + kvh * D + d]);
         }
 }
 
 // Online-softmax update of HPG heads with key row kr / value row vr (lane's ND dims of each).
-template <int ND, int HPG>
-inline void attend_key(device const float* kr, device const float* vr, const thread float (&r_q)[HPG][ND],
+template <int ND, int HPG, typename KVT>
+inline void attend_key(device const KVT* kr, device const KVT* vr, const thread float (&r_q)[HPG][ND],
                        thread float (&r_o)[HPG][ND], thread float (&m)[HPG], thread float (&l)[HPG], uint lane) {
     float kv[ND], vv[ND];
-    for (int j = 0; j < ND; j++) { kv[j] = kr[lane + 32 * j]; vv[j] = vr[lane + 32 * j]; }
+    for (int j = 0; j < ND; j++) {
+        kv[j] = kv_io<KVT>::load(kr, lane + 32 * j);
+        vv[j] = kv_io<KVT>::load(vr, lane + 32 * j);
+    }
     for (int h = 0; h < HPG; h++) {
         float part = 0.0f;
         for (int j = 0; j < ND; j++) part += r_q[h][j] * kv[j];
@@ -87,11 +94,11 @@ inline void attend_key(device const float* kr, device const float* vr, const thr
 // Grid (ceil(S / R), Hkv, ceil(G / HPG)), R simdgroups; simdgroup s = query row t = x*R + s, query heads
 // kvh*G + z*HPG + i. Keys 0 .. pos0 + t (causal), read straight from the cache (rows shared in cache
 // by the R rows and HPG heads of the threadgroup).
-template <int ND, int HPG>
+template <int ND, int HPG, typename KVT>
 kernel void attn_prefill(device const float*          q       [[buffer(0)]],   // [S, Hq*D]
                          device const float*          qg      [[buffer(1)]],   // [S, Hq*2D] (gate half)
-                         device const float*          k_cache [[buffer(2)]],
-                         device const float*          v_cache [[buffer(3)]],
+                         device const KVT*            k_cache [[buffer(2)]],
+                         device const KVT*            v_cache [[buffer(3)]],
                          device float*                out     [[buffer(4)]],   // [S, Hq*D]
                          constant kp::AttentionParams& p      [[buffer(5)]],
                          uint3 tg   [[threadgroup_position_in_grid]],
@@ -116,7 +123,7 @@ kernel void attn_prefill(device const float*          q       [[buffer(0)]],   /
     }
     const ulong last = ulong(p.pos0) + t;
     for (ulong key = 0; key <= last; key++)
-        attend_key<ND, HPG>(k_cache + key * kv_row + kvh * D, v_cache + key * kv_row + kvh * D, r_q, r_o, m, l, lane);
+        attend_key<ND, HPG, KVT>(k_cache + key * kv_row + kvh * D, v_cache + key * kv_row + kvh * D, r_q, r_o, m, l, lane);
     for (int h = 0; h < HPG; h++) {
         const uint hq = kvh * G + g0 + h;
         if (g0 + h >= G) continue;
@@ -131,10 +138,10 @@ kernel void attn_prefill(device const float*          q       [[buffer(0)]],   /
 // Decode, split-K: grid (n_blocks, Hkv, ceil(G / HPG)), NSG simdgroups; part = block*NSG + s covers keys
 // [part*L, min(T, part*L + L)) with L = split_len, T = pos0 + 1. Partials: ml [Hq, n_splits, 2] (m, l),
 // po [Hq, n_splits, D]; an empty part stores m = -inf, l = 0.
-template <int ND, int HPG>
+template <int ND, int HPG, typename KVT>
 kernel void attn_decode(device const float*          q       [[buffer(0)]],   // [Hq*D]
-                        device const float*          k_cache [[buffer(1)]],
-                        device const float*          v_cache [[buffer(2)]],
+                        device const KVT*            k_cache [[buffer(1)]],
+                        device const KVT*            v_cache [[buffer(2)]],
                         device float*                ml      [[buffer(3)]],
                         device float*                po      [[buffer(4)]],
                         constant kp::AttentionParams& p      [[buffer(5)]],
@@ -160,7 +167,7 @@ kernel void attn_decode(device const float*          q       [[buffer(0)]],   //
     }
     const ulong k0 = ulong(part) * ulong(sp.split_len), k1 = min(T, k0 + ulong(sp.split_len));
     for (ulong key = k0; key < k1; key++)
-        attend_key<ND, HPG>(k_cache + key * kv_row + kvh * D, v_cache + key * kv_row + kvh * D, r_q, r_o, m, l, lane);
+        attend_key<ND, HPG, KVT>(k_cache + key * kv_row + kvh * D, v_cache + key * kv_row + kvh * D, r_q, r_o, m, l, lane);
     for (int h = 0; h < HPG; h++) {
         if (g0 + h >= G) continue;
         const ulong slot = ulong(kvh * G + g0 + h) * NS + part;
@@ -197,15 +204,24 @@ kernel void attn_decode_combine(device const float*          ml  [[buffer(0)]],
     }
 }
 
-template [[host_name("attn_prep_nd1")]] [[kernel]] decltype(attn_prep<1>) attn_prep<1>;
-template [[host_name("attn_prep_nd2")]] [[kernel]] decltype(attn_prep<2>) attn_prep<2>;
-template [[host_name("attn_prep_nd8")]] [[kernel]] decltype(attn_prep<8>) attn_prep<8>;
-template [[host_name("attn_prefill_nd1_h4")]] [[kernel]] decltype(attn_prefill<1, 4>) attn_prefill<1, 4>;
-template [[host_name("attn_prefill_nd2_h4")]] [[kernel]] decltype(attn_prefill<2, 4>) attn_prefill<2, 4>;
-template [[host_name("attn_prefill_nd8_h8")]] [[kernel]] decltype(attn_prefill<8, 8>) attn_prefill<8, 8>;
-template [[host_name("attn_decode_nd1_h4")]] [[kernel]] decltype(attn_decode<1, 4>) attn_decode<1, 4>;
-template [[host_name("attn_decode_nd2_h4")]] [[kernel]] decltype(attn_decode<2, 4>) attn_decode<2, 4>;
-template [[host_name("attn_decode_nd8_h8")]] [[kernel]] decltype(attn_decode<8, 8>) attn_decode<8, 8>;
+template [[host_name("attn_prep_nd1")]] [[kernel]] decltype(attn_prep<1, float>) attn_prep<1, float>;
+template [[host_name("attn_prep_nd1_kvbf16")]] [[kernel]] decltype(attn_prep<1, ushort>) attn_prep<1, ushort>;
+template [[host_name("attn_prep_nd2")]] [[kernel]] decltype(attn_prep<2, float>) attn_prep<2, float>;
+template [[host_name("attn_prep_nd2_kvbf16")]] [[kernel]] decltype(attn_prep<2, ushort>) attn_prep<2, ushort>;
+template [[host_name("attn_prep_nd8")]] [[kernel]] decltype(attn_prep<8, float>) attn_prep<8, float>;
+template [[host_name("attn_prep_nd8_kvbf16")]] [[kernel]] decltype(attn_prep<8, ushort>) attn_prep<8, ushort>;
+template [[host_name("attn_prefill_nd1_h4")]] [[kernel]] decltype(attn_prefill<1, 4, float>) attn_prefill<1, 4, float>;
+template [[host_name("attn_prefill_nd1_h4_kvbf16")]] [[kernel]] decltype(attn_prefill<1, 4, ushort>) attn_prefill<1, 4, ushort>;
+template [[host_name("attn_prefill_nd2_h4")]] [[kernel]] decltype(attn_prefill<2, 4, float>) attn_prefill<2, 4, float>;
+template [[host_name("attn_prefill_nd2_h4_kvbf16")]] [[kernel]] decltype(attn_prefill<2, 4, ushort>) attn_prefill<2, 4, ushort>;
+template [[host_name("attn_prefill_nd8_h8")]] [[kernel]] decltype(attn_prefill<8, 8, float>) attn_prefill<8, 8, float>;
+template [[host_name("attn_prefill_nd8_h8_kvbf16")]] [[kernel]] decltype(attn_prefill<8, 8, ushort>) attn_prefill<8, 8, ushort>;
+template [[host_name("attn_decode_nd1_h4")]] [[kernel]] decltype(attn_decode<1, 4, float>) attn_decode<1, 4, float>;
+template [[host_name("attn_decode_nd1_h4_kvbf16")]] [[kernel]] decltype(attn_decode<1, 4, ushort>) attn_decode<1, 4, ushort>;
+template [[host_name("attn_decode_nd2_h4")]] [[kernel]] decltype(attn_decode<2, 4, float>) attn_decode<2, 4, float>;
+template [[host_name("attn_decode_nd2_h4_kvbf16")]] [[kernel]] decltype(attn_decode<2, 4, ushort>) attn_decode<2, 4, ushort>;
+template [[host_name("attn_decode_nd8_h8")]] [[kernel]] decltype(attn_decode<8, 8, float>) attn_decode<8, 8, float>;
+template [[host_name("attn_decode_nd8_h8_kvbf16")]] [[kernel]] decltype(attn_decode<8, 8, ushort>) attn_decode<8, 8, ushort>;
 template [[host_name("attn_decode_combine_nd1")]] [[kernel]] decltype(attn_decode_combine<1>) attn_decode_combine<1>;
 template [[host_name("attn_decode_combine_nd2")]] [[kernel]] decltype(attn_decode_combine<2>) attn_decode_combine<2>;
 template [[host_name("attn_decode_combine_nd8")]] [[kernel]] decltype(attn_decode_combine<8>) attn_decode_combine<8>;

@@ -14,6 +14,22 @@ constant constexpr int WF_BF16 = 2;
 constant constexpr int WF_F32 = 3;
 
 inline float bf16(ushort b) { return as_type<float>(uint(b) << 16); }
+// float -> bf16 bits, round to nearest even (finite inputs).
+inline ushort to_bf16(float f) {
+    const uint u = as_type<uint>(f);
+    return ushort((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// KV cache element access: fp32, or bf16 bits in ushort (half the bytes per token).
+template <typename KVT> struct kv_io;
+template <> struct kv_io<float> {
+    static float load(device const float* p, ulong i) { return p[i]; }
+    static void store(device float* p, ulong i, float v) { p[i] = v; }
+};
+template <> struct kv_io<ushort> {
+    static float load(device const ushort* p, ulong i) { return bf16(p[i]); }
+    static void store(device ushort* p, ulong i, float v) { p[i] = to_bf16(v); }
+};
 inline float silu(float x) { return x / (1.0f + exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 

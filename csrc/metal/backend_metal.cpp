@@ -99,8 +99,9 @@ struct MetalBackend::Scratch {
   }
 };
 
-MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug)
-    : cfg_(cfg), dev_(std::move(dev)), ops_(*dev_), debug_(debug), mem_(std::make_shared<DeviceMemory>(dev_)) {
+MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug, bool kv_bf16)
+    : cfg_(cfg), dev_(std::move(dev)), ops_(*dev_, kv_bf16), debug_(debug), kv_bf16_(kv_bf16),
+      mem_(std::make_shared<DeviceMemory>(dev_)) {
   const int64_t H = cfg.hidden;
   auto vec = [&](const float* p, int64_t n) { return wrap(p, static_cast<size_t>(n) * 4); };
   embed_ = wrap_linear(w.embed);
@@ -443,8 +444,8 @@ void MetalBackend::decode_greedy(State& st, int32_t first, int n, int32_t* token
 }
 
 std::unique_ptr<MetalBackend> make_metal_backend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev,
-                                                 bool debug) {
-  return std::make_unique<MetalBackend>(cfg, w, std::move(dev), debug);
+                                                 bool debug, bool kv_bf16) {
+  return std::make_unique<MetalBackend>(cfg, w, std::move(dev), debug, kv_bf16);
 }
 
 }  // namespace lily::metal

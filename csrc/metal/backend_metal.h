@@ -1,5 +1,6 @@
 // The Metal backend: lily's Backend interface over the narrow device layer (metal/device.h), so the same
-// code runs on Apple GPUs and, in CI, on the emulated device. fp32 activations, KV cache and state;
+// code runs on Apple GPUs and, in CI, on the emulated device. fp32 activations and state, bf16 (or fp32)
+// KV cache;
 // weights stay in their checkpoint format in wrapped (not copied) host memory.
 //
 // A prefill chunk is encoded into one command buffer (routing included: no host round trip inside a
@@ -36,13 +37,14 @@ class BufferTable {
 
 class MetalBackend final : public Backend {
  public:
-  MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug);
+  // kv_bf16: bf16 KV cache (20,480 B per token on the real model, design.md §3), else fp32.
+  MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug, bool kv_bf16);
   ~MetalBackend() override;
 
   const char* name() const override { return "metal"; }
   int threads() const override { return 1; }
   std::shared_ptr<Memory> memory() const override;
-  Elem kv_elem() const override { return Elem::F32; }
+  Elem kv_elem() const override { return kv_bf16_ ? Elem::BF16 : Elem::F32; }
   int64_t default_chunk() const override { return 512; }
   void sync() override;
 
@@ -79,7 +81,7 @@ class MetalBackend final : public Backend {
   const Config& cfg_;
   std::shared_ptr<Device> dev_;
   Ops ops_;
-  bool debug_;
+  bool debug_, kv_bf16_;
   std::shared_ptr<DeviceMemory> mem_;  // also the address table of wrapped weights
   std::vector<DevBuffer*> wrapped_;
   DevLinear embed_, lm_head_;
@@ -93,6 +95,6 @@ class MetalBackend final : public Backend {
 };
 
 std::unique_ptr<MetalBackend> make_metal_backend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev,
-                                                 bool debug);
+                                                 bool debug, bool kv_bf16 = true);
 
 }  // namespace lily::metal

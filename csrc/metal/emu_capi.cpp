@@ -42,7 +42,7 @@ void* lily_metal_emu_new(int n_cfg, const char* const* keys, const double* vals,
                          const void* const* ptrs, const int* dtypes, const int* ndims, const int64_t* shapes,
                          int n_quant, const char* const* qnames, const int* qbits, const int* qgroups,
                          const char* kernel_libs, int schedule, int max_threads, int64_t max_context, int debug,
-                         char* err, int len) {
+                         int kv_bf16, char* err, int len) {
   try {
     ConfigDict d;
     for (int i = 0; i < n_cfg; ++i) d.nums[keys[i]] = vals[i];
@@ -66,7 +66,7 @@ void* lily_metal_emu_new(int n_cfg, const char* const* keys, const double* vals,
     opt.kernel_libs = kernel_libs;
     opt.schedule = schedule;
     opt.max_threads = static_cast<uint32_t>(max_threads);
-    h->be = metal::make_metal_backend(h->cfg, h->w, metal::make_emulated_device(opt), debug != 0);
+    h->be = metal::make_metal_backend(h->cfg, h->w, metal::make_emulated_device(opt), debug != 0, kv_bf16 != 0);
     h->st = std::make_unique<State>(h->cfg, max_context, h->be->memory(), h->be->kv_elem());
     return h.release();
   } catch (const std::exception& ex) {

@@ -158,7 +158,7 @@ void Ops::attn_prep(Encoder& e, const kp::AttentionParams& p, BufRef qg, BufRef 
   BufRef in[] = {qg, k, v, q_norm, k_norm, rope, q, k_cache, v_cache};
   for (int i = 0; i < 9; ++i) e.set_buffer(i, in[i]);
   bytes(e, 9, p);
-  go(e, "attn_prep_nd" + std::to_string(nd_for(p.head_dim)),
+  go(e, "attn_prep_nd" + std::to_string(nd_for(p.head_dim)) + kvs_,
      {static_cast<uint32_t>(p.S), static_cast<uint32_t>(p.n_heads + p.n_kv_heads), 1}, {32, 1, 1});
 }
 
@@ -168,7 +168,7 @@ void Ops::attn_prefill(Encoder& e, const kp::AttentionParams& p, BufRef q, BufRe
   BufRef in[] = {q, qg, k_cache, v_cache, out};
   for (int i = 0; i < 5; ++i) e.set_buffer(i, in[i]);
   bytes(e, 5, p);
-  go(e, "attn_prefill_nd" + std::to_string(nd) + "_h" + std::to_string(hpg),
+  go(e, "attn_prefill_nd" + std::to_string(nd) + "_h" + std::to_string(hpg) + kvs_,
      {cdiv(p.S, rows), static_cast<uint32_t>(p.n_kv_heads), cdiv(p.n_heads / p.n_kv_heads, hpg)}, {32 * rows, 1, 1});
 }
 
@@ -181,7 +181,7 @@ void Ops::attn_decode(Encoder& e, const kp::AttentionParams& p, BufRef q, BufRef
   for (int i = 0; i < 5; ++i) e.set_buffer(i, in[i]);
   bytes(e, 5, p);
   bytes(e, 6, sp);
-  go(e, "attn_decode_nd" + std::to_string(nd) + "_h" + std::to_string(hpg),
+  go(e, "attn_decode_nd" + std::to_string(nd) + "_h" + std::to_string(hpg) + kvs_,
      {cdiv(parts, nsg), static_cast<uint32_t>(p.n_kv_heads), cdiv(p.n_heads / p.n_kv_heads, hpg)}, {32u * nsg, 1, 1});
   e.barrier();
   e.set_buffer(0, ml);

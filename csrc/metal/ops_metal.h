@@ -26,7 +26,8 @@ struct RouteBufs {
 
 class Ops {
  public:
-  explicit Ops(Device& dev) : dev_(dev) {}
+  // kv_bf16: the KV cache holds bf16 (the *_kvbf16 attention kernels), else fp32.
+  Ops(Device& dev, bool kv_bf16) : dev_(dev), kvs_(kv_bf16 ? "_kvbf16" : "") {}
 
   // Rows at or below this use the row-parallel GEMV; above, the simdgroup-matrix GEMM.
   static constexpr int kGemvMaxRows = 4;
@@ -73,6 +74,7 @@ class Ops {
   Pipeline* pipe(const std::string& name) { return dev_.pipeline(name); }
   void go(Encoder& e, const std::string& kernel, Size3 grid, Size3 tg);
   Device& dev_;
+  std::string kvs_;  // kernel-name suffix of the KV element type
 };
 
 }  // namespace lily::metal

@@ -228,6 +228,11 @@ def attn_params(Hq, Hkv, D, rd, theta, pos0, S, eps=1e-6):
                       rope_theta=theta, eps=eps, scale=D ** -0.5, pos0=pos0, S=S)
 
 
+def _kvs(cache: np.ndarray) -> str:
+    """Kernel-name suffix of the KV cache element type: fp32, or bf16 bits carried as uint16."""
+    return "_kvbf16" if cache.dtype == np.uint16 else ""
+
+
 def _hpg(nd: int) -> int:
     return 8 if nd == 8 else 4
 
@@ -236,7 +241,7 @@ def attn_prep(qg, k, v, q_norm, k_norm, rope, k_cache, v_cache, p):
     """-> (q [S, Hq*D], k_cache', v_cache')."""
     S = qg.shape[0]
     Hq, Hkv, D = int(p["n_heads"]), int(p["n_kv_heads"]), int(p["head_dim"])
-    q, kc, vc = emu.run3(lib("attention"), f"attn_prep_nd{D // 32}", (S, Hq + Hkv, 1), (32, 1, 1),
+    q, kc, vc = emu.run3(lib("attention"), f"attn_prep_nd{D // 32}{_kvs(k_cache)}", (S, Hq + Hkv, 1), (32, 1, 1),
                          [qg, k, v, q_norm, k_norm, rope, np.zeros((S, Hq * D), np.float32), k_cache, v_cache, p],
                          outputs=[6, 7, 8], poison=[6])
     return q, kc, vc
@@ -248,7 +253,7 @@ def attn_prefill(q, qg, k_cache, v_cache, p, rows=4):
     nd = D // 32
     hpg = _hpg(nd)
     grid = (-(-S // rows), Hkv, -(-(Hq // Hkv) // hpg))
-    out, = emu.run3(lib("attention"), f"attn_prefill_nd{nd}_h{hpg}", grid, (32 * rows, 1, 1),
+    out, = emu.run3(lib("attention"), f"attn_prefill_nd{nd}_h{hpg}{_kvs(k_cache)}", grid, (32 * rows, 1, 1),
                     [q, qg, k_cache, v_cache, np.zeros((S, Hq * D), np.float32), p], outputs=[4])
     return out
 
@@ -262,7 +267,7 @@ def attn_decode(q, qg, k_cache, v_cache, p, split_len=32, nsg=2):
     parts = -(-T // split_len)
     sp = emu.params("AttnSplitParams", n_splits=parts, split_len=split_len)
     grid = (-(-parts // nsg), Hkv, -(-(Hq // Hkv) // hpg))
-    ml, po = emu.run3(lib("attention"), f"attn_decode_nd{nd}_h{hpg}", grid, (32 * nsg, 1, 1),
+    ml, po = emu.run3(lib("attention"), f"attn_decode_nd{nd}_h{hpg}{_kvs(k_cache)}", grid, (32 * nsg, 1, 1),
                       [q, k_cache, v_cache, np.zeros((Hq, parts, 2), np.float32),
                        np.zeros((Hq, parts, D), np.float32), p, sp], outputs=[3, 4])
     out, = emu.run3(lib("attention"), f"attn_decode_combine_nd{nd}", (Hq, 1, 1), (32, 1, 1),

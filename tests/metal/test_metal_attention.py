@@ -8,6 +8,7 @@ from _metrics import assert_close
 from metal_ops import Weight, attn_decode, attn_params, attn_prefill, attn_prep, gemm, gemv, rope_table
 from tolerances import tol
 
+from lily.quant import bf16_to_f32, f32_to_bf16, round_bf16
 from lily.reference.attention import attention_mixer
 from lily.reference.linear import Weights
 from lily.reference.ops import rms_norm, rope, sigmoid, softmax
@@ -17,9 +18,10 @@ TOL = tol("op_vs_reference")["rel_rms"]
 THETA = 1e7
 
 
-@pytest.mark.parametrize("S,Hq,Hkv,D,pos0", [(3, 4, 2, 64, 0), (1, 3, 1, 64, 300), (5, 2, 1, 32, 17),
-                                             (2, 16, 2, 256, 4000)])
-def test_prep(rng, S, Hq, Hkv, D, pos0):
+@pytest.mark.parametrize("S,Hq,Hkv,D,pos0,kv", [(3, 4, 2, 64, 0, "f32"), (1, 3, 1, 64, 300, "f32"),
+                                                (5, 2, 1, 32, 17, "f32"), (2, 16, 2, 256, 4000, "f32"),
+                                                (3, 4, 2, 64, 9, "bf16"), (2, 16, 2, 256, 100, "bf16")])
+def test_prep(rng, S, Hq, Hkv, D, pos0, kv):
     rd = D // 4
     qg = rng.standard_normal((S, Hq * 2 * D)).astype(np.float32)
     k = rng.standard_normal((S, Hkv * D)).astype(np.float32)
@@ -28,14 +30,23 @@ def test_prep(rng, S, Hq, Hkv, D, pos0):
     cap = pos0 + S + 3
     kc0 = rng.standard_normal((cap, Hkv * D)).astype(np.float32)
     vc0 = rng.standard_normal((cap, Hkv * D)).astype(np.float32)
+    if kv == "bf16":  # caches hold bf16 bits; the kernel rounds K and V to nearest even
+        kc0, vc0 = f32_to_bf16(kc0), f32_to_bf16(vc0)
     p = attn_params(Hq, Hkv, D, rd, THETA, pos0, S)
     q, kc, vc = attn_prep(qg, k, v, qn, kn, rope_table(rd, THETA), kc0, vc0, p)
     pos = np.arange(pos0, pos0 + S)
     ref_q = rope(rms_norm(qg.reshape(S, Hq, 2 * D)[..., :D], qn, 1e-6), pos, rd, THETA)
     ref_k = rope(rms_norm(k.reshape(S, Hkv, D), kn, 1e-6), pos, rd, THETA)
     assert_close(f"attn_prep q S={S} D={D} pos0={pos0}", q, ref_q.reshape(S, -1), TOL)
-    assert_close(f"attn_prep k D={D} pos0={pos0}", kc[pos0:pos0 + S], ref_k.reshape(S, -1), TOL)
-    np.testing.assert_array_equal(vc[pos0:pos0 + S], v)
+    if kv == "bf16":  # values agreeing to 1e-7 before rounding: equal bf16 bits, or one ulp apart at a tie edge
+        got, want = bf16_to_f32(kc[pos0:pos0 + S]), round_bf16(ref_k.reshape(S, -1))
+        same = np.mean(got == want)
+        print(f"attn_prep k bf16 D={D} pos0={pos0}: {same:.4%} identical bf16 values")
+        assert same > 0.99 and np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -7)
+        np.testing.assert_array_equal(vc[pos0:pos0 + S], f32_to_bf16(v))
+    else:
+        assert_close(f"attn_prep k D={D} pos0={pos0}", kc[pos0:pos0 + S], ref_k.reshape(S, -1), TOL)
+        np.testing.assert_array_equal(vc[pos0:pos0 + S], v)
     untouched = np.r_[0:pos0, pos0 + S:cap]
     np.testing.assert_array_equal(kc[untouched], kc0[untouched])
     np.testing.assert_array_equal(vc[untouched], vc0[untouched])
@@ -64,23 +75,34 @@ def _attn_inputs(rng, S, Hq, Hkv, D, pos0):
     return q, qg, kc, vc
 
 
-@pytest.mark.parametrize("S,Hq,Hkv,D,pos0", [(1, 4, 2, 64, 0), (6, 3, 1, 64, 9), (5, 2, 1, 32, 0),
-                                             (3, 16, 2, 256, 40)])
-def test_prefill(rng, S, Hq, Hkv, D, pos0):
+def _cache(c, kv):
+    """(cache as the kernel sees it, the values the reference must use)."""
+    flat = c.reshape(len(c), -1)
+    return (f32_to_bf16(flat), round_bf16(c)) if kv == "bf16" else (flat, c)
+
+
+@pytest.mark.parametrize("S,Hq,Hkv,D,pos0,kv", [(1, 4, 2, 64, 0, "f32"), (6, 3, 1, 64, 9, "f32"),
+                                                (5, 2, 1, 32, 0, "f32"), (3, 16, 2, 256, 40, "f32"),
+                                                (6, 3, 1, 64, 9, "bf16"), (3, 16, 2, 256, 40, "bf16")])
+def test_prefill(rng, S, Hq, Hkv, D, pos0, kv):
     q, qg, kc, vc = _attn_inputs(rng, S, Hq, Hkv, D, pos0)
+    (kd, kr), (vd, vr) = _cache(kc, kv), _cache(vc, kv)
     p = attn_params(Hq, Hkv, D, D // 4, THETA, pos0, S)
-    out = attn_prefill(q.reshape(S, -1), qg, kc.reshape(len(kc), -1), vc.reshape(len(vc), -1), p)
-    assert_close(f"attn_prefill S={S} Hq={Hq} D={D} pos0={pos0}", out, _attn_ref(q, qg, kc, vc, Hq, Hkv, D, pos0), TOL)
+    out = attn_prefill(q.reshape(S, -1), qg, kd, vd, p)
+    assert_close(f"attn_prefill S={S} Hq={Hq} D={D} pos0={pos0} kv={kv}", out,
+                 _attn_ref(q, qg, kr, vr, Hq, Hkv, D, pos0), TOL)
 
 
-@pytest.mark.parametrize("Hq,Hkv,D,pos0,split", [(4, 2, 64, 0, 32), (3, 1, 64, 99, 32), (2, 1, 32, 70, 16),
-                                                 (16, 2, 256, 130, 64)])
-def test_decode_split_k(rng, Hq, Hkv, D, pos0, split):
+@pytest.mark.parametrize("Hq,Hkv,D,pos0,split,kv", [(4, 2, 64, 0, 32, "f32"), (3, 1, 64, 99, 32, "f32"),
+                                                    (2, 1, 32, 70, 16, "f32"), (16, 2, 256, 130, 64, "f32"),
+                                                    (3, 1, 64, 99, 32, "bf16"), (16, 2, 256, 130, 64, "bf16")])
+def test_decode_split_k(rng, Hq, Hkv, D, pos0, split, kv):
     q, qg, kc, vc = _attn_inputs(rng, 1, Hq, Hkv, D, pos0)
+    (kd, kr), (vd, vr) = _cache(kc, kv), _cache(vc, kv)
     p = attn_params(Hq, Hkv, D, D // 4, THETA, pos0, 1)
-    out = attn_decode(q.reshape(1, -1), qg, kc.reshape(len(kc), -1), vc.reshape(len(vc), -1), p, split_len=split)
-    assert_close(f"attn_decode Hq={Hq} D={D} T={pos0 + 1} split={split}", out,
-                 _attn_ref(q, qg, kc, vc, Hq, Hkv, D, pos0), TOL)
+    out = attn_decode(q.reshape(1, -1), qg, kd, vd, p, split_len=split)
+    assert_close(f"attn_decode Hq={Hq} D={D} T={pos0 + 1} split={split} kv={kv}", out,
+                 _attn_ref(q, qg, kr, vr, Hq, Hkv, D, pos0), TOL)
 
 
 @pytest.mark.parametrize("name,S,pos0", [("tiny", 7, 5), ("tiny_dk_ne_dv", 1, 12), ("tiny_odd", 3, 0)])

@@ -26,7 +26,7 @@ VERDICTS = {  # family -> a run of that family's kernels against the reference (
     "norm": lambda: t_norm.test_rms_norm(_rng(), 3, 192, 128),
     "moe": lambda: t_moe.test_route(_rng(), 37, 8, 2, 32),
     "deltanet": lambda: t_dn.test_conv(_rng(), 2, 4, 2, 6, 48, 32),
-    "attention": lambda: t_attn.test_prep(_rng(), 3, 4, 2, 64, 9),
+    "attention": lambda: t_attn.test_prep(_rng(), 3, 4, 2, 64, 9, "f32"),
 }
 
 # name -> (family, file edited, [(old, new)], layer that must catch it)
