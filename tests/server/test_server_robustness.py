@@ -20,7 +20,8 @@ def slow_server(tiny_ckpt, tmp_path_factory):
     """A server whose decode steps take 20 ms (LILY_TEST_STEP_DELAY, a test hook read from the environment
     only): the tiny model would otherwise finish a long generation before a client can hang up."""
     from _live import LiveServer
-    srv = LiveServer(tiny_ckpt, tmp_path_factory.mktemp("slow") / "serve.log", env={"LILY_TEST_STEP_DELAY": "0.02"})
+    srv = LiveServer(tiny_ckpt, tmp_path_factory.mktemp("slow") / "serve.log", "--keepalive", "0.2",
+                     env={"LILY_TEST_STEP_DELAY": "0.02"})
     yield srv
     srv.stop()
 
@@ -96,6 +97,25 @@ def test_disconnect_of_a_non_streaming_request(slow_server):
     assert not h["busy"] and h["stats"]["cancelled"] == before + 1
 
 
+def test_queued_stream_gets_keepalive_comments(slow_server):
+    """A stream waiting behind another request hears `: queued, 1 request(s) ahead` and `: keep-alive`
+    comments (every --keepalive seconds) until its turn comes."""
+    server = slow_server
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    first = threading.Thread(target=lambda: httpx.post(
+        server.url + "/v1/chat/completions", headers=headers, timeout=30,
+        json={"model": "tiny", "messages": MSG, "max_tokens": 40, "logit_bias": {"505": -100, "503": -100},
+              **NO_THINK}))
+    first.start()
+    time.sleep(0.3)
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 2, "stream": True, **NO_THINK}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    first.join(30)
+    assert lines[0] == ": queued, 1 request(s) ahead"
+    assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+
+
 def _error(resp) -> dict:
     body = resp.json()
     assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
@@ -123,6 +143,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert "top_p" in e.value.message
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="may not set tools"):
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"tools": []}})
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
     r = httpx.get(server.url + "/v1/nothing-here", headers=headers)
