@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# lily itself comes from the installed package (or PYTHONPATH=src), as for the other tests: putting src/
+# first here would shadow the installed extension module in a clean checkout.
 sys.path.insert(0, os.path.join(ROOT, "tools", "msl"))
-sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import emu  # noqa: E402
 import mslc  # noqa: E402
