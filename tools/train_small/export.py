@@ -115,6 +115,42 @@ def eval_mlx(dst: str, data: str, seq: int) -> dict:
             "eval_s": round(t_eval, 1), "routing": hist, "samples": outs, "chat_samples": chats}
 
 
+def mlx_ppl(dst: str, data: str, seq: int, dtype: str) -> dict:
+    """mlx-lm validation loss with the model as loaded ("bf16") or upcast to fp32 ("fp32")."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm import load
+    model, _ = load(dst)
+    if dtype == "fp32":
+        model.set_dtype(mx.float32)
+    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int32)
+    n = (len(val) - 1) // seq
+    tot, t0 = 0.0, time.time()
+    for w in range(n):
+        ids = mx.array(val[w * seq: (w + 1) * seq + 1])[None]
+        logits = model(ids[:, :-1])
+        tot += nn.losses.cross_entropy(logits.astype(mx.float32), ids[:, 1:], reduction="sum").item()
+    return {"loss": tot / (n * seq), "ppl": math.exp(tot / (n * seq)), "tokens": n * seq,
+            "seconds": round(time.time() - t0, 1)}
+
+
+def lily_ppl(dst: str, data: str, seq: int) -> dict:
+    """lily (`Model.logits`, CPU backend) validation loss on the same windows."""
+    import lily
+    model = lily.load(dst, backend="cpu")
+    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int32)
+    n = (len(val) - 1) // seq
+    tot, t0 = 0.0, time.time()
+    for w in range(n):
+        ids = val[w * seq: (w + 1) * seq + 1]
+        lg = np.asarray(model.logits(ids[:-1]), np.float64)
+        m = lg.max(-1, keepdims=True)
+        lse = np.log(np.exp(lg - m).sum(-1)) + m[:, 0]
+        tot += float((lse - lg[np.arange(seq), ids[1:]]).sum())
+    return {"loss": tot / (n * seq), "ppl": math.exp(tot / (n * seq)), "tokens": n * seq,
+            "seconds": round(time.time() - t0, 1), "backend": "cpu"}
+
+
 def routing_mlx(model, val, seq, n_windows, k):
     """Fraction of top-k slots per expert and layer over the first n_windows validation windows."""
     import mlx.core as mx
@@ -157,20 +193,196 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--no-export", action="store_true", help="only evaluate / write the card")
+    ap.add_argument("--card-only", action="store_true", help="only write MODEL_CARD.md from saved results")
     args = ap.parse_args()
+    if args.card_only:
+        write_card(args)
+        return
     if not args.no_export:
         export(args.src, args.dst, args.data)
     if args.no_eval:
         return
-    res = eval_mlx(args.dst, args.data, args.seq)
-    with open(os.path.join(args.src, "eval_mlx.json"), "w") as f:
+    path = os.path.join(args.src, "eval_mlx.json")
+    if os.path.exists(path) and args.no_export:
+        with open(path) as f:
+            res = json.load(f)
+    else:
+        res = eval_mlx(args.dst, args.data, args.seq)
+    if "mlx_fp32" not in res:
+        res["mlx_fp32"] = mlx_ppl(args.dst, args.data, args.seq, "fp32")
+    if "lily" not in res:
+        res["lily"] = lily_ppl(args.dst, args.data, args.seq)
+    with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "routing"}, indent=1))
     write_card(args)
 
 
+def _routing_summary(hist) -> list[str]:
+    rows = ["| layer | min share | max share | experts never chosen | normalized entropy |",
+            "|---|---|---|---|---|"]
+    for i, h in enumerate(hist):
+        h = np.asarray(h, dtype=np.float64)
+        nz = h[h > 0]
+        ent = float(-(nz * np.log(nz)).sum() / math.log(len(h)))
+        rows.append(f"| {i} | {h.min():.4f} | {h.max():.4f} | {int((h == 0).sum())} | {ent:.3f} |")
+    return rows
+
+
 def write_card(args):
-    pass
+    """MODEL_CARD.md from train_log.json, eval_mlx.json, the corpus manifest and tokens.json."""
+    def rj(path):
+        with open(path) as f:
+            return json.load(f)
+    tl = rj(os.path.join(args.src, "train_log.json"))
+    ev = rj(os.path.join(args.src, "eval_mlx.json"))
+    man = rj(os.path.join(args.data, "manifest.json"))
+    tk = rj(os.path.join(args.data, "tokens.json"))
+    cfg = rj(os.path.join(args.dst, "config.json"))["text_config"]
+    files = {fn: os.path.getsize(os.path.join(args.dst, fn)) for fn in sorted(os.listdir(args.dst))
+             if fn != "MODEL_CARD.md"}
+    weights_b = sum(v for k, v in files.items() if k.endswith(".safetensors"))
+    sha = {}
+    for fn in files:
+        if fn.endswith((".safetensors", "tokenizer.json")):
+            with open(os.path.join(args.dst, fn), "rb") as f:
+                sha[fn] = hashlib.sha256(f.read()).hexdigest()
+    h = tl["history"]
+    curve = [f"| {s} | {l:.3f} |" for s, l in zip(h["step"], h["loss"])
+             if s in (10, 50, 100) or s % max(1, tl["steps"] // 10 // 10 * 10 or 10) == 0][:14]
+    evals = "\n".join(f"| {e['step']} | {e['val_loss']:.4f} | {e['val_ppl']:.2f} |" for e in tl["evals"])
+    a = tl["args"]
+    lines = [
+        "# lily default model: `lily-pydoc-25m` (Qwen3.6-35B-A3B architecture, 25M parameters)",
+        "",
+        "A small language model that ships inside lily so that `lily generate`, `lily chat` and `lily.load()` "
+        "work offline with no download. It has **the architecture of Qwen3.6-35B-A3B** (model type "
+        "`qwen3_5_moe`): Gated DeltaNet and gated full-attention layers in the same 3:1 pattern, a sparse "
+        "MoE with a shared expert in every layer, stored in the published MLX 4-bit format (affine, "
+        "group 64; router and shared-expert gate 8-bit). It was trained from scratch by the lily project on "
+        "the Python documentation and standard library source, so it writes text in that style. It "
+        "is a demonstration and test model, not an assistant: its statements are often wrong.",
+        "",
+        "## Architecture",
+        "",
+        "| | this model | Qwen3.6-35B-A3B |",
+        "|---|---|---|",
+        f"| hidden size | {cfg['hidden_size']} | 2048 |",
+        f"| layers (DeltaNet / attention) | {cfg['num_hidden_layers']} (layers "
+        f"{', '.join(str(i) for i, t in enumerate(cfg['layer_types']) if t == 'full_attention')} attention) | 40 (30 / 10) |",
+        f"| attention heads / KV heads / head dim | {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / "
+        f"{cfg['head_dim']} (output gate, rotary on {int(cfg['head_dim'] * 0.25)} dims) | 16 / 2 / 256 |",
+        f"| DeltaNet key heads / value heads / Dk / Dv | {cfg['linear_num_key_heads']} / "
+        f"{cfg['linear_num_value_heads']} / {cfg['linear_key_head_dim']} / {cfg['linear_value_head_dim']} | 16 / 32 / 128 / 128 |",
+        f"| experts / active / expert width / shared expert width | {cfg['num_experts']} / "
+        f"{cfg['num_experts_per_tok']} / {cfg['moe_intermediate_size']} / {cfg['shared_expert_intermediate_size']} "
+        f"| 256 / 8 / 512 / 512 |",
+        f"| vocabulary | {cfg['vocab_size']} | 248320 |",
+        f"| parameters | {tl['params']:,} | 35 B |",
+        f"| weights on disk (4-bit) | {weights_b / 1e6:.1f} MB | 19.5 GB |",
+        "",
+        "## Training data",
+        "",
+        f"* **Python 3.11 documentation**, Debian package `{man['package']}` (from `python3-doc`): the HTML "
+        f"under `{man['source']}` converted to plain text by `tools/train_small/prepare_corpus.py` "
+        f"({man['train_docs']} pages, {man['train_chars'] / 1e6:.1f} M characters for training).",
+        f"* **Python standard library source**, Debian package `{man.get('code_package', 'libpython3.11-stdlib')}` "
+        f"({man.get('code_files', 0)} modules under `{man.get('code_source', '')}`, tests and generated "
+        f"files excluded; {man.get('code_chars', 0) / 1e6:.1f} M characters).",
+        f"* **Chat pairs** ({man['chat_pairs']:,}) built from the training pages only: FAQ questions, glossary "
+        "terms, API entries and section headings as the user turn, the text that follows them as the "
+        "answer, rendered with the checkpoint's chat template (empty thinking block), so `lily chat` "
+        "answers in the documentation's words and stops with `<|im_end|>`.",
+        f"* **Held-out validation**: {man['val_docs']} documentation pages ({man['val_percent']}% of pages, "
+        f"chosen by a hash of the path; {man['val_chars']:,} characters, {tk['val_tokens']:,} tokens), "
+        "never trained on, including `library/stdtypes.html`.",
+        f"* Training tokens: {tk['train_tokens']:,} ({', '.join(f'{k} {v:,}' for k, v in tk['train_tokens_by_kind'].items())}).",
+        "",
+        "**License of the data.** The Python documentation and the standard library are Copyright © 2001-2023 "
+        "Python Software Foundation; All Rights Reserved, and licensed under the PSF License Agreement "
+        "(Version 2); code examples in the documentation are also available under the Zero-Clause BSD "
+        "license. See `license.html` in the documentation and `/usr/share/doc/python3.11-doc/copyright`. "
+        "The PSF License permits derivative works provided this notice is retained. The model "
+        "weights are distributed with lily under its Apache-2.0 license.",
+        "",
+        "## Tokenizer",
+        "",
+        f"Byte-level BPE (GPT-2 byte map, the Qwen3.5 pre-tokenizer regex, NFC, no BOS) trained with "
+        f"`tokenizers` on the training text: {tk['vocab_size']} ids, the chat tokens last: "
+        + ", ".join(f"`{t}` = {i}" for t, i in tk["special_ids"].items())
+        + f". {tk['val_chars_per_token']:.2f} characters per token on the validation text. The chat "
+        "template is lily's Qwen3.6-style template (`<think>` generation prompt, XML tool calls).",
+        "",
+        "## Training",
+        "",
+        f"transformers `Qwen3_5MoeForCausalLM` ({tl['transformers']}), PyTorch {tl['torch']}, one "
+        f"{tl['device']}: bf16 autocast with fp32 master weights, AdamW (β 0.9/0.95, weight decay "
+        f"{a['wd']}), peak learning rate {a['lr']}, {a['warmup']} warmup steps then cosine to "
+        f"{a['min_lr_frac']}×, gradient clipping 1.0, batches of {a['batch']} × {a['seq']} tokens, "
+        f"Switch load-balancing loss per layer (coefficient {a['aux']}). Experts ran as grouped GEMMs "
+        f"({tl['experts_impl']}); Gated DeltaNet used transformers' PyTorch chunked kernel. "
+        f"{tl['steps']} steps ({tl['steps'] * tl['tokens_per_step'] / 1e6:.0f} M tokens, "
+        f"{tl['steps'] * tl['tokens_per_step'] / tl['train_tokens']:.1f} epochs) in "
+        f"**{tl['train_time_s'] / 60:.1f} minutes**; the weights with the best validation loss "
+        f"(step {tl['best_step']}) were kept. Reproduce with `tools/train_small/README.md`.",
+        "",
+        "| step | validation loss | perplexity |",
+        "|---|---|---|",
+        evals,
+        "",
+        "## Evaluation",
+        "",
+        f"Validation perplexity over the held-out pages, windows of {ev['seq']} tokens with no overlap, "
+        f"every position scored ({ev['val_tokens_scored']:,} tokens):",
+        "",
+        "| engine | weights | perplexity |",
+        "|---|---|---|",
+        f"| PyTorch (transformers, bf16 autocast) | bf16, before export | {tl['best_val_ppl']:.3f} |",
+        f"| mlx-lm {_mlx_lm_version()}, CPU, as loaded (bf16 activations) | this checkpoint (4-bit) | "
+        f"{ev['mlx_val_ppl']:.3f} |",
+        f"| mlx-lm {_mlx_lm_version()}, CPU, `set_dtype(float32)` | this checkpoint (4-bit) | "
+        f"**{ev['mlx_fp32']['ppl']:.3f}** |",
+        f"| lily {_lily_version()} (`Model.logits`, CPU backend) | this checkpoint (4-bit) | "
+        f"**{ev['lily']['ppl']:.3f}** |",
+        "",
+        f"lily and mlx-lm (fp32) differ by {100 * abs(ev['lily']['ppl'] / ev['mlx_fp32']['ppl'] - 1):.4f}%. "
+        f"mlx-lm in bf16 on the CPU is {100 * (ev['mlx_val_ppl'] / ev['mlx_fp32']['ppl'] - 1):+.2f}% off its own "
+        "fp32 result: MLX's CPU `quantized_matmul` in bf16 has about 2% relative error (12 times the bf16 "
+        "rounding of its output; measured on random data), so that run is the noisier of the two.",
+        "",
+        "Routing on the held-out text (share of the top-k slots per expert, "
+        f"uniform = {1 / cfg['num_experts']:.4f}):",
+        "",
+        *_routing_summary(ev["routing"]),
+        "",
+        "## Samples (mlx-lm, greedy)",
+        "",
+    ]
+    for p, o in ev["samples"].items():
+        lines += [f"**{p}**", "", "```", (p + o).strip(), "```", ""]
+    for q, o in ev["chat_samples"].items():
+        lines += [f"**chat: {q}**", "", "```", o.strip(), "```", ""]
+    lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---|---|"]
+    lines += [f"| {fn} | {b:,} | {sha.get(fn, '')[:16]} |" for fn, b in files.items()]
+    with open(os.path.join(args.dst, "MODEL_CARD.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", os.path.join(args.dst, "MODEL_CARD.md"))
+
+
+def _lily_version():
+    try:
+        import lily
+        return getattr(lily, "__version__", "")
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def _mlx_lm_version():
+    try:
+        import mlx_lm
+        return mlx_lm.__version__
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 if __name__ == "__main__":

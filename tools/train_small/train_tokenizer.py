@@ -107,12 +107,31 @@ def main():
     kinds = ["docs"] * len(docs) + ["code"] * len(code) + ["chat"] * len(chat)
     order = list(range(len(samples)))
     random.Random(args.seed).shuffle(order)
-    enc = tok.encode_batch([samples[i] for i in order], add_special_tokens=False)
+    # A chat sample is tokenized the way it meets the model at inference: the prompt (up to and with
+    # the generation prompt `<|im_start|>assistant\n<think>\n`) on its own, then the completion on its
+    # own, so the model learns to continue the prompt's final '\n' token with '\n</think>\n\n' rather
+    # than only ever seeing the merged '\n\n' token. Every other sample keeps the thinking-off
+    # prompt (`<think>\n\n</think>\n\n` inside the prompt), also split off from the answer.
+    parts: list[str] = []
+    owner: list[int] = []
+    for j, i in enumerate(order):
+        s = samples[i]
+        if kinds[i] == "chat":
+            cut = s.index("<think>\n") + len("<think>\n")
+            if j % 2 == 1:
+                cut = s.index("</think>\n\n") + len("</think>\n\n")
+            parts += [s[:cut], s[cut:]]
+            owner += [i, i]
+        else:
+            parts.append(s)
+            owner.append(i)
+    enc = tok.encode_batch(parts, add_special_tokens=False)
     counts = {"docs": 0, "code": 0, "chat": 0}
     chunks = []
-    for i, e in zip(order, enc):
-        chunks.append(np.asarray(e.ids + [eot], dtype=np.uint16))
-        counts[kinds[i]] += len(e.ids) + 1
+    for n, (i, e) in enumerate(zip(owner, enc)):
+        last = n + 1 == len(owner) or owner[n + 1] != i
+        chunks.append(np.asarray(e.ids + ([eot] if last else []), dtype=np.uint16))
+        counts[kinds[i]] += len(e.ids) + int(last)
     train = np.concatenate(chunks)
     venc = tok.encode_batch([d["text"] for d in val], add_special_tokens=False)
     vids = np.concatenate([np.asarray(e.ids + [eot], dtype=np.uint16) for e in venc])
