@@ -4,7 +4,7 @@ host backend chooses them, so the tests exercise the same launch geometry."""
 from __future__ import annotations
 
 import numpy as np
-from conftest import emu, lib
+from metal_env import emu, lib
 
 from lily.quant import bf16_to_f32, dequantize, f32_to_bf16, quantize
 

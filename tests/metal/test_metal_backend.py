@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 from _metrics import perplexity, rel_rms, top1_agreement
-from conftest import emu, metal_files, mslc
+from metal_env import emu, metal_files, mslc
 from tolerances import tol
 
 from lily.testing import random_weights, tiny_configs

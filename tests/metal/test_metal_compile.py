@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import emu, metal_files, mslc
+from metal_env import emu, metal_files, mslc
 
 FILES = metal_files()
 

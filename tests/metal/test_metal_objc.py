@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import ROOT, mslc
+from metal_env import ROOT, mslc
 
 MM = os.path.join(ROOT, "csrc", "metal", "device_mtl.mm")
 FLAGS = ["-x", "objective-c++", "-std=c++20", "-fobjc-arc", "-fobjc-runtime=macosx-13.0", "-fblocks",

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ROOT, emu, mslc
+from metal_env import ROOT, emu, mslc
 
 SELFTEST = os.path.join(ROOT, "tests", "metal", "kernels", "selftest.metal")
 

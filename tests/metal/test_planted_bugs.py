@@ -13,7 +13,7 @@ import test_metal_deltanet as t_dn
 import test_metal_linear as t_lin
 import test_metal_moe as t_moe
 import test_metal_norm as t_norm
-from conftest import METAL_DIR, OVERRIDE, emu, mslc
+from metal_env import METAL_DIR, OVERRIDE, emu, mslc
 
 
 def _rng():
