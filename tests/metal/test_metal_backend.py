@@ -6,6 +6,7 @@ inside the emulator fails the test instead of the test process."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import pickle
 import signal
@@ -123,6 +124,16 @@ class EmulatedMetalEngine:
         return self.lib.lily_metal_emu_position(ctypes.c_void_p(self.h))
 
 
+def _cpu_logits(cfg, tensors, quant, seq):
+    """Teacher-forced logits of the CPU backend; the engine (and its worker threads) is gone before the next
+    test forks a child."""
+    cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
+    out = cpu.forward(cpu.new_state(), seq, logits="all")
+    del cpu
+    gc.collect()
+    return out
+
+
 def _report(name, metal, cpu, tokens):
     err = rel_rms(metal, cpu)
     t1 = top1_agreement(metal, cpu)
@@ -225,8 +236,7 @@ def test_model_bf16_kv_cache(name):
 
     pre, gen, dec = _in_child(run)
     seq = np.concatenate([toks, [np.argmax(pre[-1])], gen[:-1]]).astype(np.int32)
-    cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
-    ref = cpu.forward(cpu.new_state(), seq, logits="all")
+    ref = _cpu_logits(cfg, tensors, quant, seq)
     metal = np.concatenate([pre, dec])
     err, t1 = rel_rms(metal, ref), top1_agreement(metal, ref)
     print(f"{name} bf16 KV vs CPU (fp32)                  top1 {t1:.4f}  rel_rms {err:.3e}")
