@@ -181,8 +181,7 @@ def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps, max_t
     assert pos == prompt + steps
     # CPU backend, teacher-forced on the same sequence (prompt + the tokens the Metal loop fed itself)
     seq = np.concatenate([toks, [first], gen[:-1]]).astype(np.int32)
-    cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
-    ref = cpu.forward(cpu.new_state(), seq, logits="all")
+    ref = _cpu_logits(cfg, tensors, quant, seq)
     tag = f"{name}" + (f" max_threads={max_threads}" if max_threads < 1024 else "")
     _report(f"{tag} prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
     _report(f"{tag} decode loop ({steps} steps)", dec, ref[prompt:], seq[prompt:])
