@@ -3,6 +3,10 @@
 #include <stdexcept>
 
 #include "core/backend.h"
+#ifdef LILY_HAVE_METAL
+#include "metal/backend_metal.h"
+#include "metal/device.h"
+#endif
 
 namespace lily {
 
@@ -17,7 +21,15 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const Config& cfg
                              "time); use backend='cpu'");
 #endif
   }
-  throw std::invalid_argument("[lily] unknown backend '" + name + "': expected 'cpu' or 'cuda'");
+  if (name == "metal") {
+#ifdef LILY_HAVE_METAL
+    return metal::make_metal_backend(cfg, w, metal::make_apple_device(), debug);
+#else
+    throw std::runtime_error("[lily] backend 'metal' is not built into this install (it is built on macOS only); "
+                             "use backend='cpu'");
+#endif
+  }
+  throw std::invalid_argument("[lily] unknown backend '" + name + "': expected 'cpu', 'cuda' or 'metal'");
 }
 
 }  // namespace lily

@@ -31,8 +31,6 @@ def _engine_factory(backend: str):
     if backend == "reference":
         from .reference import ReferenceEngine
         return ReferenceEngine, "reference"
-    if backend == "auto":
-        backend = "cpu"  # TODO(lead): prefer "cuda"/"metal" once those engines are built and detected
     try:
         from . import _lily
     except ImportError as e:
@@ -41,6 +39,14 @@ def _engine_factory(backend: str):
             f"install ({e}); reinstall lily from source (pip install .) to build it, or pass "
             f"backend='reference' for the slow NumPy engine") from None
     built = _built_backends(_lily)
+    if backend == "auto":
+        # design.md §1: metal on a Mac, cuda where a device is visible, else cpu
+        if "metal" in built:
+            backend = "metal"
+        elif "cuda" in built and _lily.cuda_device_count() > 0:
+            backend = "cuda"
+        else:
+            backend = "cpu"
     if backend not in built:
         hint = {"cuda": "rebuild with -C cmake.define.LILY_CUDA=ON on a machine with the CUDA toolkit",
                 "metal": "Metal is built on macOS (Apple Silicon) only"}.get(backend, "")
