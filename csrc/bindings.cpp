@@ -223,6 +223,21 @@ struct PyEngine {
     return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {static_cast<size_t>(rows), static_cast<size_t>(V)},
                                                       owner);
   }
+
+  nb::ndarray<nb::numpy, int32_t, nb::ndim<1>> decode_greedy(PyState& state, int64_t token, int64_t n_steps) {
+    const int64_t V = eng->config().vocab;
+    if (token < 0 || token >= V)
+      throw std::invalid_argument("[lily] decode_greedy: token id " + std::to_string(token) +
+                                  " is out of range for vocab_size " + std::to_string(V));
+    if (n_steps < 0) throw std::invalid_argument("[lily] decode_greedy: n_steps must be >= 0");
+    int32_t* out = new int32_t[static_cast<size_t>(std::max<int64_t>(n_steps, 1))];
+    nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
+    {
+      nb::gil_scoped_release rel;
+      eng->decode_greedy(*state.st, static_cast<int32_t>(token), n_steps, out);
+    }
+    return nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(out, {static_cast<size_t>(n_steps)}, owner);
+  }
 };
 
 nb::dict build_info() {
@@ -285,6 +300,17 @@ NB_MODULE(_lily, m) {
       .def("forward_trace", &PyEngine::forward_trace, "state"_a, "tokens"_a, "chunk_size"_a = 0)
       .def("forward", &PyEngine::forward, "state"_a, "tokens"_a, "logits"_a = "last", "chunk_size"_a = 0,
            "Run tokens (int [S]) through the model; returns float32 logits [0|1|S, vocab].")
+      .def("decode_greedy", &PyEngine::decode_greedy, "state"_a, "token"_a, "n_steps"_a,
+           "Greedy decoding: feeds token, then each argmax; returns the n_steps argmax tokens (int32) and "
+           "advances the state by n_steps. On the GPU the loop runs on the device (no logits copies).")
+      .def("set_backend_flag", [](PyEngine& e, const std::string& name, int64_t value) {
+             nb::gil_scoped_release rel;
+             e.eng->set_backend_flag(name, value);
+           }, "name"_a, "value"_a, "backend switch for ablations, e.g. cuda: 'cuda_decode' 0 | 1 | 2")
+      .def("backend_flag", [](PyEngine& e, const std::string& name) {
+             nb::gil_scoped_release rel;
+             return e.eng->backend_flag(name);
+           }, "name"_a, "backend switch or counter, e.g. cuda: 'cuda_decode', 'graph_kernels'")
       .def_prop_ro("max_context", [](const PyEngine& e) { return e.eng->max_context(); })
       .def_prop_ro("backend", [](const PyEngine& e) { return std::string(e.eng->backend_name()); })
       .def_prop_ro("threads", [](const PyEngine& e) { return e.eng->threads(); })

@@ -238,3 +238,24 @@ def test_bf16_small_vectors_are_upcast():
     a = e32.forward(e32.new_state(), toks, logits="all")
     b = e16.forward(e16.new_state(), toks, logits="all")
     np.testing.assert_array_equal(a, b)
+
+
+def test_decode_greedy_matches_forward_argmax(model):
+    """Engine.decode_greedy (the CPU fallback loop) == forward + argmax, one token at a time."""
+    name, cfg, tensors, quant, eng, ref = model
+    st = eng.new_state()
+    eng.forward(st, _tokens(cfg, 9, seed=5), logits="none")
+    snap = st.snapshot()
+    out = eng.decode_greedy(st, 3, 5)
+    assert out.dtype == np.int32 and out.shape == (5,) and st.position == 14
+    st.restore(snap)
+    tok, chain = 3, []
+    for _ in range(5):
+        tok = int(np.argmax(eng.forward(st, [tok], logits="last")[0]))
+        chain.append(tok)
+    assert list(out) == chain
+    assert eng.decode_greedy(st, 0, 0).shape == (0,)
+    with pytest.raises(ValueError, match="max_context"):
+        eng.decode_greedy(st, 0, MAX_CTX)
+    with pytest.raises(ValueError, match="has no flag"):
+        eng.set_backend_flag("cuda_decode", 1)

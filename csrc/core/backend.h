@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "core/config.h"
@@ -39,6 +40,22 @@ class Backend {
   virtual void read_residual(int64_t S, float* out) = 0;
   // logits[n, V] (host) = RMSNorm(x[row0 : row0+n]; final_norm) W_lm^T.
   virtual void head(int64_t row0, int64_t n, float* logits) = 0;
+
+  // Optional decode fast path for one token at st.position (st already reserved for position + 1): the whole
+  // step in the backend's own fused form; logits [V] to the host when logits != nullptr. Does not advance
+  // st.position. Returns false when the backend has none (the engine then runs the sub-block loop).
+  virtual bool decode_step(State& st, int32_t token, float* logits) { return false; }
+  // Optional greedy decoding on the device: n steps from `token` (st reserved for position + n); out[i] is the
+  // argmax (lowest index on ties) of the logits after step i and the input of step i + 1. Does not advance
+  // st.position. Returns false when the backend has none.
+  virtual bool decode_greedy(State& st, int32_t token, int64_t n, int32_t* out) { return false; }
+  // Named switches for ablations and counters for reports; std::invalid_argument for an unknown name.
+  virtual void set_flag(const std::string& flag_name, int64_t value) {
+    throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
+  }
+  virtual int64_t flag(const std::string& flag_name) const {
+    throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
+  }
 };
 
 // debug: poison every scratch buffer with NaN at the start of each chunk.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <vector>
 
 namespace lily {
 
@@ -40,12 +41,22 @@ void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
 void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
                      float* logits, Trace* trace) {
   std::lock_guard<std::mutex> lk(mu_);
+  forward_locked(st, tokens, S, mode, chunk_size, logits, trace);
+}
+
+void Engine::forward_locked(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
+                            float* logits, Trace* trace) {
   validate(st, tokens, S);
   if (chunk_size < 0) throw std::invalid_argument("[lily] forward: chunk_size must be >= 0");
   const int64_t chunk = chunk_size > 0 ? chunk_size : backend_->default_chunk();
   const int64_t V = cfg_.vocab;
   if (debug_) std::fill(logits, logits + logits_rows(mode, S) * V, std::numeric_limits<float>::quiet_NaN());
   st.reserve(st.position + S);
+  // One token without a trace: the backend's decode fast path where it has one.
+  if (S == 1 && !trace && backend_->decode_step(st, tokens[0], mode == LogitsMode::None ? nullptr : logits)) {
+    st.position += 1;
+    return;
+  }
   for (int64_t c0 = 0; c0 < S; c0 += chunk) {
     const int64_t n = std::min(chunk, S - c0);
     auto record = [&](const std::string& name) {
@@ -70,6 +81,37 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
     st.position += n;
   }
   backend_->sync();
+}
+
+void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (n_steps < 0) throw std::invalid_argument("[lily] decode_greedy: n_steps must be >= 0");
+  validate(st, &token, 1);
+  if (st.position + n_steps > max_context_)
+    throw std::invalid_argument("[lily] decode_greedy: position " + std::to_string(st.position) + " + " +
+                                std::to_string(n_steps) + " steps exceeds max_context " + std::to_string(max_context_));
+  if (n_steps == 0) return;
+  st.reserve(st.position + n_steps);
+  if (backend_->decode_greedy(st, token, n_steps, out)) {
+    st.position += n_steps;
+    return;
+  }
+  std::vector<float> lg(static_cast<size_t>(cfg_.vocab));
+  for (int64_t i = 0; i < n_steps; ++i) {
+    forward_locked(st, &token, 1, LogitsMode::Last, 0, lg.data(), nullptr);
+    token = static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    out[i] = token;
+  }
+}
+
+void Engine::set_backend_flag(const std::string& name, int64_t value) {
+  std::lock_guard<std::mutex> lk(mu_);
+  backend_->set_flag(name, value);
+}
+
+int64_t Engine::backend_flag(const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  return backend_->flag(name);
 }
 
 }  // namespace lily

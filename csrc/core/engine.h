@@ -45,6 +45,15 @@ class Engine {
   void forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size, float* logits,
                Trace* trace = nullptr);
 
+  // Greedy decoding: n_steps tokens; out[i] = argmax (lowest index on ties) of the logits after feeding
+  // token (i = 0) or out[i-1]; advances st.position by n_steps. On the device where the backend has a fast
+  // path (no logits cross to the host), else a loop of forward steps.
+  void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
+
+  // Backend switches (ablations) and counters; std::invalid_argument for a name the backend does not know.
+  void set_backend_flag(const std::string& name, int64_t value);
+  int64_t backend_flag(const std::string& name);
+
   static int64_t logits_rows(LogitsMode mode, int64_t S) {
     return mode == LogitsMode::All ? S : mode == LogitsMode::Last ? 1 : 0;
   }
@@ -57,6 +66,9 @@ class Engine {
   bool debug() const { return debug_; }
 
  private:
+  void forward_locked(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
+                      float* logits, Trace* trace);
+
   Config cfg_;
   Weights weights_;
   int64_t max_context_;

@@ -8,8 +8,9 @@ constexpr int kKeyTile = 32;  // keys per shared-memory tile: one key per lane w
 // One warp per (row, head) of Hq query heads + Hkv key heads: RMSNorm, partial RoPE (angles in double,
 // as the CPU twin), then q to fp32 scratch and k, v to the bf16 cache.
 __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float* k, const float* v, const float* qn,
-                            const float* kn, float* q, bf16* kc, bf16* vc) {
+                            const float* kn, float* q, bf16* kc, bf16* vc, const int32_t* dpos) {
   extern __shared__ float prep_smem[];
+  if (dpos) p.pos0 = *dpos;  // decode graphs: the position lives on the device
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim, nh = p.n_heads + p.n_kv_heads;
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
   if (wid >= p.S * nh) return;
@@ -55,7 +56,12 @@ __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float*
 // shared memory; online softmax per warp; output dims lane + 32 i per lane. Writes (m, l, o[D]) partials.
 template <int D>
 __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* q, const bf16* kc,
-                            const bf16* vc, float* part) {
+                            const bf16* vc, float* part, const int32_t* dpos) {
+  if (dpos) {  // decode graphs: position on the device, n_splits fixed, split length from the key count
+    p.pos0 = *dpos;
+    const int64_t keys = p.pos0 + p.S;
+    sp.split_len = static_cast<int32_t>(((keys + sp.n_splits - 1) / sp.n_splits + kKeyTile - 1) / kKeyTile * kKeyTile);
+  }
   constexpr int LD = D + 2;  // bf16 row stride: rows start one bank apart
   constexpr int NO = D / 32;
   extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -171,24 +177,25 @@ int rows_per_block(const kp::AttentionParams& p) {
 
 template <int D>
 void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-                 const bf16* kc, const bf16* vc, float* part) {
+                 const bf16* kc, const bf16* vc, float* part, const int32_t* dpos) {
   const int G = p.n_heads / p.n_kv_heads, warps = sp.rows_per_block * G;
   const size_t smem = 2 * kKeyTile * (D + 2) * sizeof(bf16) + warps * D * sizeof(float);
   if (smem > 48 * 1024)
     LILY_CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block), p.n_kv_heads, sp.n_splits);
-  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part);
+  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos);
   LILY_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* qg, const float* k, const float* v,
-                    const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache) {
+                    const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache,
+                    const int32_t* dpos) {
   const int64_t warps = p.S * (p.n_heads + p.n_kv_heads);
   prep_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 8 * p.head_dim * sizeof(float), st>>>(
-      p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache);
+      p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache, dpos);
   LILY_LAUNCH_CHECK();
 }
 
@@ -206,12 +213,12 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
 }
 
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o) {
+               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, const int32_t* dpos) {
   switch (p.head_dim) {
-    case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part); break;
-    case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part); break;
-    case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part); break;
-    case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part); break;
+    case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+    case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+    case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+    case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
     default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
   }
   // Rounded up to 16 bytes: the compiler may read the weights with vector loads past n_splits.

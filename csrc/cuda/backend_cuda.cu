@@ -1,10 +1,23 @@
 // CUDA backend: bf16 activations into every matrix product (fp32 accumulate), fp32 residual stream, norms,
 // softmax and DeltaNet state; bf16 KV cache. Weights are copied to the device once at construction.
 // Everything of a chunk is queued on one stream; the host waits only in head/read_residual/sync.
+//
+// Decode (one token, decode_step / decode_greedy): the fused kernels of decode.cu (norms folded into the
+// projections, projections that read the same row in one launch, MoE combine fused into the down projection,
+// conv into the in-projection) on dedicated scratch, with the token and position in a device control block so
+// the whole step (embed -> layers -> head -> argmax) is one replayable CUDA graph. Flag "cuda_decode":
+// 0 = the sub-block path (engine layer loop), 1 = fused kernels launched one by one, 2 = fused + CUDA graph
+// (default; env LILY_CUDA_DECODE=legacy|fused|graph or 0|1|2 sets the default).
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/backend.h"
+#include "cuda/decode.cuh"
 #include "cuda/kernels.cuh"
 #include "cuda/linear.cuh"
 #include "cuda/runtime.h"
@@ -71,6 +84,15 @@ class CudaBackend final : public Backend {
     check_supported();
     LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, 0));
     upload(w);
+    decode_mode_ = default_decode_mode();
+    fused_ok_ = fused_supported();
+    if (fused_ok_) alloc_decode();
+  }
+
+  ~CudaBackend() override {
+    drop_graph();
+    if (ctl_host_) cudaFreeHost(ctl_host_);
+    if (lg_host_) cudaFreeHost(lg_host_);
   }
 
   const char* name() const override { return "cuda"; }
@@ -79,6 +101,56 @@ class CudaBackend final : public Backend {
   Elem kv_elem() const override { return Elem::BF16; }
   int64_t default_chunk() const override { return 2048; }
   void sync() override { LILY_CUDA_CHECK(cudaStreamSynchronize(st_)); }
+
+  bool decode_step(State& st, int32_t token, float* logits) override {
+    if (decode_mode_ == 0 || !fused_ok_) return false;
+    *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, 0};
+    LILY_CUDA_CHECK(cudaMemcpyAsync(dctl_, ctl_host_, sizeof(cuda::dec::Ctl), cudaMemcpyHostToDevice, st_));
+    run_step(st);
+    // Through pinned memory: a pageable device-to-host copy of the 1 MB of logits is several times slower.
+    if (logits)
+      LILY_CUDA_CHECK(cudaMemcpyAsync(lg_host_, dlg_, cfg_.vocab * sizeof(float), cudaMemcpyDeviceToHost, st_));
+    sync();
+    if (logits) std::memcpy(logits, lg_host_, cfg_.vocab * sizeof(float));
+    return true;
+  }
+
+  bool decode_greedy(State& st, int32_t token, int64_t n, int32_t* out) override {
+    if (decode_mode_ == 0 || !fused_ok_) return false;
+    for (int64_t done = 0; done < n;) {
+      const int64_t m = std::min<int64_t>(kOutCap, n - done);
+      // The first batch sets token and position; later ones only reset the output index (the device advanced
+      // token and position itself).
+      *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, static_cast<int32_t>(m)};
+      const size_t off = done == 0 ? 0 : offsetof(cuda::dec::Ctl, step);
+      LILY_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(dctl_) + off, reinterpret_cast<char*>(ctl_host_) + off,
+                                      sizeof(cuda::dec::Ctl) - off, cudaMemcpyHostToDevice, st_));
+      for (int64_t i = 0; i < m; ++i) run_step(st);
+      LILY_CUDA_CHECK(cudaMemcpyAsync(out + done, dout_, m * sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
+      sync();
+      done += m;
+    }
+    return true;
+  }
+
+  void set_flag(const std::string& name, int64_t value) override {
+    if (name == "cuda_decode") {
+      if (value < 0 || value > 2) throw std::invalid_argument("[lily] cuda_decode must be 0, 1 or 2");
+      decode_mode_ = static_cast<int>(value);
+      return;
+    }
+    Backend::set_flag(name, value);
+  }
+
+  int64_t flag(const std::string& name) const override {
+    if (name == "cuda_decode") return decode_mode_;
+    if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
+    if (name == "graph_nodes") return graph_nodes_;
+    if (name == "graph_kernels") return graph_kernels_;
+    if (name == "graph_captures") return graph_captures_;
+    if (name == "decode_launches") return step_launches_;
+    return Backend::flag(name);
+  }
 
   void embed(const int32_t* ids, int64_t S) override {
     reserve(S);
@@ -167,6 +239,285 @@ class CudaBackend final : public Backend {
  private:
   int64_t max_tiles(int64_t S) const {
     return (S * cfg_.top_k + cuda::kGemmBM - 1) / cuda::kGemmBM + cfg_.n_experts;
+  }
+
+  // ---- decode fast path -------------------------------------------------------------------------------
+  static constexpr int64_t kOutCap = 4096;  // greedy tokens per host round trip
+
+  static int default_decode_mode() {
+    const char* e = std::getenv("LILY_CUDA_DECODE");
+    if (!e || !*e) return 2;
+    const std::string v(e);
+    if (v == "0" || v == "legacy") return 0;
+    if (v == "1" || v == "fused") return 1;
+    if (v == "2" || v == "graph") return 2;
+    throw std::invalid_argument("[lily] LILY_CUDA_DECODE must be legacy|fused|graph (or 0|1|2), got '" + v + "'");
+  }
+
+  static bool same_format(const DLinear& a, const DLinear& b) {
+    return a.p.kind == b.p.kind && a.p.bits == b.p.bits && a.p.group == b.p.group && a.p.out == b.p.out &&
+           a.p.in == b.p.in && a.p.expert_words == b.p.expert_words && a.p.expert_groups == b.p.expert_groups &&
+           a.p.expert_elems == b.p.expert_elems;
+  }
+
+  bool fused_supported() const {
+    if (cfg_.top_k > cuda::dec::kMaxTopK || cfg_.n_experts > 256) return false;
+    for (const DLayer& L : layers_)
+      if (!same_format(L.gate, L.up) || !same_format(L.sh_gate, L.sh_up)) return false;
+    return true;
+  }
+
+  template <class T>
+  T* dalloc(int64_t n, bool poison) {
+    dec_bufs_.emplace_back(mem_, static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T));
+    if (poison) dec_poison_.emplace_back(dec_bufs_.back().data(), dec_bufs_.back().bytes());
+    return dec_bufs_.back().as<T>();
+  }
+
+  // Dedicated decode scratch: fixed pointers for the lifetime of the backend (a captured graph holds them).
+  void alloc_decode() {
+    const int64_t H = cfg_.hidden, D = cfg_.head_dim, Hq = cfg_.n_heads, Hkv = cfg_.n_kv_heads;
+    dctl_ = dalloc<cuda::dec::Ctl>(1, false);
+    dout_ = dalloc<int32_t>(kOutCap, false);
+    dx_ = dalloc<float>(H, true);
+    dh_ = dalloc<bf16>(H, true);
+    du_ = dalloc<float>(cfg_.conv_dim(), true);
+    dz_ = dalloc<float>(cfg_.value_dim(), true);
+    dy_ = dalloc<float>(cfg_.value_dim(), true);
+    db_ = dalloc<float>(cfg_.lin_v_heads, true);
+    da_ = dalloc<float>(cfg_.lin_v_heads, true);
+    dqg_ = dalloc<float>(2 * Hq * D, true);
+    dq_ = dalloc<float>(Hq * D, true);
+    dk_ = dalloc<float>(Hkv * D, true);
+    dv_ = dalloc<float>(Hkv * D, true);
+    dob_ = dalloc<bf16>(Hq * D, true);
+    drl_ = dalloc<float>(cfg_.n_experts, true);
+    dtop_idx_ = dalloc<int32_t>(cfg_.top_k, false);
+    dtop_w_ = dalloc<float>(cfg_.top_k, true);
+    dact_ = dalloc<bf16>(static_cast<int64_t>(cfg_.top_k) * cfg_.moe_inter, true);
+    dsact_ = dalloc<bf16>(cfg_.shared_inter, true);
+    dsg_ = dalloc<float>(1, true);
+    max_splits_ = std::max<int64_t>(1, (2 * sm_count_ + std::max(Hkv, int64_t{1}) - 1) / std::max(Hkv, int64_t{1}));
+    dpart_ = dalloc<float>(Hq * max_splits_ * (D + 2), true);
+    dlg_ = dalloc<float>(cfg_.vocab, true);
+    head_blocks_ = cuda::dec::head_blocks(cfg_.vocab);
+    damax_ = dalloc<unsigned long long>(head_blocks_, false);
+    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ctl_host_), sizeof(cuda::dec::Ctl)));
+    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&lg_host_), cfg_.vocab * sizeof(float)));
+  }
+
+  cuda::dec::Seg seg(const DLinear& w, int mode, float* y, bf16* yb = nullptr) const {
+    cuda::dec::Seg g;
+    g.w0 = w;
+    g.w1 = w;
+    g.mode = mode;
+    g.y = y;
+    g.yb = yb;
+    return g;
+  }
+
+  cuda::dec::ProjArgs norm_args(const float* w) const {
+    cuda::dec::ProjArgs a;
+    a.xmode = cuda::dec::kXNorm;
+    a.in = cfg_.hidden;
+    a.eps = cfg_.rms_eps;
+    a.xf = dx_;
+    a.nw = w;
+    return a;
+  }
+
+  void dec_deltanet(const DLayer& L, DeltaNetState& s) {
+    namespace d = cuda::dec;
+    d::ProjArgs a = norm_args(L.in_norm);
+    a.nseg = 4;
+    a.seg[0] = seg(L.qkv, d::kOConv, nullptr);
+    a.seg[1] = seg(L.z, d::kOStore, dz_);
+    a.seg[2] = seg(L.b, d::kOStore, db_);
+    a.seg[3] = seg(L.a, d::kOStore, da_);
+    a.conv_w = L.conv_w;
+    a.conv_state = s.conv.as<float>();
+    a.u = du_;
+    a.conv_dim = cfg_.conv_dim();
+    a.conv_k = cfg_.conv_kernel;
+    d::proj(st_, a);
+    const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
+                               cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, 1};
+    d::dn_scan(st_, p, du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_);
+    d::ProjArgs o;
+    o.nseg = 1;
+    o.xmode = d::kXGated;
+    o.in = cfg_.value_dim();
+    o.gdim = cfg_.lin_v_dim;
+    o.eps = cfg_.rms_eps;
+    o.xf = dy_;
+    o.zf = dz_;
+    o.nw = L.dn_norm;
+    o.seg[0] = seg(L.out, d::kOAccum, dx_);
+    d::proj(st_, o);
+    step_launches_ += 3;
+  }
+
+  void dec_attention(const DLayer& L, KVCache& kv) {
+    namespace d = cuda::dec;
+    const int64_t D = cfg_.head_dim;
+    d::ProjArgs a = norm_args(L.in_norm);
+    a.nseg = 3;
+    a.seg[0] = seg(L.q, d::kOStore, dqg_);
+    a.seg[1] = seg(L.k, d::kOStore, dk_);
+    a.seg[2] = seg(L.v, d::kOStore, dv_);
+    d::proj(st_, a);
+    const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
+                                static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
+                                1.f / std::sqrt(static_cast<float>(D)), 0, 0, 1};
+    const int32_t* dpos = &dctl_->pos;
+    cuda::attention_prep(st_, p, dqg_, dk_, dv_, L.q_norm, L.k_norm, dq_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpos);
+    // Split count fixed by the capacity (the graph is captured per capacity); split length follows the position.
+    kp::AttentionParams cap = p;
+    cap.pos0 = kv.capacity - 1;
+    const kp::AttnSplitParams sp = cuda::attention_plan(cap, sm_count_);
+    if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
+    cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos);
+    d::ProjArgs o;
+    o.nseg = 1;
+    o.xmode = d::kXBf16;
+    o.in = cfg_.n_heads * cfg_.head_dim;
+    o.xb = dob_;
+    o.seg[0] = seg(L.o, d::kOAccum, dx_);
+    d::proj(st_, o);
+    step_launches_ += 5;
+  }
+
+  void dec_moe(const DLayer& L) {
+    namespace d = cuda::dec;
+    const int k = cfg_.top_k;
+    d::ProjArgs a = norm_args(L.post_norm);
+    a.h_out = dh_;
+    a.nseg = 3;
+    a.seg[0] = seg(L.router, d::kOStore, drl_);
+    a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
+    a.seg[1].w1 = L.sh_up;
+    a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
+    d::proj(st_, a);
+    d::ProjArgs e;
+    e.nseg = 1;
+    e.xmode = d::kXBf16;
+    e.in = cfg_.hidden;
+    e.xb = dh_;
+    e.route = 1;
+    e.rlogits = drl_;
+    e.E = cfg_.n_experts;
+    e.top_k = k;
+    e.norm_topk = cfg_.norm_topk_prob ? 1 : 0;
+    e.top_idx = dtop_idx_;
+    e.top_w = dtop_w_;
+    e.seg[0] = seg(L.gate, d::kODual, nullptr, dact_);
+    e.seg[0].w1 = L.up;
+    e.seg[0].routed = 1;
+    e.seg[0].slots = k;
+    e.seg[0].y_step = cfg_.moe_inter;
+    d::proj(st_, e);
+    d::DownArgs dn;
+    dn.wd = L.down;
+    dn.ws = L.sh_down;
+    dn.act = dact_;
+    dn.sact = dsact_;
+    dn.top_idx = dtop_idx_;
+    dn.top_w = dtop_w_;
+    dn.sgate = dsg_;
+    dn.x = dx_;
+    dn.k = k;
+    d::moe_down(st_, dn);
+    step_launches_ += 3;
+  }
+
+  // One decode step on the stream: token and position come from dctl_; ends with the argmax of the logits
+  // written to the control block (the next step's token) and the position advanced.
+  void enqueue_step(State& st) {
+    step_launches_ = 0;
+    if (debug_)
+      for (auto& [p, n] : dec_poison_) cuda::poison(st_, p, n);
+    cuda::embed(st_, embed_, &dctl_->token, 1, dx_);
+    for (int L = 0; L < cfg_.n_layers; ++L) {
+      const int slot = st.layer_slot[L];
+      if (cfg_.layer_types[L] == LayerType::Attention) dec_attention(layers_[L], st.kv[slot]);
+      else dec_deltanet(layers_[L], st.dn[slot]);
+      dec_moe(layers_[L]);
+    }
+    cuda::dec::ProjArgs h = norm_args(final_norm_);
+    h.nseg = 1;
+    h.seg[0] = seg(lm_head_, cuda::dec::kOStore, dlg_);
+    h.amax = damax_;
+    cuda::dec::proj(st_, h);
+    cuda::dec::finish(st_, damax_, static_cast<int>(head_blocks_), dctl_, dout_);
+    step_launches_ += 3;
+  }
+
+  // The buffers a captured step depends on besides the backend's own: the state's arrays and KV capacity.
+  std::vector<uintptr_t> graph_key(const State& st) const {
+    std::vector<uintptr_t> k;
+    for (const auto& c : st.kv)
+      k.insert(k.end(), {reinterpret_cast<uintptr_t>(c.k.data()), reinterpret_cast<uintptr_t>(c.v.data()),
+                         static_cast<uintptr_t>(c.capacity)});
+    for (const auto& d : st.dn)
+      k.insert(k.end(), {reinterpret_cast<uintptr_t>(d.ssm.data()), reinterpret_cast<uintptr_t>(d.conv.data())});
+    return k;
+  }
+
+  void drop_graph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+    exec_ = nullptr;
+    graph_ = nullptr;
+    key_.clear();
+  }
+
+  void capture(State& st) {
+    drop_graph();
+    LILY_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue_step(st);
+    } catch (...) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(st_, &g);
+      if (g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      throw;
+    }
+    LILY_CUDA_CHECK(cudaStreamEndCapture(st_, &graph_));
+    LILY_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+    size_t n = 0;
+    LILY_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &n));
+    std::vector<cudaGraphNode_t> nodes(n);
+    LILY_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &n));
+    graph_nodes_ = static_cast<int64_t>(n);
+    graph_kernels_ = 0;
+    for (auto nd : nodes) {
+      cudaGraphNodeType t;
+      LILY_CUDA_CHECK(cudaGraphNodeGetType(nd, &t));
+      graph_kernels_ += t == cudaGraphNodeTypeKernel;
+    }
+    key_ = graph_key(st);
+    ++graph_captures_;
+  }
+
+  void run_step(State& st) {
+    if (decode_mode_ == 2) {
+      if (!exec_ || key_ != graph_key(st)) {
+        try {
+          capture(st);
+        } catch (const std::exception& e) {  // keep decoding, without the graph
+          std::fprintf(stderr, "[lily] cuda: decode graph capture failed (%s); continuing without a graph\n",
+                       e.what());
+          drop_graph();
+          decode_mode_ = 1;
+          enqueue_step(st);
+          return;
+        }
+      }
+      LILY_CUDA_CHECK(cudaGraphLaunch(exec_, st_));
+      return;
+    }
+    enqueue_step(st);
   }
 
   void check_supported() const {
@@ -319,6 +670,27 @@ class CudaBackend final : public Backend {
   float* d_ = nullptr;                                  // [S*k, H]
   bf16* sact_ = nullptr;                                // [S, Is]
   float *shd_ = nullptr, *sg_ = nullptr;                // [S, H], [S]
+
+  // decode fast path (dedicated scratch, one token)
+  int decode_mode_ = 2;
+  bool fused_ok_ = false;
+  std::vector<Buffer> dec_bufs_;
+  std::vector<std::pair<void*, size_t>> dec_poison_;
+  cuda::dec::Ctl* dctl_ = nullptr;
+  cuda::dec::Ctl* ctl_host_ = nullptr;  // pinned
+  float* lg_host_ = nullptr;            // pinned [V]
+  int32_t* dout_ = nullptr;
+  float *dx_ = nullptr, *du_ = nullptr, *dz_ = nullptr, *dy_ = nullptr, *db_ = nullptr, *da_ = nullptr;
+  float *dqg_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *drl_ = nullptr, *dtop_w_ = nullptr;
+  float *dsg_ = nullptr, *dpart_ = nullptr, *dlg_ = nullptr;
+  bf16 *dh_ = nullptr, *dob_ = nullptr, *dact_ = nullptr, *dsact_ = nullptr;
+  int32_t* dtop_idx_ = nullptr;
+  unsigned long long* damax_ = nullptr;
+  int64_t max_splits_ = 0, head_blocks_ = 0;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  std::vector<uintptr_t> key_;
+  int64_t graph_nodes_ = 0, graph_kernels_ = 0, graph_captures_ = 0, step_launches_ = 0;
 };
 
 }  // namespace

@@ -45,13 +45,17 @@ void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const flo
 // qg: fp32 [S, Hq, 2D] ([query | gate] per head) -> q fp32 [S, Hq, D]; k, v fp32 [S, Hkv*D];
 // k_cache, v_cache bf16 [capacity, Hkv*D].
 void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* qg, const float* k, const float* v,
-                    const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache);
+                    const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache,
+                    const int32_t* dpos = nullptr);
 // Split plan for S rows at pos0: how many key splits keep the GPU busy; partials hold
 // S * Hq * n_splits * (D + 2) floats.
 kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count);
 // Causal GQA attention over the cache (keys 0..pos0+t for row t), then o = bf16(softmax(qK^T) V * sigmoid(gate)).
 // part: fp32 scratch [S, Hq, n_splits, D + 2]; o: bf16 [S, Hq*D].
+// dpos (prep and attention): when set, pos0 is read from the device (decode graphs) and the split length is
+// derived there from the key count over the fixed sp.n_splits (empty splits write m = -inf, l = 0).
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o);
+               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o,
+               const int32_t* dpos = nullptr);
 
 }  // namespace lily::cuda

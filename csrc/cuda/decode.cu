@@ -1,0 +1,624 @@
+#include "cuda/decode.cuh"
+
+namespace lily::cuda::dec {
+namespace {
+
+constexpr int kWarps = 8;  // warps per block of proj / down
+constexpr int kThreads = kWarps * 32;
+constexpr int kScanWarps = 4;
+
+static_assert(sizeof(ProjArgs) <= 4000, "ProjArgs must fit the kernel parameter space");
+static_assert(sizeof(DownArgs) <= 4000, "DownArgs must fit the kernel parameter space");
+
+// ---- one 16-byte chunk of quantized codes against the staged activations -------------------------------
+// Codes become floats without I2F: (code << shift) | 0x3F800000 is the float 1 + code/2^bits, and
+//   sum_i (s q_i + b) x_i = s 2^bits sum_i (1 + q_i/2^bits) x_i + (b - s 2^bits) sum_i x_i   (as linear.cu).
+template <int BITS>
+__device__ __forceinline__ float chunk_x(const bf16* xs, float* x) {  // x[128 / BITS]; returns sum x
+  constexpr int VPC = 128 / BITS;
+  float sx = 0.f;
+#pragma unroll
+  for (int u = 0; u < VPC / 8; ++u) {
+    const uint4 xv = reinterpret_cast<const uint4*>(xs)[u];
+    const uint32_t w4[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[8 * u + 2 * j] = __uint_as_float(w4[j] << 16);
+      x[8 * u + 2 * j + 1] = __uint_as_float(w4[j] & 0xFFFF0000u);
+      sx += x[8 * u + 2 * j] + x[8 * u + 2 * j + 1];
+    }
+  }
+  return sx;
+}
+
+template <int BITS>
+__device__ __forceinline__ float chunk_d(const uint4& q, const float* x) {
+  constexpr int VPW = 32 / BITS;
+  constexpr uint32_t MASK = ((1u << BITS) - 1u) << (23 - BITS);
+  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+  float d = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int j = 0; j < VPW; ++j) {
+      const int sh = (23 - BITS) - BITS * j;
+      const uint32_t m = (sh >= 0 ? qw[w] << sh : qw[w] >> -sh) & MASK;
+      d += __uint_as_float(m | 0x3F800000u) * x[w * VPW + j];
+    }
+  return d;
+}
+
+template <int BITS>
+__device__ __forceinline__ float chunk_term(float d, float sx, float s, float b) {
+  constexpr float SCALE = static_cast<float>(1 << BITS);
+  return s * SCALE * d + (b - SCALE * s) * sx;
+}
+
+// Lane-strided dot of one weight row (any format) with xs; the lane's partial (reduce over the warp).
+__device__ float row_dot(const DLinear& W, int64_t e, int64_t row, const bf16* xs, int lane) {
+  const kp::LinearParams& p = W.p;
+  float acc = 0.f;
+  if (p.kind == 0) {
+    const int64_t gpr = p.in / p.group;
+    const uint16_t* sc = W.scales + e * p.expert_groups + row * gpr;
+    const uint16_t* bi = W.biases + e * p.expert_groups + row * gpr;
+    if (p.bits == 4) {
+      const int64_t cpr = p.in / 32;
+      const int cpg = p.group / 32;
+      const uint4* c = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words + row * (p.in / 8));
+      for (int64_t ch = lane; ch < cpr; ch += 32) {
+        float x[32];
+        const float sx = chunk_x<4>(xs + ch * 32, x);
+        acc += chunk_term<4>(chunk_d<4>(__ldg(c + ch), x), sx, bf2f(sc[ch / cpg]), bf2f(bi[ch / cpg]));
+      }
+    } else {
+      const int64_t cpr = p.in / 16;
+      const int cpg = p.group / 16;
+      const uint4* c = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words + row * (p.in / 4));
+      for (int64_t ch = lane; ch < cpr; ch += 32) {
+        float x[16];
+        const float sx = chunk_x<8>(xs + ch * 16, x);
+        acc += chunk_term<8>(chunk_d<8>(__ldg(c + ch), x), sx, bf2f(sc[ch / cpg]), bf2f(bi[ch / cpg]));
+      }
+    }
+  } else if (p.kind == 1) {
+    const uint16_t* d = static_cast<const uint16_t*>(W.dense) + e * p.expert_elems + row * p.in;
+    for (int64_t k = lane; k < p.in; k += 32) acc += bf2f(d[k]) * bf2f(xs[k]);
+  } else {
+    const float* d = static_cast<const float*>(W.dense) + e * p.expert_elems + row * p.in;
+    for (int64_t k = lane; k < p.in; k += 32) acc += d[k] * bf2f(xs[k]);
+  }
+  return acc;
+}
+
+// NR quantized weight rows of one warp: each step issues U 16-byte chunk loads per row per lane (load) before
+// any is used (compute), so 16 * NR * U bytes per lane are in flight. Dual segments put the gate rows in
+// slots [0, NR/2) and the up rows in [NR/2, NR).
+template <int NR, int BITS, int U>
+struct QRows {
+  static constexpr int VPC = 128 / BITS;
+  const uint4* cp[NR];
+  const uint16_t* sp[NR];
+  const uint16_t* bp[NR];
+  int cpr = 0, cpg = 1;
+  uint4 q[U][NR];
+  float s[U][NR], b[U][NR];
+
+  __device__ __forceinline__ void setup(const DLinear& w0, const DLinear& w1, bool dual, int64_t e, int64_t row0) {
+    const kp::LinearParams& p = w0.p;
+    const int64_t wpr = p.in * BITS / 32, gpr = p.in / p.group;
+    cpr = static_cast<int>(p.in / VPC);
+    cpg = p.group / VPC;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const bool second = dual && i >= NR / 2;
+      const DLinear& w = second ? w1 : w0;
+      const int64_t row = min64(row0 + (second ? i - NR / 2 : i), p.out - 1);
+      cp[i] = reinterpret_cast<const uint4*>(w.codes + e * p.expert_words + row * wpr);
+      sp[i] = w.scales + e * p.expert_groups + row * gpr;
+      bp[i] = w.biases + e * p.expert_groups + row * gpr;
+    }
+  }
+  __device__ __forceinline__ int steps() const { return (cpr + 32 * U - 1) / (32 * U); }
+  __device__ __forceinline__ void load(int it, int lane) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ch = (it * U + u) * 32 + lane;
+      const bool ok = ch < cpr;
+      const int g = ch / cpg;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        q[u][i] = ok ? __ldg(cp[i] + ch) : make_uint4(0u, 0u, 0u, 0u);
+        s[u][i] = ok ? bf2f(__ldg(sp[i] + g)) : 0.f;
+        b[u][i] = ok ? bf2f(__ldg(bp[i] + g)) : 0.f;
+      }
+    }
+  }
+  __device__ __forceinline__ void compute(int it, int lane, const bf16* xs, float acc[NR]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ch = (it * U + u) * 32 + lane;
+      if (ch >= cpr) continue;
+      float x[VPC];
+      const float sx = chunk_x<BITS>(xs + ch * VPC, x);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) acc[i] += chunk_term<BITS>(chunk_d<BITS>(q[u][i], x), sx, s[u][i], b[u][i]);
+    }
+  }
+};
+
+template <int NR, int BITS, int U>
+__device__ __forceinline__ void qrows_run(QRows<NR, BITS, U>& r, int lane, const bf16* xs, float acc[NR]) {
+  const int n = r.steps();
+  for (int it = 0; it < n; ++it) {
+    if (it > 0) r.load(it, lane);
+    r.compute(it, lane, xs, acc);
+  }
+}
+
+// The input row into shared memory (bf16), with the producer's normalisation (same arithmetic as
+// rms_norm_kernel and gated_norm_kernel, so the fused path rounds exactly as the unfused one).
+__device__ __forceinline__ void stage_x(const ProjArgs& a, bf16* xs, float* red, int tid, int warp, int lane) {
+  const int n = a.in;
+  if (a.xmode == kXBf16) {
+    if (n % 8 == 0 && (reinterpret_cast<uintptr_t>(a.xb) & 15u) == 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.xb);
+      uint4* dst = reinterpret_cast<uint4*>(xs);
+      for (int i = tid; i < n / 8; i += kThreads) dst[i] = src[i];
+    } else {
+      for (int i = tid; i < n; i += kThreads) xs[i] = a.xb[i];
+    }
+  } else if (a.xmode == kXNorm) {
+    const float* x = a.xf;
+    float ss = 0.f;
+    for (int i = tid; i < n; i += kThreads) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+      float v = lane < kWarps ? red[lane] : 0.f;
+      v = warp_sum(v);
+      if (lane == 0) red[0] = v;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(red[0] / static_cast<float>(n) + a.eps);
+    const bool write = a.h_out != nullptr && blockIdx.x == 0;
+    for (int i = tid; i < n; i += kThreads) {
+      const bf16 h = __float2bfloat16(x[i] * inv * a.nw[i]);
+      xs[i] = h;
+      if (write) a.h_out[i] = h;
+    }
+  } else {  // gated RMSNorm per head of gdim elements, times silu(z)
+    const int D = a.gdim, nh = n / D;
+    for (int h = warp; h < nh; h += kWarps) {
+      const float* yr = a.xf + static_cast<int64_t>(h) * D;
+      const float* zr = a.zf + static_cast<int64_t>(h) * D;
+      float ss = 0.f;
+      for (int i = lane; i < D; i += 32) ss += yr[i] * yr[i];
+      ss = warp_sum(ss);
+      const float inv = 1.f / sqrtf(ss / static_cast<float>(D) + a.eps);
+      for (int i = lane; i < D; i += 32) {
+        const float zz = zr[i];
+        xs[h * D + i] = __float2bfloat16(yr[i] * inv * a.nw[i] * (zz / (1.f + expf(-zz))));
+      }
+    }
+  }
+}
+
+// Router softmax (fp32) over E <= 256 experts, top-k by repeated warp argmax (ties -> lower index), optional
+// renormalisation: route_kernel's arithmetic for one row, run by one warp.
+__device__ __forceinline__ void route_warp(const ProjArgs& a, int32_t* s_idx, float* s_w, int lane) {
+  const int E = a.E, k = a.top_k;
+  float v[8];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? a.rlogits[e] : -INFINITY;
+    mx = fmaxf(mx, v[i]);
+  }
+  mx = warp_max(mx);
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
+    den += v[i];
+  }
+  den = warp_sum(den);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
+  float chosen = 0.f;
+  for (int j = 0; j < k; ++j) {
+    float bv = -2.f;
+    int bi = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (lane + 32 * i == bi) v[i] = -1.f;
+    if (lane == 0) s_idx[j] = bi, s_w[j] = bv;
+    chosen += bv;
+  }
+  if (lane == 0) {
+    if (a.norm_topk)
+      for (int j = 0; j < k; ++j) s_w[j] /= chosen;
+    if (blockIdx.x == 0 && a.top_idx)
+      for (int j = 0; j < k; ++j) a.top_idx[j] = s_idx[j], a.top_w[j] = s_w[j];
+  }
+}
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving
+  return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
+}
+
+template <int NR>
+__global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant__ ProjArgs a) {
+  extern __shared__ __align__(16) unsigned char proj_smem[];
+  bf16* xs = reinterpret_cast<bf16*>(proj_smem);
+  __shared__ float red[kWarps];
+  __shared__ int32_t s_idx[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  __shared__ unsigned long long s_key[kWarps];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int gw = blockIdx.x * kWarps + warp;
+
+  int si = -1;
+  for (int s = 0; s < a.nseg; ++s)
+    if (gw >= a.seg[s].warp0 && gw < a.seg[s].warp0 + a.seg[s].slots * a.seg[s].warps_per_slot) si = s;
+  const bool active = si >= 0;
+  const Seg& sg = a.seg[active ? si : 0];
+  const kp::LinearParams& p = sg.w0.p;
+  const bool dual = sg.mode == kODual;
+  const int rpw = dual ? NR / 2 : NR;  // output rows of this warp
+  int slot = 0;
+  int64_t row0 = 0;
+  if (active) {
+    const int lw = gw - sg.warp0;
+    slot = lw / sg.warps_per_slot;
+    row0 = static_cast<int64_t>(lw % sg.warps_per_slot) * rpw;
+  }
+  const bool q4 = p.kind == 0 && p.bits == 4, q8 = p.kind == 0 && p.bits == 8;
+
+  // Weights never depend on the activations: the first loads go out before the prologue.
+  QRows<NR, 4, 2> r4;
+  const bool pre = active && q4 && !sg.routed;
+  if (pre) {
+    r4.setup(sg.w0, sg.w1, dual, 0, row0);
+    r4.load(0, lane);
+  }
+  stage_x(a, xs, red, tid, warp, lane);
+  if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
+  __syncthreads();
+
+  float acc[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+  if (active) {
+    const int64_t e = sg.routed ? s_idx[slot] : 0;
+    if (q4) {
+      if (!pre) {
+        r4.setup(sg.w0, sg.w1, dual, e, row0);
+        r4.load(0, lane);
+      }
+      qrows_run(r4, lane, xs, acc);
+    } else if (q8) {
+      QRows<NR, 8, 2> r8;
+      r8.setup(sg.w0, sg.w1, dual, e, row0);
+      r8.load(0, lane);
+      qrows_run(r8, lane, xs, acc);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const bool second = dual && i >= NR / 2;
+        const int64_t row = min64(row0 + (second ? i - NR / 2 : i), p.out - 1);
+        acc[i] = row_dot(second ? sg.w1 : sg.w0, e, row, xs, lane);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
+
+  unsigned long long key = 0ull;
+  if (active && lane == 0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const int64_t row = row0 + i;
+      if (i >= rpw || row >= p.out) continue;
+      const int64_t o = slot * sg.y_step + row;
+      if (sg.mode == kOStore) {
+        sg.y[o] = acc[i];
+        key = max(key, argmax_key(acc[i], row));
+      } else if (sg.mode == kOAccum) {
+        sg.y[o] += acc[i];
+      } else if (sg.mode == kODual) {
+        sg.yb[o] = __float2bfloat16(siluf_(acc[i]) * acc[(i + NR / 2) % NR]);
+      } else {  // conv epilogue: channel `row` of the DeltaNet qkv row
+        const int K = a.conv_k;
+        const int64_t C = a.conv_dim;
+        const float* w = a.conv_w + row * K;
+        float* cs = a.conv_state;
+        float c = 0.f;
+        for (int j = 0; j < K - 1; ++j) c += w[j] * cs[j * C + row];
+        c += w[K - 1] * acc[i];
+        a.u[row] = c / (1.f + expf(-c));
+        for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : acc[i];
+      }
+    }
+  }
+  if (a.amax) {  // block maximum of (logit, -row): the greedy head
+    if (lane == 0) s_key[warp] = key;
+    __syncthreads();
+    if (tid == 0) {
+      unsigned long long m = 0ull;
+      for (int w = 0; w < kWarps; ++w) m = max(m, s_key[w]);
+      a.amax[blockIdx.x] = m;
+    }
+  }
+}
+
+// x[r] += sum_j w_j (act_j . Wd[e_j][r]) + sigmoid(g) (sact . Ws[r]): the routed experts' and the shared
+// expert's down projections as one K-concatenated row, the MoE combine and the residual add fused.
+template <int NR, int U>
+struct DRows {
+  const DownArgs* a;
+  int64_t row[NR];
+  int k = 0, cr = 0, total = 0;
+  uint4 q[U][NR];
+  float s[U][NR], b[U][NR];
+
+  // Flat chunk f -> (part j, chunk c of the part); part k is the shared expert.
+  __device__ __forceinline__ void part(int f, int& j, int& c) const {
+    j = f < k * cr ? f / cr : k;
+    c = j < k ? f - j * cr : f - k * cr;
+  }
+  __device__ __forceinline__ void load(int f0, int lane) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int f = f0 + 32 * u + lane;
+      const bool ok = f < total;
+      int j = 0, c = 0;
+      if (ok) part(f, j, c);
+      const DLinear& W = j < k ? a->wd : a->ws;
+      const kp::LinearParams& p = W.p;
+      const int64_t e = ok && j < k ? a->top_idx[j] : 0;
+      const int vpc = 128 / p.bits;
+      const int64_t wpr = p.in * p.bits / 32, gpr = p.in / p.group;
+      const int g = c / (p.group / vpc);
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const uint4* cp = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words + row[i] * wpr);
+        const int64_t gi = e * p.expert_groups + row[i] * gpr + g;
+        q[u][i] = ok ? __ldg(cp + c) : make_uint4(0u, 0u, 0u, 0u);
+        s[u][i] = ok ? bf2f(__ldg(W.scales + gi)) : 0.f;
+        b[u][i] = ok ? bf2f(__ldg(W.biases + gi)) : 0.f;
+      }
+    }
+  }
+  __device__ __forceinline__ void compute(int f0, int lane, const bf16* xs, const float* fac, float acc[NR]) {
+    const int64_t I = a->wd.p.in;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int f = f0 + 32 * u + lane;
+      if (f >= total) continue;
+      int j, c;
+      part(f, j, c);
+      const int bits = j < k ? a->wd.p.bits : a->ws.p.bits;
+      const bf16* xp = xs + static_cast<int64_t>(j) * I;  // act_j, or sact after the k routed rows
+      if (bits == 4) {
+        float x[32];
+        const float sx = chunk_x<4>(xp + c * 32, x);
+#pragma unroll
+        for (int i = 0; i < NR; ++i) acc[i] += fac[j] * chunk_term<4>(chunk_d<4>(q[u][i], x), sx, s[u][i], b[u][i]);
+      } else {
+        float x[16];
+        const float sx = chunk_x<8>(xp + c * 16, x);
+#pragma unroll
+        for (int i = 0; i < NR; ++i) acc[i] += fac[j] * chunk_term<8>(chunk_d<8>(q[u][i], x), sx, s[u][i], b[u][i]);
+      }
+    }
+  }
+};
+
+template <int NR, int U>
+__global__ void __launch_bounds__(kThreads) down_kernel(const __grid_constant__ DownArgs a) {
+  extern __shared__ __align__(16) unsigned char down_smem[];
+  bf16* xs = reinterpret_cast<bf16*>(down_smem);  // [k*I + Is]: act rows, then sact
+  __shared__ float fac[kMaxTopK + 1];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, k = a.k;
+  const int64_t I = a.wd.p.in, Is = a.ws.p.in, H = a.wd.p.out;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * NR;
+  const bool active = row0 < H;
+  const bool flat = a.wd.p.kind == 0 && a.ws.p.kind == 0;
+
+  DRows<NR, U> r;
+  r.a = &a;
+  r.k = k;
+#pragma unroll
+  for (int i = 0; i < NR; ++i) r.row[i] = min64(row0 + i, H - 1);
+  if (flat) {
+    r.cr = static_cast<int>(I / (128 / a.wd.p.bits));
+    r.total = k * r.cr + static_cast<int>(Is / (128 / a.ws.p.bits));
+    if (active) r.load(0, lane);
+  }
+  // Stage the activations (the previous kernels' outputs) while the first weights are in flight.
+  if ((I % 8) == 0 && (Is % 8) == 0) {
+    const uint4* src = reinterpret_cast<const uint4*>(a.act);
+    uint4* dst = reinterpret_cast<uint4*>(xs);
+    for (int64_t i = tid; i < k * I / 8; i += kThreads) dst[i] = src[i];
+    const uint4* ss = reinterpret_cast<const uint4*>(a.sact);
+    uint4* sd = reinterpret_cast<uint4*>(xs + k * I);
+    for (int64_t i = tid; i < Is / 8; i += kThreads) sd[i] = ss[i];
+  } else {
+    for (int64_t i = tid; i < k * I; i += kThreads) xs[i] = a.act[i];
+    for (int64_t i = tid; i < Is; i += kThreads) xs[k * I + i] = a.sact[i];
+  }
+  if (tid < k) fac[tid] = a.top_w[tid];
+  if (tid == 0) fac[k] = sigmoidf_(a.sgate[0]);
+  __syncthreads();
+  if (!active) return;
+
+  float acc[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+  if (flat) {
+    for (int f0 = 0; f0 < r.total; f0 += 32 * U) {
+      if (f0 > 0) r.load(f0, lane);
+      r.compute(f0, lane, xs, fac, acc);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      float t = 0.f;
+      for (int j = 0; j < k; ++j) t += fac[j] * row_dot(a.wd, a.top_idx[j], r.row[i], xs + j * I, lane);
+      t += fac[k] * row_dot(a.ws, 0, r.row[i], xs + k * I, lane);
+      acc[i] = t;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+      if (row0 + i < H) a.x[row0 + i] += acc[i];
+  }
+}
+
+// DeltaNet recurrence for one token: one warp per state row (h, dv), q/k l2 normalisation fused in (the
+// arithmetic of l2norm_kernel and scan_kernel at S = 1).
+template <int NK>
+__global__ void __launch_bounds__(kScanWarps * 32)
+    scan_dec_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,
+                    const float* a_log, float* ssm, float* y) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = blockIdx.y, dv = blockIdx.x * kScanWarps + warp;
+  if (dv >= p.v_dim) return;
+  const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
+  const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
+  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
+  float st[NK], q[NK], k[NK];
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const bool in = lane + 32 * i < Dk;
+    st[i] = in ? sp[lane + 32 * i] : 0.f;
+    q[i] = in ? u[static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+    k[i] = in ? u[key_dim + static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+  }
+  const float v = u[2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv];
+  float sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int i = 0; i < NK; ++i) sq += q[i] * q[i], sk += k[i] * k[i];
+  sq = warp_sum(sq);
+  sk = warp_sum(sk);
+  const float iq = 1.f / sqrtf(sq + p.qk_eps) * rsqrtf(static_cast<float>(Dk));
+  const float ik = 1.f / sqrtf(sk + p.qk_eps);
+#pragma unroll
+  for (int i = 0; i < NK; ++i) q[i] *= iq, k[i] *= ik;
+  const float A = expf(a_log[h]), dtb = dt_bias[h];
+  const float beta = 1.f / (1.f + expf(-b[h]));
+  const float g = expf(-A * softplusf_(a[h] + dtb));
+  float kst = 0.f;
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    st[i] *= g;
+    kst += st[i] * k[i];
+  }
+  const float delta = beta * (v - warp_sum(kst));
+  float o = 0.f;
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    st[i] += delta * k[i];
+    o += st[i] * q[i];
+  }
+  o = warp_sum(o);
+  if (lane == 0) y[static_cast<int64_t>(h) * p.v_dim + dv] = o;
+#pragma unroll
+  for (int i = 0; i < NK; ++i)
+    if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
+}
+
+// One block: the head's block maxima -> the next token; advances the control block.
+__global__ void finish_kernel(const unsigned long long* amax, int n, Ctl* ctl, int32_t* out) {
+  __shared__ unsigned long long red[32];
+  unsigned long long m = 0ull;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, amax[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, red[w]);
+    const int32_t tok = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(m & 0xFFFFFFFFull));
+    ctl->token = tok;
+    if (ctl->step < ctl->n_out) out[ctl->step] = tok;
+    ctl->step += 1;
+    ctl->pos += 1;
+  }
+}
+
+}  // namespace
+
+int64_t head_blocks(int64_t rows) { return ((rows + 3) / 4 + kWarps - 1) / kWarps; }
+
+void proj(cudaStream_t st, const ProjArgs& in) {
+  ProjArgs a = in;
+  int64_t rows = 0;
+  for (int s = 0; s < a.nseg; ++s) {
+    const Seg& g = a.seg[s];
+    if (g.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode proj: segment input length mismatch");
+    rows += static_cast<int64_t>(g.slots) * g.w0.p.out * (g.mode == kODual ? 2 : 1);
+  }
+  const int nr = (a.amax || rows >= 8192) ? 4 : 2;
+  int64_t w = 0;
+  for (int s = 0; s < a.nseg; ++s) {
+    Seg& g = a.seg[s];
+    const int rpw = g.mode == kODual ? nr / 2 : nr;
+    g.warps_per_slot = static_cast<int32_t>((g.w0.p.out + rpw - 1) / rpw);
+    g.warp0 = static_cast<int32_t>(w);
+    w += static_cast<int64_t>(g.slots) * g.warps_per_slot;
+  }
+  const unsigned blocks = static_cast<unsigned>((w + kWarps - 1) / kWarps);
+  if (a.amax && blocks != head_blocks(a.seg[0].w0.p.out))
+    throw std::logic_error("[lily] cuda decode proj: head block count");
+  const size_t smem = (static_cast<size_t>(a.in) * sizeof(bf16) + 15) / 16 * 16;
+  if (nr == 4) proj_kernel<4><<<blocks, kThreads, smem, st>>>(a);
+  else proj_kernel<2><<<blocks, kThreads, smem, st>>>(a);
+  LILY_LAUNCH_CHECK();
+}
+
+void moe_down(cudaStream_t st, const DownArgs& a) {
+  constexpr int NR = 2, U = 4;
+  const int64_t H = a.wd.p.out;
+  const unsigned blocks = static_cast<unsigned>(((H + NR - 1) / NR + kWarps - 1) / kWarps);
+  const size_t smem = ((a.k * a.wd.p.in + a.ws.p.in) * sizeof(bf16) + 15) / 16 * 16;
+  down_kernel<NR, U><<<blocks, kThreads, smem, st>>>(a);
+  LILY_LAUNCH_CHECK();
+}
+
+void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+             const float* dt_bias, const float* a_log, float* ssm, float* y) {
+  const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
+  switch ((p.k_dim + 31) / 32) {
+    case 1: scan_dec_kernel<1><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 2: scan_dec_kernel<2><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 3: scan_dec_kernel<3><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 4: scan_dec_kernel<4><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    default: throw std::invalid_argument("[lily] cuda decode scan: linear_key_head_dim > 128 is not supported");
+  }
+  LILY_LAUNCH_CHECK();
+}
+
+void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out) {
+  finish_kernel<<<1, 1024, 0, st>>>(amax, n, ctl, out);
+  LILY_LAUNCH_CHECK();
+}
+
+}  // namespace lily::cuda::dec

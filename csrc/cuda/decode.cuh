@@ -1,0 +1,93 @@
+// Fused decode (one token) kernels of the CUDA backend: fewer launches per step and no host work inside a
+// step, so the whole step can be captured as one CUDA graph (backend_cuda.cu).
+//
+//   proj   : y = x W^T over up to kMaxSegs weight matrices that read the same input row ("segments", row
+//            ranges of one launch), with the input staged in shared memory by a prologue that also does the
+//            producer's normalisation: RMSNorm of the fp32 residual, the DeltaNet gated RMSNorm, or a plain
+//            bf16 copy. Output per segment: store, accumulate (residual add), SiLU(gate)*up (bf16), or the
+//            DeltaNet causal conv + SiLU with its state update. Optional routing prologue (softmax top-k
+//            of the router logits; segment slot j reads expert top_idx[j]) and block argmax (greedy head).
+//   down   : x[r] += sum_j w_j (act_j . Wdown[e_j][r]) + sigmoid(g) (sact . Wsh_down[r])  (MoE combine fused)
+//   scan   : DeltaNet recurrence for one token with the q/k l2 normalisation fused in.
+//   finish : argmax over the head's block maxima -> next token, position += 1 (device control block).
+#pragma once
+#include "cuda/common.cuh"
+
+namespace lily::cuda::dec {
+
+constexpr int kMaxSegs = 4;
+constexpr int kMaxTopK = 16;
+
+enum XMode : int32_t { kXBf16 = 0, kXNorm = 1, kXGated = 2 };
+enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2, kOConv = 3 };
+
+// Device control block of a decode step (read by embed/attention, advanced by the finish kernel).
+struct Ctl {
+  int32_t token;  // input token of this step
+  int32_t pos;    // its position
+  int32_t step;   // greedy: index of the next output token
+  int32_t n_out;  // greedy: capacity of the output array (0: record nothing)
+};
+
+struct Seg {
+  DLinear w0, w1;        // w1: the up projection of a DUAL segment (same shape and format as w0)
+  float* y = nullptr;    // fp32 output (store / accumulate)
+  bf16* yb = nullptr;    // bf16 output (dual)
+  int32_t mode = kOStore;
+  int32_t routed = 0;    // 1: slot j uses expert top_idx[j] (routing prologue); 0: expert 0
+  int32_t slots = 1;     // copies of the segment over slots (experts); output slot j at y + j * y_step
+  int32_t warp0 = 0;     // first global warp of the segment (filled by the launcher)
+  int32_t warps_per_slot = 0;
+  int32_t pad_ = 0;
+  int64_t y_step = 0;
+};
+
+struct ProjArgs {
+  Seg seg[kMaxSegs];
+  int32_t nseg = 0;
+  int32_t xmode = kXBf16;
+  int32_t in = 0;          // input length (every segment's W.p.in)
+  int32_t gdim = 0;        // gated: elements per head (Dv)
+  float eps = 0.f;
+  int32_t route = 0;       // routing prologue (segments with routed = 1 need it)
+  const float* xf = nullptr;   // norm: fp32 residual row; gated: y
+  const float* zf = nullptr;   // gated: z
+  const float* nw = nullptr;   // norm weight
+  const bf16* xb = nullptr;    // bf16 input row
+  bf16* h_out = nullptr;       // norm: block 0 also writes the normed row (bf16) here
+  // routing prologue: softmax over E router logits, top-k, optional renormalisation
+  const float* rlogits = nullptr;
+  int32_t E = 0, top_k = 0, norm_topk = 0, pad_ = 0;
+  int32_t* top_idx = nullptr;  // block 0 writes the routing here for the down kernel
+  float* top_w = nullptr;
+  // conv epilogue (mode kOConv): u[c] = silu(sum_j w[c, j] X[j, c]), X = [state; y], state shifted
+  const float* conv_w = nullptr;
+  float* conv_state = nullptr;
+  float* u = nullptr;
+  int32_t conv_dim = 0, conv_k = 0;
+  // greedy head: per-block max key of (logit, -row) written to amax[blockIdx.x]
+  unsigned long long* amax = nullptr;
+};
+
+struct DownArgs {
+  DLinear wd, ws;              // routed experts' down (stacked), shared expert's down
+  const bf16* act = nullptr;   // [k, I]
+  const bf16* sact = nullptr;  // [Is]
+  const int32_t* top_idx = nullptr;
+  const float* top_w = nullptr;
+  const float* sgate = nullptr;  // [1] shared expert gate logit
+  float* x = nullptr;            // [H] residual, accumulated
+  int32_t k = 0;
+};
+
+// Launchers (stream-ordered, no synchronisation). proj fills warp0/warps_per_slot of a copy of the args.
+void proj(cudaStream_t st, const ProjArgs& a);
+void moe_down(cudaStream_t st, const DownArgs& a);
+// DeltaNet decode scan: u [C] post-conv (q, k not yet l2-normalised), b/a [Hv], ssm updated, y [Hv*Dv].
+void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+             const float* dt_bias, const float* a_log, float* ssm, float* y);
+// Blocks of the greedy head (the size of the amax array proj writes).
+int64_t head_blocks(int64_t rows);
+void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out);
+
+}  // namespace lily::cuda::dec
