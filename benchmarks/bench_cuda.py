@@ -132,7 +132,7 @@ def kernel_profile(fn, steps):
             for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))}
 
 
-VARIANTS = {"lily-cuda": 2, "lily-cuda-nograph": 1, "lily-cuda-legacy": 0, "lily-cuda-greedy": 2}
+VARIANTS = {"lily-cuda-legacy": 0, "lily-cuda-nograph": 1, "lily-cuda": 2, "lily-cuda-greedy": 2}
 
 
 def rel_rms(a, b):
