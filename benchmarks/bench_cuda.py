@@ -140,16 +140,47 @@ def rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30))
 
 
+def plot(rows, variants, gpu_name, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+        pf = sorted((x for x in rows if x["phase"] == "prefill"), key=lambda x: x["tokens"])
+        ax[0].plot([x["tokens"] for x in pf], [x["tok_s"] for x in pf], "o-", label="lily-cuda")
+        for v in variants:
+            r = sorted((x for x in rows if x["phase"] == "decode" and x["engine"] == v), key=lambda x: x["tokens"])
+            if r:
+                ax[1].plot([x["tokens"] for x in r], [x["tok_s"] for x in r], "o-", label=v)
+        for i, ph in enumerate(("prefill", "decode")):
+            ax[i].set_xscale("log", base=2)
+            ax[i].set_xlabel("prompt tokens" if ph == "prefill" else "context tokens")
+            ax[i].set_ylabel("tokens/s")
+            ax[i].set_title(f"{ph} on {gpu_name}")
+            ax[i].grid(True, alpha=0.3)
+            ax[i].legend(fontsize=8)
+        ax[1].set_ylim(bottom=0)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    except Exception as e:
+        print("plot failed:", e)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="bench_cuda_decode_h200")
+    ap.add_argument("--replot", default="", help="only redraw the PNG beside this JSON")
     ap.add_argument("--prefill-lengths", default="2048")
     ap.add_argument("--decode-lengths", default="256,4096,16384")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=240)
     args = ap.parse_args()
+    if args.replot:
+        res = json.loads(Path(args.replot).read_text())
+        plot(res["rows"], list(res["settings"]["variants"]), res["hardware"]["gpu"], Path(args.replot).with_suffix(".png"))
+        return
     t_start = time.time()
     cfg = full_config()
     pf_lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
@@ -279,28 +310,7 @@ def main():
                         "env_LILY_CUDA_DECODE": os.environ.get("LILY_CUDA_DECODE", "")},
            "rows": rows, "checks": checks, "counters": counters, "decode_profiles": profiles}
     (out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=float))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        pf = [x for x in rows if x["phase"] == "prefill"]
-        ax[0].plot([x["tokens"] for x in pf], [x["tok_s"] for x in pf], "o-", label="lily-cuda")
-        for v in variants:
-            r = [x for x in rows if x["phase"] == "decode" and x["engine"] == v]
-            if r:
-                ax[1].plot([x["tokens"] for x in r], [x["tok_s"] for x in r], "o-", label=v)
-        for i, ph in enumerate(("prefill", "decode")):
-            ax[i].set_xscale("log", base=2)
-            ax[i].set_xlabel("prompt tokens" if ph == "prefill" else "context tokens")
-            ax[i].set_ylabel("tokens/s")
-            ax[i].set_title(f"{ph} on {gpu_name}")
-            ax[i].grid(True, alpha=0.3)
-            ax[i].legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{args.name}.png", dpi=110)
-    except Exception as e:
-        print("plot failed:", e)
+    plot(rows, variants, gpu_name, out / f"{args.name}.png")
     for k, prof in profiles.items():
         if prof and "error" not in prof:
             print(f"\ndecode {k} by kernel family: launches/step, us/step, share")
