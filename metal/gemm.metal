@@ -6,41 +6,7 @@
 // through row_index (gate/up) or read in pair order (down). BM (16 or 32) is picked from the expert load.
 // GLU: two weights (gate, up) share the A tile and the epilogue writes silu(gate) * up.
 // Threadgroup: 4 simdgroups; simdgroup s owns output columns [8s, 8s+8) of the BN = 32 tile.
-#include "common.h"
-
-constant constexpr uint BN = 32;
-constant constexpr uint BK = 32;
-constant constexpr uint NT = 128;
-
-// Dequantizes W[n0 .. n0+BN, k0 .. k0+BK) into dst [BN][BK]; rows >= out and columns >= in are zero.
-template <int WF, typename T>
-inline void load_w_tile(threadgroup T* dst, WRef r, uint n0, uint k0, constant kp::LinearArgs& la, uint tid) {
-    if (WF == WF_Q4 || WF == WF_Q8) {
-        // One 32-bit word (8 or 4 codes) per step; in_dim is a multiple of the group size (>= 32).
-        constexpr uint BITS = WF == WF_Q4 ? 4 : 8;
-        constexpr uint PER = 32 / BITS;
-        constexpr uint WPR = BK / PER;
-        const uint words_per_row = uint(la.in_dim) / PER;
-        for (uint idx = tid; idx < BN * WPR; idx += NT) {
-            const uint n = idx / WPR, wi = idx % WPR, k = k0 + wi * PER;
-            threadgroup T* d = dst + n * BK + wi * PER;
-            if (n0 + n < uint(la.out_dim) && k < uint(la.in_dim)) {
-                const ulong row = n0 + n;
-                const uint word = ((device const uint*)r.w)[row * words_per_row + k / PER];
-                const ulong g = row * ulong(la.in_dim / la.group) + k / uint(la.group);
-                const float s = bf16(r.s[g]), b = bf16(r.b[g]);
-                for (uint i = 0; i < PER; i++) d[i] = T(s * float((word >> (BITS * i)) & ((1u << BITS) - 1u)) + b);
-            } else {
-                for (uint i = 0; i < PER; i++) d[i] = T(0.0f);
-            }
-        }
-    } else {
-        for (uint idx = tid; idx < BN * BK; idx += NT) {
-            const uint n = idx / BK, k = k0 + idx % BK;
-            dst[idx] = (n0 + n < uint(la.out_dim) && k < uint(la.in_dim)) ? T(w_at<WF>(r, n0 + n, k, la)) : T(0.0f);
-        }
-    }
-}
+#include "gemm_tile.h"
 
 template <int WF, typename T, int BM, bool GLU>
 kernel void gemm(device const float*      a          [[buffer(0)]],    // A [*, lda]
@@ -89,16 +55,7 @@ kernel void gemm(device const float*      a          [[buffer(0)]],    // A [*, 
 
     const uint K = uint(la.in_dim);
     for (uint k0 = 0; k0 < K; k0 += BK) {
-        for (uint idx = tid; idx < BM * BK; idx += NT) {
-            const uint i = idx / BK, k = k0 + idx % BK;
-            float v = 0.0f;
-            if (i < nrows && k < K) {
-                const uint p = row0 + i;
-                const uint src = (ga.grouped && ga.gather) ? uint(row_index[p]) : p;
-                v = a[ulong(src) * ulong(ga.lda) + k];
-            }
-            tg_a[idx] = T(v);
-        }
+        load_a_tile<T, BM>(tg_a, a, row_index, row0, nrows, k0, K, ga, tid);
         load_w_tile<WF, T>(tg_w, r1, n0, k0, la, tid);
         if (GLU) load_w_tile<WF, T>(tg_w2, r2, n0, k0, la, tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -119,13 +76,7 @@ kernel void gemm(device const float*      a          [[buffer(0)]],    // A [*, 
         if (GLU) simdgroup_store(acc2[i], tg_c2 + i * 8 * BN + sg * 8, BN);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint idx = tid; idx < BM * BN; idx += NT) {
-        const uint i = idx / BN, n = n0 + idx % BN;
-        if (i >= nrows || n >= uint(la.out_dim)) continue;
-        device float* dst = y + ulong(row0 + i) * ulong(ga.ldy) + n;
-        const float v = GLU ? silu(tg_c[idx]) * tg_c2[idx] : tg_c[idx];
-        *dst = (!GLU && ga.epilogue == 1) ? *dst + v : v;
-    }
+    store_c_tile<BM, GLU>(y, tg_c, tg_c2, row0, nrows, n0, la, ga, tid);
 }
 
 template [[host_name("gemm_q4_f32_bm32")]] [[kernel]] decltype(gemm<WF_Q4, float, 32, false>) gemm<WF_Q4, float, 32, false>;

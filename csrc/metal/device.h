@@ -68,7 +68,8 @@ class Device {
   // Upper bound of threads per threadgroup for a pipeline (1024 on Apple GPUs, less for heavy kernels).
   virtual uint32_t max_threads(Pipeline* p) = 0;
   virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
-  // Metal 4 tensor operations (MetalPerformancePrimitives) are available: gates the tensor-op GEMM path.
+  // Metal 4 tensor operations (MetalPerformancePrimitives) are available and their kernels
+  // (metal/gemm_tensor.metal) loaded: gates the tensor-op GEMM path of the prefill matrices.
   virtual bool has_tensor_ops() const = 0;
 };
 
@@ -84,6 +85,9 @@ struct EmuOptions {
   // Per-pipeline thread limit to emulate (Apple lowers it for register-heavy kernels), so the backend's
   // fallbacks for a pipeline that cannot run 1024 threads are exercised in CI too.
   uint32_t max_threads = 1024;
+  // Report Metal 4 tensor ops, so the backend runs the tensor-op GEMMs (emulated by the shim's matmul2d);
+  // off: the simdgroup-matrix path, as on a machine without them.
+  bool tensor_ops = false;
 };
 std::unique_ptr<Device> make_emulated_device(const EmuOptions& opt);
 

@@ -173,7 +173,7 @@ class EmuDevice final : public Device {
   }
   uint32_t max_threads(Pipeline*) override { return opt_.max_threads; }
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(this); }
-  bool has_tensor_ops() const override { return false; }
+  bool has_tensor_ops() const override { return opt_.tensor_ops; }
 
   void submit(EmuCommandBuffer* cb) {
     std::lock_guard<std::mutex> g(qmu_);

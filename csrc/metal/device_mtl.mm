@@ -1,11 +1,15 @@
 // The Apple implementation of the device layer (metal/device.h) on the Metal framework, compiled with ARC.
 // The kernels come from lily.metallib (metal/*.metal compiled by xcrun at build time) embedded in the
-// extension as lily_metallib / lily_metallib_size. On Linux this file is only type-checked (clang with the
+// extension as lily_metallib / lily_metallib_size; the Metal 4 tensor-op GEMMs (metal/gemm_tensor.metal,
+// -std=metal4.0) from lily_tensor.metallib, loaded only on MTLGPUFamilyMetal4 devices (size 0 when the SDK
+// had no Metal 4 compiler). On Linux this file is only type-checked (clang with the
 // stub headers of tools/msl/hoststubs); it has not run on Apple hardware yet.
 #import <Metal/Metal.h>
 
 #include <unistd.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -15,6 +19,8 @@
 
 extern "C" const unsigned char lily_metallib[];
 extern "C" const unsigned long lily_metallib_size;
+extern "C" const unsigned char lily_tensor_metallib[];
+extern "C" const unsigned long lily_tensor_metallib_size;
 
 namespace lily::metal {
 
@@ -83,6 +89,7 @@ class MtlDevice final : public Device {
     NSError* err = nil;
     lib_ = [dev_ newLibraryWithData:data error:&err];
     if (!lib_) throw std::runtime_error("[lily] metal: loading lily.metallib failed: " + describe(err));
+    load_tensor_library();
   }
   ~MtlDevice() override {
     for (auto& kv : pipes_) delete kv.second;
@@ -116,7 +123,9 @@ class MtlDevice final : public Device {
     std::lock_guard<std::mutex> g(mu_);
     auto it = pipes_.find(name);
     if (it != pipes_.end()) return it->second;
-    id<MTLFunction> fn = [lib_ newFunctionWithName:(NSString* _Nonnull)[NSString stringWithUTF8String:name.c_str()]];
+    NSString* fname = (NSString* _Nonnull)[NSString stringWithUTF8String:name.c_str()];
+    id<MTLFunction> fn = [lib_ newFunctionWithName:fname];
+    if (!fn && tensor_lib_) fn = [tensor_lib_ newFunctionWithName:fname];
     if (!fn) throw std::runtime_error("[lily] metal: lily.metallib has no kernel '" + name + "'");
     NSError* err = nil;
     id<MTLComputePipelineState> pso = [dev_ newComputePipelineStateWithFunction:fn error:&err];
@@ -128,15 +137,27 @@ class MtlDevice final : public Device {
   uint32_t max_threads(Pipeline* p) override { return static_cast<uint32_t>(p->pso.maxTotalThreadsPerThreadgroup); }
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<MtlCommandBuffer>(queue_); }
 
-  bool has_tensor_ops() const override {
-    if (@available(macOS 26.0, *)) return [dev_ supportsFamily:MTLGPUFamilyMetal4];
-    return false;
-  }
+  // The tensor-op GEMMs run when the GPU is in MTLGPUFamilyMetal4 and their library loaded;
+  // LILY_METAL_TENSOR_OPS=0 forces the simdgroup-matrix path (A/B comparisons on one machine).
+  bool has_tensor_ops() const override { return tensor_lib_ != nil; }
 
  private:
+  void load_tensor_library() {
+    const char* env = std::getenv("LILY_METAL_TENSOR_OPS");
+    if (lily_tensor_metallib_size == 0 || (env && std::strcmp(env, "0") == 0)) return;
+    bool metal4 = false;
+    if (@available(macOS 26.0, *)) metal4 = [dev_ supportsFamily:MTLGPUFamilyMetal4];
+    if (!metal4) return;
+    dispatch_data_t data =
+        dispatch_data_create(lily_tensor_metallib, lily_tensor_metallib_size, nil, DISPATCH_DATA_DESTRUCTOR_DEFAULT);
+    NSError* err = nil;
+    tensor_lib_ = [dev_ newLibraryWithData:data error:&err];  // nil on failure: the simdgroup path runs
+  }
+
   id<MTLDevice> dev_;
   id<MTLCommandQueue> queue_;
   id<MTLLibrary> lib_;
+  id<MTLLibrary> tensor_lib_ = nil;  // Metal 4 tensor-op kernels, nil where unavailable
   std::map<std::string, Pipeline*> pipes_;
   std::mutex mu_;
 };

@@ -36,13 +36,14 @@ extern "C" {
 
 // cfg: n_cfg (key, value) numbers and n_layers layer type names (ModelConfig.to_dict()). Tensors: name,
 // data pointer, dtype (0 f32, 1 u16/bf16, 2 u32, 3 i32), ndim and shape (shapes concatenated). quant:
-// module name, bits, group. kernel_libs: ';'-separated emulator builds of metal/*.metal.
+// module name, bits, group. kernel_libs: ';'-separated emulator builds of metal/*.metal. tensor_ops: the
+// device reports Metal 4 tensor ops (the backend then runs the tensor-op GEMMs).
 void* lily_metal_emu_new(int n_cfg, const char* const* keys, const double* vals, int n_layers,
                          const char* const* layer_types, int n_tensors, const char* const* names,
                          const void* const* ptrs, const int* dtypes, const int* ndims, const int64_t* shapes,
                          int n_quant, const char* const* qnames, const int* qbits, const int* qgroups,
                          const char* kernel_libs, int schedule, int max_threads, int64_t max_context, int debug,
-                         int kv_bf16, char* err, int len) {
+                         int kv_bf16, int tensor_ops, char* err, int len) {
   try {
     ConfigDict d;
     for (int i = 0; i < n_cfg; ++i) d.nums[keys[i]] = vals[i];
@@ -66,6 +67,7 @@ void* lily_metal_emu_new(int n_cfg, const char* const* keys, const double* vals,
     opt.kernel_libs = kernel_libs;
     opt.schedule = schedule;
     opt.max_threads = static_cast<uint32_t>(max_threads);
+    opt.tensor_ops = tensor_ops != 0;
     h->be = metal::make_metal_backend(h->cfg, h->w, metal::make_emulated_device(opt), debug != 0, kv_bf16 != 0);
     h->st = std::make_unique<State>(h->cfg, max_context, h->be->memory(), h->be->kv_elem());
     return h.release();

@@ -7,7 +7,7 @@ namespace lily::metal {
 namespace {
 
 constexpr uint32_t kGemvRows = 4, kGemvSimdgroups = 2;  // rows per simdgroup (template ROWS), simdgroups
-constexpr uint32_t kGemmBN = 32, kGemmThreads = 128;
+constexpr uint32_t kGemmBN = 32, kGemmThreads = 128;  // both GEMM kernels (tensor op: execution_simdgroups<4>)
 constexpr uint32_t kScanRows = 4;                        // state rows per simdgroup (template ROWS)
 
 uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
@@ -36,6 +36,13 @@ int hpg_for(int nd) { return nd == 8 ? 8 : 4; }
 
 }  // namespace
 
+std::string Ops::gemm_kernel(const std::string& fmt, bool glu, int bm) const {
+  // gemm_tensor.metal instantiates q4 / q8 / bf16 plain and q4 / bf16 GLU, half tiles, BM 16 and 32
+  const bool tensor = tensor_ops_ && (fmt == "q4" || fmt == "bf16" || (fmt == "q8" && !glu));
+  return std::string(tensor ? "gemm_tensor_" : "gemm_") + (glu ? "glu_" : "") + fmt + (tensor ? "_f16" : "_f32") +
+         "_bm" + std::to_string(bm);
+}
+
 void Ops::go(Encoder& e, const std::string& kernel, Size3 grid, Size3 tg) {
   e.set_pipeline(pipe(kernel));
   e.dispatch(grid, tg);
@@ -63,7 +70,7 @@ void Ops::linear(Encoder& e, const DevLinear& W, BufRef x, BufRef y, int S, bool
   const int bm = 32;
   bytes(e, 9, kp::GemmArgs{S, 0, 0, accumulate ? 1 : 0, x_stride, y_stride, static_cast<int>(cdiv(S, bm)), 0});
   for (int i = 10; i <= 14; ++i) e.set_buffer(i, x);  // block map unused in the plain form
-  go(e, "gemm_" + W.fmt + "_f32_bm" + std::to_string(bm), {cdiv(W.out, kGemmBN), cdiv(S, bm), 1}, {kGemmThreads, 1, 1});
+  go(e, gemm_kernel(W.fmt, false, bm), {cdiv(W.out, kGemmBN), cdiv(S, bm), 1}, {kGemmThreads, 1, 1});
 }
 
 void Ops::linear_glu(Encoder& e, const DevLinear& Wg, const DevLinear& Wu, BufRef x, BufRef y, int S) {
@@ -75,8 +82,7 @@ void Ops::linear_glu(Encoder& e, const DevLinear& Wg, const DevLinear& Wu, BufRe
   const int bm = 32;
   bytes(e, 9, kp::GemmArgs{S, 0, 0, 2, static_cast<int>(Wg.in), static_cast<int>(Wg.out), static_cast<int>(cdiv(S, bm)), 0});
   for (int i = 10; i <= 14; ++i) e.set_buffer(i, x);
-  go(e, "gemm_glu_" + Wg.fmt + "_f32_bm" + std::to_string(bm), {cdiv(Wg.out, kGemmBN), cdiv(S, bm), 1},
-     {kGemmThreads, 1, 1});
+  go(e, gemm_kernel(Wg.fmt, true, bm), {cdiv(Wg.out, kGemmBN), cdiv(S, bm), 1}, {kGemmThreads, 1, 1});
 }
 
 void Ops::grouped(Encoder& e, const DevLinear& W, const DevLinear* Wu, BufRef a, int lda, bool gather,
@@ -92,8 +98,8 @@ void Ops::grouped(Encoder& e, const DevLinear& W, const DevLinear* Wu, BufRef a,
   e.set_buffer(12, r.tile_row0);
   e.set_buffer(13, r.tile_rows);
   e.set_buffer(14, r.n_tiles);
-  go(e, std::string(Wu ? "gemm_glu_" : "gemm_") + W.fmt + "_f32_bm" + std::to_string(bm),
-     {cdiv(W.out, kGemmBN), static_cast<uint32_t>(max_tiles), 1}, {kGemmThreads, 1, 1});
+  go(e, gemm_kernel(W.fmt, Wu != nullptr, bm), {cdiv(W.out, kGemmBN), static_cast<uint32_t>(max_tiles), 1},
+     {kGemmThreads, 1, 1});
 }
 
 void Ops::rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps) {

@@ -27,9 +27,12 @@ struct RouteBufs {
 class Ops {
  public:
   // kv_bf16: the KV cache holds bf16 (the *_kvbf16 attention kernels), else fp32.
-  Ops(Device& dev, bool kv_bf16) : dev_(dev), kvs_(kv_bf16 ? "_kvbf16" : "") {}
+  // The prefill GEMMs run on Metal 4 tensor ops (gemm_tensor.metal) when the device has them, else on
+  // simdgroup matrices (gemm.metal, every machine).
+  Ops(Device& dev, bool kv_bf16)
+      : dev_(dev), kvs_(kv_bf16 ? "_kvbf16" : ""), tensor_ops_(dev.has_tensor_ops()) {}
 
-  // Rows at or below this use the row-parallel GEMV; above, the simdgroup-matrix GEMM.
+  // Rows at or below this use the row-parallel GEMV; above, the GEMM.
   static constexpr int kGemvMaxRows = 4;
   // Decode attention: keys per split-K part.
   static constexpr int kSplitLen = 256;
@@ -61,6 +64,11 @@ class Ops {
                    BufRef ml, BufRef po, BufRef out);
   static int attn_parts(int64_t T) { return static_cast<int>((T + kSplitLen - 1) / kSplitLen); }
 
+  // Pipeline name of the prefill GEMM for a weight format, GLU or not, and row tile: the tensor-op kernel
+  // (half tiles) where the device has tensor ops and it is instantiated, else the simdgroup-matrix one.
+  std::string gemm_kernel(const std::string& fmt, bool glu, int bm) const;
+  bool tensor_ops() const { return tensor_ops_; }
+
   // Routing of S rows: top-k, histogram, offsets + block map, scatter (barriers inside).
   void route(Encoder& e, BufRef logits, const RouteBufs& r, int S, int E, int k, bool norm, int bm, int max_tiles);
   void moe_combine(Encoder& e, BufRef x, BufRef yd, BufRef ysh, BufRef sg, const RouteBufs& r, int S, int H, int k);
@@ -75,6 +83,7 @@ class Ops {
   void go(Encoder& e, const std::string& kernel, Size3 grid, Size3 tg);
   Device& dev_;
   std::string kvs_;  // kernel-name suffix of the KV element type
+  bool tensor_ops_;
 };
 
 }  // namespace lily::metal

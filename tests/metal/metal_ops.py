@@ -76,10 +76,12 @@ _I32 = np.zeros(1, np.int32)
 
 
 def gemm(w: Weight, a: np.ndarray, *, t: str = "f32", bm: int = 32, y0: np.ndarray | None = None,
-         up: Weight | None = None, block_map=None, row_index=None, M: int | None = None) -> np.ndarray:
+         up: Weight | None = None, block_map=None, row_index=None, M: int | None = None,
+         tensor: bool = False) -> np.ndarray:
     """Y = A W^T (plain), Y += ... (y0 given), silu(A Wg^T) * (A Wu^T) (up given).
     block_map = (tile_expert, tile_row0, tile_rows, n_tiles, max_tiles) for the grouped (MoE) form, with
-    row_index (gather of A rows per sorted pair) or None (A read in pair order); M = number of pairs."""
+    row_index (gather of A rows per sorted pair) or None (A read in pair order); M = number of pairs.
+    tensor: the Metal 4 tensor-op kernels of gemm_tensor.metal (same arguments and launch geometry)."""
     M = a.shape[0] if M is None else M
     n_out = w.out
     y = y0.copy() if y0 is not None else np.zeros((M, n_out), np.float32)
@@ -93,9 +95,9 @@ def gemm(w: Weight, a: np.ndarray, *, t: str = "f32", bm: int = 32, y0: np.ndarr
     ga = emu.params("GemmArgs", M=M, grouped=int(grouped), gather=int(row_index is not None),
                     epilogue=1 if y0 is not None else (2 if up else 0), lda=a.shape[1], ldy=n_out,
                     max_tiles=tiles)
-    name = f"gemm_{'glu_' if up else ''}{w.fmt}_{t}_bm{bm}"
+    name = f"gemm_{'tensor_' if tensor else ''}{'glu_' if up else ''}{w.fmt}_{t}_bm{bm}"
     w2 = up.bufs if up else w.bufs
-    out, = emu.run3(lib("gemm"), name, (-(-n_out // GEMM_BN), tiles, 1), (128, 1, 1),
+    out, = emu.run3(lib("gemm_tensor" if tensor else "gemm"), name, (-(-n_out // GEMM_BN), tiles, 1), (128, 1, 1),
                     [np.ascontiguousarray(a, np.float32), *w.bufs, *w2, y, w.args(), ga, *maps],
                     outputs=[7], poison=y0 is None)
     return out

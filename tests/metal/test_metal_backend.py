@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from _metrics import perplexity, rel_rms, top1_agreement
 from metal_env import emu, metal_files, mslc
-from tolerances import tol
+from tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
 
 from lily.testing import random_weights, tiny_configs
 
@@ -54,7 +54,7 @@ class EmulatedMetalEngine:
     """ctypes front of csrc/metal/emu_capi.cpp: the Metal backend on the emulated device."""
 
     def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True, host_lib=None,
-                 max_threads=1024, kv_bf16=False):
+                 max_threads=1024, kv_bf16=False, tensor_ops=False):
         libs = ";".join(emu.library(f).lib._name for f in metal_files())
         self.lib = lib = ctypes.CDLL(host_lib or mslc.build_host())
         lib.lily_metal_emu_new.restype = ctypes.c_void_p
@@ -77,7 +77,7 @@ class EmulatedMetalEngine:
             (ctypes.c_int * len(names))(*[t.ndim for t in self._keep]), shapes.ctypes.data_as(ctypes.c_void_p),
             len(quant), cs(list(quant)), (ctypes.c_int * len(quant))(*[b for b, _ in quant.values()]),
             (ctypes.c_int * len(quant))(*[g for _, g in quant.values()]), libs.encode(), schedule, max_threads,
-            ctypes.c_int64(max_context), int(debug), int(kv_bf16), err, len(err))
+            ctypes.c_int64(max_context), int(debug), int(kv_bf16), int(tensor_ops), err, len(err))
         if not self.h:
             raise RuntimeError(err.value.decode())
         self._shapes = shapes
@@ -240,3 +240,74 @@ def test_model_bf16_kv_cache(name):
     err, t1 = rel_rms(metal, ref), top1_agreement(metal, ref)
     print(f"{name} bf16 KV vs CPU (fp32)                  top1 {t1:.4f}  rel_rms {err:.3e}")
     assert np.all(np.isfinite(metal)) and t1 >= 0.99 and err <= 1e-3
+
+
+
+class _HalfMatrix:
+    """A weight matrix whose products round the activation operand and the weight to half, as the tensor-op
+    GEMMs do (numpy defers to it): the reference run for the rounding envelope of that path."""
+
+    __array_ufunc__ = None
+
+    def __init__(self, a):
+        self.a = a
+
+    @property
+    def T(self):
+        return _HalfMatrix(self.a.T)
+
+    def __getitem__(self, i):
+        return _HalfMatrix(self.a[i])
+
+    def __rmatmul__(self, x):
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32) @ self.a
+
+    def __matmul__(self, x):
+        return self.a @ np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def _half_envelope(cfg, tensors, quant, seq):
+    """Logits of lily.reference with every matrix product's inputs rounded to half (design.md §8 envelope)."""
+    from lily.reference import ReferenceEngine
+    ref = ReferenceEngine(cfg, tensors, quant, max_context=256)
+    dense = ref.weights.linear
+    ref.weights.linear = lambda module: _HalfMatrix(dense(module).astype(np.float16).astype(np.float32))
+    return ref.forward(ref.new_state(), seq, logits="all")
+
+
+@pytest.mark.parametrize("name", ["tiny", "mid_real_heads"])
+def test_model_tensor_op_gemms(name):
+    """The device reports Metal 4 tensor ops: every prefill GEMM (plain, GLU, grouped experts) runs the
+    tensor-op kernels of gemm_tensor.metal (half tiles, fp32 accumulation) through the shim's matmul2d.
+    Judged against the rounding envelope of design.md §8 for that precision: lily.reference with every
+    matrix product's inputs rounded to half, vs the CPU backend (fp32). The prefill must also differ from
+    the fp32-tile run of the simdgroup path (else the flag did not select the tensor-op kernels)."""
+    cfg = _configs()[name]
+    tensors, quant = random_weights(cfg, seed=21)
+    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, 12).astype(np.int32)
+
+    def run():
+        eng = EmulatedMetalEngine(cfg, tensors, quant, tensor_ops=True)
+        pre = eng.forward(toks, 7)
+        gen, dec = eng.decode(int(np.argmax(pre[-1])), 2)
+        eng.close()
+        if name != "tiny":   # the path-selection check once is enough
+            return pre, gen, dec, None
+        ref_eng = EmulatedMetalEngine(cfg, tensors, quant, tensor_ops=False)
+        pre32 = ref_eng.forward(toks, 7)
+        ref_eng.close()
+        return pre, gen, dec, pre32
+
+    pre, gen, dec, pre32 = _in_child(run)
+    seq = np.concatenate([toks, [np.argmax(pre[-1])], gen[:-1]]).astype(np.int32)
+    ref = _cpu_logits(cfg, tensors, quant, seq)
+    env = _half_envelope(cfg, tensors, quant, seq)
+    metal = np.concatenate([pre, dec])
+    err, t1, ppl = rel_rms(metal, ref), top1_agreement(metal, ref), perplexity(metal, seq) / perplexity(ref, seq)
+    e_err, e_t1, e_ppl = rel_rms(env, ref), top1_agreement(env, ref), perplexity(env, seq) / perplexity(ref, seq)
+    print(f"{name} tensor-op GEMMs vs CPU (fp32)   top1 {t1:.4f}  ppl ratio {ppl:.6f}  rel_rms {err:.3e}   "
+          f"envelope (half products): top1 {e_t1:.4f}  ppl ratio {e_ppl:.6f}  rel_rms {e_err:.3e}")
+    assert np.all(np.isfinite(metal))
+    assert t1 >= e_t1 - ENVELOPE_SLACK_TOP1 and abs(ppl - 1) <= abs(e_ppl - 1) + ENVELOPE_SLACK_PPL
+    assert err <= 2 * e_err, "further from fp32 than twice the half-rounding envelope"
+    assert pre32 is None or not np.array_equal(pre, pre32), "tensor_ops=True ran the same kernels as the simdgroup path"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import test_metal_attention as t_attn
 import test_metal_deltanet as t_dn
+import test_metal_gemm_tensor as t_gt
 import test_metal_linear as t_lin
 import test_metal_moe as t_moe
 import test_metal_norm as t_norm
@@ -23,6 +24,7 @@ def _rng():
 VERDICTS = {  # family -> a run of that family's kernels against the reference (raises on a mismatch)
     "gemv": lambda: t_lin.test_gemv(_rng(), "q4", 130, 256, 64, 1),
     "gemm": lambda: t_lin.test_gemm_plain(_rng(), "q4", "f32", 32, 37, 70, 128),
+    "gemm_tensor": lambda: t_gt.test_gemm_tensor_plain(_rng(), "q4", "f16", 32, 37, 70, 128),
     "norm": lambda: t_norm.test_rms_norm(_rng(), 3, 192, 128),
     "moe": lambda: t_moe.test_route(_rng(), 37, 8, 2, 32),
     "deltanet": lambda: t_dn.test_conv(_rng(), 2, 4, 2, 6, 48, 32),
@@ -40,6 +42,21 @@ CASES = {
         "gemm", "gemm.metal",
         [("        if (GLU) load_w_tile<WF, T>(tg_w2, r2, n0, k0, la, tid);\n        threadgroup_barrier(mem_flags::mem_threadgroup);",
           "        if (GLU) load_w_tile<WF, T>(tg_w2, r2, n0, k0, la, tid);")], "run"),
+    "tensor op reads the tiles before the barrier": (
+        "gemm_tensor", "gemm_tensor.metal",
+        [("        threadgroup_barrier(mem_flags::mem_threadgroup);   // tiles written by all simdgroups, read by the op\n", "")],
+        "run"),
+    "tiles reloaded before the tensor op has read them": (
+        "gemm_tensor", "gemm_tensor.metal",
+        [("        threadgroup_barrier(mem_flags::mem_threadgroup);   // the op has read the tiles before they are reused\n",
+          "")], "run"),
+    "tensor op scope is not the threadgroup's simdgroups": (
+        "gemm_tensor", "gemm_tensor.metal",
+        [("constant constexpr int TENSOR_SIMDGROUPS = 4;", "constant constexpr int TENSOR_SIMDGROUPS = 2;")], "run"),
+    "threadgroup tile viewed as a device tensor": (
+        "gemm_tensor", "gemm_tensor.metal",
+        [("typedef tensor<threadgroup T, dextents<int32_t, 2>, tensor_inline> tile_t;",
+          "typedef tensor<device T, dextents<int32_t, 2>, tensor_inline> tile_t;")], "check-as"),
     "missing barrier before a cross-simdgroup sum": (
         "norm", "norm.metal",
         [("    if (lane == 0) tg_part[sg] = ss;\n    threadgroup_barrier(mem_flags::mem_threadgroup);",

@@ -3,6 +3,7 @@
 
   mslc.py lint     F.metal   kernel-signature and portability rules (regex, no compiler)
   mslc.py check    F.metal   g++ -fsyntax-only -nostdinc against include/metal_stdlib (types, const, vectors)
+  mslc.py check3   F.metal   the same as a Metal 3.1 compiler (no __HAVE_TENSOR__, no <metal_tensor>)
   mslc.py check-as F.metal   clang++ in C++-for-OpenCL mode: address spaces are real qualifiers
   mslc.py build    F.metal   shared library with one launcher per kernel (host name), for emu.py / ctypes
   mslc.py all      F.metal   lint + check + check-as
@@ -208,8 +209,9 @@ def lint(src: str, path: str) -> list[str]:
             errs.append(f"{path}:{n}: error: exceptions, RTTI and virtual functions are not available in MSL")
         if re.match(r"\s*threadgroup\s+[^;()=]*\]\s*,", line):
             errs.append(f"{path}:{n}: error: declare one threadgroup variable per statement")
-        if re.search(r"#\s*include\s*<(?!metal_)", line):
-            errs.append(f"{path}:{n}: error: only <metal_*> system headers exist in MSL")
+        if re.search(r"#\s*include\s*<(?!metal_|MetalPerformancePrimitives/MetalPerformancePrimitives\.h>)", line):
+            errs.append(f"{path}:{n}: error: only <metal_*> and <MetalPerformancePrimitives/...> system headers "
+                        f"exist in MSL")
     info = parse(src)
     hosts = {}
     for ins in info["insts"]:
@@ -389,8 +391,11 @@ def _key(*parts) -> str:
     h = hashlib.sha1()
     for p in parts:
         h.update(p.encode() if isinstance(p, str) else p)
-    for f in sorted(os.listdir(INC)):
-        h.update(open(os.path.join(INC, f), "rb").read())
+    for d, dirs, files in sorted(os.walk(INC)):
+        dirs.sort()
+        for f in sorted(files):
+            h.update(os.path.relpath(os.path.join(d, f), INC).encode())
+            h.update(open(os.path.join(d, f), "rb").read())
     return h.hexdigest()[:16]
 
 
@@ -407,8 +412,12 @@ def _cached(tag: str, path: str, mode: str, cmd_of, include_dirs=None) -> tuple[
     return rc, out
 
 
-def check(path: str, include_dirs=None) -> tuple[int, str]:
-    return _cached("check", path, "check", lambda s: GXX + WARN + ["-fsyntax-only", "-x", "c++", s], include_dirs)
+def check(path: str, include_dirs=None, metal3: bool = False) -> tuple[int, str]:
+    """g++ against the shim. metal3: as a Metal 3.1 compiler (-std=metal3.0: no tensor types), which is how
+    csrc/metal/metal.cmake builds every file but the tensor-op one."""
+    flags = ["-DMSL_SHIM_METAL3"] if metal3 else []
+    return _cached("check3" if metal3 else "check", path, "check",
+                   lambda s: GXX + flags + WARN + ["-fsyntax-only", "-x", "c++", s], include_dirs)
 
 
 def check_as(path: str, include_dirs=None) -> tuple[int, str]:
@@ -488,6 +497,7 @@ def main(argv: list[str]) -> int:
         if cmd == "lint":
             e = lint(inline_includes(path)[0], path); rc, out = len(e), "\n".join(e)
         elif cmd == "check": rc, out = check(path)
+        elif cmd == "check3": rc, out = check(path, metal3=True)
         elif cmd == "check-as": rc, out = check_as(path)
         elif cmd == "build": rc, out, so = build(path); out = out or (so or "")
         elif cmd == "all":
