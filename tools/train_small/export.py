@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 import model_config as mc  # noqa: E402
 
-SAMPLE_PROMPTS = ["The list type", "To open a file", "def fibonacci(n):", "The json module"]
+SAMPLE_PROMPTS = ["The list type", "To open a file", "The json module"]
 CHAT_QUESTIONS = ["What is a dictionary?", "How do I read a file line by line?"]
 
 
@@ -81,83 +81,71 @@ def export(src: str, dst: str, data: str) -> None:
         print(f"  {fn:36s} {os.path.getsize(os.path.join(dst, fn)):>10,d} B")
 
 
-def eval_mlx(dst: str, data: str, seq: int) -> dict:
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm import generate, load
-    from mlx_lm.sample_utils import make_sampler
-
-    model, tok = load(dst)
+def _windows(data: str, seq: int) -> list[np.ndarray]:
+    """The validation windows: val.bin cut into non-overlapping pieces of seq+1 ids (shared edge)."""
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int32)
-    n = (len(val) - 1) // seq
-    tot, cnt = 0.0, 0
-    t0 = time.time()
-    for w in range(n):
-        ids = mx.array(val[w * seq: (w + 1) * seq + 1])[None]
-        logits = model(ids[:, :-1])
-        lp = nn.losses.cross_entropy(logits.astype(mx.float32), ids[:, 1:], reduction="sum")
-        tot += lp.item()
-        cnt += seq
-    ppl = math.exp(tot / cnt)
-    t_eval = time.time() - t0
-    k = model.args.text_config["num_experts_per_tok"]
-    hist = routing_mlx(model, val, seq, min(n, 20), k)
-    sampler = make_sampler(temp=0.0)
-    outs = {}
-    for p in SAMPLE_PROMPTS:
-        outs[p] = generate(model, tok, p, max_tokens=80, sampler=sampler, verbose=False)
-    chats = {}
-    for q in CHAT_QUESTIONS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         tokenize=False)
-        chats[q] = generate(model, tok, prompt, max_tokens=120, sampler=sampler, verbose=False)
-    return {"mlx_val_loss": tot / cnt, "mlx_val_ppl": ppl, "val_tokens_scored": cnt, "windows": n, "seq": seq,
-            "eval_s": round(t_eval, 1), "routing": hist, "samples": outs, "chat_samples": chats}
+    return [val[w * seq: (w + 1) * seq + 1] for w in range((len(val) - 1) // seq)]
 
 
-def mlx_ppl(dst: str, data: str, seq: int, dtype: str) -> dict:
-    """mlx-lm validation loss with the model as loaded ("bf16") or upcast to fp32 ("fp32")."""
+def _summary(losses: list[float], seq: int, seconds: float, **kw) -> dict:
+    return {"loss": float(np.mean(losses)) / seq, "ppl": math.exp(float(np.sum(losses)) / (len(losses) * seq)),
+            "windows": len(losses), "tokens": len(losses) * seq, "seconds": round(seconds, 1),
+            "window_losses": [float(x) for x in losses], **kw}
+
+
+def mlx_ppl(dst: str, data: str, seq: int, dtype: str, n_windows: int | None = None) -> dict:
+    """mlx-lm summed next-token loss per window, model as loaded ("bf16") or upcast ("fp32")."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm import load
     model, _ = load(dst)
     if dtype == "fp32":
         model.set_dtype(mx.float32)
-    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int32)
-    n = (len(val) - 1) // seq
-    tot, t0 = 0.0, time.time()
-    for w in range(n):
-        ids = mx.array(val[w * seq: (w + 1) * seq + 1])[None]
-        logits = model(ids[:, :-1])
-        tot += nn.losses.cross_entropy(logits.astype(mx.float32), ids[:, 1:], reduction="sum").item()
-    return {"loss": tot / (n * seq), "ppl": math.exp(tot / (n * seq)), "tokens": n * seq,
-            "seconds": round(time.time() - t0, 1)}
+    losses, t0 = [], time.time()
+    for ids in _windows(data, seq)[:n_windows]:
+        x = mx.array(ids)[None]
+        logits = model(x[:, :-1])
+        losses.append(nn.losses.cross_entropy(logits.astype(mx.float32), x[:, 1:], reduction="sum").item())
+    return _summary(losses, seq, time.time() - t0, dtype=dtype)
 
 
 def lily_ppl(dst: str, data: str, seq: int) -> dict:
-    """lily (`Model.logits`, CPU backend) validation loss on the same windows."""
+    """lily (`Model.logits`, CPU backend) summed next-token loss per window."""
     import lily
     model = lily.load(dst, backend="cpu")
-    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int32)
-    n = (len(val) - 1) // seq
-    tot, t0 = 0.0, time.time()
-    for w in range(n):
-        ids = val[w * seq: (w + 1) * seq + 1]
+    losses, t0 = [], time.time()
+    for ids in _windows(data, seq):
         lg = np.asarray(model.logits(ids[:-1]), np.float64)
         m = lg.max(-1, keepdims=True)
         lse = np.log(np.exp(lg - m).sum(-1)) + m[:, 0]
-        tot += float((lse - lg[np.arange(seq), ids[1:]]).sum())
-    return {"loss": tot / (n * seq), "ppl": math.exp(tot / (n * seq)), "tokens": n * seq,
-            "seconds": round(time.time() - t0, 1), "backend": "cpu"}
+        losses.append(float((lse - lg[np.arange(seq), ids[1:]]).sum()))
+    return _summary(losses, seq, time.time() - t0, backend="cpu")
 
 
-def routing_mlx(model, val, seq, n_windows, k):
-    """Fraction of top-k slots per expert and layer over the first n_windows validation windows."""
+def mlx_samples(dst: str) -> tuple[dict, dict]:
+    """Greedy samples from mlx-lm with the model as loaded."""
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+    model, tok = load(dst)
+    sampler = make_sampler(temp=0.0)
+    outs = {p: generate(model, tok, p, max_tokens=64, sampler=sampler, verbose=False) for p in SAMPLE_PROMPTS}
+    chats = {}
+    for q in CHAT_QUESTIONS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=False)
+        chats[q] = generate(model, tok, prompt, max_tokens=96, sampler=sampler, verbose=False)
+    return outs, chats
+
+
+def routing_mlx(dst: str, data: str, seq: int, n_windows: int) -> list[list[float]]:
+    """Share of the top-k slots per expert and layer (mlx-lm's routers, fp32) over the first windows."""
     import mlx.core as mx
+    from mlx_lm import load
+    model, _ = load(dst)
+    model.set_dtype(mx.float32)
     moe_blocks = [layer.mlp for layer in model.language_model.model.layers]
-    E = None
+    k, E = moe_blocks[0].top_k, moe_blocks[0].num_experts
     records: list[list] = [[] for _ in moe_blocks]
-
     idmap = {id(b.gate): i for i, b in enumerate(moe_blocks)}
     cls = type(moe_blocks[0].gate)
     orig = cls.__call__
@@ -171,15 +159,13 @@ def routing_mlx(model, val, seq, n_windows, k):
 
     cls.__call__ = tapped
     try:
-        for w in range(n_windows):
-            ids = mx.array(val[w * seq: (w + 1) * seq])[None]
-            mx.eval(model(ids), *[r[-1] for r in records if r])
+        for ids in _windows(data, seq)[:n_windows]:
+            mx.eval(model(mx.array(ids[:-1])[None]), *[r[-1] for r in records if r])
     finally:
         cls.__call__ = orig
     out = []
     for r in records:
         idx = np.concatenate([np.array(a).reshape(-1) for a in r])
-        E = E or int(moe_blocks[0].num_experts)
         c = np.bincount(idx, minlength=E).astype(np.float64)
         out.append((c / c.sum()).tolist())
     return out
@@ -191,9 +177,13 @@ def main():
     ap.add_argument("--dst", default=os.path.join(ROOT, "src", "lily", "models", "default"))
     ap.add_argument("--data", default=os.path.join(HERE, "data"))
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--bf16-windows", type=int, default=8,
+                    help="windows for the mlx-lm bf16 run (mlx's CPU bf16 is ~8x slower than fp32)")
+    ap.add_argument("--routing-windows", type=int, default=8)
     ap.add_argument("--no-eval", action="store_true")
-    ap.add_argument("--no-export", action="store_true", help="only evaluate / write the card")
+    ap.add_argument("--no-export", action="store_true", help="only evaluate (resuming) and write the card")
     ap.add_argument("--card-only", action="store_true", help="only write MODEL_CARD.md from saved results")
+    ap.add_argument("--history", nargs="*", default=[], help="train_log.json of earlier runs, for the card")
     args = ap.parse_args()
     if args.card_only:
         write_card(args)
@@ -203,19 +193,47 @@ def main():
     if args.no_eval:
         return
     path = os.path.join(args.src, "eval_mlx.json")
-    if os.path.exists(path) and args.no_export:
+    res = {}
+    if args.no_export and os.path.exists(path):
         with open(path) as f:
             res = json.load(f)
-    else:
-        res = eval_mlx(args.dst, args.data, args.seq)
-    if "mlx_fp32" not in res:
-        res["mlx_fp32"] = mlx_ppl(args.dst, args.data, args.seq, "fp32")
-    if "lily" not in res:
-        res["lily"] = lily_ppl(args.dst, args.data, args.seq)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if k != "routing"}, indent=1))
+
+    def step(key, fn):
+        if key not in res:
+            t0 = time.time()
+            res[key] = fn()
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
+            print(f"{key}: {time.time() - t0:.0f} s", {k: v for k, v in res[key].items() if k != "window_losses"}
+                  if isinstance(res[key], dict) else "", flush=True)
+    step("lily", lambda: lily_ppl(args.dst, args.data, args.seq))
+    step("mlx_fp32", lambda: mlx_ppl(args.dst, args.data, args.seq, "fp32"))
+    step("mlx_bf16", lambda: mlx_ppl(args.dst, args.data, args.seq, "bf16", args.bf16_windows))
+    step("routing", lambda: {"windows": args.routing_windows,
+                             "share": routing_mlx(args.dst, args.data, args.seq, args.routing_windows)})
+    if "samples" not in res:
+        res["samples"], res["chat_samples"] = mlx_samples(args.dst)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
     write_card(args)
+
+
+def lily_samples(dst: str) -> tuple[dict, str]:
+    import lily
+    model = lily.load(dst, backend="cpu", threads=2)
+    out, n, t = {}, 0, 0.0
+    for p in SAMPLE_PROMPTS:
+        r = model.generate(p, max_tokens=64, seed=0)
+        out[p] = r.text
+    q = CHAT_QUESTIONS[0]
+    out[f"chat: {q}"] = model.generate([{"role": "user", "content": q}], max_tokens=96, seed=0).text
+    t0 = time.time()
+    r = model.generate("The for statement", max_tokens=128, seed=1)
+    dt = time.time() - t0
+    st = r.stats
+    speed = (f"`generate` of {st.generated_tokens} tokens took {dt:.2f} s "
+             f"({st.generated_tokens / max(st.decode_s, 1e-9):.0f} tokens/s decode, 2 threads, CPU backend)")
+    return out, speed
 
 
 def _routing_summary(hist) -> list[str]:
@@ -239,6 +257,11 @@ def write_card(args):
     man = rj(os.path.join(args.data, "manifest.json"))
     tk = rj(os.path.join(args.data, "tokens.json"))
     cfg = rj(os.path.join(args.dst, "config.json"))["text_config"]
+    lil, m32, m16 = ev["lily"], ev["mlx_fp32"], ev["mlx_bf16"]
+    nb = m16["windows"]
+
+    def sub(r):
+        return math.exp(sum(r["window_losses"][:nb]) / (nb * args.seq))
     files = {fn: os.path.getsize(os.path.join(args.dst, fn)) for fn in sorted(os.listdir(args.dst))
              if fn != "MODEL_CARD.md"}
     weights_b = sum(v for k, v in files.items() if k.endswith(".safetensors"))
@@ -325,6 +348,12 @@ def write_card(args):
         f"{tl['steps'] * tl['tokens_per_step'] / tl['train_tokens']:.1f} epochs) in "
         f"**{tl['train_time_s'] / 60:.1f} minutes**; the weights with the best validation loss "
         f"(step {tl['best_step']}) were kept. Reproduce with `tools/train_small/README.md`.",
+        *[f"\nAn earlier run ({e['steps']} steps, {e['steps'] * e['tokens_per_step'] / e['train_tokens']:.1f} "
+          f"epochs, {e['train_time_s'] / 60:.1f} minutes) reached its best validation perplexity "
+          f"{e['best_val_ppl']:.2f} at step {e['best_step']} and then overfit (final {e['evals'][-1]['val_ppl']:.2f}, "
+          f"training loss {e['history']['loss'][-1]:.2f}); the shipped run's length was set from it, and its "
+          "chat samples were re-tokenized so the model sees the generation prompt's own final token."
+          for e in (rj(h) for h in args.history)],
         "",
         "| step | validation loss | perplexity |",
         "|---|---|---|",
@@ -332,34 +361,51 @@ def write_card(args):
         "",
         "## Evaluation",
         "",
-        f"Validation perplexity over the held-out pages, windows of {ev['seq']} tokens with no overlap, "
-        f"every position scored ({ev['val_tokens_scored']:,} tokens):",
+        f"Validation perplexity over the held-out pages: windows of {args.seq} tokens with no overlap, every "
+        f"position scored ({lil['tokens']:,} tokens; `tools/train_small/heldout/val.bin` holds the ids).",
         "",
         "| engine | weights | perplexity |",
         "|---|---|---|",
-        f"| PyTorch (transformers, bf16 autocast) | bf16, before export | {tl['best_val_ppl']:.3f} |",
-        f"| mlx-lm {_mlx_lm_version()}, CPU, as loaded (bf16 activations) | this checkpoint (4-bit) | "
-        f"{ev['mlx_val_ppl']:.3f} |",
-        f"| mlx-lm {_mlx_lm_version()}, CPU, `set_dtype(float32)` | this checkpoint (4-bit) | "
-        f"**{ev['mlx_fp32']['ppl']:.3f}** |",
-        f"| lily {_lily_version()} (`Model.logits`, CPU backend) | this checkpoint (4-bit) | "
-        f"**{ev['lily']['ppl']:.3f}** |",
+        f"| PyTorch (transformers, bf16 autocast), during training | bf16, before export | {tl['best_val_ppl']:.3f} |",
+        f"| mlx-lm {_mlx_lm_version()}, CPU, `model.set_dtype(mx.float32)` | this checkpoint | "
+        f"**{m32['ppl']:.4f}** |",
+        f"| lily {_lily_version()}, `Model.logits`, CPU backend | this checkpoint | **{lil['ppl']:.4f}** |",
         "",
-        f"lily and mlx-lm (fp32) differ by {100 * abs(ev['lily']['ppl'] / ev['mlx_fp32']['ppl'] - 1):.4f}%. "
-        f"mlx-lm in bf16 on the CPU is {100 * (ev['mlx_val_ppl'] / ev['mlx_fp32']['ppl'] - 1):+.2f}% off its own "
-        "fp32 result: MLX's CPU `quantized_matmul` in bf16 has about 2% relative error (12 times the bf16 "
-        "rounding of its output; measured on random data), so that run is the noisier of the two.",
+        f"lily and mlx-lm agree within {100 * abs(lil['ppl'] / m32['ppl'] - 1):.4f}%. Export to 4-bit costs "
+        f"{100 * (lil['ppl'] / tl['best_val_ppl'] - 1):.1f}% perplexity.",
         "",
-        "Routing on the held-out text (share of the top-k slots per expert, "
-        f"uniform = {1 / cfg['num_experts']:.4f}):",
+        f"mlx-lm with the model as loaded (bf16 activations) is ~8x slower on the CPU, so it was run on the "
+        f"first {nb} windows ({nb * args.seq:,} tokens):",
         "",
-        *_routing_summary(ev["routing"]),
+        "| engine | perplexity, first windows |",
+        "|---|---|",
+        f"| mlx-lm, as loaded (bf16) | {m16['ppl']:.4f} |",
+        f"| mlx-lm, fp32 | {sub(m32):.4f} |",
+        f"| lily | {sub(lil):.4f} |",
         "",
-        "## Samples (mlx-lm, greedy)",
+        f"mlx-lm's bf16 run is {100 * (m16['ppl'] / sub(m32) - 1):+.2f}% off its own fp32 run: MLX's CPU "
+        "`quantized_matmul` in bf16 has about 2% relative error on random data (12 times the rounding of "
+        "its bf16 output), so on the CPU the bf16 peer is the noisier one; lily computes in fp32.",
+        "",
+        f"Routing on the held-out text (mlx-lm's routers, first {ev['routing']['windows']} windows; share of "
+        f"the top-{cfg['num_experts_per_tok']} slots per expert, uniform = {1 / cfg['num_experts']:.4f}):",
+        "",
+        *_routing_summary(ev["routing"]["share"]),
+        "",
+        "## Samples",
+        "",
+        "`lily generate` (the generation_config's sampling: temperature 0.7, top-k 20, top-p 0.95; seed 0, "
+        "64 tokens):",
         "",
     ]
+    samples, speed = lily_samples(args.dst)
+    lines[-2:-2] = [f"Speed on a 2-core x86-64 CPU (the machine the model was exported on): {speed}.", ""]
+    for p, o in samples.items():
+        lines += [f"**{p}**", "", "```", (o if p.startswith("chat: ") else p + o).strip(), "```", ""]
+    lines += ["mlx-lm, greedy:", ""]
     for p, o in ev["samples"].items():
-        lines += [f"**{p}**", "", "```", (p + o).strip(), "```", ""]
+        # mlx-lm's streaming BPE detokenizer trims the first token's leading space
+        lines += [f"**{p}**", "", "```", (p + (" " if o[:1].isalnum() else "") + o).strip(), "```", ""]
     for q, o in ev["chat_samples"].items():
         lines += [f"**chat: {q}**", "", "```", o.strip(), "```", ""]
     lines += ["## Files", "", "| file | bytes | sha256 |", "|---|---|---|"]
