@@ -9,52 +9,23 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
+from ..checkpoint import CONVERT_GROUP, convert_spec, expected_modules
 from ..quant import f32_to_bf16, quantize
 
 RESIDUAL_SCALE = 0.1
-GROUP = 64
+GROUP = CONVERT_GROUP
 
 
 def linear_modules(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every linear module -> logical weight shape (out, in) or (E, out, in)."""
-    H, E, I, SI = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    m: dict[str, tuple[int, ...]] = {"model.embed_tokens": (cfg.vocab_size, H), "lm_head": (cfg.vocab_size, H)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        if cfg.is_attention(i):
-            a = p + ".self_attn"
-            D = cfg.head_dim
-            m[a + ".q_proj"] = (2 * cfg.num_attention_heads * D, H)
-            m[a + ".k_proj"] = (cfg.num_key_value_heads * D, H)
-            m[a + ".v_proj"] = (cfg.num_key_value_heads * D, H)
-            m[a + ".o_proj"] = (H, cfg.num_attention_heads * D)
-        else:
-            a = p + ".linear_attn"
-            m[a + ".in_proj_qkv"] = (cfg.conv_dim, H)
-            m[a + ".in_proj_z"] = (cfg.linear_value_dim, H)
-            m[a + ".in_proj_b"] = (cfg.linear_num_value_heads, H)
-            m[a + ".in_proj_a"] = (cfg.linear_num_value_heads, H)
-            m[a + ".out_proj"] = (H, cfg.linear_value_dim)
-        f = p + ".mlp"
-        m[f + ".gate"] = (E, H)
-        m[f + ".switch_mlp.gate_proj"] = (E, I, H)
-        m[f + ".switch_mlp.up_proj"] = (E, I, H)
-        m[f + ".switch_mlp.down_proj"] = (E, H, I)
-        m[f + ".shared_expert.gate_proj"] = (SI, H)
-        m[f + ".shared_expert.up_proj"] = (SI, H)
-        m[f + ".shared_expert.down_proj"] = (H, SI)
-        m[f + ".shared_expert_gate"] = (1, H)
-    return m
+    """Every linear module -> logical weight shape (out, in) or (E, out, in) (the loader's own table)."""
+    return expected_modules(cfg)[0]
 
 
 def default_quant_bits(module: str, shape: tuple[int, ...]) -> int | None:
     """mlx-lm's predicate for this model: 8-bit router and shared-expert gate, 4-bit otherwise,
     dense when the in-dim is not a multiple of the group size."""
-    if shape[-1] % GROUP:
-        return None
-    if module.endswith(".mlp.gate") or module.endswith(".shared_expert_gate"):
-        return 8
-    return 4
+    spec = convert_spec(module, shape[-1])
+    return None if spec is None else spec[0]
 
 
 def _is_residual_out(module: str) -> bool:
