@@ -66,3 +66,23 @@ def test_errors_are_one_line_and_nonzero(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path), "--backend", "reference", "x"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "config.json" in err
+
+
+def test_reasoning_splitter_sends_thinking_to_stderr_and_answer_to_stdout():
+    import io
+
+    from lily.cli import _ReasoningSplitter
+    out, err = io.StringIO(), io.StringIO()
+    sp = _ReasoningSplitter(out, err)
+    for piece in ["Let me", " think.</th", "ink>", "\n\n", "The answer", " is 4."]:
+        sp.write(piece)
+        sp.flush()
+    sp.close()
+    assert out.getvalue() == "The answer is 4."
+    assert err.getvalue() == "Let me think."
+    out, err = io.StringIO(), io.StringIO()
+    sp = _ReasoningSplitter(out, err)
+    for piece in ["\n</think>\n\n", "Hi"]:
+        sp.write(piece)
+    sp.close()
+    assert out.getvalue() == "Hi" and err.getvalue() == ""

@@ -112,6 +112,51 @@ def _stream(chunks, out=None):
     return "".join(parts), last
 
 
+class _ReasoningSplitter:
+    """Chat output with thinking on is `reasoning</think>\n\ncontent` (the prompt opened `<think>`): the
+    reasoning goes to stderr (dim on a terminal) and only the answer to stdout, so piping keeps the answer."""
+
+    TAG = "</think>"
+
+    def __init__(self, out, err):
+        self.out, self.err, self.pending, self.in_reasoning, self.lead = out, err, "", True, True
+        self.dim = err.isatty()
+
+    def write(self, text: str) -> None:
+        if not self.in_reasoning:
+            if self.lead:  # drop the blank lines the template puts after </think>
+                text = text.lstrip("\n")
+                self.lead = not text
+            self.out.write(text)
+            return
+        self.pending += text
+        cut = self.pending.find(self.TAG)
+        if cut < 0:  # keep a possible partial tag
+            keep = max((k for k in range(1, len(self.TAG)) if self.pending.endswith(self.TAG[:k])), default=0)
+            self._reason(self.pending[:len(self.pending) - keep])
+            self.pending = self.pending[len(self.pending) - keep:]
+            return
+        self._reason(self.pending[:cut])
+        rest, self.pending, self.in_reasoning = self.pending[cut + len(self.TAG):], "", False
+        self.write(rest)
+
+    def _reason(self, text: str) -> None:
+        if text.strip() or (text and self.err_started):
+            self.err_started = True
+            self.err.write(f"\x1b[2m{text}\x1b[0m" if self.dim else text)
+            self.err.flush()
+
+    err_started = False
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        """End of output: text still held back was reasoning (no </think> came)."""
+        self._reason(self.pending)
+        self.pending = ""
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = _load(args)
@@ -122,9 +167,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.no_think:
             kwargs["enable_thinking"] = False
         stream = model.generate(messages, stream=True, **kwargs)
+        thinking = not args.no_think and model.apply_chat_template(messages).rstrip().endswith("<think>")
     else:
         stream = model.generate(prompt, stream=True, **kwargs)
-    _, last = _stream(stream)
+        thinking = False
+    splitter = _ReasoningSplitter(sys.stdout, sys.stderr) if thinking else None
+    _, last = _stream(stream, splitter)
+    if splitter is not None:
+        splitter.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if last is not None and last.stats is not None and not args.quiet_stats:
