@@ -1,4 +1,4 @@
-"""`lily` command line: generate, chat, serve, info (bench and convert come in later versions).
+"""`lily` command line: generate, chat, serve, info, convert (bench comes in a later version).
 
     lily generate "Explain RoPE in one paragraph." --max-tokens 200
     lily chat --model mlx-community/Qwen3.6-35B-A3B-4bit
@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-NOT_YET = ("bench", "convert")
+NOT_YET = ("bench",)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="lily install, backends and checkpoint facts")
     _add_model_args(i)
+
+    c = sub.add_parser("convert", help="HF bf16 checkpoint -> MLX 4-bit export (8-bit router), as mlx_lm.convert")
+    c.add_argument("source", help="HF checkpoint folder or repo id")
+    c.add_argument("output", help="folder to write (must not exist or be empty)")
 
     for name in NOT_YET:
         sub.add_parser(name, help=f"({name}: not yet available in this version)", add_help=False)
@@ -306,6 +310,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .checkpoint import load_checkpoint
+    from .errors import CheckpointError
+    from .testing.checkpoint_writer import export_checkpoint
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"[lily convert] output folder {out} is not empty; pass a new folder")
+    ck = load_checkpoint(args.source)
+    export_checkpoint(ck, out)
+    print(f"wrote {out} ({ck.source_format} -> mlx 4-bit, {ck.nbytes / 2**20:.1f} MiB of weights)", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from .errors import LilyError
 
@@ -320,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "serve": cmd_serve}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "serve": cmd_serve,
+                "convert": cmd_convert}[args.command](args)
     except LilyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
