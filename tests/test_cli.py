@@ -56,10 +56,11 @@ def test_chat_loop_keeps_session(ckpt, capsys, monkeypatch):
     assert err.count("decode") == 2
 
 
-@pytest.mark.parametrize("cmd", ["bench"])
-def test_later_commands_say_not_yet(cmd, capsys):
-    assert main([cmd, "--port", "1"]) == 2
-    assert "not yet available" in capsys.readouterr().err
+def test_bench_rejects_bad_lengths(capsys):
+    """`lily bench` is available (tests/test_bench.py runs it); a malformed length list is a one-line error."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prefill", "12,x"])
+    assert "--prefill" in str(e.value)
 
 
 def test_errors_are_one_line_and_nonzero(capsys, tmp_path):

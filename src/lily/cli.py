@@ -1,8 +1,9 @@
-"""`lily` command line: generate, chat, serve, info, convert (bench comes in a later version).
+"""`lily` command line: generate, chat, serve, bench, info, convert.
 
     lily generate "Explain RoPE in one paragraph." --max-tokens 200
     lily chat --model mlx-community/Qwen3.6-35B-A3B-4bit
     lily serve --model mlx-community/Qwen3.6-35B-A3B-4bit --port 8000 --session-dir ~/.cache/lily/sessions
+    lily bench --prefill 256,512,1024 --decode 256,1024 --repeats 3 --peer mlx-lm --out benchmarks/results/NAME
     lily info
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from typing import Sequence
 
-NOT_YET = ("bench",)
+NOT_YET: tuple[str, ...] = ()  # commands listed but not yet available
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--progress-tokens", type=int, default=4096,
                    help="SSE prefill progress comment every N prompt tokens")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    b = sub.add_parser("bench", help="prefill/decode throughput sweeps (batch 1), optional peer; JSON + PNG")
+    _add_model_args(b)
+    b.add_argument("--prefill", default="256,512,1024", help="prompt lengths, comma-separated")
+    b.add_argument("--decode", default="256,1024", help="decode context lengths, comma-separated")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median reported)")
+    b.add_argument("--decode-steps", type=int, default=16, help="timed single-token steps per decode repeat")
+    b.add_argument("--peer", default=None, choices=["mlx-lm"], help="also run a peer engine on the same checkpoint")
+    b.add_argument("--peer-max", type=int, default=None, metavar="TOKENS",
+                   help="run the peer only at lengths up to this (a slow peer)")
+    b.add_argument("--note", default="", help="free text stored in the JSON settings")
+    b.add_argument("--out", default=None, metavar="PATH",
+                   help="write PATH.json and PATH.png (default: lily-bench-BACKEND in the current folder)")
 
     i = sub.add_parser("info", help="lily install, backends and checkpoint facts")
     _add_model_args(i)
@@ -294,6 +308,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"error: {flag} wants positive integers separated by commas, got {text!r}")
+    return vals
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_table, run_bench
+    prefill, decode = _int_list(args.prefill, "--prefill"), _int_list(args.decode, "--decode")
+    need = max(prefill + [c + 2 + args.decode_steps for c in decode])
+    if args.max_context is None and need > 32768:  # beyond the default window: room for the longest point
+        args.max_context = need
+    model = _load(args)
+    print(f"[lily bench] {model!r}", file=sys.stderr, flush=True)
+    try:
+        result = run_bench(model, prefill, decode, args.repeats, peer=args.peer, decode_steps=args.decode_steps,
+                           peer_max_tokens=args.peer_max, note=args.note,
+                           out=args.out or f"lily-bench-{model.backend}")
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(result))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from . import __version__
     print(f"lily {__version__}")
@@ -340,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "serve": cmd_serve,
-                "convert": cmd_convert}[args.command](args)
+                "convert": cmd_convert, "bench": cmd_bench}[args.command](args)
     except LilyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,363 @@
+"""`lily bench`: prefill and decode throughput sweeps, one request at a time, optionally against a peer engine.
+
+    from lily.bench import run_bench
+    result = run_bench(lily.load(), prefill_lengths=[256, 1024], decode_contexts=[256, 1024], repeats=3,
+                       peer="mlx-lm", out="benchmarks/results/cpu_default_model")
+
+Method (design.md §9, perf.md): prefill tok/s at each prompt length from a fresh state (random valid token ids,
+the last row's logits computed, as a real prompt does); decode tok/s at each context length (prefill to the
+context untimed, two untimed steps, then `decode_steps` timed greedy single-token steps: forward + argmax fed
+back). Each engine gets one untimed warm-up first; every figure is the median of `repeats`. With a peer the
+two engines alternate order each round (round r: lily first when r is even), on the same checkpoint bytes.
+
+The result is a dict {benchmark, date, git_sha, hardware, settings, rows, ratios}; rows are
+{engine, phase: prefill|decode, tokens, tok_s, seconds, repeats_tok_s}. `out` writes OUT.json and, when
+matplotlib is installed (it is not a dependency of lily), OUT.png.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+PEERS = ("mlx-lm",)
+
+
+# ---- facts about the run ---------------------------------------------------------------------------------
+def git_sha() -> str:
+    """`git rev-parse HEAD` of the tree this file is in, else $LILY_GIT_SHA, else "unknown"."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("LILY_GIT_SHA") or "unknown"
+
+
+def hardware(model: Any = None) -> dict[str, Any]:
+    """CPU model and cores, memory, and the GPU when the model runs on one (or one is visible)."""
+    info: dict[str, Any] = {"machine": platform.machine(), "system": platform.system(),
+                            "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    try:
+        info["cpu_affinity"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+        info["memory_gib"] = round(int(mem) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    if "cpu" not in info and platform.system() == "Darwin":
+        try:
+            info["cpu"] = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                         text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        from . import _lily
+        bi = dict(_lily.build_info()) if hasattr(_lily, "build_info") else {}
+        info["lily_build"] = {k: v for k, v in bi.items() if isinstance(v, (str, int, float, bool, list))}
+        if "cuda" in (bi.get("backends") or []) and hasattr(_lily, "cuda_device_count"):
+            info["cuda_devices"] = int(_lily.cuda_device_count())
+    except Exception:  # noqa: BLE001 - the extension may be missing or CUDA-less; facts only
+        pass
+    backend = getattr(model, "backend", None)
+    if backend is not None:
+        info["backend"] = backend
+    if backend == "cuda" or info.get("cuda_devices"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                info["gpu"] = out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if backend == "metal":
+        info["gpu"] = "Apple GPU (Metal)"
+    return info
+
+
+# ---- engines ---------------------------------------------------------------------------------------------
+class _LilyRunner:
+    """lily's engine, driven directly (no tokenizer, no sampling options: greedy argmax on the host)."""
+
+    def __init__(self, model: Any):
+        self.model, self.engine, self.name = model, model.engine, f"lily-{model.backend}"
+        self.state = None
+
+    def prefill(self, ids: np.ndarray) -> None:
+        self.state = self.engine.new_state()
+        self.engine.forward(self.state, ids, logits="last", chunk_size=self.model.chunk_size)
+
+    def prefill_to(self, ids: np.ndarray) -> int:
+        self.state = self.engine.new_state()
+        lg = self.engine.forward(self.state, ids, logits="last", chunk_size=self.model.chunk_size)
+        return int(np.argmax(np.asarray(lg)[-1]))
+
+    def step(self, token: int) -> int:
+        lg = self.engine.forward(self.state, np.array([token], np.int32), logits="last",
+                                 chunk_size=self.model.chunk_size)
+        return int(np.argmax(np.asarray(lg)[-1]))
+
+
+class _MlxLmRunner:
+    """mlx-lm on the same checkpoint folder (its default device: the GPU on a Mac, else the CPU)."""
+
+    name = "mlx-lm"
+
+    def __init__(self, folder: str):
+        try:
+            import mlx.core as mx
+            import mlx_lm
+            from mlx_lm.models.cache import make_prompt_cache
+        except ImportError as e:
+            raise RuntimeError(f"[lily bench] --peer mlx-lm needs mlx and mlx-lm installed ({e})") from None
+        self.mx, self._make_cache = mx, make_prompt_cache
+        self.model, _ = mlx_lm.load(str(folder))
+        self.device = str(mx.default_device())
+        self.version = getattr(mlx_lm, "__version__", "?")
+        self.cache = None
+
+    def _run(self, ids: np.ndarray) -> Any:
+        mx, step = self.mx, 2048  # mlx-lm's own prefill chunk (generate_step's prefill_step_size)
+        for i in range(0, max(len(ids) - step, 0), step):
+            self.model(mx.array(ids[i:i + step])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        start = (max(len(ids) - 1, 0) // step) * step
+        out = self.model(mx.array(ids[start:])[None], cache=self.cache)
+        y = mx.argmax(out[:, -1, :], axis=-1)
+        mx.eval(y)
+        return y
+
+    def prefill(self, ids: np.ndarray) -> None:
+        self.cache = self._make_cache(self.model)
+        self._run(ids)
+
+    def prefill_to(self, ids: np.ndarray) -> int:
+        self.cache = self._make_cache(self.model)
+        return int(self._run(ids).item())
+
+    def step(self, token: int) -> int:
+        mx = self.mx
+        out = self.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)
+        y = mx.argmax(out[:, -1, :], axis=-1)
+        mx.eval(y)
+        return int(y.item())
+
+
+def _peer_runner(peer: str, model: Any) -> Any:
+    if peer != "mlx-lm":
+        raise ValueError(f"[lily bench] unknown peer {peer!r} (known: {', '.join(PEERS)})")
+    if not model.path or not (Path(model.path) / "config.json").is_file():
+        raise ValueError("[lily bench] the peer needs the model's checkpoint folder (this model has none)")
+    return _MlxLmRunner(model.path)
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+def _time(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), decode_contexts: Sequence[int] = (256, 1024),
+              repeats: int = 3, peer: str | None = None, *, decode_steps: int = 16, peer_max_tokens: int | None = None,
+              seed: int = 0, note: str = "", out: str | os.PathLike | None = None,
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Prefill and decode sweeps on `model` (a `lily.Model`), optionally against `peer` ("mlx-lm").
+
+    peer_max_tokens: the peer runs only at lengths up to this (a slow peer, e.g. mlx-lm on a CPU).
+    out: path stem; writes OUT.json and OUT.png (the PNG only when matplotlib is installed).
+    log: progress lines (default: print to stderr). Returns the result dict (see the module docstring).
+    """
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    prefill_lengths = [int(x) for x in prefill_lengths]
+    decode_contexts = [int(x) for x in decode_contexts]
+    repeats, decode_steps = max(1, int(repeats)), max(1, int(decode_steps))
+    need = max(prefill_lengths + [c + 2 + decode_steps for c in decode_contexts] + [1])
+    if need > model.max_context:
+        raise ValueError(f"[lily bench] the sweep needs {need} tokens of context and the model was loaded with "
+                         f"max_context={model.max_context} (load with a larger max_context)")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, model.vocab_size, size=max(need, 64)).astype(np.int32)
+
+    runners = [_LilyRunner(model)]
+    if peer:
+        t0 = time.perf_counter()
+        runners.append(_peer_runner(peer, model))
+        log(f"[bench] peer {peer} loaded in {time.perf_counter() - t0:.1f} s")
+    names = [r.name for r in runners]
+
+    def allowed(r: Any, n: int) -> bool:
+        return r is runners[0] or peer_max_tokens is None or n <= peer_max_tokens
+
+    # one untimed warm-up per engine: a short prefill and a few decode steps
+    warm = ids[:min(64, min(prefill_lengths + decode_contexts + [64]))]
+    for r in runners:
+        t = _time(lambda: r.step(r.step(r.prefill_to(warm))))
+        log(f"[bench] {r.name}: warm-up {t:.2f} s")
+
+    samples: dict[tuple[str, str, int], list[float]] = {}
+
+    def order(rnd: int) -> list[Any]:
+        return runners if rnd % 2 == 0 else runners[::-1]
+
+    for L in prefill_lengths:
+        for rnd in range(repeats):
+            for r in order(rnd):
+                if allowed(r, L):
+                    dt = _time(lambda: r.prefill(ids[:L]))
+                    samples.setdefault((r.name, "prefill", L), []).append(dt)
+                    log(f"[bench] prefill {L:6d} {r.name:10s} round {rnd}: {L / dt:10.1f} tok/s")
+
+    for C in decode_contexts:
+        tok: dict[str, int] = {}
+        for r in order(0):  # each engine prefills to the context once, untimed, then two untimed steps
+            if allowed(r, C):
+                t = r.prefill_to(ids[:C])
+                tok[r.name] = r.step(r.step(t))
+        for rnd in range(repeats):
+            for r in order(rnd):
+                if r.name not in tok:
+                    continue
+                # repeat k continues the same request: its context is C + 2 + k * decode_steps
+                snap = getattr(r, "state", None)
+                snap = snap.snapshot() if hasattr(snap, "snapshot") else None
+                t = tok[r.name]
+                t0 = time.perf_counter()
+                for _ in range(decode_steps):
+                    t = r.step(t)
+                dt = time.perf_counter() - t0
+                if snap is not None:  # lily: back to context C + 2, so every repeat is at the same context
+                    r.state.restore(snap)
+                else:
+                    tok[r.name] = t
+                samples.setdefault((r.name, "decode", C), []).append(dt / decode_steps)
+                log(f"[bench] decode  {C:6d} {r.name:10s} round {rnd}: {decode_steps / dt:10.1f} tok/s")
+
+    rows = []
+    for (name, phase, n), ts in samples.items():
+        per = [n / t for t in ts] if phase == "prefill" else [1 / t for t in ts]
+        med_s = statistics.median(ts)
+        rows.append({"engine": name, "phase": phase, "tokens": n,
+                     "tok_s": (n / med_s) if phase == "prefill" else (1 / med_s),
+                     "seconds": med_s, "repeats_tok_s": per})
+    rows.sort(key=lambda x: (x["phase"] != "prefill", x["tokens"], names.index(x["engine"])))
+    ratios = []
+    if peer:
+        by = {(x["engine"], x["phase"], x["tokens"]): x["tok_s"] for x in rows}
+        for x in rows:
+            if x["engine"] == names[0] and (names[1], x["phase"], x["tokens"]) in by:
+                ratios.append({"phase": x["phase"], "tokens": x["tokens"], "engines": f"{names[0]}/{names[1]}",
+                               "ratio": x["tok_s"] / by[(names[1], x["phase"], x["tokens"])]})
+    settings: dict[str, Any] = {
+        "model": model.path, "backend": model.backend, "threads": model.threads, "max_context": model.max_context,
+        "params": model.params, "weights_bytes": model.nbytes, "chunk_size": model.chunk_size,
+        "prefill_lengths": prefill_lengths, "decode_contexts": decode_contexts, "repeats": repeats,
+        "decode_steps": decode_steps, "seed": seed, "tokens": "random valid token ids (numpy default_rng(seed))",
+        "method": ("one request at a time; prefill from a fresh state, last-row logits; decode = greedy "
+                   "single-token steps after an untimed prefill to the context and two untimed steps; one "
+                   "untimed warm-up per engine; median of repeats"),
+        "engines": names}
+    if peer:
+        pr = runners[1]
+        settings["peer"] = {"name": peer, "version": getattr(pr, "version", "?"), "device": getattr(pr, "device", "?"),
+                            "max_tokens": peer_max_tokens,
+                            "order": "engines alternate order each round (round r: lily first when r is even)",
+                            "decode_repeats": "the peer's decode repeats continue one request (context grows by "
+                                              "decode_steps per repeat); lily's restore a snapshot"}
+    if note:
+        settings["note"] = note
+    result = {"benchmark": "bench", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_sha": git_sha(),
+              "hardware": hardware(model), "settings": settings, "rows": rows, "ratios": ratios}
+    if out is not None:
+        write_result(result, out, log)
+    return result
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+def write_result(result: dict[str, Any], out: str | os.PathLike, log: Callable[[str], None] | None = None) -> Path:
+    """OUT.json, and OUT.png when matplotlib is installed. Returns the JSON path."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    stem = Path(out)
+    if stem.suffix in (".json", ".png"):
+        stem = stem.with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    path = stem.parent / (stem.name + ".json")
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"[bench] wrote {path}")
+    png = stem.parent / (stem.name + ".png")
+    if plot(result, png):
+        log(f"[bench] wrote {png}")
+    return path
+
+
+def plot(result: dict[str, Any], path: str | os.PathLike) -> bool:
+    """Two panels (prefill, decode) of tok/s by length, one line per engine. False (with a note) when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib is not installed: no PNG plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    rows, s, hw = result["rows"], result["settings"], result["hardware"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, phase in zip(axes, ("prefill", "decode")):
+        for eng in s["engines"]:
+            r = sorted((x for x in rows if x["engine"] == eng and x["phase"] == phase), key=lambda x: x["tokens"])
+            if r:
+                ax.plot([x["tokens"] for x in r], [x["tok_s"] for x in r], "o-", label=eng)
+                for x in r:
+                    ax.annotate(f"{x['tok_s']:.0f}", (x["tokens"], x["tok_s"]), textcoords="offset points",
+                                xytext=(0, 5), ha="center", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens" if phase == "prefill" else "context tokens")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{phase} ({s['backend']}, {s.get('threads', 0)} threads)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    where = hw.get("gpu") or hw.get("cpu") or hw.get("machine", "")
+    model = Path(s["model"]).name if s.get("model") else "model"
+    fig.suptitle(f"lily bench: {model} on {where} (batch 1, median of {s['repeats']}; git "
+                 f"{str(result.get('git_sha', ''))[:10]})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A short table: phase, tokens, tok/s per engine, and the ratio to the peer when there is one."""
+    engines = result["settings"]["engines"]
+    by = {(x["engine"], x["phase"], x["tokens"]): x["tok_s"] for x in result["rows"]}
+    keys = sorted({(x["phase"], x["tokens"]) for x in result["rows"]}, key=lambda k: (k[0] != "prefill", k[1]))
+    head = f"{'phase':8s} {'tokens':>7s}" + "".join(f" {e:>14s}" for e in engines)
+    if len(engines) > 1:
+        head += f" {'ratio':>7s}"
+    lines = [head]
+    for phase, n in keys:
+        vals = [by.get((e, phase, n)) for e in engines]
+        line = f"{phase:8s} {n:7d}" + "".join(f" {v:14.1f}" if v is not None else f" {'-':>14s}" for v in vals)
+        if len(engines) > 1:
+            line += f" {vals[0] / vals[1]:6.2f}x" if None not in vals[:2] else f" {'-':>7s}"
+        lines.append(line)
+    lines.append("tok/s, batch 1, median of %d; ratio = %s" % (
+        result["settings"]["repeats"], " / ".join(engines[:2]) if len(engines) > 1 else "-"))
+    return "\n".join(lines)
