@@ -224,6 +224,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     if session.metadata.get("messages"):
         messages = list(session.metadata["messages"])
+    # the replies' exact sampled tokens travel with the session, or re-tokenizing them would end reuse there
+    replies.remember_all(session.metadata.get("replies") or [])
     kwargs = _sampling_kwargs(args)
     template_kwargs = {"preserve_thinking": True}  # earlier think blocks stay, so the history is a prefix
     if args.no_think:
@@ -231,7 +233,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     print(f"{model!r}\n{CHAT_HELP}", file=sys.stderr)
 
     def save(path: str) -> None:
-        session.save(path, metadata={"messages": messages})
+        session.save(path, metadata={"messages": messages, "replies": replies.export()})
         print(f"[saved {session.position} tokens to {path}]", file=sys.stderr)
 
     while True:

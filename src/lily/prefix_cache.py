@@ -352,6 +352,16 @@ class ReplyTokens:
             while len(self._replies) > self.max_entries:
                 self._replies.popitem(last=False)
 
+    def export(self) -> list[list]:
+        """[[reply text, [ids]], ...] oldest first, JSON-ready (kept with a saved session)."""
+        with self._lock:
+            return [[t, list(ids)] for t, ids in self._replies.items()]
+
+    def remember_all(self, entries: Sequence[Sequence]) -> None:
+        """Inverse of export()."""
+        for text, ids in entries:
+            self.remember(str(text), [int(t) for t in ids])
+
     def remember_text(self, text: str, ids: Sequence[int]) -> None:
         """A raw-text context (a completions prompt plus its completion) and its exact tokens."""
         if text and ids:
