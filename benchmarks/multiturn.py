@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from lily.bench import git_sha, hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -183,37 +182,6 @@ def warm_up(model) -> None:
     s.generate(max_tokens=4, temperature=0)
 
 
-def hardware() -> dict:
-    info = {"machine": platform.machine(), "system": platform.system(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
-        info["memory_gib"] = round(int(mem) / 2**20, 1)
-    except OSError:
-        pass
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            info["gpu"] = out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
-
-def git_sha() -> str:
-    if os.environ.get("LILY_GIT_SHA"):  # a copy of the tree without .git (e.g. on a lent GPU machine)
-        return os.environ["LILY_GIT_SHA"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -289,7 +257,7 @@ def main(argv=None) -> int:
     note = args.note or (f"{args.backend} backend, synthetic '{args.config}' config (random weights, not the "
                          f"full model)" if not args.model else f"{args.backend} backend, {config}")
     result = {"benchmark": "multiturn", "git_sha": git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "hardware": hardware(),
+              "hardware": hardware(model),
               "settings": {"backend": model.backend, "config": config, "threads": model.threads,
                            "turns": args.turns, "target_tokens": args.target_tokens, "max_tokens": args.max_tokens,
                            "params": model.params, "weights_bytes": model.nbytes, "max_context": model.max_context,
