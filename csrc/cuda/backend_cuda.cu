@@ -133,17 +133,54 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  // Switches for ablations and debugging (Engine.set_backend_flag); each names the technique it turns off.
   void set_flag(const std::string& name, int64_t value) override {
+    auto range = [&](int64_t lo, int64_t hi) {
+      if (value < lo || value > hi)
+        throw std::invalid_argument("[lily] backend flag '" + name + "' must be in [" + std::to_string(lo) + ", " +
+                                    std::to_string(hi) + "], got " + std::to_string(value));
+      return static_cast<int>(value);
+    };
     if (name == "cuda_decode") {
-      if (value < 0 || value > 2) throw std::invalid_argument("[lily] cuda_decode must be 0, 1 or 2");
-      decode_mode_ = static_cast<int>(value);
-      return;
+      decode_mode_ = range(0, 2);
+    } else if (name == "gemv_tc") {
+      gemv_tc_ = range(0, 1) != 0;
+    } else if (name == "pdl") {
+      pdl_ = range(0, 1) != 0;
+    } else if (name == "routing_sync") {
+      routing_sync_ = range(0, 1) != 0;
+    } else if (name == "gqa_pack") {
+      gqa_pack_ = range(0, 1) != 0;
+    } else if (name == "split_k") {
+      split_k_ = range(0, 1) != 0;
+    } else if (name == "expert_tile") {
+      if (value != 0 && value != 16 && value != 32 && value != 64 && value != 128)
+        throw std::invalid_argument("[lily] backend flag 'expert_tile' must be 0 (auto), 16, 32, 64 or 128, got " +
+                                    std::to_string(value));
+      expert_tile_ = static_cast<int>(value);
+    } else if (name == "gemm_impl") {
+      gemm_impl_ = range(0, 1);
+    } else if (name == "attn_impl") {
+      attn_impl_ = range(0, 1);
+    } else if (name == "dn_form") {
+      dn_form_ = range(0, 3);
+    } else {
+      return Backend::set_flag(name, value);
     }
-    Backend::set_flag(name, value);
+    drop_graph();  // a captured step holds the old choices
   }
 
   int64_t flag(const std::string& name) const override {
     if (name == "cuda_decode") return decode_mode_;
+    if (name == "gemv_tc") return gemv_tc_ ? 1 : 0;
+    if (name == "pdl") return pdl_ ? 1 : 0;
+    if (name == "routing_sync") return routing_sync_ ? 1 : 0;
+    if (name == "gqa_pack") return gqa_pack_ ? 1 : 0;
+    if (name == "split_k") return split_k_ ? 1 : 0;
+    if (name == "expert_tile") return expert_tile_;
+    if (name == "gemm_impl") return gemm_impl_;
+    if (name == "attn_impl") return attn_impl_;
+    if (name == "dn_form") return dn_form_;
     if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
     if (name == "graph_nodes") return graph_nodes_;
     if (name == "graph_kernels") return graph_kernels_;
@@ -209,7 +246,14 @@ class CudaBackend final : public Backend {
     } else {
       cuda::moe_sort(st_, p, top_idx_, top_w_, cuda::kGemmBM, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_,
                      tile_row0_, tile_rows_);
-      cuda::GroupMap g{n_tiles_, tile_expert_, tile_row0_, tile_rows_, pair_row_, pair_id_, pair_w_, max_tiles(S)};
+      int64_t tiles = max_tiles(S);  // grid upper bound: the kernels read the real count on the device
+      if (routing_sync_) {             // ablation: wait for the count on the host and launch exactly that
+        int32_t n = 0;
+        LILY_CUDA_CHECK(cudaMemcpyAsync(&n, n_tiles_, sizeof(n), cudaMemcpyDeviceToHost, st_));
+        sync();
+        tiles = n;
+      }
+      cuda::GroupMap g{n_tiles_, tile_expert_, tile_row0_, tile_rows_, pair_row_, pair_id_, pair_w_, tiles};
       cuda::grouped_gate_up(st_, L.gate, L.up, g, h_, H, act_);
       cuda::grouped_down(st_, L.down, g, act_, d_);
     }
@@ -339,10 +383,10 @@ class CudaBackend final : public Backend {
     a.u = du_;
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
-    d::proj(st_, a);
+    d::proj(st_, a, gemv_tc_, pdl_);
     const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                                cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, 1};
-    d::dn_scan(st_, p, du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_);
+    d::dn_scan(st_, p, du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, pdl_);
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXGated;
@@ -353,7 +397,7 @@ class CudaBackend final : public Backend {
     o.zf = dz_;
     o.nw = L.dn_norm;
     o.seg[0] = seg(L.out, d::kOAccum, dx_);
-    d::proj(st_, o);
+    d::proj(st_, o, gemv_tc_, pdl_);
     step_launches_ += 3;
   }
 
@@ -365,7 +409,7 @@ class CudaBackend final : public Backend {
     a.seg[0] = seg(L.q, d::kOStore, dqg_);
     a.seg[1] = seg(L.k, d::kOStore, dk_);
     a.seg[2] = seg(L.v, d::kOStore, dv_);
-    d::proj(st_, a);
+    d::proj(st_, a, gemv_tc_, pdl_);
     const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                                 static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
                                 1.f / std::sqrt(static_cast<float>(D)), 0, 0, 1};
@@ -374,7 +418,8 @@ class CudaBackend final : public Backend {
     // Split count fixed by the capacity (the graph is captured per capacity); split length follows the position.
     kp::AttentionParams cap = p;
     cap.pos0 = kv.capacity - 1;
-    const kp::AttnSplitParams sp = cuda::attention_plan(cap, sm_count_);
+    kp::AttnSplitParams sp = cuda::attention_plan(cap, sm_count_);
+    if (!split_k_) sp.n_splits = 1;  // ablation: one block per (row tile, KV head) reads every key
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
     cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos);
     d::ProjArgs o;
@@ -383,7 +428,7 @@ class CudaBackend final : public Backend {
     o.in = cfg_.n_heads * cfg_.head_dim;
     o.xb = dob_;
     o.seg[0] = seg(L.o, d::kOAccum, dx_);
-    d::proj(st_, o);
+    d::proj(st_, o, gemv_tc_, pdl_);
     step_launches_ += 5;
   }
 
@@ -397,7 +442,7 @@ class CudaBackend final : public Backend {
     a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
     a.seg[1].w1 = L.sh_up;
     a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
-    d::proj(st_, a);
+    d::proj(st_, a, gemv_tc_, pdl_);
     d::ProjArgs e;
     e.nseg = 1;
     e.xmode = d::kXBf16;
@@ -415,7 +460,7 @@ class CudaBackend final : public Backend {
     e.seg[0].routed = 1;
     e.seg[0].slots = k;
     e.seg[0].y_step = cfg_.moe_inter;
-    d::proj(st_, e);
+    d::proj(st_, e, gemv_tc_, pdl_);
     d::DownArgs dn;
     dn.wd = L.down;
     dn.ws = L.sh_down;
@@ -426,7 +471,7 @@ class CudaBackend final : public Backend {
     dn.sgate = dsg_;
     dn.x = dx_;
     dn.k = k;
-    d::moe_down(st_, dn);
+    d::moe_down(st_, dn, gemv_tc_, pdl_);
     step_launches_ += 3;
   }
 
@@ -447,8 +492,9 @@ class CudaBackend final : public Backend {
     h.nseg = 1;
     h.seg[0] = seg(lm_head_, cuda::dec::kOStore, dlg_);
     h.amax = damax_;
-    cuda::dec::proj(st_, h);
-    cuda::dec::finish(st_, damax_, static_cast<int>(head_blocks_), dctl_, dout_);
+    const unsigned nb = cuda::dec::proj(st_, h, gemv_tc_, pdl_);
+    if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
+    cuda::dec::finish(st_, damax_, static_cast<int>(nb), dctl_, dout_, pdl_);
     step_launches_ += 3;
   }
 
@@ -673,6 +719,16 @@ class CudaBackend final : public Backend {
 
   // decode fast path (dedicated scratch, one token)
   int decode_mode_ = 2;
+  // Ablation switches (set_flag): defaults are the fast paths.
+  bool gemv_tc_ = true;        // decode GEMVs on the tensor cores (decode_tc.cu) vs scalar lanes (decode.cu)
+  bool pdl_ = true;            // programmatic dependent launch between decode kernels
+  bool routing_sync_ = false;  // prefill MoE: host-synchronised tile count instead of a device-sized grid
+  bool gqa_pack_ = true;       // decode attention: the query heads of a KV head share each K/V load
+  bool split_k_ = true;        // decode attention: keys split over blocks (flash-decoding)
+  int expert_tile_ = 0;        // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128
+  int gemm_impl_ = 1;          // prefill GEMM: 1 tensor-core pipeline, 0 the wmma kernel
+  int attn_impl_ = 1;          // prefill attention: 1 tensor-core flash, 0 CUDA-core
+  int dn_form_ = 3;            // DeltaNet prefill: 0 old scan, 1 new scan, 2 chunked, 3 auto by length
   bool fused_ok_ = false;
   std::vector<Buffer> dec_bufs_;
   std::vector<std::pair<void*, size_t>> dec_poison_;

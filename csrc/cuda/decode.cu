@@ -1,10 +1,9 @@
 #include "cuda/decode.cuh"
+#include "cuda/decode_stage.cuh"
 
 namespace lily::cuda::dec {
 namespace {
 
-constexpr int kWarps = 8;  // warps per block of proj / down
-constexpr int kThreads = kWarps * 32;
 constexpr int kScanWarps = 4;
 
 static_assert(sizeof(ProjArgs) <= 4000, "ProjArgs must fit the kernel parameter space");
@@ -156,110 +155,6 @@ __device__ __forceinline__ void qrows_run(QRows<NR, BITS, U>& r, int lane, const
   }
 }
 
-// The input row into shared memory (bf16), with the producer's normalisation (same arithmetic as
-// rms_norm_kernel and gated_norm_kernel, so the fused path rounds exactly as the unfused one).
-__device__ __forceinline__ void stage_x(const ProjArgs& a, bf16* xs, float* red, int tid, int warp, int lane) {
-  const int n = a.in;
-  if (a.xmode == kXBf16) {
-    if (n % 8 == 0 && (reinterpret_cast<uintptr_t>(a.xb) & 15u) == 0) {
-      const uint4* src = reinterpret_cast<const uint4*>(a.xb);
-      uint4* dst = reinterpret_cast<uint4*>(xs);
-      for (int i = tid; i < n / 8; i += kThreads) dst[i] = src[i];
-    } else {
-      for (int i = tid; i < n; i += kThreads) xs[i] = a.xb[i];
-    }
-  } else if (a.xmode == kXNorm) {
-    const float* x = a.xf;
-    float ss = 0.f;
-    for (int i = tid; i < n; i += kThreads) ss += x[i] * x[i];
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-      float v = lane < kWarps ? red[lane] : 0.f;
-      v = warp_sum(v);
-      if (lane == 0) red[0] = v;
-    }
-    __syncthreads();
-    const float inv = rsqrtf(red[0] / static_cast<float>(n) + a.eps);
-    const bool write = a.h_out != nullptr && blockIdx.x == 0;
-    for (int i = tid; i < n; i += kThreads) {
-      const bf16 h = __float2bfloat16(x[i] * inv * a.nw[i]);
-      xs[i] = h;
-      if (write) a.h_out[i] = h;
-    }
-  } else {  // gated RMSNorm per head of gdim elements, times silu(z)
-    const int D = a.gdim, nh = n / D;
-    for (int h = warp; h < nh; h += kWarps) {
-      const float* yr = a.xf + static_cast<int64_t>(h) * D;
-      const float* zr = a.zf + static_cast<int64_t>(h) * D;
-      float ss = 0.f;
-      for (int i = lane; i < D; i += 32) ss += yr[i] * yr[i];
-      ss = warp_sum(ss);
-      const float inv = 1.f / sqrtf(ss / static_cast<float>(D) + a.eps);
-      for (int i = lane; i < D; i += 32) {
-        const float zz = zr[i];
-        xs[h * D + i] = __float2bfloat16(yr[i] * inv * a.nw[i] * (zz / (1.f + expf(-zz))));
-      }
-    }
-  }
-}
-
-// Router softmax (fp32) over E <= 256 experts, top-k by repeated warp argmax (ties -> lower index), optional
-// renormalisation: route_kernel's arithmetic for one row, run by one warp.
-__device__ __forceinline__ void route_warp(const ProjArgs& a, int32_t* s_idx, float* s_w, int lane) {
-  const int E = a.E, k = a.top_k;
-  float v[8];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int e = lane + 32 * i;
-    v[i] = e < E ? a.rlogits[e] : -INFINITY;
-    mx = fmaxf(mx, v[i]);
-  }
-  mx = warp_max(mx);
-  float den = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
-    den += v[i];
-  }
-  den = warp_sum(den);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
-  float chosen = 0.f;
-  for (int j = 0; j < k; ++j) {
-    float bv = -2.f;
-    int bi = 1 << 30;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (lane + 32 * i == bi) v[i] = -1.f;
-    if (lane == 0) s_idx[j] = bi, s_w[j] = bv;
-    chosen += bv;
-  }
-  if (lane == 0) {
-    if (a.norm_topk)
-      for (int j = 0; j < k; ++j) s_w[j] /= chosen;
-    if (blockIdx.x == 0 && a.top_idx)
-      for (int j = 0; j < k; ++j) a.top_idx[j] = s_idx[j], a.top_w[j] = s_w[j];
-  }
-}
-
-__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
-  const uint32_t u = __float_as_uint(v);
-  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving
-  return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
-}
-
 template <int NR>
 __global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant__ ProjArgs a) {
   extern __shared__ __align__(16) unsigned char proj_smem[];
@@ -295,6 +190,8 @@ __global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant
     r4.setup(sg.w0, sg.w1, dual, 0, row0);
     r4.load(0, lane);
   }
+  pdl_trigger();
+  pdl_wait();  // everything below reads the previous kernels' outputs
   stage_x(a, xs, red, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
@@ -438,6 +335,8 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const __grid_constant__ 
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * NR;
   const bool active = row0 < H;
   const bool flat = a.wd.p.kind == 0 && a.ws.p.kind == 0;
+  pdl_trigger();
+  pdl_wait();  // the routing and the activations come from the previous kernel
 
   DRows<NR, U> r;
   r.a = &a;
@@ -500,6 +399,8 @@ __global__ void __launch_bounds__(kScanWarps * 32)
                     const float* a_log, float* ssm, float* y) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = blockIdx.y, dv = blockIdx.x * kScanWarps + warp;
+  pdl_trigger();
+  pdl_wait();
   if (dv >= p.v_dim) return;
   const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
   const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
@@ -548,6 +449,7 @@ __global__ void __launch_bounds__(kScanWarps * 32)
 // One block: the head's block maxima -> the next token; advances the control block.
 __global__ void finish_kernel(const unsigned long long* amax, int n, Ctl* ctl, int32_t* out) {
   __shared__ unsigned long long red[32];
+  pdl_wait();
   unsigned long long m = 0ull;
   for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, amax[i]);
 #pragma unroll
@@ -566,9 +468,7 @@ __global__ void finish_kernel(const unsigned long long* amax, int n, Ctl* ctl, i
 
 }  // namespace
 
-int64_t head_blocks(int64_t rows) { return ((rows + 3) / 4 + kWarps - 1) / kWarps; }
-
-void proj(cudaStream_t st, const ProjArgs& in) {
+unsigned proj_scalar(cudaStream_t st, const ProjArgs& in, bool pdl) {
   ProjArgs a = in;
   int64_t rows = 0;
   for (int s = 0; s < a.nseg; ++s) {
@@ -586,39 +486,35 @@ void proj(cudaStream_t st, const ProjArgs& in) {
     w += static_cast<int64_t>(g.slots) * g.warps_per_slot;
   }
   const unsigned blocks = static_cast<unsigned>((w + kWarps - 1) / kWarps);
-  if (a.amax && blocks != head_blocks(a.seg[0].w0.p.out))
-    throw std::logic_error("[lily] cuda decode proj: head block count");
   const size_t smem = (static_cast<size_t>(a.in) * sizeof(bf16) + 15) / 16 * 16;
-  if (nr == 4) proj_kernel<4><<<blocks, kThreads, smem, st>>>(a);
-  else proj_kernel<2><<<blocks, kThreads, smem, st>>>(a);
-  LILY_LAUNCH_CHECK();
+  if (nr == 4) launch_k(pdl, proj_kernel<4>, blocks, kThreads, smem, st, a);
+  else launch_k(pdl, proj_kernel<2>, blocks, kThreads, smem, st, a);
+  return blocks;
 }
 
-void moe_down(cudaStream_t st, const DownArgs& a) {
+void moe_down_scalar(cudaStream_t st, const DownArgs& a, bool pdl) {
   constexpr int NR = 2, U = 4;
   const int64_t H = a.wd.p.out;
   const unsigned blocks = static_cast<unsigned>(((H + NR - 1) / NR + kWarps - 1) / kWarps);
   const size_t smem = ((a.k * a.wd.p.in + a.ws.p.in) * sizeof(bf16) + 15) / 16 * 16;
-  down_kernel<NR, U><<<blocks, kThreads, smem, st>>>(a);
-  LILY_LAUNCH_CHECK();
+  launch_k(pdl, down_kernel<NR, U>, blocks, kThreads, smem, st, a);
 }
 
 void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-             const float* dt_bias, const float* a_log, float* ssm, float* y) {
+             const float* dt_bias, const float* a_log, float* ssm, float* y, bool pdl) {
   const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
+  const dim3 block(kScanWarps * 32);
   switch ((p.k_dim + 31) / 32) {
-    case 1: scan_dec_kernel<1><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 2: scan_dec_kernel<2><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 3: scan_dec_kernel<3><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 4: scan_dec_kernel<4><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 1: launch_k(pdl, scan_dec_kernel<1>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 2: launch_k(pdl, scan_dec_kernel<2>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 3: launch_k(pdl, scan_dec_kernel<3>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 4: launch_k(pdl, scan_dec_kernel<4>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
     default: throw std::invalid_argument("[lily] cuda decode scan: linear_key_head_dim > 128 is not supported");
   }
-  LILY_LAUNCH_CHECK();
 }
 
-void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out) {
-  finish_kernel<<<1, 1024, 0, st>>>(amax, n, ctl, out);
-  LILY_LAUNCH_CHECK();
+void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out, bool pdl) {
+  launch_k(pdl, finish_kernel, dim3(1), dim3(1024), 0, st, amax, n, ctl, out);
 }
 
 }  // namespace lily::cuda::dec

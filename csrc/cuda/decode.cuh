@@ -80,14 +80,23 @@ struct DownArgs {
   int32_t k = 0;
 };
 
-// Launchers (stream-ordered, no synchronisation). proj fills warp0/warps_per_slot of a copy of the args.
-void proj(cudaStream_t st, const ProjArgs& a);
-void moe_down(cudaStream_t st, const DownArgs& a);
+// Launchers (stream-ordered, no synchronisation). pdl: launch with programmatic stream serialisation (the
+// kernel may start while its predecessor finishes; every decode kernel waits before reading its inputs).
+//   proj: tc = 1 runs 4-bit segments on the tensor cores (decode_tc.cu: 16-row blocks, a persistent grid;
+//   other formats stay on scalar lanes within the same launch), tc = 0 the scalar kernel (decode.cu).
+//   Returns the number of blocks launched: the length of the amax array the greedy head writes.
+unsigned proj(cudaStream_t st, const ProjArgs& a, bool tc, bool pdl);
+unsigned proj_scalar(cudaStream_t st, const ProjArgs& a, bool pdl);
+unsigned proj_tc(cudaStream_t st, const ProjArgs& a, bool pdl);
+void moe_down(cudaStream_t st, const DownArgs& a, bool tc, bool pdl);
+void moe_down_scalar(cudaStream_t st, const DownArgs& a, bool pdl);
+// Whether the tensor-core path takes this weight: MLX 4-bit, group 64.
+bool tc_format(const DLinear& w);
 // DeltaNet decode scan: u [C] post-conv (q, k not yet l2-normalised), b/a [Hv], ssm updated, y [Hv*Dv].
 void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-             const float* dt_bias, const float* a_log, float* ssm, float* y);
-// Blocks of the greedy head (the size of the amax array proj writes).
+             const float* dt_bias, const float* a_log, float* ssm, float* y, bool pdl);
+// Upper bound of the blocks of the greedy head over either proj path (the size of the amax array).
 int64_t head_blocks(int64_t rows);
-void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out);
+void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out, bool pdl);
 
 }  // namespace lily::cuda::dec

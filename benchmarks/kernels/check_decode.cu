@@ -1,0 +1,284 @@
+// build: csrc/cuda/decode.cu csrc/cuda/decode_tc.cu
+// Decode GEMV kernels (csrc/cuda/decode_tc.cu tensor-core path, decode.cu scalar path) against an fp64 host
+// twin: random MLX 4-bit weights (group 64), fresh seed per run, outputs poisoned with NaN first; real and
+// awkward shapes; then the time per launch of both paths at the real decode shapes (weights rotated over
+// several copies so the 60 MB L2 does not hold them), as TB/s of weight bytes.
+//
+// Tolerance: both paths use exact fp32 dequantised weights and fp32 accumulation (the tensor-core path's
+// products of bf16 x with 128 + q are exact; its fp32 sums differ in order), so rel RMS vs fp64 <= 1e-4;
+// dual outputs are rounded to bf16 (rel 2^-8), so 8e-3 there.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "cuda/decode.cuh"
+
+using namespace lily;
+using namespace lily::cuda;
+
+static std::mt19937_64 rng(std::chrono::steady_clock::now().time_since_epoch().count());
+static int n_pass = 0, n_total = 0;
+
+static uint16_t f2bf(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+static float bf2f_h(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class T>
+static T* dnew(const std::vector<T>& h) {
+  T* d = nullptr;
+  LILY_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+  if (!h.empty()) LILY_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <class T>
+static std::vector<T> dget(const T* d, size_t n) {
+  std::vector<T> h(n);
+  LILY_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// A host + device 4-bit weight [E, out, in] with scale ~ 1/(8 sqrt(in)) and zero-mean bias.
+struct QW {
+  int64_t E, out, in;
+  std::vector<uint32_t> codes;
+  std::vector<uint16_t> sc, bi;
+  DLinear d;
+  QW(int64_t E_, int64_t out_, int64_t in_) : E(E_), out(out_), in(in_) {
+    codes.resize(E * out * in / 8);
+    sc.resize(E * out * in / 64);
+    bi.resize(sc.size());
+    for (auto& c : codes) c = static_cast<uint32_t>(rng());
+    std::uniform_real_distribution<float> u(0.5f, 1.5f);
+    for (size_t i = 0; i < sc.size(); ++i) {
+      const float s = u(rng) / (8.f * std::sqrt(static_cast<float>(in)));
+      sc[i] = f2bf(s);
+      bi[i] = f2bf(-7.5f * s * u(rng));
+    }
+    d.p = kp::LinearParams{0, 4, 64, 0, out, in, out * in / 8, out * in / 64, out * in};
+    d.codes = dnew(codes);
+    d.scales = dnew(sc);
+    d.biases = dnew(bi);
+  }
+  double w(int64_t e, int64_t r, int64_t k) const {
+    const uint32_t word = codes[(e * out + r) * (in / 8) + k / 8];
+    const int q = (word >> (4 * (k % 8))) & 15;
+    const int64_t g = (e * out + r) * (in / 64) + k / 64;
+    return static_cast<double>(bf2f_h(sc[g])) * q + bf2f_h(bi[g]);
+  }
+  double dot(int64_t e, int64_t r, const std::vector<uint16_t>& x, int64_t off = 0) const {
+    double s = 0;
+    for (int64_t k = 0; k < in; ++k) s += w(e, r, k) * bf2f_h(x[off + k]);
+    return s;
+  }
+};
+
+static std::vector<uint16_t> rand_x(int64_t n) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> x(n);
+  for (auto& v : x) v = f2bf(nd(rng));
+  return x;
+}
+
+static void report(const char* name, const std::vector<double>& ref, const std::vector<double>& got, double tol) {
+  double num = 0, den = 0, mx = 0;
+  bool finite = true;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) finite = false;
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+    mx = std::max(mx, std::fabs(got[i] - ref[i]));
+  }
+  const double rel = std::sqrt(num / std::max(den, 1e-300));
+  const bool ok = finite && rel <= tol;
+  ++n_total;
+  n_pass += ok;
+  std::printf("%s %-44s rel_rms=%.2e max_abs=%.2e (tol %.0e)%s\n", ok ? "PASS" : "FAIL", name, rel, mx, tol,
+              finite ? "" : " NON-FINITE");
+}
+
+// Store / accumulate / dual on one or several segments, bf16 input (x staged as is).
+static void check_proj(const char* tag, bool tc, int64_t in, std::vector<int64_t> outs, int mode) {
+  using namespace lily::cuda::dec;
+  ProjArgs a;
+  a.in = static_cast<int32_t>(in);
+  a.xmode = kXBf16;
+  auto x = rand_x(in);
+  bf16* dx = reinterpret_cast<bf16*>(dnew(x));
+  a.xb = dx;
+  a.nseg = static_cast<int>(outs.size());
+  std::vector<QW*> w0, w1;
+  std::vector<float*> ys;
+  std::vector<uint16_t*> ybs;
+  std::vector<std::vector<float>> y0;
+  for (int s = 0; s < a.nseg; ++s) {
+    w0.push_back(new QW(1, outs[s], in));
+    w1.push_back(mode == kODual ? new QW(1, outs[s], in) : w0.back());
+    Seg& g = a.seg[s];
+    g.w0 = w0[s]->d;
+    g.w1 = w1[s]->d;
+    g.mode = mode;
+    std::vector<float> init(outs[s]);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : init) v = mode == kOAccum ? nd(rng) : NAN;
+    y0.push_back(init);
+    ys.push_back(dnew(init));
+    ybs.push_back(dnew(std::vector<uint16_t>(outs[s], 0xFFFF)));
+    g.y = ys[s];
+    g.yb = reinterpret_cast<bf16*>(ybs[s]);
+  }
+  if (tc) proj_tc(0, a, false);
+  else proj_scalar(0, a, false);
+  LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int s = 0; s < a.nseg; ++s) {
+    std::vector<double> ref(outs[s]), got(outs[s]);
+    if (mode == kODual) {
+      auto yb = dget(ybs[s], outs[s]);
+      for (int64_t r = 0; r < outs[s]; ++r) {
+        const double g = w0[s]->dot(0, r, x), u = w1[s]->dot(0, r, x);
+        ref[r] = g / (1 + std::exp(-g)) * u;
+        got[r] = bf2f_h(yb[r]);
+      }
+    } else {
+      auto y = dget(ys[s], outs[s]);
+      for (int64_t r = 0; r < outs[s]; ++r) {
+        ref[r] = w0[s]->dot(0, r, x) + (mode == kOAccum ? y0[s][r] : 0.0);
+        got[r] = y[r];
+      }
+    }
+    char name[160];
+    std::snprintf(name, sizeof name, "%s %s in=%lld out=%lld seg%d/%d", tc ? "tc" : "scalar", tag,
+                  static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
+    report(name, ref, got, mode == kODual ? 8e-3 : 1e-4);
+  }
+}
+
+// Routed experts' down + shared down + combine into the residual.
+static void check_down(bool tc, int64_t H, int64_t I, int k, int E) {
+  using namespace lily::cuda::dec;
+  QW wd(E, H, I), ws(1, H, I);
+  auto act = rand_x(k * I), sact = rand_x(I);
+  std::vector<int32_t> idx(k);
+  std::vector<float> tw(k), x0(H), sg{0.3f};
+  std::vector<int> perm(E);
+  for (int i = 0; i < E; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int j = 0; j < k; ++j) idx[j] = perm[j % E], tw[j] = u(rng);
+  for (auto& v : x0) v = nd(rng);
+  DownArgs a;
+  a.wd = wd.d;
+  a.ws = ws.d;
+  a.act = reinterpret_cast<bf16*>(dnew(act));
+  a.sact = reinterpret_cast<bf16*>(dnew(sact));
+  a.top_idx = dnew(idx);
+  a.top_w = dnew(tw);
+  a.sgate = dnew(sg);
+  float* dx = dnew(x0);
+  a.x = dx;
+  a.k = k;
+  if (tc) moe_down(0, a, true, false);
+  else moe_down_scalar(0, a, false);
+  LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  auto y = dget(dx, H);
+  std::vector<double> ref(H), got(H);
+  const double gate = 1 / (1 + std::exp(-static_cast<double>(sg[0])));
+  for (int64_t r = 0; r < H; ++r) {
+    double s = x0[r];
+    for (int j = 0; j < k; ++j) s += tw[j] * wd.dot(idx[j], r, act, j * I);
+    s += gate * ws.dot(0, r, sact);
+    ref[r] = s;
+    got[r] = y[r];
+  }
+  char name[160];
+  std::snprintf(name, sizeof name, "%s down H=%lld I=%lld k=%d E=%d", tc ? "tc" : "scalar",
+                static_cast<long long>(H), static_cast<long long>(I), k, E);
+  report(name, ref, got, 1e-4);
+}
+
+// Time per launch (median of 30) of proj over `copies` weight copies of shape outs x in, both paths.
+static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies) {
+  using namespace lily::cuda::dec;
+  std::vector<ProjArgs> args(copies);
+  auto x = rand_x(in);
+  bf16* dx = reinterpret_cast<bf16*>(dnew(x));
+  double bytes = 0;
+  for (int c = 0; c < copies; ++c) {
+    ProjArgs& a = args[c];
+    a.in = static_cast<int32_t>(in);
+    a.xmode = kXBf16;
+    a.xb = dx;
+    a.nseg = static_cast<int>(outs.size());
+    for (int s = 0; s < a.nseg; ++s) {
+      QW* w = new QW(1, outs[s], in);
+      QW* w1 = mode == kODual ? new QW(1, outs[s], in) : w;
+      a.seg[s].w0 = w->d;
+      a.seg[s].w1 = w1->d;
+      a.seg[s].mode = mode;
+      a.seg[s].y = dnew(std::vector<float>(outs[s], 0.f));
+      a.seg[s].yb = reinterpret_cast<bf16*>(dnew(std::vector<uint16_t>(outs[s], 0)));
+      if (c == 0) bytes += (mode == kODual ? 2.0 : 1.0) * outs[s] * in * (0.5 + 4.0 / 64);
+    }
+  }
+  double t_ms[2][2];
+  for (int tc = 0; tc < 2; ++tc)
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      for (int i = 0; i < 3; ++i) proj(0, args[i % copies], tc, pdl);
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0);
+      cudaEventCreate(&e1);
+      const int reps = 60;
+      cudaEventRecord(e0);
+      for (int i = 0; i < reps; ++i) proj(0, args[i % copies], tc, pdl);
+      cudaEventRecord(e1);
+      LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      t_ms[tc][pdl] = ms / reps;
+    }
+  std::printf("TIME proj %-26s %6.1f MB  scalar %7.2f us (%.2f TB/s)  tc %7.2f us (%.2f TB/s)  tc+pdl %7.2f us  "
+              "x%.2f\n",
+              tag, bytes / 1e6, t_ms[0][0] * 1e3, bytes / t_ms[0][0] / 1e9, t_ms[1][0] * 1e3,
+              bytes / t_ms[1][0] / 1e9, t_ms[1][1] * 1e3, t_ms[0][0] / t_ms[1][1]);
+}
+
+int main() {
+  using namespace lily::cuda::dec;
+  int dev = 0;
+  cudaDeviceProp prop;
+  LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  for (int tc = 1; tc >= 0; --tc) {
+    check_proj("store", tc, 2048, {8192, 4096, 32, 32}, kOStore);
+    check_proj("store", tc, 64, {1, 17}, kOStore);
+    check_proj("store", tc, 192, {33}, kOStore);
+    check_proj("accum", tc, 4096, {2048}, kOAccum);
+    check_proj("accum", tc, 576, {5}, kOAccum);
+    check_proj("dual", tc, 2048, {512}, kODual);
+    check_proj("dual", tc, 128, {7, 16}, kODual);
+    check_down(tc, 2048, 512, 8, 256);
+    check_down(tc, 96, 128, 3, 5);
+    check_down(tc, 17, 64, 1, 1);
+  }
+  // Real decode shapes; copies so the rotated weights exceed the L2.
+  time_proj("dn in-proj qkv+z+b+a", 2048, {8192, 4096, 32, 32}, kOStore, 8);
+  time_proj("dn out-proj (accum)", 4096, {2048}, kOAccum, 24);
+  time_proj("shared gate/up (dual)", 2048, {512}, kODual, 64);
+  time_proj("expert gate/up x8 (dual)", 2048, {4096}, kODual, 16);
+  time_proj("lm_head 248320", 2048, {248320}, kOStore, 2);
+  std::printf("SUMMARY decode_gemv %d/%d\n", n_pass, n_total);
+  return n_pass == n_total ? 0 : 1;
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Kernel-level checks on the GPU: every benchmarks/kernels/check_*.cu is a standalone program that compares
+# one CUDA kernel family with its reference twin (fresh random inputs, awkward shapes, outputs poisoned with
+# NaN first), times the fast path, prints one line per case and ends with "SUMMARY <family> <pass>/<total>".
+# Each file names the sources it needs on a line "// build: csrc/cuda/a.cu csrc/cuda/b.cu".
+#   bash benchmarks/kernels/run.sh [filter]        (repository root; logs under $OUT if set)
+set -u
+OUT=${OUT:-/tmp/lily_kernels}
+mkdir -p "$OUT" /tmp/lily_kbin
+NVCC=${NVCC:-nvcc}
+FLAGS="-std=c++17 -O3 -lineinfo --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc"
+rc=0
+summary=()
+for src in benchmarks/kernels/check_*.cu; do
+  name=$(basename "$src" .cu)
+  if [ -n "${1:-}" ] && [[ "$name" != *"$1"* ]]; then continue; fi
+  deps=$(sed -n 's#^// build: ##p' "$src" | head -1)
+  if ! $NVCC $FLAGS -o /tmp/lily_kbin/$name "$src" $deps > "$OUT/$name.build.txt" 2>&1; then
+    echo "== $name: BUILD FAILED"; tail -20 "$OUT/$name.build.txt"; summary+=("$name BUILD-FAILED"); rc=1; continue
+  fi
+  timeout 240 /tmp/lily_kbin/$name > "$OUT/$name.txt" 2>&1
+  r=$?
+  echo "== $name (rc=$r)"; cat "$OUT/$name.txt" | tail -60
+  summary+=("$name rc=$r $(grep -m1 '^SUMMARY' "$OUT/$name.txt")")
+  [ $r -ne 0 ] && rc=1
+done
+echo "---- kernel checks ----"
+for s in "${summary[@]}"; do echo "$s"; done
+exit $rc

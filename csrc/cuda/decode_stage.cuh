@@ -1,0 +1,141 @@
+// Device helpers shared by the fused decode kernels (decode.cu: scalar GEMV rows; decode_tc.cu: tensor-core
+// GEMV rows): the staging prologue (input row into shared memory with the producer's normalisation), the
+// routing prologue, the argmax key, and programmatic dependent launch (PDL) controls.
+#pragma once
+#include "cuda/decode.cuh"
+
+namespace lily::cuda::dec {
+
+constexpr int kWarps = 8;  // warps per block of the proj / down kernels
+constexpr int kThreads = kWarps * 32;
+
+// PDL: a kernel launched with programmatic stream serialisation may start while its predecessor is still
+// running. It must not read the predecessor's outputs (nor write anything the predecessor reads) before
+// pdl_wait(), which returns once the predecessor grid has completed and its memory is visible; without the
+// launch attribute both are no-ops. Every decode kernel calls pdl_wait() on every path, so completion stays
+// transitive along the chain. pdl_trigger() lets the next kernel be scheduled as soon as all our blocks run.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+// Launch with or without the PDL attribute (cudaLaunchKernelEx; stream-ordered, capturable in graphs).
+template <class... KArgs, class... Args>
+void launch_k(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+              Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl ? at : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
+}
+
+// The input row into shared memory (bf16), with the producer's normalisation (same arithmetic as
+// rms_norm_kernel and gated_norm_kernel, so the fused path rounds exactly as the unfused one).
+__device__ __forceinline__ void stage_x(const ProjArgs& a, bf16* xs, float* red, int tid, int warp, int lane) {
+  const int n = a.in;
+  if (a.xmode == kXBf16) {
+    if (n % 8 == 0 && (reinterpret_cast<uintptr_t>(a.xb) & 15u) == 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.xb);
+      uint4* dst = reinterpret_cast<uint4*>(xs);
+      for (int i = tid; i < n / 8; i += kThreads) dst[i] = src[i];
+    } else {
+      for (int i = tid; i < n; i += kThreads) xs[i] = a.xb[i];
+    }
+  } else if (a.xmode == kXNorm) {
+    const float* x = a.xf;
+    float ss = 0.f;
+    for (int i = tid; i < n; i += kThreads) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+      float v = lane < kWarps ? red[lane] : 0.f;
+      v = warp_sum(v);
+      if (lane == 0) red[0] = v;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(red[0] / static_cast<float>(n) + a.eps);
+    const bool write = a.h_out != nullptr && blockIdx.x == 0;
+    for (int i = tid; i < n; i += kThreads) {
+      const bf16 h = __float2bfloat16(x[i] * inv * a.nw[i]);
+      xs[i] = h;
+      if (write) a.h_out[i] = h;
+    }
+  } else {  // gated RMSNorm per head of gdim elements, times silu(z)
+    const int D = a.gdim, nh = n / D;
+    for (int h = warp; h < nh; h += kWarps) {
+      const float* yr = a.xf + static_cast<int64_t>(h) * D;
+      const float* zr = a.zf + static_cast<int64_t>(h) * D;
+      float ss = 0.f;
+      for (int i = lane; i < D; i += 32) ss += yr[i] * yr[i];
+      ss = warp_sum(ss);
+      const float inv = 1.f / sqrtf(ss / static_cast<float>(D) + a.eps);
+      for (int i = lane; i < D; i += 32) {
+        const float zz = zr[i];
+        xs[h * D + i] = __float2bfloat16(yr[i] * inv * a.nw[i] * (zz / (1.f + expf(-zz))));
+      }
+    }
+  }
+}
+
+// Router softmax (fp32) over E <= 256 experts, top-k by repeated warp argmax (ties -> lower index), optional
+// renormalisation: route_kernel's arithmetic for one row, run by one warp.
+__device__ __forceinline__ void route_warp(const ProjArgs& a, int32_t* s_idx, float* s_w, int lane) {
+  const int E = a.E, k = a.top_k;
+  float v[8];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? a.rlogits[e] : -INFINITY;
+    mx = fmaxf(mx, v[i]);
+  }
+  mx = warp_max(mx);
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
+    den += v[i];
+  }
+  den = warp_sum(den);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
+  float chosen = 0.f;
+  for (int j = 0; j < k; ++j) {
+    float bv = -2.f;
+    int bi = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (lane + 32 * i == bi) v[i] = -1.f;
+    if (lane == 0) s_idx[j] = bi, s_w[j] = bv;
+    chosen += bv;
+  }
+  if (lane == 0) {
+    if (a.norm_topk)
+      for (int j = 0; j < k; ++j) s_w[j] /= chosen;
+    if (blockIdx.x == 0 && a.top_idx)
+      for (int j = 0; j < k; ++j) a.top_idx[j] = s_idx[j], a.top_w[j] = s_w[j];
+  }
+}
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving
+  return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
+}
+
+}  // namespace lily::cuda::dec
