@@ -11,6 +11,8 @@ residuals (forward_trace); decode steps == one prefill; chunked == unchunked; lo
 snapshot/restore and export/import round trips; the exported KV/DeltaNet state against the CPU engine's.
 
     PYTHONPATH=src python3 benchmarks/cuda_check.py --tokens 256 --json /tmp/cuda_check.json
+    PYTHONPATH=src python3 benchmarks/cuda_check.py --configs none --full /tmp/full35b   # full size only
+Full size (--full DIR, benchmarks/full_checkpoint.py's checkpoint): see benchmarks/cuda_check_full.py.
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def mid_config_dict() -> dict:
     d = dict(tiny_config_dicts()["tiny"])
     d.update(hidden_size=512, num_hidden_layers=4, vocab_size=1024, num_attention_heads=16, num_key_value_heads=2,
              head_dim=256, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-             linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=128,
-             shared_expert_intermediate_size=128)
+             linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+             shared_expert_intermediate_size=512)  # 512: the decode bulk-copy MoE down takes it
     return d
 
 
@@ -181,6 +183,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json", default="")
     ap.add_argument("--configs", default="")
+    ap.add_argument("--full", default="", help="full-size checkpoint folder (benchmarks/full_checkpoint.py): "
+                    "adds the teacher-forced full-size case (cuda_check_full.py); --configs none skips the tiny ones")
+    ap.add_argument("--full-tokens", type=int, default=192)
+    ap.add_argument("--env-positions", type=int, default=96, help="positions of the bf16 reference envelope")
+    ap.add_argument("--threads", type=int, default=0, help="CPU engine threads for --full (0 = all cores)")
     args = ap.parse_args()
     info = _lily.build_info()
     print("build", info, "devices", _lily.cuda_device_count(), flush=True)
@@ -188,7 +195,7 @@ def main():
         sys.exit("no CUDA device")
     results = []
     cfgs = configs()
-    names = args.configs.split(",") if args.configs else list(cfgs)
+    names = [] if args.configs == "none" else args.configs.split(",") if args.configs else list(cfgs)
     for name in names:
         t0 = time.time()
         try:
@@ -196,6 +203,14 @@ def main():
         except Exception as e:  # one failing config must not hide the others
             results.append({"config": name, "check": "exception", "pass": False, "error": repr(e)})
         print(f"[{name}] {time.time() - t0:.1f}s", flush=True)
+    if args.full:
+        from cuda_check_full import check_full
+        t0 = time.time()
+        try:
+            check_full(args.full, args.full_tokens, args.env_positions, results, args.threads)
+        except Exception as e:  # noqa: BLE001 - report, do not hide the tiny configs' table
+            results.append({"config": "full_checkpoint", "check": "exception", "pass": False, "error": repr(e)})
+        print(f"[full_checkpoint] {time.time() - t0:.1f}s", flush=True)
     print()
     print(f"{'config':16s} {'check':34s} {'result':6s} figures")
     for r in results:

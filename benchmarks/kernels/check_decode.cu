@@ -1,4 +1,4 @@
-// build: csrc/cuda/decode.cu csrc/cuda/decode_tc.cu
+// build: csrc/cuda/decode.cu csrc/cuda/decode_tc.cu csrc/cuda/decode_bulk.cu
 // Decode GEMV kernels (csrc/cuda/decode_tc.cu tensor-core path, decode.cu scalar path) against an fp64 host
 // twin: random MLX 4-bit weights (group 64), fresh seed per run, outputs poisoned with NaN first; real and
 // awkward shapes; then the time per launch of both paths at the real decode shapes (weights rotated over
@@ -22,6 +22,7 @@ using namespace lily::cuda;
 
 static std::mt19937_64 rng(std::chrono::steady_clock::now().time_since_epoch().count());
 static int n_pass = 0, n_total = 0;
+static const char* kImpl[3] = {"scalar", "tc", "bulk"};
 
 static uint16_t f2bf(float f) {
   uint32_t u;
@@ -110,7 +111,7 @@ static void report(const char* name, const std::vector<double>& ref, const std::
 }
 
 // Store / accumulate / dual on one or several segments, bf16 input (x staged as is).
-static void check_proj(const char* tag, bool tc, int64_t in, std::vector<int64_t> outs, int mode) {
+static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_t> outs, int mode) {
   using namespace lily::cuda::dec;
   ProjArgs a;
   a.in = static_cast<int32_t>(in);
@@ -139,8 +140,7 @@ static void check_proj(const char* tag, bool tc, int64_t in, std::vector<int64_t
     g.y = ys[s];
     g.yb = reinterpret_cast<bf16*>(ybs[s]);
   }
-  if (tc) proj_tc(0, a, false);
-  else proj_scalar(0, a, false);
+  proj(0, a, impl, false);
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
   for (int s = 0; s < a.nseg; ++s) {
     std::vector<double> ref(outs[s]), got(outs[s]);
@@ -159,14 +159,14 @@ static void check_proj(const char* tag, bool tc, int64_t in, std::vector<int64_t
       }
     }
     char name[160];
-    std::snprintf(name, sizeof name, "%s %s in=%lld out=%lld seg%d/%d", tc ? "tc" : "scalar", tag,
+    std::snprintf(name, sizeof name, "%s %s in=%lld out=%lld seg%d/%d", kImpl[impl], tag,
                   static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
     report(name, ref, got, mode == kODual ? 8e-3 : 1e-4);
   }
 }
 
 // Routed experts' down + shared down + combine into the residual.
-static void check_down(bool tc, int64_t H, int64_t I, int k, int E) {
+static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
   using namespace lily::cuda::dec;
   QW wd(E, H, I), ws(1, H, I);
   auto act = rand_x(k * I), sact = rand_x(I);
@@ -190,8 +190,7 @@ static void check_down(bool tc, int64_t H, int64_t I, int k, int E) {
   float* dx = dnew(x0);
   a.x = dx;
   a.k = k;
-  if (tc) moe_down(0, a, true, false);
-  else moe_down_scalar(0, a, false);
+  moe_down(0, a, impl, false);
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
   auto y = dget(dx, H);
   std::vector<double> ref(H), got(H);
@@ -204,7 +203,7 @@ static void check_down(bool tc, int64_t H, int64_t I, int k, int E) {
     got[r] = y[r];
   }
   char name[160];
-  std::snprintf(name, sizeof name, "%s down H=%lld I=%lld k=%d E=%d", tc ? "tc" : "scalar",
+  std::snprintf(name, sizeof name, "%s down H=%lld I=%lld k=%d E=%d", kImpl[impl],
                 static_cast<long long>(H), static_cast<long long>(I), k, E);
   report(name, ref, got, 1e-4);
 }
@@ -233,26 +232,108 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
       if (c == 0) bytes += (mode == kODual ? 2.0 : 1.0) * outs[s] * in * (0.5 + 4.0 / 64);
     }
   }
-  double t_ms[2][2];
-  for (int tc = 0; tc < 2; ++tc)
+  double t_ms[3][2];
+  for (int impl = 0; impl < 3; ++impl)
     for (int pdl = 0; pdl < 2; ++pdl) {
-      for (int i = 0; i < 3; ++i) proj(0, args[i % copies], tc, pdl);
+      for (int i = 0; i < 3; ++i) proj(0, args[i % copies], impl, pdl);
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
       cudaEventCreate(&e1);
       const int reps = 60;
       cudaEventRecord(e0);
-      for (int i = 0; i < reps; ++i) proj(0, args[i % copies], tc, pdl);
+      for (int i = 0; i < reps; ++i) proj(0, args[i % copies], impl, pdl);
       cudaEventRecord(e1);
       LILY_CUDA_CHECK(cudaEventSynchronize(e1));
       float ms = 0;
       cudaEventElapsedTime(&ms, e0, e1);
-      t_ms[tc][pdl] = ms / reps;
+      t_ms[impl][pdl] = ms / reps;
     }
-  std::printf("TIME proj %-26s %6.1f MB  scalar %7.2f us (%.2f TB/s)  tc %7.2f us (%.2f TB/s)  tc+pdl %7.2f us  "
-              "x%.2f\n",
-              tag, bytes / 1e6, t_ms[0][0] * 1e3, bytes / t_ms[0][0] / 1e9, t_ms[1][0] * 1e3,
-              bytes / t_ms[1][0] / 1e9, t_ms[1][1] * 1e3, t_ms[0][0] / t_ms[1][1]);
+  std::printf("TIME proj %-26s %6.1f MB |", tag, bytes / 1e6);
+  for (int impl = 0; impl < 3; ++impl)
+    std::printf(" %s %6.2f us %.2f TB/s (pdl %6.2f) |", kImpl[impl], t_ms[impl][0] * 1e3, bytes / t_ms[impl][0] / 1e9,
+                t_ms[impl][1] * 1e3);
+  std::printf("\n");
+}
+
+// Calibration: a plain streaming read of n uint4 (8 independent 16-byte loads per thread in flight).
+__global__ void read_kernel(const uint4* p, int64_t n, uint32_t* out) {
+  uint32_t acc = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 7 * stride < n; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = __ldg(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) acc ^= __ldg(p + i).x;
+  if (acc == 0x12345678u) out[0] = acc;
+}
+
+static void time_read(int64_t bytes) {
+  uint4* p = nullptr;
+  uint32_t* o = nullptr;
+  LILY_CUDA_CHECK(cudaMalloc(&p, bytes));
+  LILY_CUDA_CHECK(cudaMalloc(&o, 4));
+  LILY_CUDA_CHECK(cudaMemset(p, 0x5A, bytes));
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  for (int bps : {4, 8, 16}) {
+    const int64_t n = bytes / 16;
+    read_kernel<<<sms * bps, 256>>>(p, n, o);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventRecord(e0);
+    for (int i = 0; i < 10; ++i) read_kernel<<<sms * bps, 256>>>(p, n, o);
+    cudaEventRecord(e1);
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    std::printf("TIME read %.0f MB, %d blocks/SM: %.2f TB/s\n", bytes / 1e6, bps, bytes / (ms / 10) / 1e9);
+  }
+  cudaFree(p);
+  cudaFree(o);
+}
+
+// Time per launch of the MoE down (8 routed experts of 256 + shared) over rotated expert ids, three paths.
+static void time_down() {
+  using namespace lily::cuda::dec;
+  const int64_t H = 2048, I = 512;
+  const int k = 8, E = 256, copies = 8;
+  QW wd(E, H, I), ws(1, H, I);
+  std::vector<DownArgs> args(copies);
+  auto act = rand_x(k * I), sact = rand_x(I);
+  bf16* dact = reinterpret_cast<bf16*>(dnew(act));
+  bf16* dsact = reinterpret_cast<bf16*>(dnew(sact));
+  float* x = dnew(std::vector<float>(H, 0.f));
+  float* sg = dnew(std::vector<float>{0.1f});
+  for (int c = 0; c < copies; ++c) {
+    std::vector<int32_t> idx(k);
+    for (int j = 0; j < k; ++j) idx[j] = (c * k + j) * 3 % E;
+    std::vector<float> tw(k, 0.1f);
+    DownArgs& a = args[c];
+    a.wd = wd.d, a.ws = ws.d, a.act = dact, a.sact = dsact, a.top_idx = dnew(idx), a.top_w = dnew(tw), a.sgate = sg;
+    a.x = x, a.k = k;
+  }
+  const double bytes = (k + 1) * H * I * (0.5 + 4.0 / 64);
+  std::printf("TIME down 8+1 experts              %6.1f MB |", bytes / 1e6);
+  for (int impl = 0; impl < 3; ++impl) {
+    for (int i = 0; i < 3; ++i) moe_down(0, args[i % copies], impl, true);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    const int reps = 60;
+    cudaEventRecord(e0);
+    for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies], impl, true);
+    cudaEventRecord(e1);
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    std::printf(" %s %6.2f us %.2f TB/s |", kImpl[impl], ms / reps * 1e3, bytes / (ms / reps) / 1e9);
+  }
+  std::printf("\n");
 }
 
 int main() {
@@ -261,7 +342,7 @@ int main() {
   cudaDeviceProp prop;
   LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  for (int tc = 1; tc >= 0; --tc) {
+  for (int tc = 2; tc >= 0; --tc) {
     check_proj("store", tc, 2048, {8192, 4096, 32, 32}, kOStore);
     check_proj("store", tc, 64, {1, 17}, kOStore);
     check_proj("store", tc, 192, {33}, kOStore);
@@ -272,6 +353,10 @@ int main() {
     check_down(tc, 2048, 512, 8, 256);
     check_down(tc, 96, 128, 3, 5);
     check_down(tc, 17, 64, 1, 1);
+    check_proj("store", tc, 512, {1, 17, 40}, kOStore);
+    check_proj("dual", tc, 1024, {3, 40}, kODual);
+    check_proj("accum", tc, 1536, {31}, kOAccum);
+    check_down(tc, 40, 512, 3, 7);
   }
   // Real decode shapes; copies so the rotated weights exceed the L2.
   time_proj("dn in-proj qkv+z+b+a", 2048, {8192, 4096, 32, 32}, kOStore, 8);
@@ -279,6 +364,14 @@ int main() {
   time_proj("shared gate/up (dual)", 2048, {512}, kODual, 64);
   time_proj("expert gate/up x8 (dual)", 2048, {4096}, kODual, 16);
   time_proj("lm_head 248320", 2048, {248320}, kOStore, 2);
+  time_proj("attn q+k+v", 2048, {8192, 512, 512}, kOStore, 8);
+  time_down();
+  bulk_debug_skip(1);
+  time_proj("lm_head 248320 NOCOMPUTE", 2048, {248320}, kOStore, 2);
+  time_proj("dn in-proj NOCOMPUTE", 2048, {8192, 4096, 32, 32}, kOStore, 8);
+  bulk_debug_skip(0);
+  time_read(286LL << 20);
+  time_read(14LL << 20);
   std::printf("SUMMARY decode_gemv %d/%d\n", n_pass, n_total);
   return n_pass == n_total ? 0 : 1;
 }

@@ -69,12 +69,15 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
   bf16* Vs = Ks + kKeyTile * LD;
   float* qs = reinterpret_cast<float*>(Vs + kKeyTile * LD);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // GB query heads of KV head g per block: all G of them share each K/V tile load (GQA packing), or fewer
+  // (heads_per_block, the ablation) so several blocks load the same tiles.
   const int G = p.n_heads / p.n_kv_heads, R = sp.rows_per_block;
-  const int g = blockIdx.y, s = blockIdx.z;
+  const int GB = sp.heads_per_block > 0 ? sp.heads_per_block : G;
+  const int g = blockIdx.y / (G / GB), s = blockIdx.z;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * R;
-  const int64_t t = t0 + warp / G;
-  const int h = g * G + warp % G;
-  const bool active = warp < R * G && t < p.S;
+  const int64_t t = t0 + warp / GB;
+  const int h = g * G + (blockIdx.y % (G / GB)) * GB + warp % GB;
+  const bool active = warp < R * GB && t < p.S;
   const int64_t kv_row = static_cast<int64_t>(p.n_kv_heads) * D;
   const int64_t split0 = static_cast<int64_t>(s) * sp.split_len;
   const int64_t t_last = min64(t0 + R, p.S) - 1;
@@ -178,12 +181,15 @@ int rows_per_block(const kp::AttentionParams& p) {
 template <int D>
 void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                  const bf16* kc, const bf16* vc, float* part, const int32_t* dpos) {
-  const int G = p.n_heads / p.n_kv_heads, warps = sp.rows_per_block * G;
+  const int G = p.n_heads / p.n_kv_heads, GB = sp.heads_per_block > 0 ? sp.heads_per_block : G;
+  if (G % GB != 0) throw std::invalid_argument("[lily] cuda attention: heads_per_block must divide the GQA group");
+  const int warps = sp.rows_per_block * GB;
   const size_t smem = 2 * kKeyTile * (D + 2) * sizeof(bf16) + warps * D * sizeof(float);
   if (smem > 48 * 1024)
     LILY_CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block), p.n_kv_heads, sp.n_splits);
+  const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block),
+                  static_cast<unsigned>(p.n_kv_heads * (G / GB)), sp.n_splits);
   attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos);
   LILY_LAUNCH_CHECK();
 }
@@ -199,7 +205,8 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
   LILY_LAUNCH_CHECK();
 }
 
-kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
+kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, int impl) {
+  if (impl == 1 && p.S > 1 && attention_mma_supported(p)) return attention_mma_plan(p, sm_count);
   kp::AttnSplitParams sp{};
   sp.rows_per_block = rows_per_block(p);
   const int64_t keys = p.pos0 + p.S;
@@ -213,13 +220,19 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
 }
 
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, const int32_t* dpos) {
-  switch (p.head_dim) {
-    case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-    case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-    case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-    case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-    default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
+               const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, const int32_t* dpos,
+               int impl) {
+  if (impl == 1 && p.S > 1 && dpos == nullptr && attention_mma_supported(p)) {
+    attention_mma(st, p, sp, q, qg, k_cache, v_cache, part, o);
+    if (sp.n_splits == 1) return;  // o written, gate applied
+  } else {
+    switch (p.head_dim) {
+      case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
+    }
   }
   // Rounded up to 16 bytes: the compiler may read the weights with vector loads past n_splits.
   const size_t smem = (sp.n_splits * sizeof(float) + 31) / 16 * 16;

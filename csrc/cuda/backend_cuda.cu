@@ -143,8 +143,8 @@ class CudaBackend final : public Backend {
     };
     if (name == "cuda_decode") {
       decode_mode_ = range(0, 2);
-    } else if (name == "gemv_tc") {
-      gemv_tc_ = range(0, 1) != 0;
+    } else if (name == "gemv_impl") {
+      gemv_impl_ = range(0, 3);
     } else if (name == "pdl") {
       pdl_ = range(0, 1) != 0;
     } else if (name == "routing_sync") {
@@ -172,7 +172,7 @@ class CudaBackend final : public Backend {
 
   int64_t flag(const std::string& name) const override {
     if (name == "cuda_decode") return decode_mode_;
-    if (name == "gemv_tc") return gemv_tc_ ? 1 : 0;
+    if (name == "gemv_impl") return gemv_impl_;
     if (name == "pdl") return pdl_ ? 1 : 0;
     if (name == "routing_sync") return routing_sync_ ? 1 : 0;
     if (name == "gqa_pack") return gqa_pack_ ? 1 : 0;
@@ -199,33 +199,33 @@ class CudaBackend final : public Backend {
     const DLayer& L = layers_[layer];
     const int64_t H = cfg_.hidden;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.qkv, h_, H, S, qkv_, L.qkv.p.out);
-    cuda::linear(st_, L.z, h_, H, S, z_, L.z.p.out);
-    cuda::linear(st_, L.b, h_, H, S, b_, L.b.p.out);
-    cuda::linear(st_, L.a, h_, H, S, a_, L.a.p.out);
+    cuda::linear(st_, L.qkv, h_, H, S, qkv_, L.qkv.p.out, false, gemm_impl_);
+    cuda::linear(st_, L.z, h_, H, S, z_, L.z.p.out, false, gemm_impl_);
+    cuda::linear(st_, L.b, h_, H, S, b_, L.b.p.out, false, gemm_impl_);
+    cuda::linear(st_, L.a, h_, H, S, a_, L.a.p.out, false, gemm_impl_);
     const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                                cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
     cuda::deltanet_conv(st_, p, qkv_, L.conv_w, st.conv.as<float>(), u_);
     cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_);
     cuda::deltanet_gated_norm(st_, p, y_, z_, L.dn_norm, yb_);
-    cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true);
+    cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true, gemm_impl_);
   }
 
   void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override {
     const DLayer& L = layers_[layer];
     const int64_t H = cfg_.hidden, D = cfg_.head_dim;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.q, h_, H, S, qg_, L.q.p.out);
-    cuda::linear(st_, L.k, h_, H, S, k_, L.k.p.out);
-    cuda::linear(st_, L.v, h_, H, S, v_, L.v.p.out);
+    cuda::linear(st_, L.q, h_, H, S, qg_, L.q.p.out, false, gemm_impl_);
+    cuda::linear(st_, L.k, h_, H, S, k_, L.k.p.out, false, gemm_impl_);
+    cuda::linear(st_, L.v, h_, H, S, v_, L.v.p.out, false, gemm_impl_);
     const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                                 static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
                                 1.f / std::sqrt(static_cast<float>(D)), 0, pos0, S};
     cuda::attention_prep(st_, p, qg_, k_, v_, L.q_norm, L.k_norm, q_, kv.k.as<bf16>(), kv.v.as<bf16>());
-    const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_);
+    const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_, attn_impl_);
     float* part = part_.get<float>(mem_, S * cfg_.n_heads * sp.n_splits * (D + 2));
-    cuda::attention(st_, p, sp, q_, qg_, kv.k.as<bf16>(), kv.v.as<bf16>(), part, ob_);
-    cuda::linear(st_, L.o, ob_, cfg_.n_heads * D, S, x_, H, /*accumulate=*/true);
+    cuda::attention(st_, p, sp, q_, qg_, kv.k.as<bf16>(), kv.v.as<bf16>(), part, ob_, nullptr, attn_impl_);
+    cuda::linear(st_, L.o, ob_, cfg_.n_heads * D, S, x_, H, /*accumulate=*/true, gemm_impl_);
   }
 
   void moe_block(int layer, int64_t S) override {
@@ -235,18 +235,22 @@ class CudaBackend final : public Backend {
     const kp::MoeParams p{cfg_.hidden, cfg_.n_experts, cfg_.top_k, cfg_.moe_inter, cfg_.shared_inter,
                           cfg_.norm_topk_prob ? 1 : 0, S};
     cuda::rms_norm(st_, x_, L.post_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.router, h_, H, S, logits_, cfg_.n_experts);
+    cuda::linear(st_, L.router, h_, H, S, logits_, cfg_.n_experts, false, gemm_impl_);
     cuda::moe_route(st_, p, logits_, top_idx_, top_w_);
-    cuda::linear_silu_mul(st_, L.sh_gate, L.sh_up, h_, H, S, sact_, Is);
-    cuda::linear(st_, L.sh_down, sact_, Is, S, shd_, H);
-    cuda::linear(st_, L.sh_expert_gate, h_, H, S, sg_, 1);
+    cuda::linear_silu_mul(st_, L.sh_gate, L.sh_up, h_, H, S, sact_, Is, gemm_impl_);
+    cuda::linear(st_, L.sh_down, sact_, Is, S, shd_, H, false, gemm_impl_);
+    cuda::linear(st_, L.sh_expert_gate, h_, H, S, sg_, 1, false, gemm_impl_);
     if (S == 1) {
       cuda::experts_gate_up(st_, L.gate, L.up, top_idx_, k, h_, act_);
       cuda::experts_down(st_, L.down, top_idx_, top_w_, k, act_, d_);
     } else {
-      cuda::moe_sort(st_, p, top_idx_, top_w_, cuda::kGemmBM, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_,
-                     tile_row0_, tile_rows_);
-      int64_t tiles = max_tiles(S);  // grid upper bound: the kernels read the real count on the device
+      // Rows per expert tile from the mean rows per expert (or the ablation's fixed size); the wmma GEMM holds
+      // at most kGemmBM rows per tile.
+      int tr = expert_tile_ ? expert_tile_ : cuda::pick_expert_tile(S * k, cfg_.n_experts);
+      if (gemm_impl_ == cuda::kGemmImplWmma) tr = std::min(tr, cuda::kGemmBM);
+      cuda::moe_sort(st_, p, top_idx_, top_w_, tr, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_, tile_row0_,
+                     tile_rows_);
+      int64_t tiles = cuda::grouped_max_tiles(S * k, cfg_.n_experts, tr);  // grid bound; the count is on the device
       if (routing_sync_) {             // ablation: wait for the count on the host and launch exactly that
         int32_t n = 0;
         LILY_CUDA_CHECK(cudaMemcpyAsync(&n, n_tiles_, sizeof(n), cudaMemcpyDeviceToHost, st_));
@@ -254,8 +258,8 @@ class CudaBackend final : public Backend {
         tiles = n;
       }
       cuda::GroupMap g{n_tiles_, tile_expert_, tile_row0_, tile_rows_, pair_row_, pair_id_, pair_w_, tiles};
-      cuda::grouped_gate_up(st_, L.gate, L.up, g, h_, H, act_);
-      cuda::grouped_down(st_, L.down, g, act_, d_);
+      cuda::grouped_gate_up(st_, L.gate, L.up, g, h_, H, act_, tr, gemm_impl_);
+      cuda::grouped_down(st_, L.down, g, act_, d_, tr, gemm_impl_);
     }
     (void)I;
     cuda::moe_combine(st_, p, shd_, sg_, d_, x_);
@@ -274,16 +278,15 @@ class CudaBackend final : public Backend {
       const int64_t m = std::min(kHeadRows, n - r);
       float* lg = lg_.get<float>(mem_, m * V);
       cuda::rms_norm(st_, x_ + (row0 + r) * H, final_norm_, cfg_.rms_eps, m, H, h_);
-      cuda::linear(st_, lm_head_, h_, H, m, lg, V);
+      cuda::linear(st_, lm_head_, h_, H, m, lg, V, false, gemm_impl_);
       LILY_CUDA_CHECK(cudaMemcpyAsync(logits + r * V, lg, m * V * sizeof(float), cudaMemcpyDeviceToHost, st_));
       sync();
     }
   }
 
  private:
-  int64_t max_tiles(int64_t S) const {
-    return (S * cfg_.top_k + cuda::kGemmBM - 1) / cuda::kGemmBM + cfg_.n_experts;
-  }
+  // Tile-map capacity for S rows at the smallest expert tile (any tile size fits).
+  int64_t max_tiles(int64_t S) const { return cuda::grouped_max_tiles(S * cfg_.top_k, cfg_.n_experts, 16); }
 
   // ---- decode fast path -------------------------------------------------------------------------------
   static constexpr int64_t kOutCap = 4096;  // greedy tokens per host round trip
@@ -383,7 +386,7 @@ class CudaBackend final : public Backend {
     a.u = du_;
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
-    d::proj(st_, a, gemv_tc_, pdl_);
+    d::proj(st_, a, gemv_impl_, pdl_);
     const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                                cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, 1};
     d::dn_scan(st_, p, du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, pdl_);
@@ -397,7 +400,7 @@ class CudaBackend final : public Backend {
     o.zf = dz_;
     o.nw = L.dn_norm;
     o.seg[0] = seg(L.out, d::kOAccum, dx_);
-    d::proj(st_, o, gemv_tc_, pdl_);
+    d::proj(st_, o, gemv_impl_, pdl_);
     step_launches_ += 3;
   }
 
@@ -409,7 +412,7 @@ class CudaBackend final : public Backend {
     a.seg[0] = seg(L.q, d::kOStore, dqg_);
     a.seg[1] = seg(L.k, d::kOStore, dk_);
     a.seg[2] = seg(L.v, d::kOStore, dv_);
-    d::proj(st_, a, gemv_tc_, pdl_);
+    d::proj(st_, a, gemv_impl_, pdl_);
     const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                                 static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
                                 1.f / std::sqrt(static_cast<float>(D)), 0, 0, 1};
@@ -419,7 +422,8 @@ class CudaBackend final : public Backend {
     kp::AttentionParams cap = p;
     cap.pos0 = kv.capacity - 1;
     kp::AttnSplitParams sp = cuda::attention_plan(cap, sm_count_);
-    if (!split_k_) sp.n_splits = 1;  // ablation: one block per (row tile, KV head) reads every key
+    if (!split_k_) sp.n_splits = 1;      // ablation: one block per (row tile, KV head) reads every key
+    if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block, K/V loaded once per head
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
     cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos);
     d::ProjArgs o;
@@ -428,7 +432,7 @@ class CudaBackend final : public Backend {
     o.in = cfg_.n_heads * cfg_.head_dim;
     o.xb = dob_;
     o.seg[0] = seg(L.o, d::kOAccum, dx_);
-    d::proj(st_, o, gemv_tc_, pdl_);
+    d::proj(st_, o, gemv_impl_, pdl_);
     step_launches_ += 5;
   }
 
@@ -442,7 +446,7 @@ class CudaBackend final : public Backend {
     a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
     a.seg[1].w1 = L.sh_up;
     a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
-    d::proj(st_, a, gemv_tc_, pdl_);
+    d::proj(st_, a, gemv_impl_, pdl_);
     d::ProjArgs e;
     e.nseg = 1;
     e.xmode = d::kXBf16;
@@ -460,7 +464,7 @@ class CudaBackend final : public Backend {
     e.seg[0].routed = 1;
     e.seg[0].slots = k;
     e.seg[0].y_step = cfg_.moe_inter;
-    d::proj(st_, e, gemv_tc_, pdl_);
+    d::proj(st_, e, gemv_impl_, pdl_);
     d::DownArgs dn;
     dn.wd = L.down;
     dn.ws = L.sh_down;
@@ -471,7 +475,7 @@ class CudaBackend final : public Backend {
     dn.sgate = dsg_;
     dn.x = dx_;
     dn.k = k;
-    d::moe_down(st_, dn, gemv_tc_, pdl_);
+    d::moe_down(st_, dn, gemv_impl_, pdl_);
     step_launches_ += 3;
   }
 
@@ -492,7 +496,7 @@ class CudaBackend final : public Backend {
     h.nseg = 1;
     h.seg[0] = seg(lm_head_, cuda::dec::kOStore, dlg_);
     h.amax = damax_;
-    const unsigned nb = cuda::dec::proj(st_, h, gemv_tc_, pdl_);
+    const unsigned nb = cuda::dec::proj(st_, h, gemv_impl_, pdl_);
     if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
     cuda::dec::finish(st_, damax_, static_cast<int>(nb), dctl_, dout_, pdl_);
     step_launches_ += 3;
@@ -720,7 +724,7 @@ class CudaBackend final : public Backend {
   // decode fast path (dedicated scratch, one token)
   int decode_mode_ = 2;
   // Ablation switches (set_flag): defaults are the fast paths.
-  bool gemv_tc_ = true;        // decode GEMVs on the tensor cores (decode_tc.cu) vs scalar lanes (decode.cu)
+  int gemv_impl_ = 3;          // decode GEMVs: 3 auto, 2 tensor cores + bulk copies, 1 tensor cores, 0 scalar
   bool pdl_ = true;            // programmatic dependent launch between decode kernels
   bool routing_sync_ = false;  // prefill MoE: host-synchronised tile count instead of a device-sized grid
   bool gqa_pack_ = true;       // decode attention: the query heads of a KV head share each K/V load

@@ -82,14 +82,21 @@ struct DownArgs {
 
 // Launchers (stream-ordered, no synchronisation). pdl: launch with programmatic stream serialisation (the
 // kernel may start while its predecessor finishes; every decode kernel waits before reading its inputs).
-//   proj: tc = 1 runs 4-bit segments on the tensor cores (decode_tc.cu: 16-row blocks, a persistent grid;
-//   other formats stay on scalar lanes within the same launch), tc = 0 the scalar kernel (decode.cu).
-//   Returns the number of blocks launched: the length of the amax array the greedy head writes.
-unsigned proj(cudaStream_t st, const ProjArgs& a, bool tc, bool pdl);
+//   proj: 4-bit segments on the tensor cores in 16-row blocks (other formats on scalar lanes within the same
+//   launch), or everything on scalar lanes. Returns the number of blocks launched: the length of the amax array the greedy head writes.
+//   impl: 0 scalar lanes (decode.cu), 1 tensor cores with register loads (decode_tc.cu), 2 tensor cores fed by
+//   the bulk copy engine (decode_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
+//   measured per kernel (scalar projections, bulk MoE down).
+unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl);
 unsigned proj_scalar(cudaStream_t st, const ProjArgs& a, bool pdl);
 unsigned proj_tc(cudaStream_t st, const ProjArgs& a, bool pdl);
-void moe_down(cudaStream_t st, const DownArgs& a, bool tc, bool pdl);
+unsigned proj_bulk(cudaStream_t st, const ProjArgs& a, bool pdl);
+bool bulk_launch_ok(const ProjArgs& a);
+void moe_down(cudaStream_t st, const DownArgs& a, int impl, bool pdl);
 void moe_down_scalar(cudaStream_t st, const DownArgs& a, bool pdl);
+void moe_down_bulk(cudaStream_t st, const DownArgs& a, bool pdl);
+bool bulk_down_ok(const DownArgs& a);
+void bulk_debug_skip(int v);  // DEBUG: bulk kernels stream weights without computing
 // Whether the tensor-core path takes this weight: MLX 4-bit, group 64.
 bool tc_format(const DLinear& w);
 // DeltaNet decode scan: u [C] post-conv (q, k not yet l2-normalised), b/a [Hv], ssm updated, y [Hv*Dv].

@@ -34,8 +34,17 @@ void launch_k(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t 
   check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
 }
 
+// Barrier over the kThreads compute threads: the whole block, or named barrier 1 when the block also has a
+// producer warp that runs its own loop (decode_bulk.cu).
+template <bool kNamed>
+__device__ __forceinline__ void compute_sync() {
+  if constexpr (kNamed) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+  else __syncthreads();
+}
+
 // The input row into shared memory (bf16), with the producer's normalisation (same arithmetic as
 // rms_norm_kernel and gated_norm_kernel, so the fused path rounds exactly as the unfused one).
+template <bool kNamed = false>
 __device__ __forceinline__ void stage_x(const ProjArgs& a, bf16* xs, float* red, int tid, int warp, int lane) {
   const int n = a.in;
   if (a.xmode == kXBf16) {
@@ -52,13 +61,13 @@ __device__ __forceinline__ void stage_x(const ProjArgs& a, bf16* xs, float* red,
     for (int i = tid; i < n; i += kThreads) ss += x[i] * x[i];
     ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;
-    __syncthreads();
+    compute_sync<kNamed>();
     if (warp == 0) {
       float v = lane < kWarps ? red[lane] : 0.f;
       v = warp_sum(v);
       if (lane == 0) red[0] = v;
     }
-    __syncthreads();
+    compute_sync<kNamed>();
     const float inv = rsqrtf(red[0] / static_cast<float>(n) + a.eps);
     const bool write = a.h_out != nullptr && blockIdx.x == 0;
     for (int i = tid; i < n; i += kThreads) {

@@ -1,4 +1,4 @@
-// Launchers of the non-GEMM kernel families (misc.cu, routing.cu, deltanet.cu, attention.cu).
+// Launchers of the non-GEMM kernel families (misc.cu, routing.cu, deltanet.cu, deltanet_chunk.cu, attention.cu).
 // All pointers are device pointers; all launches go to stream `st` and never synchronise.
 #pragma once
 #include "cuda/common.cuh"
@@ -32,10 +32,36 @@ void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const
 // qkv: fp32 [S, C] -> u fp32 [S, C]; conv_w fp32 [C, K]; conv_state fp32 [K-1, C] updated.
 void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
                    float* conv_state, float* u);
-// Gated delta rule recurrence over S rows with the state [Hv, Dv, Dk] fp32 in registers; b, a: fp32 [S, Hv];
-// y: fp32 [S, Hv*Dv] (before the gated norm).
+// Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
+// written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
+// norm). `form` selects the implementation (ablations): kScanOld the original one-warp-per-row scan,
+// kScanSeq the shared-memory-staged sequential scan (deltanet_chunk.cu), kScanChunked the chunked WY form
+// (chunk 64, fp32 FFMA), kScanAuto chunked when S >= kScanChunkMinRows else kScanSeq, kScanChunkedTC the
+// chunked form with its state kernel on TF32 tensor cores (faster, ~1e-3 rel error; not yet picked by auto,
+// see benchmarks/kernels/check_deltanet.cu). The chunked forms need
+// deltanet_chunk_scratch_bytes(p) bytes of device scratch; pass it (required under graph capture), otherwise
+// a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
+enum DeltaNetScanForm : int { kScanOld = 0, kScanSeq = 1, kScanChunked = 2, kScanAuto = 3, kScanChunkedTC = 4 };
+constexpr int64_t kScanChunkMinRows = 512;  // auto threshold (predicted; benchmarks/kernels/check_deltanet.cu)
 void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                   const float* dt_bias, const float* a_log, float* ssm, float* y);
+                   const float* dt_bias, const float* a_log, float* ssm, float* y, int form = kScanAuto,
+                   float* scratch = nullptr, size_t scratch_bytes = 0);
+// The form deltanet_scan runs for `form` at p.S (resolves kScanAuto).
+int deltanet_scan_pick(const kp::DeltaNetParams& p, int form);
+// Form 0 (deltanet.cu): one warp per state row, inputs read from global memory every token.
+void deltanet_scan_old(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                       const float* dt_bias, const float* a_log, float* ssm, float* y);
+
+// deltanet_chunk.cu. Same arguments as deltanet_scan. Dk <= 128, Hv a multiple of Hk.
+// Form 1: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
+void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                       const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row = 8);
+// Forms 2 and 4 (tensor_cores): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
+// (Hv * ceil(S/64) * 64 * (Dk + Dv + 65) floats).
+size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
+void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
+                           const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
+                           float* scratch, bool tensor_cores = false);
 // out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out);
@@ -49,13 +75,29 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
                     const int32_t* dpos = nullptr);
 // Split plan for S rows at pos0: how many key splits keep the GPU busy; partials hold
 // S * Hq * n_splits * (D + 2) floats.
-kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count);
+// impl: 1 (default) plans for attention_mma when S > 1, 0 for attn_kernel; S == 1 always plans for attn_kernel.
+// Either plan is valid for either kernel; part must hold what the plan used says.
+kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, int impl = 1);
 // Causal GQA attention over the cache (keys 0..pos0+t for row t), then o = bf16(softmax(qK^T) V * sigmoid(gate)).
 // part: fp32 scratch [S, Hq, n_splits, D + 2]; o: bf16 [S, Hq*D].
 // dpos (prep and attention): when set, pos0 is read from the device (decode graphs) and the split length is
 // derived there from the key count over the fixed sp.n_splits (empty splits write m = -inf, l = 0).
+// impl: 1 (default) = tensor-core flash attention (attention_mma.cu) for prefill chunks (S > 1, dpos null);
+// 0 = the CUDA-core attn_kernel (always used for S == 1 / decode; kept for ablation).
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o,
-               const int32_t* dpos = nullptr);
+               const int32_t* dpos = nullptr, int impl = 1);
+
+// attention_mma.cu (called by attention(); exposed for the check program)
+// Whether attention_mma handles this shape (D in {32, 64, 128, 256}, Hq a multiple of Hkv).
+bool attention_mma_supported(const kp::AttentionParams& p);
+// Split plan for attention_mma: splits keys only when the 128-row tiles leave SMs idle (small S, long cache).
+kp::AttnSplitParams attention_mma_plan(const kp::AttentionParams& p, int sm_count);
+// Causal GQA flash attention (mma.sync bf16, fp32 softmax) over keys 0..pos0+t for row t. q fp32 [S, Hq, D]
+// is rounded to bf16. n_splits == 1: writes o bf16 [S, Hq*D] = softmax(qK^T)V * sigmoid(gate), gate from
+// qg fp32 [S, Hq, 2D]; n_splits > 1: writes part fp32 [S, Hq, n_splits, D + 2] (attn_kernel's layout) and
+// the caller merges with the combine kernel.
+void attention_mma(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
+                   const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o);
 
 }  // namespace lily::cuda

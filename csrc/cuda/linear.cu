@@ -1,5 +1,6 @@
 #include <mma.h>
 
+#include "cuda/gemm_mma.cuh"
 #include "cuda/linear.cuh"
 
 namespace lily::cuda {
@@ -297,19 +298,48 @@ void launch_gemm(cudaStream_t st, const DLinear& W0, const DLinear& W1, const kp
   LILY_LAUNCH_CHECK();
 }
 
+// Rows per tile of the mma GEMM for expert tiles of up to tile_rows pairs.
+int expert_tile_bm(int tile_rows) {
+  for (int bm = 16; bm <= 128; bm *= 2)
+    if (tile_rows <= bm) return bm;
+  throw std::invalid_argument("[lily] cuda grouped GEMM: tile_rows must be 1..128");
+}
+
+void check_wmma_tile(int tile_rows) {
+  if (tile_rows > kGemmBM) throw std::invalid_argument("[lily] cuda grouped GEMM: the wmma path holds <= 64 rows per tile");
+}
+
 }  // namespace
 
+int pick_expert_tile(int64_t pairs, int n_experts) {
+  // Average pairs per expert; routing is uneven, so round down (a half-empty big tile wastes more than the
+  // extra weight reads of two small ones).
+  const int64_t avg = pairs / (n_experts > 0 ? n_experts : 1);
+  if (avg >= 96) return 128;
+  if (avg >= 40) return 64;
+  if (avg >= 20) return 32;
+  return 16;
+}
+
+int64_t grouped_max_tiles(int64_t pairs, int n_experts, int tile_rows) {
+  return (pairs + tile_rows - 1) / tile_rows + n_experts;
+}
+
 void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
-            bool accumulate) {
+            bool accumulate, int impl) {
   if (S == 1) return launch_gemv<false>(st, W, W, x, 0, nullptr, 1, y, nullptr, 0, nullptr, accumulate);
   kp::GemmParams gp{S, ldx, ldy, 0, accumulate ? 1 : 0};
+  if (impl == kGemmImplMma && gemm_mma_supported(W, nullptr, x, ldx))
+    return gemm_mma(st, GemmMmaArgs{W, W, gp, GroupMap{}, x, y, nullptr}, false, gemm_mma_plain_rows(S, W.p.out, false));
   launch_gemm<false>(st, W, W, gp, GroupMap{}, x, y, nullptr);
 }
 
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
-                     bf16* y, int64_t ldy) {
+                     bf16* y, int64_t ldy, int impl) {
   if (S == 1) return launch_gemv<true>(st, W0, W1, x, 0, nullptr, 1, nullptr, y, 0, nullptr, false);
   kp::GemmParams gp{S, ldx, ldy, 0, 0};
+  if (impl == kGemmImplMma && gemm_mma_supported(W0, &W1, x, ldx))
+    return gemm_mma(st, GemmMmaArgs{W0, W1, gp, GroupMap{}, x, nullptr, y}, true, gemm_mma_plain_rows(S, W0.p.out, true));
   launch_gemm<true>(st, W0, W1, gp, GroupMap{}, x, nullptr, y);
 }
 
@@ -324,18 +354,25 @@ void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const 
 }
 
 void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
-                     int64_t ldh, bf16* act) {
+                     int64_t ldh, bf16* act, int tile_rows, int impl) {
   GroupMap m = g;
   m.y_rows = nullptr;
   m.scale = nullptr;
   kp::GemmParams gp{0, ldh, W0.p.out, 1, 0};
+  if (impl == kGemmImplMma && gemm_mma_supported(W0, &W1, h, ldh))
+    return gemm_mma(st, GemmMmaArgs{W0, W1, gp, m, h, nullptr, act}, true, expert_tile_bm(tile_rows));
+  check_wmma_tile(tile_rows);
   launch_gemm<true>(st, W0, W1, gp, m, h, nullptr, act);
 }
 
-void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d) {
+void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d, int tile_rows,
+                  int impl) {
   GroupMap m = g;
   m.a_rows = nullptr;
   kp::GemmParams gp{0, W2.p.in, W2.p.out, 1, 0};
+  if (impl == kGemmImplMma && gemm_mma_supported(W2, nullptr, act, W2.p.in))
+    return gemm_mma(st, GemmMmaArgs{W2, W2, gp, m, act, d, nullptr}, false, expert_tile_bm(tile_rows));
+  check_wmma_tile(tile_rows);
   launch_gemm<false>(st, W2, W2, gp, m, act, d, nullptr);
 }
 

@@ -1,6 +1,7 @@
 // Linear layers on the GPU: y = x W^T with bf16 activations, weights dequantized on the fly, fp32 accumulate.
-// Decode (one row) takes the warp-per-row GEMV; prefill the tensor-core GEMM that dequantizes each
-// weight tile into shared memory. Both also run the MoE experts (expert ids read on the device).
+// Decode (one row) takes the warp-per-row GEMV; prefill a tensor-core GEMM: by default the mma.sync one of
+// gemm_mma.cu (raw codes pipelined, dequantized in registers), or the wmma one that dequantizes each weight
+// tile into shared memory. Both also run the MoE experts (expert ids read on the device).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -11,21 +12,33 @@ struct GroupMap {
   const int32_t* n_tiles = nullptr;      // [1] tiles in use
   const int32_t* tile_expert = nullptr;  // [max_tiles]
   const int32_t* tile_row0 = nullptr;    // [max_tiles] first sorted pair of the tile
-  const int32_t* tile_rows = nullptr;    // [max_tiles] pairs in the tile (<= kGemmBM)
+  const int32_t* tile_rows = nullptr;    // [max_tiles] pairs in the tile (<= the tile_rows given to moe_sort)
   const int32_t* a_rows = nullptr;       // [pairs] row of A per sorted pair (nullptr: A is in sorted order)
   const int32_t* y_rows = nullptr;       // [pairs] output row per sorted pair (nullptr: sorted order)
   const float* scale = nullptr;          // [pairs] multiplies the result (routing weight), or nullptr
   int64_t max_tiles = 0;                 // grid bound
 };
 
+// Default rows per expert tile, and the most the wmma GEMM (kGemmImplWmma) holds per tile.
 constexpr int kGemmBM = 64;
+
+// Prefill GEMM implementation (S > 1; S == 1 always takes the GEMV). kGemmImplMma needs quantized weights
+// (4/8-bit, group 64) and 16-byte aligned A rows, and falls back to the wmma GEMM otherwise.
+constexpr int kGemmImplWmma = 0;  // wmma 16x16x16, weights dequantized into shared memory (old path)
+constexpr int kGemmImplMma = 1;   // mma.sync m16n8k16 + cp.async pipeline of raw codes (gemm_mma.cu)
+
+// Rows per expert tile (16, 32, 64 or 128) for `pairs` routed pairs over n_experts: the same value must go to
+// moe_sort and to grouped_gate_up / grouped_down.
+int pick_expert_tile(int64_t pairs, int n_experts);
+// Capacity of the tile map (GroupMap::max_tiles) for tiles of tile_rows pairs.
+int64_t grouped_max_tiles(int64_t pairs, int n_experts, int tile_rows);
 
 // y[s*ldy + r] (=|+=) sum_i x[s*ldx + i] W[r, i] for s < S, r < W.out. x: bf16 [S, ldx], y: fp32 [S, ldy].
 void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
-            bool accumulate = false);
+            bool accumulate = false, int impl = kGemmImplMma);
 // y[s, r] = bf16(silu(x W0^T) * (x W1^T)) for s < S; y: bf16 [S, ldy] (gate/up pair of an FFN).
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
-                     bf16* y, int64_t ldy);
+                     bf16* y, int64_t ldy, int impl = kGemmImplMma);
 
 // Decode MoE, one token: for slot j < k, expert e = ids[j]:
 //   act[j, :] = bf16(silu(x W0[e]^T) * (x W1[e]^T))           x: bf16 [H], act: bf16 [k, I]
@@ -35,11 +48,13 @@ void experts_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, cons
 void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const float* w, int k, const bf16* act,
                   float* d);
 
-// Prefill MoE over sorted (token, expert) pairs and the tile map of `g`:
+// Prefill MoE over sorted (token, expert) pairs and the tile map of `g`, built by moe_sort with tile_rows
+// (16, 32, 64 or 128; kGemmImplWmma takes at most kGemmBM):
 //   gate/up: act[p, :] = bf16(silu(h[a_rows[p]] W0[e]^T) * (h[a_rows[p]] W1[e]^T))   act: bf16 [pairs, I]
 void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
-                     int64_t ldh, bf16* act);
+                     int64_t ldh, bf16* act, int tile_rows = kGemmBM, int impl = kGemmImplMma);
 //   down: d[y_rows[p], :] = scale[p] * (act[p] W2[e]^T)                                d: fp32 [pairs, H]
-void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d);
+void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d,
+                  int tile_rows = kGemmBM, int impl = kGemmImplMma);
 
 }  // namespace lily::cuda

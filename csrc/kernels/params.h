@@ -79,7 +79,7 @@ struct AttnSplitParams {
   int32_t n_splits;
   int32_t split_len;    // keys per split (multiple of 32)
   int32_t rows_per_block;
-  int32_t pad_;
+  int32_t heads_per_block;  // CUDA decode kernel: query heads sharing a block's K/V loads; 0 = all of a KV head's
 };
 
 // ---- Metal kernels (metal/*.metal); fp32 activations, weights in checkpoint format ----

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One device call that builds lily on the H200 and checks it: kernel-level twins (benchmarks/kernels/run.sh),
+# whole-model checks against the CPU engine (cuda_check.py, tiny and mid configs), compute-sanitizer memcheck,
+# then optionally a step (full-size checkpoint + correctness, or the benchmark). Short summary last.
+#   bash benchmarks/cuda_session_run.sh check        build + kernel checks + cuda_check + memcheck
+#   bash benchmarks/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
+#   bash benchmarks/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
+# Files land under $OUT (the device tool's output folder).
+set -u
+export PYTHONUNBUFFERED=1
+MODE=${1:-check}
+shift || true
+OUT=${OUT:-/tmp/lily_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+SUMMARY=()
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+if [ ! -f build/h200/build.ninja ]; then
+  cmake -S . -B build/h200 -G Ninja -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=Release \
+    > /tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
+fi
+if ! ninja -C build/h200 > /tmp/build.log 2>&1; then
+  cp /tmp/build.log "$OUT/build.log"; grep -m20 -E "error" /tmp/build.log; echo "BUILD FAILED"; exit 1
+fi
+cp build/h200/_lily*.so src/lily/
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+echo "[$(el)s] built"
+
+case "$MODE" in
+check)
+  bash benchmarks/kernels/run.sh > "$OUT/kernels.txt" 2>&1
+  KRC=$?
+  grep -E "^(FAIL|TIME|== )|BUILD FAILED|error" "$OUT/kernels.txt" | cut -c1-230 | head -60
+  SUMMARY+=("kernel checks rc=$KRC: $(sed -n '/---- kernel checks ----/,$p' "$OUT/kernels.txt" | tail -n +2 | tr '\n' ';')")
+  echo "[$(el)s] kernel checks rc=$KRC"
+  python3 benchmarks/cuda_check.py --tokens 256 --json "$OUT/cuda_check.json" > "$OUT/cuda_check.txt" 2>&1
+  CRC=$?
+  grep -E "FAIL|Error|error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -15
+  SUMMARY+=("cuda_check rc=$CRC: $(tail -1 "$OUT/cuda_check.txt")")
+  echo "[$(el)s] cuda_check rc=$CRC"
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$CS" ]; then
+    for cfg in tiny_odd mid_real_heads; do
+      timeout 150 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg \
+        --tokens 24 > "$OUT/memcheck_$cfg.txt" 2>&1
+      MRC=$?
+      grep -m3 -A8 "Invalid\|Error" "$OUT/memcheck_$cfg.txt" | cut -c1-200 | head -12
+      SUMMARY+=("memcheck $cfg rc=$MRC $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_$cfg.txt")")
+      echo "[$(el)s] memcheck $cfg rc=$MRC"
+    done
+  fi
+  ;;
+full|bench)
+  CK=/tmp/full35b
+  if [ ! -f $CK/config.json ]; then
+    python3 benchmarks/full_checkpoint.py $CK > "$OUT/full_checkpoint.txt" 2>&1 || { tail -20 "$OUT/full_checkpoint.txt"; exit 1; }
+  fi
+  echo "[$(el)s] checkpoint ready: $(du -sh $CK | cut -f1)"
+  if [ "$MODE" = full ]; then
+    python3 benchmarks/cuda_check.py --configs none --full $CK --json "$OUT/cuda_check_full.json" "$@" \
+      > "$OUT/cuda_check_full.txt" 2>&1
+    FRC=$?
+    tail -25 "$OUT/cuda_check_full.txt"
+    SUMMARY+=("full-size check rc=$FRC: $(tail -1 "$OUT/cuda_check_full.txt")")
+  else
+    python3 benchmarks/bench_cuda.py --checkpoint $CK --out "$OUT" "$@" > "$OUT/bench.txt" 2>&1
+    BRC=$?
+    tail -60 "$OUT/bench.txt"
+    SUMMARY+=("bench rc=$BRC")
+  fi
+  ;;
+esac
+echo "---- summary [$(el)s] ----"
+for s in "${SUMMARY[@]}"; do echo "$s"; done

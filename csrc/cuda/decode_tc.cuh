@@ -1,0 +1,64 @@
+// Device helpers of the tensor-core decode GEMVs (decode_tc.cu: register loads; decode_bulk.cu: weights
+// streamed into shared memory by the bulk copy engine). The fragment layout and the arithmetic are explained
+// at the top of decode_tc.cu.
+#pragma once
+#include "cuda/decode_stage.cuh"
+
+namespace lily::cuda::dec {
+
+constexpr int kRowBlock = 16;
+constexpr int kGroup = 64;
+
+__host__ __device__ __forceinline__ bool tc_ok(const kp::LinearParams& p) {
+  return p.kind == 0 && p.bits == 4 && p.group == kGroup && p.in % kGroup == 0;
+}
+
+// Index of value r (0..63) of a group inside the group's staged 64-block.
+__device__ __forceinline__ int perm64(int r) {
+  const int c = r >> 4, m = r & 15, mm = m & 7;
+  return c * 16 + 4 * (mm & 3) + (m >= 8 ? 2 : 0) + (mm >> 2);
+}
+
+// xp: xs [n] in perm64 order per group; gs[g]: fp32 sum of group g's (bf16) values. n % 64 == 0.
+__device__ __forceinline__ void permute_x(const bf16* xs, bf16* xp, float* gs, int n, int warp, int lane) {
+  for (int g = warp; g < n / kGroup; g += kWarps) {
+    const bf16 v0 = xs[g * kGroup + lane], v1 = xs[g * kGroup + 32 + lane];
+    xp[g * kGroup + perm64(lane)] = v0;
+    xp[g * kGroup + perm64(lane + 32)] = v1;
+    const float s = warp_sum(__bfloat162float(v0) + __bfloat162float(v1));
+    if (lane == 0) gs[g] = s;
+  }
+}
+
+__device__ __forceinline__ uint32_t nib_pair(uint32_t w, int i) {  // bf16x2 (128 + code i, 128 + code i+4)
+  return ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Any weight format, scalar lanes: lane = 2 r + half takes row row0 + r, values [32 half, 32 half + 32) of
+// each 64-slice l in [l0, l1). Returns the lane pair's sum (valid in both lanes of the pair).
+__device__ __forceinline__ float scalar_rows(const DLinear& W, int64_t e, int64_t row0, int l0, int l1,
+                                             const bf16* xs, int lane) {
+  const int64_t row = min64(row0 + lane / 2, W.p.out - 1);
+  float acc = 0.f;
+  for (int l = l0; l < l1; ++l) {
+    const int64_t k0 = static_cast<int64_t>(l) * kGroup + (lane & 1) * 32;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float w[8];
+      load_w8(W, e, row, k0 + 8 * j, w);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) acc += w[t] * __bfloat162float(xs[k0 + 8 * j + t]);
+    }
+  }
+  return acc + __shfl_xor_sync(0xffffffffu, acc, 1);
+}
+
+}  // namespace lily::cuda::dec
