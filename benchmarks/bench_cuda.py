@@ -1,32 +1,48 @@
-"""Full-size CUDA benchmark: Qwen3.6-35B-A3B shapes with random 4-bit weights generated in memory (no disk),
-prefill tok/s at several prompt lengths and decode tok/s at several context lengths, the fraction of the
-hardware limits measured in the same run, and the decode time by kernel family (torch.profiler sees our kernels).
+"""Full-size CUDA benchmark (Qwen3.6-35B-A3B shapes) with MLX-LM as a peer on the same checkpoint bytes.
 
-Decode variants (backend flag cuda_decode; each from the same restored state):
-  lily-cuda          fused decode kernels, whole step as one CUDA graph (the default), logits copied to the host
-  lily-cuda-nograph  the same fused kernels launched one by one
-  lily-cuda-legacy   the sub-block path (engine layer loop, one kernel per op; the path before the fused kernels)
-  lily-cuda-greedy   Engine.decode_greedy: graph replays with the argmax on the device, no logits copies
+For each length L: lily prefill of L tokens (fresh state, last-row logits, timed on the host: forward returns
+the logits, so it is device-synchronised), then N decode steps from that state (3 untimed steps first; each
+step is forward(1 token) + logits to the host + argmax fed back, as generation does); MLX-LM the same at its
+lengths, alternating which engine goes first per length. Fractions of the limits use the ceilings measured in
+the same run: decode bytes/token (weights + DeltaNet state read+written + KV at the context) x tok/s over the
+copy bandwidth; prefill FLOPs/token (matrices + DeltaNet + causal attention at L/2) x tok/s over the bf16 rate.
+Ablations (bench_cuda_ablate.py): each technique off alone via Engine.set_backend_flag, at the lengths where it
+matters. Kernel launches per decode step and time by kernel family at 4K (CUPTI via torch.profiler).
+A global budget (--budget-s) skips what is left, with rows marked "not measured (budget)".
 
-    python3 benchmarks/bench_cuda.py --out results_dir [--prefill-lengths 2048] [--decode-lengths 256,4096,16384]
+Device (checkpoint from benchmarks/full_checkpoint.py; mlx-lm optional, via PYTHONPATH):
+    PYTHONPATH=/tmp/site:src python3 benchmarks/bench_cuda.py --checkpoint /tmp/full35b --out $OUT
+In-memory weights (no peer):  python3 benchmarks/bench_cuda.py --out $OUT
+Dry run without a GPU (tiny checkpoint, CPU engine, mlx-lm on the CPU):
+    PYTHONPATH=src python3 benchmarks/bench_cuda.py --backend cpu --config tiny --out /tmp/dry
 
-Writes bench_cuda_decode_h200.json ({hardware, git_sha, settings, rows: [{engine, phase, tokens, tok_s, ...}]})
-and a PNG (--name sets the file stem).
+Writes OUT/NAME.json ({hardware, git_sha, settings, rows: [{engine, phase, tokens, tok_s, ms, ...}], ablations,
+decode_profiles, ...}), OUT/NAME.png and OUT/cuda_ablations_h200.md (dry run: cuda_ablations_dryrun.md).
+`synthetic_weights` (the older constant-scale generator) stays for benchmarks/multiturn.py.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
 
+import sys
+import tempfile
+
 import numpy as np
 
 from lily import _lily
-from lily.testing import full_config
+from lily.bench import git_sha, hardware
 from lily.testing.weights import GROUP, default_quant_bits, linear_modules
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cuda_ablate import ABLATIONS, Ablator, scaled, write_markdown  # noqa: E402
+from bench_cuda_peer import MlxPeer  # noqa: E402
+from bench_cuda_util import (CostModel, format_profile, kernel_profile, measure_ceilings, plot_sweep,  # noqa: E402
+                             short_table)
 
 BF16_ONE = 0x3F80
 
@@ -81,249 +97,293 @@ def synthetic_weights(cfg, seed=0):
     return tensors, quant
 
 
-def measure_ceilings():
-    """Device copy bandwidth (read + write bytes / s) and bf16 matrix rate, via torch (present on the device)."""
-    import torch
-    n = 4 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(2):
-        b.copy_(a)
-    ts = []
-    for _ in range(5):
-        e0.record(); b.copy_(a); e1.record(); e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    bw = 2 * n / float(np.median(ts))
-    del a, b
-    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        m @ m
-    torch.cuda.synchronize()
-    e0.record()
-    for _ in range(10):
-        m @ m
-    e1.record(); e1.synchronize()
-    flops = 10 * 2 * 8192**3 / (e0.elapsed_time(e1) / 1e3)
-    return bw, flops, torch.cuda.get_device_name()
+LILY_LENGTHS = "256,512,1024,2048,4096,8192,16384,32768,65536,131072"
+DRY_LENGTHS = {512: 48, 4096: 64, 16384: 96, 32768: 128, 131072: 128}  # ablation lengths in the dry run
 
 
-def kernel_profile(fn, steps):
-    """Kernel time by family over `steps` calls of fn (CUPTI via torch.profiler) and launches per call."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            fn(i)
-    fam: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type.name != "CUDA":
-            continue
-        name = ev.name
-        if "gemv_kernel" in name or "gemm_kernel" in name:
-            key = ("gemv" if "gemv" in name else "gemm") + (" gate/up" if "true>" in name else "")
-        else:
-            key = next((k for k in ("proj_kernel", "down_kernel", "scan_dec_kernel", "finish_kernel", "scan_kernel",
-                                    "attn_kernel", "attn_combine", "prep_kernel", "conv", "l2norm", "gated_norm",
-                                    "route_kernel", "sort_kernel", "combine_kernel", "rms_norm", "embed", "Memcpy",
-                                    "Memset") if k in name), name[:40])
-        fam.setdefault(key, []).append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
-    total = sum(sum(v) for v in fam.values())
-    return {k: {"launches_per_step": len(v) / steps, "us_per_step": sum(v) / steps, "share": sum(v) / max(total, 1e-9)}
-            for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))}
+def build_engine(args):
+    """(engine, cfg, folder or None, load seconds): a checkpoint folder, or in-memory conditioned weights."""
+    from lily.config import ModelConfig
+    from lily.testing.fast_synthetic import conditioned_weights, write_fast_checkpoint
+    from lily.testing.synthetic import config_dict
+    folder = args.checkpoint or None
+    if folder is None and args.backend != "cuda":  # dry run: a real folder so the mlx-lm path runs too
+        folder = tempfile.mkdtemp(prefix=f"lily_bench_{args.config}_")
+        write_fast_checkpoint(folder, config_dict(args.config), seed=0)
+    t0 = time.perf_counter()
+    if folder:
+        from lily.checkpoint import load_checkpoint
+        ck = load_checkpoint(folder, progress=False)
+        cfg = ck.config if isinstance(ck.config, ModelConfig) else ModelConfig.from_dict(ck.config)
+        tensors, quant = ck.tensors, ck.quant
+    else:
+        cfg = ModelConfig.from_dict(config_dict(args.config))
+        tensors, quant = conditioned_weights(cfg)
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng = _lily.Engine(cfg.to_dict(), tensors, quant, threads=args.threads, max_context=args.max_context,
+                       backend=args.backend)
+    info = {"read_s": read_s, "engine_s": time.perf_counter() - t0}
+    return (FlagStub(eng) if args.fake_flags else eng), cfg, folder, info
 
 
-VARIANTS = {"lily-cuda-legacy": 0, "lily-cuda-nograph": 1, "lily-cuda": 2, "lily-cuda-greedy": 2}
+class FlagStub:
+    """Dry run only: the engine with the ablation flags accepted and ignored, so the ablation code runs."""
+
+    def __init__(self, eng):
+        self._eng, self._flags = eng, {a.flag: a.meaning for a in ABLATIONS}
+        self._vals = {"cuda_decode": 2, "routing_sync": 0, "gqa_pack": 1, "split_k": 1, "dn_form": 3,
+                      "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1}
+
+    def __getattr__(self, k):
+        return getattr(self._eng, k)
+
+    def backend_flag(self, name):
+        return self._vals[name] if name in self._vals else self._eng.backend_flag(name)
+
+    def set_backend_flag(self, name, value):
+        if name not in self._vals:
+            return self._eng.set_backend_flag(name, value)
+        self._vals[name] = int(value)
 
 
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b ** 2)), 1e-30))
+class LilyRunner:
+    """Prefill / decode timing on one engine; tokens are fixed random ids (teacher input, argmax fed back)."""
 
+    def __init__(self, eng, toks, n_decode):
+        self.eng, self.toks, self.n = eng, toks, n_decode
+        self.name = f"lily-{eng.backend}"
 
-def plot(rows, variants, gpu_name, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        pf = sorted((x for x in rows if x["phase"] == "prefill"), key=lambda x: x["tokens"])
-        ax[0].plot([x["tokens"] for x in pf], [x["tok_s"] for x in pf], "o-", label="lily-cuda")
-        for v in variants:
-            r = sorted((x for x in rows if x["phase"] == "decode" and x["engine"] == v), key=lambda x: x["tokens"])
-            if r:
-                ax[1].plot([x["tokens"] for x in r], [x["tok_s"] for x in r], "o-", label=v)
-        for i, ph in enumerate(("prefill", "decode")):
-            ax[i].set_xscale("log", base=2)
-            ax[i].set_xlabel("prompt tokens" if ph == "prefill" else "context tokens")
-            ax[i].set_ylabel("tokens/s")
-            ax[i].set_title(f"{ph} on {gpu_name}")
-            ax[i].grid(True, alpha=0.3)
-            ax[i].legend(fontsize=8)
-        ax[1].set_ylim(bottom=0)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-    except Exception as e:
-        print("plot failed:", e)
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--name", default="bench_cuda_decode_h200")
-    ap.add_argument("--replot", default="", help="only redraw the PNG beside this JSON")
-    ap.add_argument("--prefill-lengths", default="2048")
-    ap.add_argument("--decode-lengths", default="256,4096,16384")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--budget-s", type=float, default=240)
-    args = ap.parse_args()
-    if args.replot:
-        res = json.loads(Path(args.replot).read_text())
-        plot(res["rows"], list(res["settings"]["variants"]), res["hardware"]["gpu"], Path(args.replot).with_suffix(".png"))
-        return
-    t_start = time.time()
-    cfg = full_config()
-    pf_lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
-    dec_lengths = [int(x) for x in args.decode_lengths.split(",") if x]
-    variants = [v for v in args.variants.split(",") if v]
-    n = args.decode_steps
-    bw, mflops, gpu_name = measure_ceilings()
-    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mflops / 1e12:.0f} TFLOP/s", flush=True)
-    t0 = time.time()
-    tensors, quant = synthetic_weights(cfg)
-    gen_s = time.time() - t0
-    t0 = time.time()
-    max_ctx = max(pf_lengths + dec_lengths) + 64 + (n + 4) * (len(variants) + 1)
-    eng = _lily.Engine(cfg.to_dict(), tensors, quant, max_context=max_ctx, backend="cuda")
-    load_s = time.time() - t0
-    print(f"weights generated {gen_s:.1f}s, uploaded {load_s:.1f}s; fused decode supported: "
-          f"{eng.backend_flag('fused_decode_supported')}", flush=True)
-    rng = np.random.default_rng(0)
-    toks = rng.integers(0, cfg.vocab_size, max_ctx).astype(np.int32)
-    eng.forward(eng.new_state(), toks[:512], logits="last")  # warm-up (allocations, module load)
-
-    w_bytes, dn_bytes, kv_per_tok = 1.670e9, 126e6, 20480  # perf.md: bytes read per decoded token
-    flops_per_tok = 4.9e9
-    attn_flops = lambda ctx: cfg.num_hidden_layers // 4 * cfg.num_attention_heads * cfg.head_dim * 4 * ctx  # noqa
-    rows, checks, profiles, counters = [], {}, {}, {}
-
-    def prefill(L, st=None):
-        st = st if st is not None else eng.new_state()
+    def prefill(self, L):
+        st = self.eng.new_state()
         t0 = time.perf_counter()
-        eng.forward(st, toks[:L], logits="last")
-        dt = time.perf_counter() - t0
-        tok_s = L / dt
-        rows.append({"engine": "lily-cuda", "phase": "prefill", "tokens": L, "tok_s": tok_s, "seconds": dt,
-                     "frac_matrix_rate": (flops_per_tok + attn_flops(L / 2)) * tok_s / mflops})
-        print(f"prefill L={L:6d} {tok_s:9.1f} tok/s", flush=True)
-        return st
+        lg = self.eng.forward(st, self.toks[:L], logits="last")
+        return st, time.perf_counter() - t0, int(np.argmax(lg[-1]))
 
-    for L in pf_lengths:
-        if L not in dec_lengths:
-            prefill(L)
+    def decode(self, st, tok, n=None):
+        """3 untimed steps then n timed steps (forward + logits to the host + argmax): seconds."""
+        n = self.n if n is None else n
+        for _ in range(3):
+            tok = int(np.argmax(self.eng.forward(st, np.array([tok], np.int32), logits="last")[-1]))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(np.argmax(self.eng.forward(st, np.array([tok], np.int32), logits="last")[-1]))
+        return time.perf_counter() - t0
 
-    for L in dec_lengths:
-        if time.time() - t_start > args.budget_s:
-            print(f"budget reached: skipping decode at {L}+", flush=True)
-            break
-        st = prefill(L)
-        snap = st.snapshot()
-        dtoks = toks[L:L + n + 4]
-        first = {}
-        for v in variants:
-            eng.set_backend_flag("cuda_decode", VARIANTS[v])
-            st.restore(snap)
-            try:
-                if v == "lily-cuda-greedy":
-                    eng.decode_greedy(st, int(dtoks[0]), 3)  # warm-up (graph capture)
-                    st.restore(snap)
-                    t0 = time.perf_counter()
-                    out = eng.decode_greedy(st, int(dtoks[0]), n)
-                    dt = time.perf_counter() - t0
-                    first[v] = out
-                else:
-                    lg0 = eng.forward(st, dtoks[:1], logits="last")
-                    first[v] = lg0
-                    for t in dtoks[1:4]:
-                        eng.forward(st, np.array([t], np.int32), logits="last")
-                    t0 = time.perf_counter()
-                    for t in dtoks[4:4 + n]:
-                        eng.forward(st, np.array([t], np.int32), logits="last")
-                    dt = time.perf_counter() - t0
-            except Exception as e:  # one broken variant must not hide the others
-                print(f"decode L={L} {v}: {e!r}", flush=True)
-                checks[f"{v}@{L}"] = repr(e)
-                continue
-            dtok = n / dt
-            bytes_tok = w_bytes + dn_bytes + kv_per_tok * L
-            rows.append({"engine": v, "phase": "decode", "tokens": L, "tok_s": dtok, "ms_per_token": 1e3 * dt / n,
-                         "frac_bandwidth": bytes_tok * dtok / bw, "cuda_decode": eng.backend_flag("cuda_decode")})
-            print(f"decode  L={L:6d} {v:18s} {dtok:8.1f} tok/s ({1e3 * dt / n:.3f} ms)", flush=True)
-        # Same state, same token: the graph replays the fused kernels bit for bit; the legacy path differs only
-        # by summation order; greedy's first token is the argmax of the graph step's logits.
-        g = first.get("lily-cuda")
-        if g is not None:
-            if "lily-cuda-nograph" in first:
-                checks[f"graph == nograph bitwise @{L}"] = bool(np.array_equal(g, first["lily-cuda-nograph"]))
-            if "lily-cuda-legacy" in first:
-                checks[f"fused vs legacy rel_rms @{L}"] = rel_rms(g, first["lily-cuda-legacy"])
-                checks[f"fused vs legacy top1 @{L}"] = bool(np.argmax(g) == np.argmax(first["lily-cuda-legacy"]))
-            if "lily-cuda-greedy" in first:
-                checks[f"greedy[0] == argmax(graph logits) @{L}"] = bool(int(first["lily-cuda-greedy"][0]) ==
-                                                                        int(np.argmax(g)))
-        if L == dec_lengths[0] and "lily-cuda-greedy" in first:
-            # greedy chain vs forward + host argmax over 8 steps (graph path)
-            eng.set_backend_flag("cuda_decode", 2)
-            st.restore(snap)
-            tok, chain = int(dtoks[0]), []
-            for _ in range(8):
-                tok = int(np.argmax(eng.forward(st, np.array([tok], np.int32), logits="last")[0]))
-                chain.append(tok)
-            checks[f"greedy chain == forward argmax chain (8) @{L}"] = bool(
-                list(first["lily-cuda-greedy"][:8]) == chain)
-        if L == 4096 or L == dec_lengths[-1] and 4096 not in dec_lengths:
-            for v, mode in (("lily-cuda-nograph", 1), ("lily-cuda-legacy", 0)):
-                if v not in variants:
-                    continue
-                eng.set_backend_flag("cuda_decode", mode)
-                st.restore(snap)
-                try:
-                    profiles[f"{v}@{L}"] = kernel_profile(
-                        lambda i: eng.forward(st, dtoks[i:i + 1], logits="last"), 4)
-                except Exception as e:  # profiling is a report extra, never a reason to lose the figures
-                    profiles[f"{v}@{L}"] = {"error": repr(e)}
-        eng.set_backend_flag("cuda_decode", 2)
-        for c in ("graph_nodes", "graph_kernels", "graph_captures", "decode_launches"):
-            counters[c] = eng.backend_flag(c)
-        del st, snap
+    def decode_greedy(self, st, tok):
+        self.eng.decode_greedy(st, tok, 3)
+        t0 = time.perf_counter()
+        self.eng.decode_greedy(st, tok, self.n)
+        return time.perf_counter() - t0
 
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", default="", help="checkpoint folder (benchmarks/full_checkpoint.py); "
+                    "empty: weights generated in memory (no MLX-LM peer)")
+    ap.add_argument("--config", default="full", help="in-memory / dry-run config: full or a tiny config name")
+    ap.add_argument("--backend", default="cuda", help="cuda; cpu for the dry run")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="")
+    ap.add_argument("--lengths", default="", help=f"lily lengths (default {LILY_LENGTHS}; dry run 32,64,96,128)")
+    ap.add_argument("--mlx-lengths", default="", help="MLX-LM lengths (default 512,4096,16384; dry run 64,96)")
+    ap.add_argument("--no-mlx", action="store_true")
+    ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument("--fake-flags", action="store_true", help="dry run: accept and ignore the ablation flags")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--mlx-decode-steps", type=int, default=8)
+    ap.add_argument("--profile-length", type=int, default=4096)
+    ap.add_argument("--budget-s", type=float, default=480, help="wall-clock budget from the start of main")
+    ap.add_argument("--replot", default="", help="only redraw the PNG and the ablation table from this JSON")
+    args = ap.parse_args(argv)
+    dry = args.backend != "cuda"
+    args.lengths = [int(x) for x in (args.lengths or ("32,64,96,128" if dry else LILY_LENGTHS)).split(",") if x]
+    args.mlx_lengths = [] if args.no_mlx else [
+        int(x) for x in (args.mlx_lengths or ("64,96" if dry else "512,4096,16384")).split(",") if x]
+    if dry and args.profile_length == 4096:
+        args.profile_length = 64
+    args.name = args.name or ("bench_cuda_h200" if not dry else "bench_cuda_dryrun")
+    args.max_context = max(args.lengths + args.mlx_lengths) + args.decode_steps + 16
+    return args
+
+
+def main(argv=None):
+    t_start = time.time()
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"hardware": {"gpu": gpu_name, "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mflops,
-                        "host": platform.node(), "cpu_count": os.cpu_count()},
-           "git_sha": os.environ.get("LILY_GIT_SHA", "unknown"),
-           "settings": {"config": "full_config() (Qwen3.6-35B-A3B shapes), random 4-bit g64 codes, 8-bit router",
-                        "chunk": eng.default_chunk, "decode_steps": n, "variants": VARIANTS,
-                        "decode_timing": "host wall clock over n steps after 3 warm-up steps, each variant from the "
-                                         "same restored state; forward variants copy the logits to the host",
-                        "weights_gen_s": gen_s, "upload_s": load_s, "build": _lily.build_info(),
-                        "env_LILY_CUDA_DECODE": os.environ.get("LILY_CUDA_DECODE", "")},
-           "rows": rows, "checks": checks, "counters": counters, "decode_profiles": profiles}
-    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=float))
-    plot(rows, variants, gpu_name, out / f"{args.name}.png")
-    for k, prof in profiles.items():
-        if prof and "error" not in prof:
-            print(f"\ndecode {k} by kernel family: launches/step, us/step, share")
-            for fam, v in list(prof.items())[:12]:
-                print(f"  {fam:24s} {v['launches_per_step']:6.1f} {v['us_per_step']:9.1f} {v['share']:.3f}")
-    print("\ncounters:", counters)
-    print("checks:", json.dumps(checks, default=float))
-    print("\nengine              phase    tokens     tok/s   ms/tok  fraction of limit")
+    md_path = out / ("cuda_ablations_h200.md" if args.backend == "cuda" else "cuda_ablations_dryrun.md")
+    if args.replot:
+        res = json.loads(Path(args.replot).read_text())
+        plot_sweep(res["rows"], res["settings"].get("title", ""), Path(args.replot).with_suffix(".png"))
+        write_markdown(res, md_path)
+        return 0
+    deadline = t_start + args.budget_s
+    bw, mflops, dev_name = measure_ceilings(args.backend)
+    print(f"ceilings ({dev_name}): copy {bw / 1e12:.3f} TB/s, matrix {mflops / 1e12:.1f} TFLOP/s", flush=True)
+    eng, cfg, folder, load_info = build_engine(args)
+    cost = CostModel(cfg)
+    print(f"lily engine ({args.backend}) from {folder or 'memory'}: read {load_info['read_s']:.1f}s, engine "
+          f"{load_info['engine_s']:.1f}s; weight bytes/token {cost.weight_bytes / 1e9:.3f} GB", flush=True)
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, args.max_context).astype(np.int32)
+    lily = LilyRunner(eng, toks, args.decode_steps)
+    st, _, _ = lily.prefill(min(512, args.lengths[0]))  # warm-up: allocations, module load, graph capture
+    lily.decode(st, 1, 2)
+    del st
+    peer = MlxPeer(folder) if args.mlx_lengths else None
+    mlx_note = None
+    if peer is not None:
+        mlx_note = peer.error or peer.warm_up(toks)
+        print(f"mlx-lm: {peer.info if peer.ok else mlx_note}", flush=True)
+    ablations = ABLATIONS if args.backend == "cuda" else scaled(ABLATIONS, lambda x: DRY_LENGTHS.get(x, x))
+    ablator = None if args.no_ablations else Ablator(eng, ablations, deadline)
+    rows, profiles, checks = [], {}, {}
+
+    def add(engine, phase, L, seconds=None, steps=None, note=None, **extra):
+        r = {"engine": engine, "phase": phase, "tokens": L, "tok_s": None, "ms": None}
+        if seconds:
+            n = L if phase == "prefill" else steps
+            r.update(tok_s=n / seconds, ms=1e3 * seconds / (1 if phase == "prefill" else steps))
+            if phase == "prefill":
+                r["frac_matrix_rate"] = cost.prefill_flops_per_token(L) * r["tok_s"] / mflops
+            else:
+                r["frac_bandwidth"] = cost.decode_bytes(L) * r["tok_s"] / bw
+                r["bytes_per_token"] = cost.decode_bytes(L)
+        if note:
+            r["note"] = note
+        r.update(extra)
+        rows.append(r)
+        if r["tok_s"]:
+            print(f"{engine:16s} {phase:7s} L={L:6d} {r['tok_s']:10.1f} tok/s {r['ms']:9.3f} ms", flush=True)
+        return r
+
+    def run_lily(L):
+        if time.time() > deadline:
+            add(lily.name, "prefill", L, note="not measured (budget)")
+            add(lily.name, "decode", L, note="not measured (budget)")
+            return
+        try:
+            st, pf_s, tok = lily.prefill(L)
+            if L <= 8192:  # short prompts: the first run at a new length also pays scratch growth; keep the best
+                del st
+                st, pf_s2, tok = lily.prefill(L)
+                pf_s = min(pf_s, pf_s2)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory at 128K: keep the other lengths
+            add(lily.name, "prefill", L, note=f"error: {str(e)[:120]}")
+            return
+        pf = add(lily.name, "prefill", L, pf_s)
+        snap = st.snapshot()
+        dec = add(lily.name, "decode", L, lily.decode(st, tok), args.decode_steps)
+        if args.backend == "cuda":
+            try:
+                st.restore(snap)
+                add(lily.name + "-greedy", "decode", L, lily.decode_greedy(st, tok), args.decode_steps,
+                    method="Engine.decode_greedy: argmax on the device, no logits copies")
+            except Exception as e:  # noqa: BLE001
+                checks[f"decode_greedy@{L}"] = repr(e)[:200]
+        if L == args.profile_length and time.time() < deadline:
+            run_profiles(L, st, snap, tok)
+        if ablator is not None:
+            def measure_decode():
+                st.restore(snap)
+                return args.decode_steps / lily.decode(st, tok)
+
+            def measure_prefill():
+                lily.prefill(min(256, L))  # first use of the setting outside the timing
+                return L / lily.prefill(L)[1]
+            ablator.decode(L, dec["tok_s"], measure_decode)
+            ablator.prefill(L, pf["tok_s"], measure_prefill)
+
+    def run_profiles(L, st, snap, tok):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            profiles["note"] = "torch not importable: no kernel profile"
+            return
+        if args.backend != "cuda":
+            return
+        for label, mode in (("graph", 2), ("nograph", 1)):
+            try:
+                eng.set_backend_flag("cuda_decode", mode)
+                st.restore(snap)
+                profiles[f"decode@{L} {label}"] = kernel_profile(
+                    lambda i: eng.forward(st, np.array([toks[i]], np.int32), logits="last"), 8)
+            except Exception as e:  # noqa: BLE001 - a report extra, never a reason to lose the figures
+                profiles[f"decode@{L} {label}"] = {"error": repr(e)[:200]}
+            finally:
+                eng.set_backend_flag("cuda_decode", 2)
+        try:
+            profiles[f"prefill@{L}"] = kernel_profile(lambda i: eng.forward(eng.new_state(), toks[:L], logits="last"), 1)
+        except Exception as e:  # noqa: BLE001
+            profiles[f"prefill@{L}"] = {"error": repr(e)[:200]}
+        for c in ("graph_nodes", "graph_kernels", "graph_captures", "decode_launches"):
+            try:
+                checks[c] = eng.backend_flag(c)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def run_mlx(L):
+        if L not in args.mlx_lengths:
+            return
+        if time.time() > deadline:
+            add("mlx-lm", "prefill", L, note="not measured (budget)")
+            add("mlx-lm", "decode", L, note="not measured (budget)")
+            return
+        pf, dec, note = peer.prefill_then_decode(toks[:L], args.mlx_decode_steps)
+        if note:
+            add("mlx-lm", "prefill", L, note=note)
+            add("mlx-lm", "decode", L, note=note)
+            return
+        add("mlx-lm", "prefill", L, pf["seconds"])
+        add("mlx-lm", "decode", L, dec["seconds"], dec["steps"])
+
+    for k, L in enumerate(sorted(set(args.lengths) | set(args.mlx_lengths))):
+        engines = ([run_lily] if L in args.lengths else []) + ([run_mlx] if L in args.mlx_lengths else [])
+        for fn in (engines if k % 2 == 0 else engines[::-1]):  # alternate which engine goes first
+            fn(L)
+        print(f"[{time.time() - t_start:.0f}s] L={L} done", flush=True)
+
+    by = {(r["engine"], r["phase"], r["tokens"]): r for r in rows}
     for r in rows:
-        frac = r.get("frac_bandwidth", r.get("frac_matrix_rate"))
-        ms = f"{r['ms_per_token']:7.3f}" if "ms_per_token" in r else "      -"
-        print(f"{r['engine']:19s} {r['phase']:8s} {r['tokens']:6d} {r['tok_s']:9.1f} {ms}  {frac:.3f}")
+        m = by.get(("mlx-lm", r["phase"], r["tokens"]))
+        if r["engine"].startswith("lily") and r["tok_s"] and m and m.get("tok_s"):
+            r["ratio_to_mlx"] = r["tok_s"] / m["tok_s"]
+    title = (f"lily-{args.backend} vs MLX-LM, {cfg.num_hidden_layers} layers hidden {cfg.hidden_size} "
+             f"({'checkpoint' if folder else 'in-memory'}), {dev_name}, git {git_sha()[:10]}")
+    res = {"hardware": {**hardware(), "gpu": dev_name, "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mflops,
+                        "host": platform.node()},
+           "git_sha": git_sha(),
+           "settings": {"title": title, "backend": args.backend, "config": args.config, "checkpoint": folder,
+                        "lily_lengths": args.lengths, "mlx_lengths": args.mlx_lengths,
+                        "decode_steps": args.decode_steps, "mlx_decode_steps": args.mlx_decode_steps,
+                        "budget_s": args.budget_s, "load": load_info, "cost_model": cost.as_dict(),
+                        "mlx": (peer.info if peer and peer.info else {"note": mlx_note or "disabled"}),
+                        "order": "engines alternate which goes first per length",
+                        "build": _lily.build_info(), "chunk": eng.default_chunk,
+                        "method": "prefill: fresh state, last-row logits, host wall clock; decode: 3 untimed "
+                                  "steps, then steps of forward + logits to host + argmax"},
+           "rows": rows, "ablations": ablator.rows if ablator else [], "kernel_profiles": profiles,
+           "counters": checks, "elapsed_s": time.time() - t_start}
+    path = out / f"{args.name}.json"
+    path.write_text(json.dumps(res, indent=1, default=float))
+    plot_sweep(rows, title, out / f"{args.name}.png")
+    write_markdown(res, md_path)
+    for k, prof in profiles.items():
+        if isinstance(prof, dict) and "error" not in prof and "_total" in prof:
+            print("\n" + format_profile(k, prof, 10))
+        else:
+            print(f"\n{k}: {prof}")
+    if ablator:
+        print("\nablations (tok/s, change vs default):")
+        for r in ablator.rows:
+            ch = f"{100 * r['change_vs_default']:+.1f}%" if r.get("change_vs_default") is not None else ""
+            val = f"{r['tok_s']:.1f}" if r.get("tok_s") else r.get("note", "")[:50]
+            print(f"  {r['flag']}={r['setting']} {r['phase']} {r['tokens']}: {val} {ch}")
+    print(f"\nwrote {path}, {md_path}; elapsed {time.time() - t_start:.0f}s; counters {checks}")
+    print(short_table(rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
