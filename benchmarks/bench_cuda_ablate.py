@@ -28,14 +28,15 @@ ABLATIONS = (
              "0 device-resident (default), 1 host-synced"),
     Ablation("GQA packing (decode attention)", "gqa_pack", (0,), (4096, 32768), (), "1 on (default), 0 off"),
     Ablation("split-K", "split_k", (0,), (4096, 32768, 131072), (), "1 on (default), 0 off"),
-    Ablation("DeltaNet scan form", "dn_form", (0, 1, 2), (), (512, 4096, 16384),
-             "3 auto (default), 0 old sequential, 1 new sequential, 2 chunked"),
+    Ablation("DeltaNet scan form", "dn_form", (0, 1, 2, 4), (), (512, 4096, 16384),
+             "3 auto (default), 0 old sequential, 1 new sequential, 2 chunked (TF32), 4 chunked (fp32)"),
     Ablation("expert tile size", "expert_tile", (16, 32, 64, 128), (), (4096,), "0 auto (default), else rows"),
     Ablation("GEMM implementation", "gemm_impl", (0,), (), (4096,), "1 new (default), 0 legacy wmma"),
     Ablation("attention implementation", "attn_impl", (0,), (4096,), (4096,), "1 new (default), 0 legacy"),
     Ablation("programmatic dependent launch", "pdl", (0,), (4096, 32768), (), "1 on (default), 0 off"),
-    Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2), (4096,), (),
-             "3 auto (default: scalar projections, bulk-copy MoE down), 0 scalar, 1 tensor-core, 2 bulk-copy"),
+    Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
+             "3 auto (default: scalar projections, bulk-copy MoE down), 0 scalar, 1 tensor-core, 2 bulk-copy, "
+             "4 per-warp cp.async rings"),
 )
 
 

@@ -144,7 +144,7 @@ class CudaBackend final : public Backend {
     if (name == "cuda_decode") {
       decode_mode_ = range(0, 2);
     } else if (name == "gemv_impl") {
-      gemv_impl_ = range(0, 3);
+      gemv_impl_ = range(0, 4);
     } else if (name == "pdl") {
       pdl_ = range(0, 1) != 0;
     } else if (name == "routing_sync") {
@@ -163,7 +163,7 @@ class CudaBackend final : public Backend {
     } else if (name == "attn_impl") {
       attn_impl_ = range(0, 1);
     } else if (name == "dn_form") {
-      dn_form_ = range(0, 3);
+      dn_form_ = range(0, 4);
     } else {
       return Backend::set_flag(name, value);
     }
@@ -206,7 +206,11 @@ class CudaBackend final : public Backend {
     const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                                cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
     cuda::deltanet_conv(st_, p, qkv_, L.conv_w, st.conv.as<float>(), u_);
-    cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_);
+    const int form = cuda::deltanet_scan_pick(p, dn_form_);
+    const size_t scratch = form == cuda::kScanChunked || form == cuda::kScanChunkedFp32
+                               ? cuda::deltanet_chunk_scratch_bytes(p) : 0;  // chunked forms' W, U, P, decays
+    float* dn_scratch = scratch ? s_dn_.get<float>(mem_, static_cast<int64_t>((scratch + 3) / 4)) : nullptr;
+    cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_, form, dn_scratch, scratch);
     cuda::deltanet_gated_norm(st_, p, y_, z_, L.dn_norm, yb_);
     cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true, gemm_impl_);
   }
@@ -699,7 +703,7 @@ class CudaBackend final : public Backend {
 
   Scratch s_ids_, s_x_, s_h_, s_qkv_, s_u_, s_z_, s_y_, s_yb_, s_b_, s_a_, s_qg_, s_q_, s_k_, s_v_, s_ob_, s_logits_,
       s_top_idx_, s_top_w_, s_pair_row_, s_pair_id_, s_pair_w_, s_n_tiles_, s_tile_expert_, s_tile_row0_,
-      s_tile_rows_, s_act_, s_d_, s_sact_, s_shd_, s_sg_, part_, lg_;
+      s_tile_rows_, s_act_, s_d_, s_sact_, s_shd_, s_sg_, part_, lg_, s_dn_;
   int32_t* ids_ = nullptr;
   float* x_ = nullptr;                                  // [S, H] residual stream
   bf16* h_ = nullptr;                                   // [S, H] normed input of the sub-block
@@ -732,7 +736,7 @@ class CudaBackend final : public Backend {
   int expert_tile_ = 0;        // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128
   int gemm_impl_ = 1;          // prefill GEMM: 1 tensor-core pipeline, 0 the wmma kernel
   int attn_impl_ = 1;          // prefill attention: 1 tensor-core flash, 0 CUDA-core
-  int dn_form_ = 3;            // DeltaNet prefill: 0 old scan, 1 new scan, 2 chunked, 3 auto by length
+  int dn_form_ = 3;            // DeltaNet prefill: 0 old scan, 1 new scan, 2 chunked (TF32), 3 auto, 4 chunked fp32
   bool fused_ok_ = false;
   std::vector<Buffer> dec_bufs_;
   std::vector<std::pair<void*, size_t>> dec_poison_;

@@ -86,17 +86,19 @@ struct DownArgs {
 //   launch), or everything on scalar lanes. Returns the number of blocks launched: the length of the amax array the greedy head writes.
 //   impl: 0 scalar lanes (decode.cu), 1 tensor cores with register loads (decode_tc.cu), 2 tensor cores fed by
 //   the bulk copy engine (decode_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
-//   measured per kernel (scalar projections, bulk MoE down).
+//   measured per kernel (scalar projections, bulk MoE down), 4 per-warp cp.async rings (decode_ring.cu) for the
+//   projections and the bulk MoE down.
 unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl);
 unsigned proj_scalar(cudaStream_t st, const ProjArgs& a, bool pdl);
 unsigned proj_tc(cudaStream_t st, const ProjArgs& a, bool pdl);
 unsigned proj_bulk(cudaStream_t st, const ProjArgs& a, bool pdl);
+unsigned proj_ring(cudaStream_t st, const ProjArgs& a, bool pdl);
+bool ring_launch_ok(const ProjArgs& a);
 bool bulk_launch_ok(const ProjArgs& a);
 void moe_down(cudaStream_t st, const DownArgs& a, int impl, bool pdl);
 void moe_down_scalar(cudaStream_t st, const DownArgs& a, bool pdl);
 void moe_down_bulk(cudaStream_t st, const DownArgs& a, bool pdl);
 bool bulk_down_ok(const DownArgs& a);
-void bulk_debug_skip(int v);  // DEBUG: bulk kernels stream weights without computing
 // Whether the tensor-core path takes this weight: MLX 4-bit, group 64.
 bool tc_format(const DLinear& w);
 // DeltaNet decode scan: u [C] post-conv (q, k not yet l2-normalised), b/a [Hv], ssm updated, y [Hv*Dv].

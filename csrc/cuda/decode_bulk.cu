@@ -1,19 +1,22 @@
 // Decode GEMVs with the weights streamed into shared memory by the bulk copy engine (cp.async.bulk + mbarrier):
-// one producer warp keeps a ring of 16-row weight blocks in flight while 8 compute warps run the tensor-core
-// dot products of decode_tc.cu on them (same fragment layout and arithmetic, see its header comment).
+// one producer warp keeps a ring of weight stages in flight while 8 compute warps run the tensor-core dot
+// products of decode_tc.cu on them (same fragment layout and arithmetic, see its header comment).
 //
-// Why: measured on the H200 (benchmarks/kernels/check_decode.cu), register-loading GEMVs stall on DRAM latency:
-// each warp has one batch of loads in flight, then computes, then reduces, so a 286 MB lm_head streamed at
-// ~1.5-1.65 TB/s and a 14 MB DeltaNet in-projection at 1.0 TB/s. Here the copies for the next ring stages are
-// already in flight while a stage is being computed: up to ~180 KB per SM, past what the latency needs, with a
-// single thread issuing them. Weights never depend on the activations, so the producer starts before the
-// kernel waits for its predecessor (programmatic dependent launch): the first stages overlap the previous
-// kernel's tail.
+// Why: register-loading GEMVs stall on DRAM latency (each warp has one batch of loads in flight, then computes,
+// then reduces). Here the copies for later stages are in flight while a stage is computed, without registers,
+// and since weights never depend on the activations the producer starts before the kernel waits for its
+// predecessor (programmatic dependent launch).
+// Measured on the H200 (benchmarks/kernels/check_decode.cu, 2026-11-30): the MoE down (9 experts' 16-row parts,
+// split over the warps) takes 7.4 us against 15.4 us on scalar lanes, so it is the default there; for the
+// projections it is no faster than scalar lanes (lm_head 1.74 vs 1.65 TB/s, mid-size matrices slower). With the
+// compute switched off this ring streamed only 2.33 TB/s where plain 16-byte loads from 1,024 threads per SM
+// reach 4.4 TB/s: one thread issuing one stage at a time is the limit. Next: per-warp cp.async rings.
 //
-// A stage is one 16-row block of one weight matrix (two for a gate/up pair; one expert part of the K-concatenated
-// MoE down row), laid out as in global memory: codes [16][in/2 B], scales [16][in/32 B], biases [16][in/32 B].
-// Requires 4-bit group-64 weights with in % 512 == 0 (16-byte copy sizes for any row count): every projection
-// of the real model. Other segments of a launch (the 8-bit router) run on the compute warps' scalar lanes.
+// Stages: proj -- one weight set (gate or up) x 16 rows x a chunk of <= 2048 values (longer rows: several
+// chunks), each compute warp owning whole 16-row blocks; down -- one expert part x 16 rows, part j on warp j % 8,
+// partial sums added in a fixed order. Layout as in global memory: codes [16][kc/2 B], scales [16][kc/32 B],
+// biases [16][kc/32 B]. Requires 4-bit group-64 weights with in % (512 x chunks) == 0 (16-byte copy sizes):
+// every projection of the real model. Other segments of a launch (the 8-bit router) run on scalar lanes.
 #include "cuda/decode_tc.cuh"
 
 namespace lily::cuda::dec {
@@ -24,8 +27,6 @@ constexpr int kChunk = 2048;                     // most values of a row per sta
 constexpr int kBulkThreads = kThreads + 32;      // 8 compute warps + 1 producer warp
 constexpr int kSmemLimit = 220 * 1024;           // dynamic shared memory per block (H100/H200 opt-in: 227 KB incl. static)
 constexpr int kRingBudget = 200 * 1024;
-
-__device__ int g_bulk_skip = 0;  // DEBUG calibration switch (bulk_debug_skip)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -112,7 +113,6 @@ __device__ __forceinline__ void consume(const Ring& r, int it, int kc, int l0, i
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(st + kRowBlock * cb);
   const uint16_t* bi = reinterpret_cast<const uint16_t*>(st + kRowBlock * (cb + sb));
   mbar_wait(&r.full[s], (it / r.n) & 1);
-  if (g_bulk_skip) l1 = l0;  // DEBUG calibration: stream only
   for (int l = l0; l < l1; l += 4) {
     float d[4][4];
 #pragma unroll
@@ -364,8 +364,6 @@ size_t act_bytes(int64_t n) {
 }
 
 }  // namespace
-
-void bulk_debug_skip(int v) { check(cudaMemcpyToSymbol(g_bulk_skip, &v, sizeof v), "cudaMemcpyToSymbol"); }
 
 bool bulk_launch_ok(const ProjArgs& a) {
   bool any = false;

@@ -287,6 +287,7 @@ unsigned proj_tc(cudaStream_t st, const ProjArgs& in, bool pdl) {
 // impl 3 (auto) takes what measured fastest per kernel on the H200 (benchmarks/kernels/check_decode.cu, with
 // PDL): the scalar projections (their weight loads go out before the PDL wait) and the bulk-copy MoE down.
 unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl) {
+  if (impl == 4 && ring_launch_ok(a)) return proj_ring(st, a, pdl);
   if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a, pdl);
   return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a, pdl) : proj_scalar(st, a, pdl);
 }

@@ -130,8 +130,9 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
   LILY_LAUNCH_CHECK();
 }
 
-void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                   const float* dt_bias, const float* a_log, float* ssm, float* y) {
+void deltanet_scan_old(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                       const float* dt_bias, const float* a_log, float* ssm, float* y) {
+  if (p.S <= 0) return;
   const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
   switch ((p.k_dim + 31) / 32) {
     case 1: scan_kernel<1><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
@@ -141,6 +142,39 @@ void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u,
     default: throw std::invalid_argument("[lily] cuda deltanet_scan: linear_key_head_dim > 128 is not supported");
   }
   LILY_LAUNCH_CHECK();
+}
+
+int deltanet_scan_pick(const kp::DeltaNetParams& p, int form) {
+  if (form == kScanAuto) return p.S >= kScanChunkMinRows ? kScanChunked : kScanSeq;
+  if (form < kScanOld || form > kScanChunkedFp32) throw std::invalid_argument("[lily] cuda deltanet_scan: form is 0..4");
+  return form;
+}
+
+void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y, int form, float* scratch,
+                   size_t scratch_bytes) {
+  form = deltanet_scan_pick(p, form);
+  switch (form) {
+    case kScanOld: return deltanet_scan_old(st, p, u, b, a, dt_bias, a_log, ssm, y);
+    case kScanSeq: return deltanet_scan_seq(st, p, u, b, a, dt_bias, a_log, ssm, y, 8);
+    default: break;
+  }
+  const size_t need = deltanet_chunk_scratch_bytes(p);
+  if (scratch == nullptr || scratch_bytes < need) {
+    // Fallback buffer, grown on demand. cudaMalloc/cudaFree synchronise, so callers that capture graphs or
+    // care about the stall pass their own scratch of deltanet_chunk_scratch_bytes(p) bytes.
+    static float* own = nullptr;
+    static size_t own_bytes = 0;
+    if (own_bytes < need) {
+      if (own != nullptr) LILY_CUDA_CHECK(cudaFree(own));
+      own = nullptr;
+      own_bytes = 0;
+      LILY_CUDA_CHECK(cudaMalloc(&own, need));
+      own_bytes = need;
+    }
+    scratch = own;
+  }
+  deltanet_scan_chunked(st, p, u, b, a, dt_bias, a_log, ssm, y, scratch, form == kScanChunked);
 }
 
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,

@@ -34,15 +34,19 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
                    float* conv_state, float* u);
 // Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
 // written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
-// norm). `form` selects the implementation (ablations): kScanOld the original one-warp-per-row scan,
-// kScanSeq the shared-memory-staged sequential scan (deltanet_chunk.cu), kScanChunked the chunked WY form
-// (chunk 64, fp32 FFMA), kScanAuto chunked when S >= kScanChunkMinRows else kScanSeq, kScanChunkedTC the
-// chunked form with its state kernel on TF32 tensor cores (faster, ~1e-3 rel error; not yet picked by auto,
-// see benchmarks/kernels/check_deltanet.cu). The chunked forms need
-// deltanet_chunk_scratch_bytes(p) bytes of device scratch; pass it (required under graph capture), otherwise
-// a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
-enum DeltaNetScanForm : int { kScanOld = 0, kScanSeq = 1, kScanChunked = 2, kScanAuto = 3, kScanChunkedTC = 4 };
-constexpr int64_t kScanChunkMinRows = 512;  // auto threshold (predicted; benchmarks/kernels/check_deltanet.cu)
+// norm). `form` selects the implementation (ablations):
+//   kScanOld          the original one-warp-per-row scan (deltanet.cu);
+//   kScanSeq          exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_chunk.cu);
+//   kScanChunked      chunked WY form (chunk 64), Gram/state products on TF32 tensor cores (~5e-4 rel error,
+//                     below the bf16 rounding of y that follows);
+//   kScanAuto         kScanChunked when S >= kScanChunkMinRows, else kScanSeq (the default);
+//   kScanChunkedFp32  the chunked form with every product in fp32 FFMA (exactness reference for ablations).
+// The chunked forms need deltanet_chunk_scratch_bytes(p) bytes of device scratch: pass it (required under
+// graph capture); otherwise a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
+enum DeltaNetScanForm : int { kScanOld = 0, kScanSeq = 1, kScanChunked = 2, kScanAuto = 3, kScanChunkedFp32 = 4 };
+// Auto threshold, predicted (chunked ~= 2 launches + ceil(S/64) chunk steps of ~2.5 us vs ~0.125 us per token
+// sequential); benchmarks/kernels/check_deltanet.cu prints the measured crossover.
+constexpr int64_t kScanChunkMinRows = 128;
 void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                    const float* dt_bias, const float* a_log, float* ssm, float* y, int form = kScanAuto,
                    float* scratch = nullptr, size_t scratch_bytes = 0);
@@ -56,12 +60,12 @@ void deltanet_scan_old(cudaStream_t st, const kp::DeltaNetParams& p, const float
 // Form 1: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
 void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                        const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row = 8);
-// Forms 2 and 4 (tensor_cores): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
+// Forms 2 (tensor_cores) and 4 (fp32 FFMA): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
 // (Hv * ceil(S/64) * 64 * (Dk + Dv + 65) floats).
 size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
 void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
                            const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
-                           float* scratch, bool tensor_cores = false);
+                           float* scratch, bool tensor_cores = true);
 // out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out);

@@ -1,0 +1,331 @@
+// build: csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu
+// Gated DeltaNet prefill recurrence (model.md §4.3 step 7): every deltanet_scan form against an fp64 host
+// sequential reference, then timing of the forms at the real head shapes.
+//   forms: old (0, one warp per row), seq8 / seq16 (1, 8 or 16 lanes per row), chunk (2, WY form, C = 64,
+//   TF32 mma.sync), auto (3, the default of deltanet_scan), chunk32 (4, the chunked form in fp32 FFMA).
+// Tolerances (rel RMS of y and of the final state vs fp64 on the same fp32 inputs):
+//   old / seq: 1e-4. Exact fp32 per-token recurrence; only the summation order of the two Dk-long dot products
+//              differs from fp64, each step contracts the state (g < 1, beta k k^T with |k| = 1), so rounding
+//              does not grow with S: expected ~1e-6.
+//   chunk32:   5e-4. Same fp32 operands, but sums are reordered across the chunk, decays are exp(cumsum log g)
+//              instead of a running product, and the unit-lower-triangular solve (I + A)^-1 can amplify
+//              rounding when keys inside a chunk are nearly parallel (the "corr" cases); expected 1e-6..1e-5.
+//   chunk:     2e-3. The Gram and state products' operands are rounded to TF32 (2^-11 relative): Delta, O and each state
+//              update carry ~3e-4 rel RMS; later decays contract old state errors, so they do not pile up.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/kernels.cuh"
+
+namespace kp = lily::kp;
+namespace lc = lily::cuda;
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+struct Shape {
+  const char* name;
+  int Hk, Hv, Dk, Dv;
+  int64_t S;
+  bool correlated_keys;  // keys = normalise(shared direction + 0.3 noise): stresses the (I + A) solve
+};
+
+struct Inputs {  // host copies
+  kp::DeltaNetParams p;
+  std::vector<float> u, b, a, dt_bias, a_log, ssm0;
+};
+
+struct DeviceInputs {
+  float *u = nullptr, *b = nullptr, *a = nullptr, *dt_bias = nullptr, *a_log = nullptr, *ssm = nullptr;
+  void free_all() {
+    for (float* x : {u, b, a, dt_bias, a_log, ssm}) CK(cudaFree(x));
+  }
+};
+
+static kp::DeltaNetParams params_of(const Shape& s) {
+  kp::DeltaNetParams p{};
+  p.k_heads = s.Hk;
+  p.v_heads = s.Hv;
+  p.k_dim = s.Dk;
+  p.v_dim = s.Dv;
+  p.conv_kernel = 4;
+  p.conv_dim = 2 * s.Hk * s.Dk + s.Hv * s.Dv;
+  p.norm_eps = 1e-6f;
+  p.qk_eps = 1e-6f;
+  p.S = s.S;
+  return p;
+}
+
+// Realistic ranges: q, k l2-normalised (q times Dk^-0.5) as l2norm_kernel leaves them; v in [-1, 1];
+// b in [-4, 4] (beta in (0.02, 0.98)); a_log in [-1.5, 0], a + dt_bias in [-4, 1] (g in about (0.27, 1)).
+static Inputs make_inputs(const Shape& s, std::mt19937_64& rng, bool nonzero_state) {
+  Inputs in;
+  in.p = params_of(s);
+  const kp::DeltaNetParams& p = in.p;
+  std::uniform_real_distribution<float> U(-1.f, 1.f);
+  const int64_t C = p.conv_dim;
+  in.u.resize(static_cast<size_t>(s.S * C));
+  std::vector<float> shared(static_cast<size_t>(s.Hk * s.Dk));
+  for (float& x : shared) x = U(rng);
+  for (int64_t t = 0; t < s.S; ++t) {
+    float* row = in.u.data() + t * C;
+    for (int64_t c = 0; c < C; ++c) row[c] = U(rng);
+    for (int hh = 0; hh < 2 * s.Hk; ++hh) {
+      float* x = row + static_cast<int64_t>(hh) * s.Dk;
+      if (s.correlated_keys && hh >= s.Hk)
+        for (int i = 0; i < s.Dk; ++i) x[i] = shared[(hh - s.Hk) * s.Dk + i] + 0.3f * x[i];
+      double ss = 0;
+      for (int i = 0; i < s.Dk; ++i) ss += double(x[i]) * x[i];
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss + 1e-6)) *
+                        (hh < s.Hk ? static_cast<float>(1.0 / std::sqrt(double(s.Dk))) : 1.f);
+      for (int i = 0; i < s.Dk; ++i) x[i] *= inv;
+    }
+  }
+  std::uniform_real_distribution<float> Ub(-4.f, 4.f), Ua(-3.f, 0.5f), Udt(-1.f, 0.5f), Ual(-1.5f, 0.f);
+  in.b.resize(static_cast<size_t>(s.S * s.Hv));
+  in.a.resize(in.b.size());
+  for (auto& x : in.b) x = Ub(rng);
+  for (auto& x : in.a) x = Ua(rng);
+  in.dt_bias.resize(s.Hv);
+  in.a_log.resize(s.Hv);
+  for (auto& x : in.dt_bias) x = Udt(rng);
+  for (auto& x : in.a_log) x = Ual(rng);
+  in.ssm0.assign(static_cast<size_t>(s.Hv) * s.Dv * s.Dk, 0.f);
+  if (nonzero_state)
+    for (auto& x : in.ssm0) x = 0.5f * U(rng);
+  return in;
+}
+
+static DeviceInputs upload(const Inputs& in) {
+  DeviceInputs d;
+  auto put = [](float*& dst, const std::vector<float>& src) {
+    CK(cudaMalloc(&dst, std::max<size_t>(src.size(), 1) * sizeof(float)));
+    if (!src.empty()) CK(cudaMemcpy(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice));
+  };
+  put(d.u, in.u);
+  put(d.b, in.b);
+  put(d.a, in.a);
+  put(d.dt_bias, in.dt_bias);
+  put(d.a_log, in.a_log);
+  put(d.ssm, in.ssm0);
+  return d;
+}
+
+// fp64 sequential recurrence, same update order as csrc/cpu/deltanet.cpp (decay, delta rule, read-out).
+static void reference(const Inputs& in, std::vector<double>& y, std::vector<double>& ssm) {
+  const kp::DeltaNetParams& p = in.p;
+  const int64_t C = p.conv_dim, Dk = p.k_dim, Dv = p.v_dim, Hv = p.v_heads, key_dim = int64_t(p.k_heads) * Dk;
+  y.assign(static_cast<size_t>(p.S * Hv * Dv), 0.0);
+  ssm.assign(in.ssm0.begin(), in.ssm0.end());
+  const int n_threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int w = 0; w < n_threads; ++w)
+    pool.emplace_back([&, w] {
+      for (int64_t r = w; r < Hv * Dv; r += n_threads) {
+        const int64_t h = r / Dv, dv = r % Dv, kh = h / (Hv / p.k_heads);
+        double* st = ssm.data() + r * Dk;
+        const double A = std::exp(double(in.a_log[h]));
+        for (int64_t t = 0; t < p.S; ++t) {
+          const float* q = in.u.data() + t * C + kh * Dk;
+          const float* k = q + key_dim;
+          const double v = in.u[t * C + 2 * key_dim + h * Dv + dv];
+          const double x = double(in.a[t * Hv + h]) + in.dt_bias[h];
+          const double sp = x > 20.0 ? x : std::log1p(std::exp(x));
+          const double g = std::exp(-A * sp), beta = 1.0 / (1.0 + std::exp(-double(in.b[t * Hv + h])));
+          double kst = 0;
+          for (int64_t i = 0; i < Dk; ++i) kst += (st[i] *= g) * k[i];
+          const double delta = beta * (v - kst);
+          double o = 0;
+          for (int64_t i = 0; i < Dk; ++i) o += (st[i] += delta * k[i]) * q[i];
+          y[t * Hv * Dv + h * Dv + dv] = o;
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+}
+
+struct Err {
+  double rel_rms, max_abs;
+  bool finite;
+};
+static Err compare(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0, mx = 0;
+  bool finite = true;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) finite = false;
+    const double d = double(got[i]) - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+    mx = std::max(mx, std::fabs(d));
+  }
+  return {std::sqrt(num / std::max(den, 1e-300)), mx, finite};
+}
+
+enum Variant { kOld, kSeq8, kSeq16, kChunk, kChunk32, kAuto, kVariants };
+static const char* kVariantName[kVariants] = {"old", "seq8", "seq16", "chunk", "chunk32", "auto"};
+
+static void run_variant(int v, const kp::DeltaNetParams& p, const DeviceInputs& d, float* y, float* scratch,
+                        size_t scratch_bytes, cudaStream_t st) {
+  switch (v) {
+    case kOld: lc::deltanet_scan(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, y, lc::kScanOld); break;
+    case kSeq8: lc::deltanet_scan_seq(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, y, 8); break;
+    case kSeq16: lc::deltanet_scan_seq(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, y, 16); break;
+    case kChunk:
+      lc::deltanet_scan(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, y, lc::kScanChunked, scratch, scratch_bytes);
+      break;
+    case kChunk32:
+      lc::deltanet_scan(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, y, lc::kScanChunkedFp32, scratch, scratch_bytes);
+      break;
+    default: lc::deltanet_scan(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, y); break;  // default = auto
+  }
+  CK(cudaGetLastError());
+}
+
+int main() {
+  const uint64_t seed = std::random_device{}() ^ static_cast<uint64_t>(
+                                                     std::chrono::high_resolution_clock::now().time_since_epoch().count());
+  std::mt19937_64 rng(seed);
+  std::printf("check_deltanet seed=%llu\n", static_cast<unsigned long long>(seed));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+
+  const std::vector<Shape> shapes = {
+      {"real_S1", 16, 32, 128, 128, 1, false},        {"real_S2", 16, 32, 128, 128, 2, false},
+      {"real_S63", 16, 32, 128, 128, 63, false},      {"real_S65", 16, 32, 128, 128, 65, false},
+      {"real_S130", 16, 32, 128, 128, 130, false},    {"real_S2048", 16, 32, 128, 128, 2048, false},
+      {"real_corr_S200", 16, 32, 128, 128, 200, true}, {"dk64_dv96_S65", 2, 4, 64, 96, 65, false},
+      {"dk64_dv96_S130", 2, 4, 64, 96, 130, false},   {"odd_h3_S63", 3, 3, 128, 128, 63, false},
+      {"odd_h3v9_S130", 3, 9, 64, 96, 130, false},    {"dk100_dv70_S129", 1, 2, 100, 70, 129, false},
+      {"dk32_dv40_S1", 1, 1, 32, 40, 1, false},       {"dk32_dv40_corr_S300", 1, 3, 32, 40, 300, true},
+      {"dk128_dv33_S64", 1, 1, 128, 33, 64, false},
+  };
+  int passed = 0, total = 0;
+  for (const Shape& s : shapes) {
+    for (int nz = 0; nz < 2; ++nz) {
+      if (nz == 0 && s.S > 300) continue;  // the big shape only with a non-zero incoming state
+      const Inputs in = make_inputs(s, rng, nz == 1);
+      std::vector<double> yref, sref;
+      reference(in, yref, sref);
+      DeviceInputs d = upload(in);
+      const size_t ny = static_cast<size_t>(s.S) * s.Hv * s.Dv;
+      float* y;
+      CK(cudaMalloc(&y, ny * sizeof(float)));
+      const size_t scratch_bytes = lc::deltanet_chunk_scratch_bytes(in.p);
+      float* scratch;
+      CK(cudaMalloc(&scratch, scratch_bytes));
+      std::vector<float> yh(ny), sh(in.ssm0.size());
+      for (int v = 0; v < kVariants; ++v) {
+        CK(cudaMemcpy(d.ssm, in.ssm0.data(), in.ssm0.size() * sizeof(float), cudaMemcpyHostToDevice));
+        CK(cudaMemset(y, 0xFF, ny * sizeof(float)));         // NaN: unwritten outputs fail
+        CK(cudaMemset(scratch, 0xFF, scratch_bytes));         // NaN: scratch read before written fails
+        run_variant(v, in.p, d, y, scratch, scratch_bytes, st);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpy(yh.data(), y, ny * sizeof(float), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(sh.data(), d.ssm, sh.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        const Err ey = compare(yh, yref), es = compare(sh, sref);
+        const bool chunked = v == kChunk || (v == kAuto && lc::deltanet_scan_pick(in.p, lc::kScanAuto) == lc::kScanChunked);
+        const double tol = chunked ? 2e-3 : v == kChunk32 ? 5e-4 : 1e-4;
+        const bool ok = ey.finite && es.finite && ey.rel_rms <= tol && es.rel_rms <= tol;
+        ++total;
+        passed += ok;
+        std::printf("%s %s/%s%s rel_rms=%.3e max_abs=%.3e state_rel_rms=%.3e state_max_abs=%.3e tol=%.0e\n",
+                    ok ? "PASS" : "FAIL", s.name, kVariantName[v], nz ? "/state" : "/zero", ey.rel_rms, ey.max_abs,
+                    es.rel_rms, es.max_abs, tol);
+      }
+      CK(cudaFree(y));
+      CK(cudaFree(scratch));
+      d.free_all();
+    }
+  }
+
+  // ---- timing at the real head shapes: 3 rotating input sets (u alone is S * 32 KB per set, > L2 for S >= 2048)
+  std::printf("\ntiming (real heads Hk 16 Hv 32 Dk Dv 128; median of 21 reps, 3 rotating input sets)\n");
+  std::printf("recurrence-equivalent work 4*Hv*Dv*Dk = %.2f MFLOP/token; ceilings: 790 TFLOP/s bf16 mma, ~67 TFLOP/s fp32 FFMA, 4.3 TB/s\n",
+              4.0 * 32 * 128 * 128 / 1e6);
+  const std::vector<int64_t> lens = {64, 128, 256, 512, 1024, 2048, 8192};
+  std::vector<int64_t> crossover_chunk, crossover_32;
+  for (int64_t S : lens) {
+    const Shape s{"time", 16, 32, 128, 128, S, false};
+    const kp::DeltaNetParams p = params_of(s);
+    std::vector<DeviceInputs> sets;
+    for (int i = 0; i < 3; ++i) sets.push_back(upload(make_inputs(s, rng, true)));
+    float* y;
+    CK(cudaMalloc(&y, static_cast<size_t>(S) * 32 * 128 * sizeof(float)));
+    const size_t scratch_bytes = lc::deltanet_chunk_scratch_bytes(p);
+    float* scratch;
+    CK(cudaMalloc(&scratch, scratch_bytes));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double med[kVariants] = {};
+    for (int v = 0; v < kVariants; ++v) {
+      if (v == kOld && S < 512) { med[v] = -1; continue; }
+      if (v == kAuto) { med[v] = -1; continue; }
+      for (int w = 0; w < 3; ++w) run_variant(v, p, sets[w % 3], y, scratch, scratch_bytes, st);
+      std::vector<float> ms;
+      for (int r = 0; r < 21; ++r) {
+        CK(cudaEventRecord(e0, st));
+        run_variant(v, p, sets[r % 3], y, scratch, scratch_bytes, st);
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      med[v] = ms[ms.size() / 2] * 1e3;  // us
+      const double flop = 4.0 * 32 * 128 * 128 * double(S);
+      // Bytes every form must move: u (q, k, v), b, a, y, state in + out.
+      const double bytes = double(S) * (8192 + 64 + 4096) * 4 + 2.0 * 32 * 128 * 128 * 4;
+      std::printf("S=%5lld %-6s %10.1f us  %7.4f us/token/layer  %6.2f TFLOP/s (rec-equiv)  %5.3f TB/s (min bytes)\n",
+                  static_cast<long long>(S), kVariantName[v], med[v], med[v] / double(S), flop / (med[v] * 1e-6) / 1e12,
+                  bytes / (med[v] * 1e-6) / 1e12);
+    }
+    if (med[kOld] > 0)
+      std::printf("S=%5lld speedup vs old: seq8 %.2fx  seq16 %.2fx  chunk %.2fx  chunk32 %.2fx\n",
+                  static_cast<long long>(S), med[kOld] / med[kSeq8], med[kOld] / med[kSeq16], med[kOld] / med[kChunk],
+                  med[kOld] / med[kChunk32]);
+    const double best_seq = std::min(med[kSeq8], med[kSeq16]);
+    std::printf("S=%5lld chunk/seq8 = %.2f, chunk32/seq8 = %.2f; auto picks %s\n", static_cast<long long>(S),
+                med[kChunk] / med[kSeq8], med[kChunk32] / med[kSeq8],
+                lc::deltanet_scan_pick(p, lc::kScanAuto) == lc::kScanChunked ? "chunk" : "seq8");
+    if (med[kChunk] < best_seq) crossover_chunk.push_back(S);
+    if (med[kChunk32] < best_seq) crossover_32.push_back(S);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaFree(y));
+    CK(cudaFree(scratch));
+    for (auto& d : sets) d.free_all();
+  }
+  auto report = [](const char* form, const std::vector<int64_t>& wins) {
+    if (wins.empty())
+      std::printf("CROSSOVER %s: never faster than the best seq form at the timed S\n", form);
+    else
+      std::printf("CROSSOVER %s: faster than the best seq form from S=%lld among the timed S (kScanChunkMinRows %lld)\n",
+                  form, static_cast<long long>(wins.front()), static_cast<long long>(lc::kScanChunkMinRows));
+  };
+  report("chunk", crossover_chunk);
+  report("chunk32", crossover_32);
+  std::printf("SUMMARY deltanet %d/%d\n", passed, total);
+  CK(cudaStreamDestroy(st));
+  return passed == total ? 0 : 1;
+}
