@@ -35,8 +35,8 @@ ABLATIONS = (
     Ablation("attention implementation", "attn_impl", (0,), (4096,), (4096,), "1 new (default), 0 legacy"),
     Ablation("programmatic dependent launch", "pdl", (0,), (4096, 32768), (), "1 on (default), 0 off"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
-             "3 auto (default: scalar projections, bulk-copy MoE down), 0 scalar, 1 tensor-core, 2 bulk-copy, "
-             "4 per-warp cp.async rings"),
+             "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
+             "2 bulk-copy, 4 per-warp cp.async rings everywhere"),
 )
 
 

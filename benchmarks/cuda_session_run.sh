@@ -2,6 +2,7 @@
 # One device call that builds lily on the H200 and checks it: kernel-level twins (benchmarks/kernels/run.sh),
 # whole-model checks against the CPU engine (cuda_check.py, tiny and mid configs), compute-sanitizer memcheck,
 # then optionally a step (full-size checkpoint + correctness, or the benchmark). Short summary last.
+#   bash benchmarks/cuda_session_run.sh quick        build + cuda_check
 #   bash benchmarks/cuda_session_run.sh check        build + kernel checks + cuda_check + memcheck
 #   bash benchmarks/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
 #   bash benchmarks/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
@@ -29,6 +30,13 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 echo "[$(el)s] built"
 
 case "$MODE" in
+quick)
+  python3 benchmarks/cuda_check.py --tokens 256 --json "$OUT/cuda_check.json" > "$OUT/cuda_check.txt" 2>&1
+  CRC=$?
+  grep -E "FAIL|Error|error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -15
+  tail -32 "$OUT/cuda_check.txt" | cut -c1-160
+  SUMMARY+=("cuda_check rc=$CRC: $(tail -1 "$OUT/cuda_check.txt")")
+  ;;
 check)
   bash benchmarks/kernels/run.sh > "$OUT/kernels.txt" 2>&1
   KRC=$?
@@ -64,11 +72,18 @@ full|bench)
     FRC=$?
     tail -25 "$OUT/cuda_check_full.txt"
     SUMMARY+=("full-size check rc=$FRC: $(tail -1 "$OUT/cuda_check_full.txt")")
-  else
-    python3 benchmarks/bench_cuda.py --checkpoint $CK --out "$OUT" "$@" > "$OUT/bench.txt" 2>&1
+  else  # the benchmark, then (time allowing) the full-size correctness check
+    timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_cuda.py --checkpoint $CK --out "$OUT" "$@" \
+      > "$OUT/bench.txt" 2>&1
     BRC=$?
-    tail -60 "$OUT/bench.txt"
+    tail -45 "$OUT/bench.txt"
     SUMMARY+=("bench rc=$BRC")
+    echo "[$(el)s] bench done"
+    timeout ${FULL_TIMEOUT:-150} python3 benchmarks/cuda_check.py --configs none --full $CK \
+      --env-positions ${ENV_POSITIONS:-32} --json "$OUT/cuda_check_full.json" > "$OUT/cuda_check_full.txt" 2>&1
+    FRC=$?
+    tail -14 "$OUT/cuda_check_full.txt" | cut -c1-200
+    SUMMARY+=("full-size check rc=$FRC: $(tail -1 "$OUT/cuda_check_full.txt")")
   fi
   ;;
 esac

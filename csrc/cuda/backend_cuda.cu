@@ -19,6 +19,7 @@
 #include "core/backend.h"
 #include "cuda/decode.cuh"
 #include "cuda/kernels.cuh"
+#include "cuda/gemm_mma.cuh"
 #include "cuda/linear.cuh"
 #include "cuda/runtime.h"
 
@@ -251,7 +252,9 @@ class CudaBackend final : public Backend {
       // Rows per expert tile from the mean rows per expert (or the ablation's fixed size); the wmma GEMM holds
       // at most kGemmBM rows per tile.
       int tr = expert_tile_ ? expert_tile_ : cuda::pick_expert_tile(S * k, cfg_.n_experts);
-      if (gemm_impl_ == cuda::kGemmImplWmma) tr = std::min(tr, cuda::kGemmBM);
+      const bool mma = gemm_impl_ == cuda::kGemmImplMma && cuda::gemm_mma_supported(L.gate, &L.up, h_, H) &&
+                       cuda::gemm_mma_supported(L.down, nullptr, act_, cfg_.moe_inter);
+      if (!mma) tr = std::min(tr, cuda::kGemmBM);  // the wmma GEMM (also the fallback) holds <= 64 rows
       cuda::moe_sort(st_, p, top_idx_, top_w_, tr, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_, tile_row0_,
                      tile_rows_);
       int64_t tiles = cuda::grouped_max_tiles(S * k, cfg_.n_experts, tr);  // grid bound; the count is on the device

@@ -86,8 +86,8 @@ struct DownArgs {
 //   launch), or everything on scalar lanes. Returns the number of blocks launched: the length of the amax array the greedy head writes.
 //   impl: 0 scalar lanes (decode.cu), 1 tensor cores with register loads (decode_tc.cu), 2 tensor cores fed by
 //   the bulk copy engine (decode_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
-//   measured per kernel (scalar projections, bulk MoE down), 4 per-warp cp.async rings (decode_ring.cu) for the
-//   projections and the bulk MoE down.
+//   measured per kernel (rings for the projections but the routed experts on scalar lanes, bulk MoE down),
+//   4 per-warp cp.async rings (decode_ring.cu) for every projection and the bulk MoE down.
 unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl);
 unsigned proj_scalar(cudaStream_t st, const ProjArgs& a, bool pdl);
 unsigned proj_tc(cudaStream_t st, const ProjArgs& a, bool pdl);

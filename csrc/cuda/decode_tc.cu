@@ -285,9 +285,11 @@ unsigned proj_tc(cudaStream_t st, const ProjArgs& in, bool pdl) {
 }
 
 // impl 3 (auto) takes what measured fastest per kernel on the H200 (benchmarks/kernels/check_decode.cu, with
-// PDL): the scalar projections (their weight loads go out before the PDL wait) and the bulk-copy MoE down.
+// PDL, 2026-11-30): per-warp rings for the projections (lm_head 122 vs 170 us on scalar lanes, the others equal
+// or slightly faster), scalar lanes for the routed experts' gate/up (6.8 vs 8.2 us: their weight loads go out
+// before the routing, which the ring cannot do), the bulk-copy MoE down (7.4 vs 15.3 us).
 unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl) {
-  if (impl == 4 && ring_launch_ok(a)) return proj_ring(st, a, pdl);
+  if ((impl == 4 || (impl == 3 && !a.route)) && ring_launch_ok(a)) return proj_ring(st, a, pdl);
   if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a, pdl);
   return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a, pdl) : proj_scalar(st, a, pdl);
 }
