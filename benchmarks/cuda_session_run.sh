@@ -6,7 +6,8 @@
 #   bash benchmarks/cuda_session_run.sh check        build + kernel checks + cuda_check + memcheck
 #   bash benchmarks/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
 #   bash benchmarks/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
-# Files land under $OUT (the device tool's output folder).
+# Files land under $OUT (the device tool's output folder). Pass LILY_GIT_SHA=$(git rev-parse HEAD) from the calling
+# machine: the device's copy of .git can be stale, and the benchmark JSON records the sha.
 set -u
 export PYTHONUNBUFFERED=1
 MODE=${1:-check}

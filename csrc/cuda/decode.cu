@@ -227,29 +227,8 @@ __global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant
   unsigned long long key = 0ull;
   if (active && lane == 0) {
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      const int64_t row = row0 + i;
-      if (i >= rpw || row >= p.out) continue;
-      const int64_t o = slot * sg.y_step + row;
-      if (sg.mode == kOStore) {
-        sg.y[o] = acc[i];
-        key = max(key, argmax_key(acc[i], row));
-      } else if (sg.mode == kOAccum) {
-        sg.y[o] += acc[i];
-      } else if (sg.mode == kODual) {
-        sg.yb[o] = __float2bfloat16(siluf_(acc[i]) * acc[(i + NR / 2) % NR]);
-      } else {  // conv epilogue: channel `row` of the DeltaNet qkv row
-        const int K = a.conv_k;
-        const int64_t C = a.conv_dim;
-        const float* w = a.conv_w + row * K;
-        float* cs = a.conv_state;
-        float c = 0.f;
-        for (int j = 0; j < K - 1; ++j) c += w[j] * cs[j * C + row];
-        c += w[K - 1] * acc[i];
-        a.u[row] = c / (1.f + expf(-c));
-        for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : acc[i];
-      }
-    }
+    for (int i = 0; i < NR; ++i)
+      if (i < rpw) seg_epilogue(a, sg, slot, row0 + i, acc[i], acc[(i + NR / 2) % NR], key);
   }
   if (a.amax) {  // block maximum of (logit, -row): the greedy head
     if (lane == 0) s_key[warp] = key;

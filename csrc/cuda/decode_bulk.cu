@@ -234,7 +234,6 @@ __global__ void __launch_bounds__(kBulkThreads, 1) proj_bulk_kernel(const __grid
         const float v = scalar_rows(k ? sg.w1 : sg.w0, e, row0, 0, G, xs, lane);
         acc[k][0] = __shfl_sync(0xffffffffu, v, 2 * q);
         acc[k][1] = __shfl_sync(0xffffffffu, v, 2 * (q + 8) & 31);
-        if (q + 8 >= 16) acc[k][1] = 0.f;
       }
     }
     if (c != 0) continue;
@@ -243,25 +242,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) proj_bulk_kernel(const __grid
       const int64_t row = row0 + q + 8 * h;
       if (row >= out) continue;
       const float v0 = acc[0][h], v1 = acc[1][h];
-      const int64_t o = slot * sg.y_step + row;
-      if (sg.mode == kOStore) {
-        sg.y[o] = v0;
-        key = max(key, argmax_key(v0, row));
-      } else if (sg.mode == kOAccum) {
-        sg.y[o] += v0;
-      } else if (sg.mode == kODual) {
-        sg.yb[o] = __float2bfloat16(siluf_(v0) * v1);
-      } else {  // conv epilogue: channel `row` of the DeltaNet qkv row (as decode.cu)
-        const int K = a.conv_k;
-        const int64_t C = a.conv_dim;
-        const float* w = a.conv_w + row * K;
-        float* cs = a.conv_state;
-        float cv = 0.f;
-        for (int j = 0; j < K - 1; ++j) cv += w[j] * cs[j * C + row];
-        cv += w[K - 1] * v0;
-        a.u[row] = cv / (1.f + expf(-cv));
-        for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : v0;
-      }
+      seg_epilogue(a, sg, slot, row, v0, v1, key);
     }
   }
   if (a.amax) {  // block maximum of (logit, -row): the greedy head

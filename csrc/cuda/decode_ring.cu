@@ -100,31 +100,6 @@ __device__ __forceinline__ int find_seg_r(const ProjArgs& a, int t) {
   return si;
 }
 
-// Output rows row0 + q and row0 + q + 8 of a task (lanes with c == 0 call this): the segment's epilogue.
-__device__ __forceinline__ void epilogue(const ProjArgs& a, const Seg& sg, int slot, int64_t row, float v0, float v1,
-                                         unsigned long long& key) {
-  if (row >= sg.w0.p.out) return;
-  const int64_t o = slot * sg.y_step + row;
-  if (sg.mode == kOStore) {
-    sg.y[o] = v0;
-    key = max(key, argmax_key(v0, row));
-  } else if (sg.mode == kOAccum) {
-    sg.y[o] += v0;
-  } else if (sg.mode == kODual) {
-    sg.yb[o] = __float2bfloat16(siluf_(v0) * v1);
-  } else {  // conv epilogue: channel `row` of the DeltaNet qkv row (as decode.cu)
-    const int K = a.conv_k;
-    const int64_t C = a.conv_dim;
-    const float* w = a.conv_w + row * K;
-    float* cs = a.conv_state;
-    float cv = 0.f;
-    for (int j = 0; j < K - 1; ++j) cv += w[j] * cs[j * C + row];
-    cv += w[K - 1] * v0;
-    a.u[row] = cv / (1.f + expf(-cv));
-    for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : v0;
-  }
-}
-
 // The stream of chunks one warp computes, in order. Warp-owned: tasks t = first, first + step, ... with all
 // their (set, chunk) items. Block-owned: the block's tasks, items i = warp, warp + 8, ... of each ring task.
 struct Stream {
@@ -220,8 +195,8 @@ __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_con
         else acc[1][0] += part[0], acc[1][1] += part[1];
       }
       if (c == 0) {
-        epilogue(a, sg, slot, row0 + q, acc[0][0], acc[1][0], key);
-        epilogue(a, sg, slot, row0 + q + 8, acc[0][1], acc[1][1], key);
+        seg_epilogue(a, sg, slot, row0 + q, acc[0][0], acc[1][0], key);
+        seg_epilogue(a, sg, slot, row0 + q + 8, acc[0][1], acc[1][1], key);
       }
       cs.t += step;
     }
@@ -268,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_con
         float v0 = 0.f, v1 = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) v0 += rd[0][w][tid], v1 += rd[1][w][tid];
-        epilogue(a, sg, slot, row0 + tid, v0, v1, key);
+        seg_epilogue(a, sg, slot, row0 + tid, v0, v1, key);
       }
     }
   }

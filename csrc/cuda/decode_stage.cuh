@@ -147,4 +147,31 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
 }
 
+// Output row `row` of segment sg, slot `slot`: v0 is the row's dot product (the gate's for a dual segment),
+// v1 the up projection's (dual only). Store (tracking the greedy head's argmax key), accumulate into the
+// residual, SiLU(gate) * up in bf16, or the DeltaNet causal conv + SiLU of channel `row` with its state shift.
+__device__ __forceinline__ void seg_epilogue(const ProjArgs& a, const Seg& sg, int slot, int64_t row, float v0,
+                                             float v1, unsigned long long& key) {
+  if (row >= sg.w0.p.out) return;
+  const int64_t o = slot * sg.y_step + row;
+  if (sg.mode == kOStore) {
+    sg.y[o] = v0;
+    key = max(key, argmax_key(v0, row));
+  } else if (sg.mode == kOAccum) {
+    sg.y[o] += v0;
+  } else if (sg.mode == kODual) {
+    sg.yb[o] = __float2bfloat16(siluf_(v0) * v1);
+  } else {
+    const int K = a.conv_k;
+    const int64_t C = a.conv_dim;
+    const float* w = a.conv_w + row * K;
+    float* cs = a.conv_state;
+    float cv = 0.f;
+    for (int j = 0; j < K - 1; ++j) cv += w[j] * cs[j * C + row];
+    cv += w[K - 1] * v0;
+    a.u[row] = cv / (1.f + expf(-cv));
+    for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : v0;
+  }
+}
+
 }  // namespace lily::cuda::dec

@@ -158,25 +158,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) proj_tc_kernel(const _
       if (dual)
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) v1 += red[w][16 + tid];
-      const int64_t o = slot * sg.y_step + row;
-      if (sg.mode == kOStore) {
-        sg.y[o] = v0;
-        key = max(key, argmax_key(v0, row));
-      } else if (sg.mode == kOAccum) {
-        sg.y[o] += v0;
-      } else if (sg.mode == kODual) {
-        sg.yb[o] = __float2bfloat16(siluf_(v0) * v1);
-      } else {  // conv epilogue: channel `row` of the DeltaNet qkv row (as decode.cu)
-        const int K = a.conv_k;
-        const int64_t C = a.conv_dim;
-        const float* w = a.conv_w + row * K;
-        float* cs = a.conv_state;
-        float cv = 0.f;
-        for (int j = 0; j < K - 1; ++j) cv += w[j] * cs[j * C + row];
-        cv += w[K - 1] * v0;
-        a.u[row] = cv / (1.f + expf(-cv));
-        for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : v0;
-      }
+      seg_epilogue(a, sg, slot, row, v0, v1, key);
     }
     __syncthreads();  // red is rewritten by the next task
   }

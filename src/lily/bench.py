@@ -33,7 +33,10 @@ PEERS = ("mlx-lm",)
 
 # ---- facts about the run ---------------------------------------------------------------------------------
 def git_sha() -> str:
-    """`git rev-parse HEAD` of the tree this file is in, else $LILY_GIT_SHA, else "unknown"."""
+    """$LILY_GIT_SHA if set (a copied tree's .git can be stale: the lent GPU's copy reported the session's first
+    commit), else `git rev-parse HEAD` of the tree this file is in, else "unknown"."""
+    if os.environ.get("LILY_GIT_SHA"):
+        return os.environ["LILY_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
@@ -41,7 +44,7 @@ def git_sha() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("LILY_GIT_SHA") or "unknown"
+    return "unknown"
 
 
 def hardware(model: Any = None) -> dict[str, Any]:
