@@ -35,7 +35,7 @@ from tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1  # noqa: E402
 from lily import _lily  # noqa: E402
 from lily.config import ModelConfig  # noqa: E402
 from lily.quant import round_bf16  # noqa: E402
-from lily.reference import ReferenceEngine  # noqa: E402
+from lily.reference import Bf16Matrix, ReferenceEngine  # noqa: E402
 from lily.testing import random_weights, tiny_config_dicts  # noqa: E402
 
 # Sub-block residuals: bf16 rounding of GEMM inputs keeps each one within this of the fp32 CPU engine.
@@ -60,35 +60,13 @@ def configs() -> dict[str, ModelConfig]:
     return out
 
 
-class _Bf16Matrix:
-    """A weight matrix whose products round the activation operand and the weight to bf16 (numpy defers here)."""
-
-    __array_ufunc__ = None
-
-    def __init__(self, a):
-        self.a = a
-
-    @property
-    def T(self):
-        return _Bf16Matrix(self.a.T)
-
-    def __getitem__(self, i):
-        return _Bf16Matrix(self.a[i])
-
-    def __rmatmul__(self, x):
-        return round_bf16(np.asarray(x, np.float32)) @ self.a
-
-    def __matmul__(self, x):
-        return self.a @ round_bf16(np.asarray(x, np.float32))
-
-
 def bf16_reference(cfg, tensors, quant, max_context):
     ref = ReferenceEngine(cfg, tensors, quant, max_context=max_context)
     w = ref.weights
     dense = w.linear
 
     def linear(module):
-        return _Bf16Matrix(round_bf16(dense(module)))
+        return Bf16Matrix(round_bf16(dense(module)))
 
     w.linear = linear
     return ref

@@ -23,28 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from lily.quant import bf16_to_f32, dequantize, round_bf16
-
-
-class _Bf16Matrix:
-    """A weight whose products round the activation operand to bf16 (the weight is rounded already)."""
-
-    __array_ufunc__ = None
-
-    def __init__(self, a):
-        self.a = a
-
-    @property
-    def T(self):
-        return _Bf16Matrix(self.a.T)
-
-    def __getitem__(self, i):
-        return _Bf16Matrix(self.a[i])
-
-    def __rmatmul__(self, x):
-        return round_bf16(np.asarray(x, np.float32)) @ self.a
-
-    def __matmul__(self, x):
-        return self.a @ round_bf16(np.asarray(x, np.float32))
+from lily.reference import Bf16Matrix
 
 
 def _dequant_bf16(t, q, module, threads):
@@ -70,7 +49,7 @@ def layer_cached_bf16_reference(cfg, tensors, quant, max_context, threads=0):
     ref = ReferenceEngine(cfg, tensors, quant, max_context=max_context)
     w = ref.weights
     threads = threads or min(16, os.cpu_count() or 1)
-    cache: dict[str, _Bf16Matrix] = {}
+    cache: dict[str, Bf16Matrix] = {}
     cur = {"layer": None}
 
     def linear(module):
@@ -86,7 +65,7 @@ def layer_cached_bf16_reference(cfg, tensors, quant, max_context, threads=0):
             else:
                 x = tensors[module + ".weight"]
                 a = round_bf16(bf16_to_f32(x) if x.dtype == np.uint16 else np.asarray(x, np.float32))
-            cache[module] = _Bf16Matrix(a)
+            cache[module] = Bf16Matrix(a)
         return cache[module]
 
     w.linear = linear

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant import bf16_to_f32, dequantize
+from ..quant import bf16_to_f32, dequantize, round_bf16
 
 
 def as_f32(a: np.ndarray) -> np.ndarray:
@@ -44,3 +44,27 @@ class Weights:
             return dequantize(t[module + ".weight"][ids], t[module + ".scales"][ids], t[module + ".biases"][ids],
                               bits, group)
         return as_f32(self.tensors[module + ".weight"][ids])
+
+
+class Bf16Matrix:
+    """A weight matrix whose products round the activation operand to bf16 first, as a bf16 engine does (the
+    matrix itself is rounded by whoever builds it). numpy defers `x @ m` and `m @ x` to it (the rounding
+    envelope of design.md §8: benchmarks/cuda_check.py and cuda_check_full.py)."""
+
+    __array_ufunc__ = None
+
+    def __init__(self, a):
+        self.a = a
+
+    @property
+    def T(self):
+        return Bf16Matrix(self.a.T)
+
+    def __getitem__(self, i):
+        return Bf16Matrix(self.a[i])
+
+    def __rmatmul__(self, x):
+        return round_bf16(np.asarray(x, np.float32)) @ self.a
+
+    def __matmul__(self, x):
+        return self.a @ round_bf16(np.asarray(x, np.float32))
