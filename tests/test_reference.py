@@ -63,3 +63,17 @@ def test_route_topk_renormalised(rng):
         assert set(idx[s]) == set(np.argsort(-logits[s])[:3])
         e = np.exp(logits[s, idx[s]] - logits[s, idx[s]].max())
         np.testing.assert_allclose(w[s], e / e.sum(), rtol=1e-5)
+
+
+def test_bf16_matrix_rounds_the_activation_operand(rng):
+    """The envelope's bf16 engine: x @ W and W @ x see x rounded to bf16 (W is rounded by its builder)."""
+    from lily.quant import round_bf16
+    from lily.reference import Bf16Matrix
+    a = round_bf16(rng.standard_normal((5, 3)).astype(np.float32))
+    x = (1.0 + rng.random((4, 5)) * 2.0 ** -10).astype(np.float32)  # not bf16-representable
+    assert not np.array_equal(round_bf16(x), x)
+    m = Bf16Matrix(a)
+    np.testing.assert_array_equal(x @ m, round_bf16(x) @ a)
+    np.testing.assert_array_equal(m.T @ x.T, a.T @ round_bf16(x).T)
+    np.testing.assert_array_equal(x[:, 1:3] @ m[1:3], round_bf16(x[:, 1:3]) @ a[1:3])
+    assert not np.allclose(x @ m, x @ a, rtol=0, atol=1e-7)
