@@ -325,18 +325,17 @@ __global__ void __launch_bounds__(kBulkThreads, 1) down_bulk_kernel(const __grid
   }
 }
 
+// The SM count, with the kernels' shared-memory limit raised once first.
 int sm_count_bulk() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    check(cudaGetDevice(&dev), "cudaGetDevice");
-    check(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  static const bool raised = [] {
     check(cudaFuncSetAttribute(proj_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemLimit),
           "cudaFuncSetAttribute");
     check(cudaFuncSetAttribute(down_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemLimit),
           "cudaFuncSetAttribute");
-    return v;
+    return true;
   }();
-  return n;
+  (void)raised;
+  return device_sm_count();
 }
 
 size_t act_bytes(int64_t n) {

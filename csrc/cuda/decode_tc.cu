@@ -226,16 +226,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_tc_kernel(const _
   }
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    check(cudaGetDevice(&dev), "cudaGetDevice");
-    check(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    return v;
-  }();
-  return n;
-}
-
 size_t tc_smem_bytes(int64_t n) {
   const int64_t npad = (n + 7) / 8 * 8;
   return static_cast<size_t>(2 * npad * sizeof(bf16) + (n / kGroup) * sizeof(float) + 15) / 16 * 16;
@@ -247,7 +237,7 @@ bool tc_format(const DLinear& w) { return tc_ok(w.p); }
 
 int64_t head_blocks(int64_t rows) {
   const int64_t scalar = ((rows + 3) / 4 + kWarps - 1) / kWarps;
-  const int64_t tc = std::min<int64_t>((rows + kRowBlock - 1) / kRowBlock, int64_t{kBlocksPerSm} * sm_count());
+  const int64_t tc = std::min<int64_t>((rows + kRowBlock - 1) / kRowBlock, int64_t{kBlocksPerSm} * device_sm_count());
   return std::max(scalar, tc);
 }
 
@@ -261,7 +251,7 @@ unsigned proj_tc(cudaStream_t st, const ProjArgs& in, bool pdl) {
     g.warp0 = static_cast<int32_t>(tasks);                                               // first task
     tasks += static_cast<int64_t>(g.slots) * g.warps_per_slot;
   }
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * sm_count()));
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * device_sm_count()));
   launch_k(pdl, proj_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(a.in), st, a, static_cast<int>(tasks));
   return blocks;
 }
@@ -281,7 +271,7 @@ void moe_down(cudaStream_t st, const DownArgs& a, int impl, bool pdl) {
   const bool ok = impl >= 1 && tc_ok(a.wd.p) && tc_ok(a.ws.p) && a.k <= kMaxTopK;
   if (!ok) return moe_down_scalar(st, a, pdl);
   const int64_t H = a.wd.p.out, tasks = (H + kRowBlock - 1) / kRowBlock;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * sm_count()));
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * device_sm_count()));
   const int64_t n = a.k * a.wd.p.in + a.ws.p.in;
   launch_k(pdl, down_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(n), st, a, static_cast<int>(tasks));
 }

@@ -6,6 +6,17 @@
 
 namespace lily::cuda::dec {
 
+// Multiprocessors of the current device (read once).
+inline int device_sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    return v;
+  }();
+  return n;
+}
+
 constexpr int kRowBlock = 16;
 constexpr int kGroup = 64;
 

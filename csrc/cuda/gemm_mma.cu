@@ -85,18 +85,9 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 1 : 2)
   const int wm = warp / T::kWarpsN, wn = warp % T::kWarpsN;
   const int gid = lane / 4, tig = lane % 4;
 
-  int64_t r0, e = 0;
+  int64_t r0, e;
   int nrows;
-  if (gp.grouped) {
-    const int t = blockIdx.x;
-    if (t >= *g.n_tiles) return;
-    e = g.tile_expert[t];
-    r0 = g.tile_row0[t];
-    nrows = g.tile_rows[t];
-  } else {
-    r0 = static_cast<int64_t>(blockIdx.x) * BM;
-    nrows = static_cast<int>(min64(BM, gp.M - r0));
-  }
+  if (!gemm_tile_rows(gp, g, BM, r0, e, nrows)) return;
   if (nrows <= 0) return;
   const int64_t N = args.W0.p.out, K = args.W0.p.in;
   const int KT = static_cast<int>(K / kBK);

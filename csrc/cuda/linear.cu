@@ -172,18 +172,9 @@ __global__ void __launch_bounds__(128)
   float* Cs = reinterpret_cast<float*>(smem);
 
   const int tid = threadIdx.x, warp = tid / 32, wm = warp / 2, wn = warp % 2;
-  int64_t r0, e = 0;
+  int64_t r0, e;
   int nrows;
-  if (gp.grouped) {
-    const int t = blockIdx.x;
-    if (t >= *g.n_tiles) return;
-    e = g.tile_expert[t];
-    r0 = g.tile_row0[t];
-    nrows = g.tile_rows[t];
-  } else {
-    r0 = static_cast<int64_t>(blockIdx.x) * BM;
-    nrows = static_cast<int>(min64(BM, gp.M - r0));
-  }
+  if (!gemm_tile_rows(gp, g, BM, r0, e, nrows)) return;
   const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN, N = W0.p.out, K = W0.p.in;
   const bool vec_a = gp.lda % 8 == 0 && reinterpret_cast<uintptr_t>(A) % 16 == 0;
   const int c = tid % 8;  // 8-element column chunk this thread loads

@@ -22,6 +22,24 @@ struct GroupMap {
 // Default rows per expert tile, and the most the wmma GEMM (kGemmImplWmma) holds per tile.
 constexpr int kGemmBM = 64;
 
+// Rows of GEMM block tile blockIdx.x: plain tiles cover rows [t*bm, +bm) of M; grouped tiles read their expert,
+// first sorted pair and row count from the tile map. False when the tile is past the device's tile count.
+__device__ __forceinline__ bool gemm_tile_rows(const kp::GemmParams& gp, const GroupMap& g, int bm, int64_t& r0,
+                                               int64_t& e, int& nrows) {
+  e = 0;
+  if (gp.grouped) {
+    const int t = blockIdx.x;
+    if (t >= *g.n_tiles) return false;
+    e = g.tile_expert[t];
+    r0 = g.tile_row0[t];
+    nrows = g.tile_rows[t];
+  } else {
+    r0 = static_cast<int64_t>(blockIdx.x) * bm;
+    nrows = static_cast<int>(min64(bm, gp.M - r0));
+  }
+  return true;
+}
+
 // Prefill GEMM implementation (S > 1; S == 1 always takes the GEMV). kGemmImplMma needs quantized weights
 // (4/8-bit, group 64) and 16-byte aligned A rows, and falls back to the wmma GEMM otherwise.
 constexpr int kGemmImplWmma = 0;  // wmma 16x16x16, weights dequantized into shared memory (old path)
