@@ -210,3 +210,32 @@ def test_validation_of_stop_and_bias_and_vocab():
     with pytest.raises(SamplingParamsError, match="0..9"):
         Sampler(SamplingParams(stop_token_ids=[10]), 10)
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+@pytest.mark.parametrize("top_p,min_p", [(0.9, 0.0), (1.0, 0.02), (0.95, 0.001)])
+def test_large_row_pool_matches_full_row(top_p, min_p):
+    """The float32 pre-selection of likely tokens (a 248k-row speed path) keeps the exact float64 result."""
+    n = 60_000
+    x = logits_row(11, n=n, scale=5.0)
+    got = distribution(Sampler(SamplingParams(temperature=0.7, top_p=top_p, min_p=min_p), n), x)
+    z = x.astype(np.float64) / 0.7
+    order = np.argsort(-z, kind="stable")
+    p = softmax(z)[order]
+    keep = order[: int(np.count_nonzero(np.cumsum(p) - p < top_p))] if top_p < 1.0 else order
+    pk = softmax(z)[keep]
+    keep = keep[pk >= min_p * pk.max()]
+    want = softmax(z)[keep]
+    assert_same_distribution(got, dict(zip(keep.tolist(), (want / want.sum()).tolist())))
+
+
+def test_top_k_widens_its_threshold_and_handles_masked_rows():
+    n = 5000
+    x = np.full(n, -100.0, np.float32)
+    x[7] = 0.0  # one token far above the rest: the first thresholds hold fewer than k
+    got = distribution(Sampler(SamplingParams(top_k=10), n), x)
+    assert len(got) == 10 and 7 in got
+    y = np.full(n, -np.inf, np.float32)
+    y[[3, 9]] = [1.0, 2.0]  # a grammar left two tokens: top_k larger than the finite ones
+    got = distribution(Sampler(SamplingParams(top_k=20, seed=0), n), y)
+    assert {i for i, q in got.items() if q > 0} == {3, 9}
+    assert got[9] == pytest.approx(np.e / (np.e + 1))
