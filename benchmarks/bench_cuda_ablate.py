@@ -24,15 +24,15 @@ class Ablation:
 ABLATIONS = (
     Ablation("CUDA graph", "cuda_decode", (1,), (4096, 32768), (), "2 fused+graph (default), 1 fused no graph"),
     Ablation("fused decode kernels", "cuda_decode", (0,), (4096,), (), "0 legacy sub-block path (one kernel per op)"),
-    Ablation("GPU-resident routing", "routing_sync", (1,), (4096, 32768), (4096,),
-             "0 device-resident (default), 1 host-synced"),
+    # prefill only: decode routes inside the experts' projection kernel, with no host-synced variant
+    Ablation("GPU-resident routing", "routing_sync", (1,), (), (4096,), "0 device-resident (default), 1 host-synced"),
     Ablation("GQA packing (decode attention)", "gqa_pack", (0,), (4096, 32768), (), "1 on (default), 0 off"),
     Ablation("split-K", "split_k", (0,), (4096, 32768, 131072), (), "1 on (default), 0 off"),
     Ablation("DeltaNet scan form", "dn_form", (0, 1, 2, 4), (), (512, 4096, 16384),
              "3 auto (default), 0 old sequential, 1 new sequential, 2 chunked (TF32), 4 chunked (fp32)"),
     Ablation("expert tile size", "expert_tile", (16, 32, 64, 128), (), (4096,), "0 auto (default), else rows"),
     Ablation("GEMM implementation", "gemm_impl", (0,), (), (4096,), "1 new (default), 0 legacy wmma"),
-    Ablation("attention implementation", "attn_impl", (0,), (4096,), (4096,), "1 new (default), 0 legacy"),
+    Ablation("attention implementation", "attn_impl", (0,), (), (4096,), "1 new (default), 0 legacy (prefill only)"),
     Ablation("programmatic dependent launch", "pdl", (0,), (4096, 32768), (), "1 on (default), 0 off"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
