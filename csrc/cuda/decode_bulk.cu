@@ -357,14 +357,7 @@ bool bulk_launch_ok(const ProjArgs& a) {
 
 unsigned proj_bulk(cudaStream_t st, const ProjArgs& in, bool pdl) {
   ProjArgs a = in;
-  int64_t tasks = 0;
-  for (int s = 0; s < a.nseg; ++s) {
-    Seg& g = a.seg[s];
-    if (g.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode proj: segment input length mismatch");
-    g.warps_per_slot = static_cast<int32_t>((g.w0.p.out + kRowBlock - 1) / kRowBlock);  // row blocks per slot
-    g.warp0 = static_cast<int32_t>(tasks);                                               // first task
-    tasks += static_cast<int64_t>(g.slots) * g.warps_per_slot;
-  }
+  const int64_t tasks = number_row_block_tasks(a);
   const int stage = stage_bytes_for(a.in);
   const int ns = std::min<int>(kMaxStages, (kRingBudget - static_cast<int>(act_bytes(a.in))) / stage);
   if (ns < 2) throw std::invalid_argument("[lily] cuda decode proj: input too long for the bulk GEMV");

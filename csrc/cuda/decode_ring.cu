@@ -285,16 +285,9 @@ bool ring_launch_ok(const ProjArgs& a) {
 
 unsigned proj_ring(cudaStream_t st, const ProjArgs& in, bool pdl) {
   ProjArgs a = in;
-  int64_t tasks = 0;
+  const int64_t tasks = number_row_block_tasks(a);
   bool all_ring = true;
-  for (int s = 0; s < a.nseg; ++s) {
-    Seg& g = a.seg[s];
-    if (g.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode proj: segment input length mismatch");
-    g.warps_per_slot = static_cast<int32_t>((g.w0.p.out + kRowBlock - 1) / kRowBlock);  // row blocks per slot
-    g.warp0 = static_cast<int32_t>(tasks);                                               // first task
-    tasks += static_cast<int64_t>(g.slots) * g.warps_per_slot;
-    all_ring = all_ring && ring_ok(g.w0.p);
-  }
+  for (int s = 0; s < a.nseg; ++s) all_ring = all_ring && ring_ok(a.seg[s].w0.p);
   const int sms = sm_count_ring();
   // Warp-owned when there are row blocks for most warps; otherwise the block's warps share each row block.
   const bool warp_owned = all_ring && tasks >= static_cast<int64_t>(sms) * kWarps / 2;

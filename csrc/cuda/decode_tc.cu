@@ -243,14 +243,7 @@ int64_t head_blocks(int64_t rows) {
 
 unsigned proj_tc(cudaStream_t st, const ProjArgs& in, bool pdl) {
   ProjArgs a = in;
-  int64_t tasks = 0;
-  for (int s = 0; s < a.nseg; ++s) {
-    Seg& g = a.seg[s];
-    if (g.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode proj: segment input length mismatch");
-    g.warps_per_slot = static_cast<int32_t>((g.w0.p.out + kRowBlock - 1) / kRowBlock);  // row blocks per slot
-    g.warp0 = static_cast<int32_t>(tasks);                                               // first task
-    tasks += static_cast<int64_t>(g.slots) * g.warps_per_slot;
-  }
+  const int64_t tasks = number_row_block_tasks(a);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * device_sm_count()));
   launch_k(pdl, proj_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(a.in), st, a, static_cast<int>(tasks));
   return blocks;

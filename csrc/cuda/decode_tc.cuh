@@ -20,6 +20,20 @@ inline int device_sm_count() {
 constexpr int kRowBlock = 16;
 constexpr int kGroup = 64;
 
+// Numbers the 16-row block tasks of a proj launch: segment s's tasks start at seg[s].warp0 and it has
+// seg[s].warps_per_slot row blocks per slot (the fields the scalar kernel uses for warps). Returns the count.
+inline int64_t number_row_block_tasks(ProjArgs& a) {
+  int64_t tasks = 0;
+  for (int s = 0; s < a.nseg; ++s) {
+    Seg& g = a.seg[s];
+    if (g.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode proj: segment input length mismatch");
+    g.warps_per_slot = static_cast<int32_t>((g.w0.p.out + kRowBlock - 1) / kRowBlock);
+    g.warp0 = static_cast<int32_t>(tasks);
+    tasks += static_cast<int64_t>(g.slots) * g.warps_per_slot;
+  }
+  return tasks;
+}
+
 __host__ __device__ __forceinline__ bool tc_ok(const kp::LinearParams& p) {
   return p.kind == 0 && p.bits == 4 && p.group == kGroup && p.in % kGroup == 0;
 }
