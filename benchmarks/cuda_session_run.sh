@@ -59,6 +59,13 @@ check)
       SUMMARY+=("memcheck $cfg rc=$MRC $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck_$cfg.txt")")
       echo "[$(el)s] memcheck $cfg rc=$MRC"
     done
+    # racecheck instruments every shared-memory access: a tiny config and a few tokens keep it inside the call
+    timeout ${RACE_TIMEOUT:-200} "$CS" --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_check.py \
+      --configs tiny_odd --tokens 12 > "$OUT/racecheck_tiny_odd.txt" 2>&1
+    RRC=$?
+    grep -m3 -A8 "Race\|Error" "$OUT/racecheck_tiny_odd.txt" | cut -c1-200 | head -12
+    SUMMARY+=("racecheck tiny_odd rc=$RRC $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/racecheck_tiny_odd.txt")")
+    echo "[$(el)s] racecheck tiny_odd rc=$RRC"
   fi
   ;;
 full|bench)

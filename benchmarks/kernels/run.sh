@@ -11,11 +11,22 @@ NVCC=${NVCC:-nvcc}
 FLAGS="-std=c++17 -O3 -lineinfo --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc"
 rc=0
 summary=()
+build() {  # build one check program; its exit status lands in a file so the builds can run in parallel
+  local src=$1 name=$2 deps
+  deps=$(sed -n 's#^// build: ##p' "$src" | head -1)
+  $NVCC $FLAGS -o /tmp/lily_kbin/$name "$src" $deps > "$OUT/$name.build.txt" 2>&1
+  echo $? > "$OUT/$name.build.rc"
+}
 for src in benchmarks/kernels/check_*.cu; do
   name=$(basename "$src" .cu)
   if [ -n "${1:-}" ] && [[ "$name" != *"$1"* ]]; then continue; fi
-  deps=$(sed -n 's#^// build: ##p' "$src" | head -1)
-  if ! $NVCC $FLAGS -o /tmp/lily_kbin/$name "$src" $deps > "$OUT/$name.build.txt" 2>&1; then
+  build "$src" "$name" &
+done
+wait
+for src in benchmarks/kernels/check_*.cu; do
+  name=$(basename "$src" .cu)
+  if [ -n "${1:-}" ] && [[ "$name" != *"$1"* ]]; then continue; fi
+  if [ "$(cat "$OUT/$name.build.rc")" != 0 ]; then
     echo "== $name: BUILD FAILED"; tail -20 "$OUT/$name.build.txt"; summary+=("$name BUILD-FAILED"); rc=1; continue
   fi
   timeout 240 /tmp/lily_kbin/$name > "$OUT/$name.txt" 2>&1
