@@ -38,6 +38,8 @@ from lily.quant import round_bf16  # noqa: E402
 from lily.reference import Bf16Matrix, ReferenceEngine  # noqa: E402
 from lily.testing import random_weights, tiny_config_dicts  # noqa: E402
 
+from cuda_check_sampling import check_engine_sampling, check_session_sampling  # noqa: E402
+
 # Sub-block residuals: bf16 rounding of GEMM inputs keeps each one within this of the fp32 CPU engine.
 SUBBLOCK_REL_RMS = 3e-2
 # Same engine, two paths (decode vs prefill, chunked vs not): only summation order and bf16 rounding order.
@@ -153,6 +155,8 @@ def check_config(name, cfg, T, results):
     s_err = max((rel_rms(eg[k], ec[k]) for k in ec if k != "position" and np.size(ec[k])), default=0.0)
     add("exported state vs cpu", same_keys and s_err <= SUBBLOCK_REL_RMS, max_rel_rms=s_err,
         nbytes_cuda=snap.nbytes, nbytes_cpu=sc.nbytes)
+
+    check_engine_sampling(name, cfg, gpu, toks, add)
     del gpu, cpu
 
 
@@ -181,6 +185,13 @@ def main():
         except Exception as e:  # one failing config must not hide the others
             results.append({"config": name, "check": "exception", "pass": False, "error": repr(e)})
         print(f"[{name}] {time.time() - t0:.1f}s", flush=True)
+    if names:
+        t0 = time.time()
+        try:
+            check_session_sampling(results)
+        except Exception as e:  # noqa: BLE001
+            results.append({"config": "bundled_model", "check": "exception", "pass": False, "error": repr(e)})
+        print(f"[bundled_model sampling] {time.time() - t0:.1f}s", flush=True)
     if args.full:
         from cuda_check_full import check_full
         t0 = time.time()

@@ -97,3 +97,6 @@ full|bench)
 esac
 echo "---- summary [$(el)s] ----"
 for s in "${SUMMARY[@]}"; do echo "$s"; done
+# The device tool brings back only a few files: pack the logs into one archive (JSON and PNG stay beside it).
+( cd "$OUT" && find . -maxdepth 1 -type f ! -name '*.json' ! -name '*.png' ! -name logs.tgz -printf '%P\n' \
+    | tar czf logs.tgz -T - --remove-files )

@@ -303,6 +303,61 @@ NB_MODULE(_lily, m) {
       .def("decode_greedy", &PyEngine::decode_greedy, "state"_a, "token"_a, "n_steps"_a,
            "Greedy decoding: feeds token, then each argmax; returns the n_steps argmax tokens (int32) and "
            "advances the state by n_steps. On the GPU the loop runs on the device (no logits copies).")
+      .def("sampler_begin",
+           [](PyEngine& e, double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
+              double presence_penalty, double frequency_penalty,
+              nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bias_ids,
+              nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> bias_vals,
+              nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> seen,
+              nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> counts) {
+             lily::SampleOptions o;
+             o.temperature = static_cast<float>(temperature);
+             o.top_k = static_cast<int32_t>(std::clamp<int64_t>(top_k, -1, INT32_MAX));
+             o.top_p = static_cast<float>(top_p);
+             o.min_p = static_cast<float>(min_p);
+             o.repetition_penalty = static_cast<float>(repetition_penalty);
+             o.presence_penalty = static_cast<float>(presence_penalty);
+             o.frequency_penalty = static_cast<float>(frequency_penalty);
+             o.bias_ids.assign(bias_ids.data(), bias_ids.data() + bias_ids.shape(0));
+             o.bias_vals.assign(bias_vals.data(), bias_vals.data() + bias_vals.shape(0));
+             o.seen.assign(seen.data(), seen.data() + seen.shape(0));
+             o.counts.assign(counts.data(), counts.data() + counts.shape(0));
+             nb::gil_scoped_release rel;
+             return e.eng->sampler_begin(o);
+           },
+           "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a, "repetition_penalty"_a, "presence_penalty"_a,
+           "frequency_penalty"_a, "bias_ids"_a, "bias_vals"_a, "seen"_a, "counts"_a,
+           "Configure sampling on the device for one generation (seen: uint8 [vocab] or empty; counts: int32 "
+           "[vocab] or empty). Returns the sampler id for decode_sample, or 0 when the backend has no device "
+           "sampler.")
+      .def("decode_sample",
+           [](PyEngine& e, PyState& state, int64_t token, double uniform, int64_t sampler_id) {
+             const int64_t V = e.eng->config().vocab;
+             if (token < 0 || token >= V)
+               throw std::invalid_argument("[lily] decode_sample: token id " + std::to_string(token) +
+                                           " is out of range for vocab_size " + std::to_string(V));
+             nb::gil_scoped_release rel;
+             return e.eng->decode_sample(*state.st, static_cast<int32_t>(token), static_cast<float>(uniform),
+                                         sampler_id);
+           },
+           "state"_a, "token"_a, "uniform"_a, "sampler_id"_a,
+           "One decode step of token, then the next token drawn on the device with uniform in [0, 1); advances "
+           "the state by 1. Returns -1 (and runs nothing) when sampler_id is no longer current.")
+      .def("decode_logits",
+           [](PyEngine& e, PyState& state) -> nb::object {
+             const int64_t V = e.eng->config().vocab;
+             float* out = new float[static_cast<size_t>(V)];
+             nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+             bool ok;
+             {
+               nb::gil_scoped_release rel;
+               ok = e.eng->decode_logits(*state.st, out);
+             }
+             if (!ok) return nb::none();
+             return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<1>>(out, {static_cast<size_t>(V)}, owner));
+           },
+           "state"_a, "The logits [vocab] of state's last decode_sample step, or None when the device no longer "
+           "holds them.")
       .def("set_backend_flag", [](PyEngine& e, const std::string& name, int64_t value) {
              nb::gil_scoped_release rel;
              e.eng->set_backend_flag(name, value);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "core/memory.h"
@@ -14,6 +15,21 @@
 #include "core/weights.h"
 
 namespace lily {
+
+// Options of one generation for a device sampler (the semantics: csrc/cuda/sample.cuh).
+struct SampleOptions {
+  float temperature = 1.f;  // 0: greedy
+  int32_t top_k = 0;        // <= 0: off
+  float top_p = 1.f;
+  float min_p = 0.f;
+  float repetition_penalty = 1.f;
+  float presence_penalty = 0.f;
+  float frequency_penalty = 0.f;
+  std::vector<int32_t> bias_ids;   // distinct ids < V
+  std::vector<float> bias_vals;    // same length
+  std::vector<uint8_t> seen;       // [V] or empty: tokens already in the context (repetition penalty)
+  std::vector<int32_t> counts;     // [V] or empty: times each token was generated (presence / frequency)
+};
 
 class Backend {
  public:
@@ -49,6 +65,14 @@ class Backend {
   // argmax (lowest index on ties) of the logits after step i and the input of step i + 1. Does not advance
   // st.position. Returns false when the backend has none.
   virtual bool decode_greedy(State& st, int32_t token, int64_t n, int32_t* out) { return false; }
+  // Optional sampling on the device. sampler_begin: options of a new generation (generated-token counts start
+  // at zero); false when the backend has no device sampler. decode_sample: one decode step of `token` at
+  // st.position (st reserved for position + 1), then the next token drawn on the device with `uniform` in
+  // [0, 1) into *next; does not advance st.position; false when unsupported or no sampler_begin happened.
+  // decode_logits: the logits row [V] of the last decode step, to the host (false when none is held).
+  virtual bool sampler_begin(const SampleOptions& opt) { return false; }
+  virtual bool decode_sample(State& st, int32_t token, float uniform, int32_t* next) { return false; }
+  virtual bool decode_logits(float* logits) { return false; }
   // Named switches for ablations and counters for reports; std::invalid_argument for an unknown name.
   virtual void set_flag(const std::string& flag_name, int64_t value) {
     throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");

@@ -47,6 +47,7 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
 void Engine::forward_locked(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
                             float* logits, Trace* trace) {
   validate(st, tokens, S);
+  sampled_state_ = nullptr;  // a step may overwrite the device logits a decode_sample left
   if (chunk_size < 0) throw std::invalid_argument("[lily] forward: chunk_size must be >= 0");
   const int64_t chunk = chunk_size > 0 ? chunk_size : backend_->default_chunk();
   const int64_t V = cfg_.vocab;
@@ -87,6 +88,7 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
   std::lock_guard<std::mutex> lk(mu_);
   if (n_steps < 0) throw std::invalid_argument("[lily] decode_greedy: n_steps must be >= 0");
   validate(st, &token, 1);
+  sampled_state_ = nullptr;
   if (st.position + n_steps > max_context_)
     throw std::invalid_argument("[lily] decode_greedy: position " + std::to_string(st.position) + " + " +
                                 std::to_string(n_steps) + " steps exceeds max_context " + std::to_string(max_context_));
@@ -102,6 +104,60 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
     token = static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
     out[i] = token;
   }
+}
+
+int64_t Engine::sampler_begin(const SampleOptions& o) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const int64_t V = cfg_.vocab;
+  auto bad = [](const std::string& what) { throw std::invalid_argument("[lily] sampler_begin: " + what); };
+  if (!(o.temperature >= 0.f) || !std::isfinite(o.temperature)) bad("temperature must be a finite number >= 0");
+  if (!(o.top_p > 0.f && o.top_p <= 1.f)) bad("top_p must be in (0, 1]");
+  if (!(o.min_p >= 0.f && o.min_p <= 1.f)) bad("min_p must be in [0, 1]");
+  if (!(o.repetition_penalty > 0.f) || !std::isfinite(o.repetition_penalty))
+    bad("repetition_penalty must be a finite number > 0");
+  if (!std::isfinite(o.presence_penalty) || !std::isfinite(o.frequency_penalty)) bad("penalties must be finite");
+  if (o.bias_ids.size() != o.bias_vals.size())
+    bad("bias_ids has " + std::to_string(o.bias_ids.size()) + " entries and bias_vals " +
+        std::to_string(o.bias_vals.size()) + ": expected the same length");
+  std::vector<uint8_t> seen_id(static_cast<size_t>(V), 0);
+  for (int32_t id : o.bias_ids) {
+    if (id < 0 || id >= V) bad("bias id " + std::to_string(id) + " is outside 0.." + std::to_string(V - 1));
+    if (seen_id[id]++) bad("bias id " + std::to_string(id) + " appears twice: expected distinct ids");
+  }
+  if (!o.seen.empty() && static_cast<int64_t>(o.seen.size()) != V)
+    bad("seen has " + std::to_string(o.seen.size()) + " entries: expected vocab_size " + std::to_string(V) +
+        " (or none)");
+  if (!o.counts.empty() && static_cast<int64_t>(o.counts.size()) != V)
+    bad("counts has " + std::to_string(o.counts.size()) + " entries: expected vocab_size " + std::to_string(V) +
+        " (or none)");
+  sampler_id_ = backend_->sampler_begin(o) ? ++sampler_issued_ : 0;
+  return sampler_id_;
+}
+
+int32_t Engine::decode_sample(State& st, int32_t token, float uniform, int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (id <= 0 || id > sampler_issued_)
+    throw std::invalid_argument("[lily] decode_sample: sampler id " + std::to_string(id) +
+                                " was not returned by sampler_begin");
+  if (id != sampler_id_) return -1;
+  if (!(uniform >= 0.f && uniform < 1.f))
+    throw std::invalid_argument("[lily] decode_sample: uniform must be in [0, 1), got " + std::to_string(uniform));
+  validate(st, &token, 1);
+  st.reserve(st.position + 1);
+  int32_t next = -1;
+  if (!backend_->decode_sample(st, token, uniform, &next))
+    throw std::logic_error(std::string("[lily] decode_sample: backend '") + backend_->name() +
+                           "' declined the step after accepting the sampler");
+  st.position += 1;
+  sampled_state_ = &st;
+  sampled_position_ = st.position;
+  return next;
+}
+
+bool Engine::decode_logits(const State& st, float* logits) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (sampled_state_ != &st || sampled_position_ != st.position) return false;
+  return backend_->decode_logits(logits);
 }
 
 void Engine::set_backend_flag(const std::string& name, int64_t value) {

@@ -50,6 +50,17 @@ class Engine {
   // path (no logits cross to the host), else a loop of forward steps.
   void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
 
+  // Sampling on the device (backends that have it; see Backend::sampler_begin). sampler_begin validates the
+  // options (std::invalid_argument naming the bad one) and returns an id for this generation, or 0 when the
+  // backend has no device sampler. decode_sample runs `token` at st.position, advances st.position by 1 and
+  // returns the next token drawn on the device with `uniform`; it returns -1 without running anything when
+  // `id` is no longer the engine's current sampler (another generation began since: begin again with the
+  // host's counts). decode_logits copies the logits [V] of st's last decode_sample step; false when the device no longer
+  // holds them (another step ran since, on any state) or the backend has none.
+  int64_t sampler_begin(const SampleOptions& opt);
+  int32_t decode_sample(State& st, int32_t token, float uniform, int64_t id);
+  bool decode_logits(const State& st, float* logits);
+
   // Backend switches (ablations) and counters; std::invalid_argument for a name the backend does not know.
   void set_backend_flag(const std::string& name, int64_t value);
   int64_t backend_flag(const std::string& name);
@@ -74,6 +85,10 @@ class Engine {
   int64_t max_context_;
   bool debug_;
   std::unique_ptr<Backend> backend_;
+  int64_t sampler_id_ = 0;     // current device sampler (0: none)
+  const State* sampled_state_ = nullptr;  // the state of the last decode_sample (its logits are on the device)
+  int64_t sampled_position_ = -1;
+  int64_t sampler_issued_ = 0;
   std::mutex mu_;  // one forward at a time: backend buffers are shared
 };
 

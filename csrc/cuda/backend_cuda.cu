@@ -22,6 +22,7 @@
 #include "cuda/gemm_mma.cuh"
 #include "cuda/linear.cuh"
 #include "cuda/runtime.h"
+#include "cuda/sample.cuh"
 
 namespace lily {
 namespace {
@@ -105,7 +106,7 @@ class CudaBackend final : public Backend {
 
   bool decode_step(State& st, int32_t token, float* logits) override {
     if (decode_mode_ == 0 || !fused_ok_) return false;
-    *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, 0};
+    *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, 0, 0.f};
     LILY_CUDA_CHECK(cudaMemcpyAsync(dctl_, ctl_host_, sizeof(cuda::dec::Ctl), cudaMemcpyHostToDevice, st_));
     run_step(st);
     // Through pinned memory: a pageable device-to-host copy of the 1 MB of logits is several times slower.
@@ -122,7 +123,7 @@ class CudaBackend final : public Backend {
       const int64_t m = std::min<int64_t>(kOutCap, n - done);
       // The first batch sets token and position; later ones only reset the output index (the device advanced
       // token and position itself).
-      *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, static_cast<int32_t>(m)};
+      *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, static_cast<int32_t>(m), 0.f};
       const size_t off = done == 0 ? 0 : offsetof(cuda::dec::Ctl, step);
       LILY_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(dctl_) + off, reinterpret_cast<char*>(ctl_host_) + off,
                                       sizeof(cuda::dec::Ctl) - off, cudaMemcpyHostToDevice, st_));
@@ -131,6 +132,44 @@ class CudaBackend final : public Backend {
       sync();
       done += m;
     }
+    return true;
+  }
+
+  bool sampler_begin(const SampleOptions& o) override {
+    if (decode_mode_ == 0 || !fused_ok_) return false;
+    cuda::sample::Options d;
+    d.greedy = o.temperature == 0.f;
+    d.inv_temperature = d.greedy ? 1.f : 1.f / o.temperature;
+    d.top_k = o.top_k;
+    d.top_p = o.top_p;
+    d.min_p = o.min_p;
+    d.repetition_penalty = o.repetition_penalty;
+    d.presence_penalty = o.presence_penalty;
+    d.frequency_penalty = o.frequency_penalty;
+    sampler_.begin(st_, d, o.bias_ids.data(), o.bias_vals.data(), o.seen.empty() ? nullptr : o.seen.data(),
+                   o.counts.empty() ? nullptr : o.counts.data(), static_cast<int32_t>(o.bias_ids.size()),
+                   static_cast<int32_t>(cfg_.vocab));
+    return true;
+  }
+
+  // The step's graph ends with the argmax in dctl_->token; the sampler overwrites it with its draw.
+  bool decode_sample(State& st, int32_t token, float uniform, int32_t* next) override {
+    if (decode_mode_ == 0 || !fused_ok_ || !sampler_.ready()) return false;
+    *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, 0, uniform};
+    LILY_CUDA_CHECK(cudaMemcpyAsync(dctl_, ctl_host_, sizeof(cuda::dec::Ctl), cudaMemcpyHostToDevice, st_));
+    run_step(st);
+    sampler_.draw(st_, dlg_, &dctl_->uniform, &dctl_->token);
+    LILY_CUDA_CHECK(cudaMemcpyAsync(&ctl_host_->token, &dctl_->token, sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
+    sync();
+    *next = ctl_host_->token;
+    return true;
+  }
+
+  bool decode_logits(float* logits) override {
+    if (!fused_ok_ || !dlg_) return false;
+    LILY_CUDA_CHECK(cudaMemcpyAsync(lg_host_, dlg_, cfg_.vocab * sizeof(float), cudaMemcpyDeviceToHost, st_));
+    sync();
+    std::memcpy(logits, lg_host_, cfg_.vocab * sizeof(float));
     return true;
   }
 
@@ -745,6 +784,7 @@ class CudaBackend final : public Backend {
   std::vector<std::pair<void*, size_t>> dec_poison_;
   cuda::dec::Ctl* dctl_ = nullptr;
   cuda::dec::Ctl* ctl_host_ = nullptr;  // pinned
+  cuda::sample::DeviceSampler sampler_;
   float* lg_host_ = nullptr;            // pinned [V]
   int32_t* dout_ = nullptr;
   float *dx_ = nullptr, *du_ = nullptr, *dz_ = nullptr, *dy_ = nullptr, *db_ = nullptr, *da_ = nullptr;

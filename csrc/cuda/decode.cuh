@@ -27,6 +27,7 @@ struct Ctl {
   int32_t pos;    // its position
   int32_t step;   // greedy: index of the next output token
   int32_t n_out;  // greedy: capacity of the output array (0: record nothing)
+  float uniform;  // device sampling: this step's draw in [0, 1)
 };
 
 struct Seg {

@@ -339,3 +339,53 @@ class Sampler:
             ids = ids[np.argsort(-x[ids], kind="stable")]
             top = {int(i): float(x[i]) - log_z for i in ids}
         return TokenLogprobs(int(token), float(x[token]) - log_z, top)
+
+
+# ---- sampling on the device (csrc/cuda/sample.cu) ------------------------------------------------------
+
+def device_sampling_supported(params: SamplingParams, constraint: object = None) -> bool:
+    """Whether the device sampler covers these options: everything except a constraint (a grammar mask
+    runs on the host) and logprobs (they need the logits row on the host anyway)."""
+    return constraint is None and not params.logprobs
+
+
+def device_sample_reference(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None,
+                            counts: np.ndarray | None, uniform: float) -> int:
+    """The NumPy twin of the device sampler (float64; csrc/cuda/sample.cuh states the semantics): same
+    processed logits as `Sampler.process`, same kept set as `Sampler._weights` except that ties at the top-k
+    or top-p boundary are all kept, and the token is the first index (vocab order) whose inclusive cumulative
+    kept weight exceeds uniform * total (the host sampler walks its candidates in another order)."""
+    x = np.array(logits, np.float64).reshape(-1)
+    p = params
+    for k, v in (p.logit_bias or {}).items():
+        x[k] += v
+    if p.repetition_penalty != 1.0 and seen is not None:
+        s = np.asarray(seen, bool)
+        x[s] = np.where(x[s] > 0, x[s] / p.repetition_penalty, x[s] * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and counts is not None:
+        c = np.asarray(counts, np.float64)
+        x -= np.where(c > 0, p.frequency_penalty * c + p.presence_penalty, 0.0)
+    if p.greedy:
+        return int(np.argmax(x))
+    m = x.max()
+    w = np.exp((x - m) / p.temperature)
+    keep = np.ones(x.size, bool)
+    if 0 < p.top_k < x.size:
+        keep &= x >= np.sort(x)[x.size - p.top_k]
+    if p.top_p < 1.0:
+        kept_mass = w[keep].sum()
+        vals = np.unique(x[keep])[::-1]                    # distinct kept values, best first
+        mass_at = np.array([w[keep & (x == v)].sum() for v in vals]) if vals.size < 4096 else None
+        if mass_at is None:                                 # many distinct values: group by sorting
+            order = np.argsort(-x[keep], kind="stable")
+            xs, ws = x[keep][order], w[keep][order]
+            starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
+            vals, mass_at = xs[starts], np.add.reduceat(ws, starts)
+        above = np.cumsum(mass_at) - mass_at               # kept mass strictly above each value
+        cut = vals[above < p.top_p * kept_mass].min()
+        keep &= x >= cut
+    if p.min_p > 0.0:
+        keep &= w >= p.min_p
+    cdf = np.cumsum(np.where(keep, w, 0.0))
+    i = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+    return min(i, int(np.flatnonzero(keep)[-1]))

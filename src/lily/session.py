@@ -11,6 +11,7 @@ prefilling (see lily.prefix_cache). `save(path)` / `Session.load(path, model)` k
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 from .errors import ContextLengthError, LilyError
 from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
                          StopStringMatcher, collect, resolve_sampling)
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, device_sampling_supported
 
 if TYPE_CHECKING:
     from .model import Model
@@ -74,6 +75,9 @@ class Session:
         self.prefix_cache = prefix_cache
         self.progress_tokens = 4096      # prefill piece between progress callbacks (when one is given)
         self.metadata: dict[str, Any] = {}  # what Session.save(path, metadata=...) stored
+        # sample on the device where the engine can (the logits row then never crosses to the host); env
+        # LILY_DEVICE_SAMPLING=0 or setting this False keeps every draw on the host (lily.sampling.Sampler)
+        self.device_sampling = os.environ.get("LILY_DEVICE_SAMPLING", "1") not in ("0", "false", "no")
 
     # ---- inspection ----------------------------------------------------------------------------
     @property
@@ -220,6 +224,12 @@ class Session:
                 progress(cut - start, end - start)
         return logits
 
+    def _device_sampler(self, params: SamplingParams, constraint: Any) -> "_DeviceDraw | None":
+        if not (self.device_sampling and device_sampling_supported(params, constraint)
+                and hasattr(self._engine, "decode_sample")):
+            return None
+        return _DeviceDraw(params, self._engine)
+
     def prefill(self, prompt: Any, *, whole: bool = False, progress: ProgressCallback | None = None,
                 **template_kwargs: Any) -> PrefillResult:
         """Run a prompt through the model. Text and token ids are appended to the session; a list of chat
@@ -320,6 +330,19 @@ class Session:
         detok = model.tokenizer.streaming_detokenizer(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
         stop_ids = set(model.stop_token_ids) | set(params.stop_token_ids)
+        device = self._device_sampler(params, constraint)
+        try:
+            yield from self._steps(budget, logits, sampler, device, params, matcher, detok, stop_ids, stats, t0)
+        finally:
+            if device is not None and self._last_logits is None:
+                # the loop ended after a device step: the row the last token came from is still on the device
+                self._last_logits = device.fetch_logits(self)
+
+    def _steps(self, budget: int, logits: np.ndarray, sampler: Sampler, device: "_DeviceDraw | None",
+               params: SamplingParams, matcher: StopStringMatcher, detok: Any, stop_ids: set[int],
+               stats: GenerationStats, t0: float) -> Iterator[GenerationChunk]:
+        """The token loop of `_decode_loop`: the first token is drawn on the host from the prompt's logits,
+        the others on the host from each step's logits or, with `device`, on the device."""
         t_first = None
 
         def finish(text: str, token: int, lp, reason: str, why) -> GenerationChunk:
@@ -329,8 +352,13 @@ class Session:
             return GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None,
                                    reason, why, stats)
 
+        nxt = None
         for step in range(budget):
-            token = sampler.sample(logits)
+            if nxt is None:
+                token = sampler.sample(logits)
+            else:
+                token = nxt
+                sampler.accept(token)
             lp = sampler.logprobs(logits, token) if params.logprobs else None
             self._pending.append(token)
             stats.generated_tokens += 1
@@ -350,4 +378,64 @@ class Session:
                 yield finish(text + tail, token, lp, FINISH_STOP if hit else FINISH_LENGTH, hit)
                 return
             yield GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None)
-            logits = self._feed([])  # one decode step: runs the pending token
+            if device is not None:  # one decode step and the draw of the next token, on the device
+                nxt = device.step(self, sampler)
+                if nxt is None:  # the engine has no device sampler: the host from here on
+                    device = None
+            if device is None:
+                logits = self._feed([])  # one decode step: runs the pending token
+
+
+class _DeviceDraw:
+    """One generation's sampler on the device (the engine's `sampler_begin` / `decode_sample`). The host
+    `Sampler` stays the record of seen tokens and counts (every token is `accept`ed there too), so when another
+    generation took the engine's device sampler in between, this one begins again from the host's record."""
+
+    # uniform draws are float32 on the device: the largest float32 below 1
+    _U_MAX = 1.0 - 2.0 ** -24
+
+    def __init__(self, params: SamplingParams, engine: Any):
+        self.params = params
+        self.engine = engine
+        self.id = 0      # 0: not begun yet (begins at the first device step, when the first token is known)
+        self.usable = True
+
+    def _begin(self, sampler: Sampler) -> bool:
+        p = self.params
+        bias = p.logit_bias or {}
+        self.id = int(self.engine.sampler_begin(
+            p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty, np.fromiter(bias.keys(), np.int32, len(bias)),
+            np.fromiter(bias.values(), np.float32, len(bias)),
+            sampler._seen.view(np.uint8) if p.repetition_penalty != 1.0 else np.zeros(0, np.uint8),
+            sampler._counts if (p.presence_penalty or p.frequency_penalty) else np.zeros(0, np.int32)))
+        return self.id > 0
+
+    def step(self, session: Session, sampler: Sampler) -> int | None:
+        """Run the pending token and draw the next one on the device; None when the engine has no device
+        sampler (the caller then continues on the host)."""
+        if len(session._pending) != 1:
+            raise LilyError(f"[generate] internal: expected one pending token, found {len(session._pending)}")
+        if session.position + 1 > session.max_context:
+            raise ContextLengthError(f"[generate] {session.position + 1} tokens exceed the context size "
+                                     f"{session.max_context}")
+        if self.id == 0 and not self._begin(sampler):
+            return None
+        u = min(float(sampler.rng.random()), self._U_MAX)
+        token = session._pending[0]
+        session._last_logits = None
+        before = session._state.position
+        try:
+            nxt = int(self.engine.decode_sample(session._state, token, u, self.id))
+            if nxt < 0:  # another generation began on this engine since: begin again from the host's record
+                self._begin(sampler)
+                nxt = int(self.engine.decode_sample(session._state, token, u, self.id))
+        finally:
+            if session._state.position > before:
+                session._tokens.append(token)
+                session._pending = []
+        return nxt
+
+    def fetch_logits(self, session: Session) -> np.ndarray | None:
+        out = self.engine.decode_logits(session._state) if self.id else None
+        return None if out is None else np.asarray(out, np.float32)

@@ -1,0 +1,75 @@
+// Sampling on the device: one block turns a logits row into the next token without the row leaving the GPU.
+// Semantics (the NumPy twin is lily.sampling.device_sample_reference):
+//   x = logits + logit_bias; repetition penalty on tokens marked `seen` (x/rp if x > 0 else x*rp);
+//   x -= frequency * count + presence * (count > 0) on generated tokens;
+//   greedy (temperature 0): argmax x, lowest index on ties.
+//   else w = exp((x - max x) / T); kept = top-k by x (ties at the k-th value all kept), then top-p on the kept
+//   (a token stays while the kept mass strictly above its value is < top_p of the kept mass; ties kept),
+//   then min-p (w >= min_p); the token is the first index i (vocab order) whose inclusive cumulative kept
+//   weight exceeds uniform * total. The host sampler draws from the same distribution in another order, so a
+//   seed gives a different (equally distributed) sequence on the device than on the host.
+// The chosen token is written to `token` (the next decode step's input) and recorded in seen/counts.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace lily::cuda::sample {
+
+constexpr int kThreads = 1024;
+
+// Options of one generation, resident on the device (written once per generation by the host).
+struct Options {
+  float inv_temperature = 1.f;  // 1 / T (unused when greedy)
+  int32_t greedy = 0;
+  int32_t top_k = 0;            // <= 0 or >= V: off
+  float top_p = 1.f;            // 1: off
+  float min_p = 0.f;            // 0: off
+  float repetition_penalty = 1.f;
+  float presence_penalty = 0.f;
+  float frequency_penalty = 0.f;
+  int32_t n_bias = 0;           // entries in bias_ids / bias_vals
+};
+
+struct Args {
+  const float* logits = nullptr;    // [V] raw logits of the step (left unchanged)
+  float* x = nullptr;               // [V] scratch: the processed logits
+  const Options* opt = nullptr;     // device
+  const int32_t* bias_ids = nullptr;  // [n_bias] distinct token ids
+  const float* bias_vals = nullptr;   // [n_bias]
+  uint8_t* seen = nullptr;          // [V] 1: prompt or generated token (repetition penalty); updated
+  int32_t* counts = nullptr;        // [V] generated counts (presence / frequency); updated
+  const float* uniform = nullptr;   // device scalar in [0, 1): this step's draw
+  int32_t* token = nullptr;         // out: device scalar
+  int32_t vocab = 0;                // V >= 1
+};
+
+// One block of kThreads on the stream.
+void launch(cudaStream_t st, const Args& a);
+
+// The device buffers of one engine's sampler (options, bias, seen, counts, scratch row), sized on first use.
+class DeviceSampler {
+ public:
+  DeviceSampler() = default;
+  DeviceSampler(const DeviceSampler&) = delete;
+  DeviceSampler& operator=(const DeviceSampler&) = delete;
+  ~DeviceSampler();
+  // Uploads one generation's options (seen / counts empty: all zero) on the stream; vocab V.
+  void begin(cudaStream_t st, const Options& opt, const int32_t* bias_ids, const float* bias_vals,
+             const uint8_t* seen, const int32_t* counts, int32_t n_bias, int32_t V);
+  bool ready() const { return ready_; }
+  // Draws from logits [V] with *uniform (device) into *token (device).
+  void draw(cudaStream_t st, const float* logits, const float* uniform, int32_t* token);
+
+ private:
+  bool ready_ = false;
+  int32_t V_ = 0, bias_cap_ = 0;
+  Options* opt_ = nullptr;
+  int32_t* bias_ids_ = nullptr;
+  float* bias_vals_ = nullptr;
+  uint8_t* seen_ = nullptr;
+  int32_t* counts_ = nullptr;
+  float* x_ = nullptr;
+};
+
+}  // namespace lily::cuda::sample
