@@ -170,6 +170,28 @@ class LilyRunner:
             tok = int(np.argmax(self.eng.forward(st, np.array([tok], np.int32), logits="last")[-1]))
         return time.perf_counter() - t0
 
+    def decode_sampled(self, st, tok, device):
+        """Steps with temperature 0.7 / top-p 0.9 / top-k 50 sampling, as the session runs them: on the host
+        (forward + logits to the host + lily.sampling.Sampler) or on the device (Engine.decode_sample)."""
+        from lily.sampling import Sampler, SamplingParams
+        p = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=0)
+        sampler = Sampler(p, self.eng.vocab_size)
+        if not device:
+            step = lambda t: sampler.sample(self.eng.forward(st, np.array([t], np.int32), logits="last")[-1])  # noqa: E731
+        else:
+            sid = self.eng.sampler_begin(p.temperature, p.top_k, p.top_p, p.min_p, 1.0, 0.0, 0.0,
+                                         np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.uint8),
+                                         np.zeros(0, np.int32))
+            if not sid:
+                raise RuntimeError("the engine has no device sampler")
+            step = lambda t: self.eng.decode_sample(st, t, float(sampler.rng.random()) * 0.999999, sid)  # noqa: E731
+        for _ in range(3):
+            tok = step(tok)
+        t0 = time.perf_counter()
+        for _ in range(self.n):
+            tok = step(tok)
+        return time.perf_counter() - t0
+
     def decode_greedy(self, st, tok):
         self.eng.decode_greedy(st, tok, 3)
         t0 = time.perf_counter()
@@ -282,6 +304,15 @@ def main(argv=None):
                     method="Engine.decode_greedy: argmax on the device, no logits copies")
             except Exception as e:  # noqa: BLE001
                 checks[f"decode_greedy@{L}"] = repr(e)[:200]
+            for device in (False, True):
+                try:
+                    st.restore(snap)
+                    add(lily.name + ("-sample-device" if device else "-sample-host"), "decode", L,
+                        lily.decode_sampled(st, tok, device), args.decode_steps,
+                        method="T 0.7, top-p 0.9, top-k 50: " + ("Engine.decode_sample (drawn on the device)"
+                                                                 if device else "forward + host Sampler"))
+                except Exception as e:  # noqa: BLE001
+                    checks[f"decode_sampled_device={device}@{L}"] = repr(e)[:200]
         if L == args.profile_length and time.time() < deadline:
             run_profiles(L, st, snap, tok)
         if ablator is not None:
@@ -368,7 +399,8 @@ def main(argv=None):
     path = out / f"{args.name}.json"
     path.write_text(json.dumps(res, indent=1, default=float))
     plot_sweep(rows, title, out / f"{args.name}.png")
-    write_markdown(res, md_path)
+    if ablator:  # a run without ablations keeps the last table
+        write_markdown(res, md_path)
     for k, prof in profiles.items():
         if isinstance(prof, dict) and "error" not in prof and "_total" in prof:
             print("\n" + format_profile(k, prof, 10))

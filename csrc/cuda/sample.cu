@@ -16,6 +16,7 @@ constexpr int kWarps = kThreads / 32;
 // Monotone map float -> uint32 (larger float, larger key); NaN maps to 0, below -inf.
 __device__ __forceinline__ uint32_t order_key(float v) {
   if (v != v) return 0u;
+  if (v == 0.f) return 0x80000000u;  // -0 and +0 are one value (ties at a cutoff are all kept)
   const uint32_t b = __float_as_uint(v);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
