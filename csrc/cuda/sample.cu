@@ -2,7 +2,10 @@
 // L2 after the head wrote it, so ~11 block-wide passes cost tens of microseconds, against ~0.3-0.8 ms for the
 // copy to the host plus a NumPy sampler. Thresholds are found by radix selection on an order-preserving
 // 32-bit key of x (8 bits per pass), never by sorting: top-k selects the k-th largest key by counts, top-p
-// the smallest key whose strictly-greater mass is below top_p by per-bin masses.
+// the smallest key whose strictly-greater mass is below top_p by per-bin masses. Logits cluster in a few top
+// bits, so a shared histogram would serialise on one or two bins; each lane owns its own column of the
+// histogram (address bin * 32 + lane: no two lanes of a warp meet, and the bank is the lane), summed per bin
+// after the pass.
 #include <cfloat>
 
 #include "cuda/common.cuh"
@@ -21,9 +24,12 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+constexpr int kBins = 256;
+constexpr size_t kHistBytes = kBins * 32 * (sizeof(uint32_t) + sizeof(float));  // dynamic shared memory
+
 struct Smem {
-  uint32_t cnt[256];
-  float mass[256];
+  uint32_t cnt[kBins];   // per-bin totals of the lane columns
+  float mass[kBins];
   float wf[kWarps];
   int wi[kWarps];
   double wd[kWarps];
@@ -68,13 +74,43 @@ __device__ double block_sum(Smem& s, double v) {
   return v;
 }
 
+// Lane-column histograms in dynamic shared memory: hc/hm[bin * 32 + lane].
+__device__ void hist_clear(uint32_t* hc, float* hm) {
+  for (int j = threadIdx.x; j < kBins * 32; j += kThreads) hc[j] = 0u, hm[j] = 0.f;
+  __syncthreads();
+}
+
+// s.cnt / s.mass [bin] = sums of the 32 lane columns; each thread of a bin's group starts at another column
+// so that the 256 bins' threads read 32 different banks.
+__device__ void hist_reduce(Smem& s, const uint32_t* hc, const float* hm) {
+  __syncthreads();
+  if (threadIdx.x < kBins) {
+    const int b = threadIdx.x;
+    uint32_t c = 0;
+    float m = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      const int l = (j + b) & 31;
+      c += hc[b * 32 + l];
+      m += hm[b * 32 + l];
+    }
+    s.cnt[b] = c;
+    s.mass[b] = m;
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
   __shared__ Smem s;
+  extern __shared__ uint32_t hist[];
+  uint32_t* hc = hist;
+  float* hm = reinterpret_cast<float*>(hist + kBins * 32);
+  const int lane = threadIdx.x % 32;
   const Options o = *a.opt;
   const int V = a.vocab, t = threadIdx.x;
   float* x = a.x;
 
   // 1. processed logits: bias first (sparse), then the penalties, as the host sampler orders them
+#pragma unroll 4
   for (int i = t; i < V; i += kThreads) x[i] = a.logits[i];
   __syncthreads();
   for (int j = t; j < o.n_bias; j += kThreads) x[a.bias_ids[j]] += a.bias_vals[j];
@@ -82,6 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
   const bool rep = o.repetition_penalty != 1.f, cnt = o.presence_penalty != 0.f || o.frequency_penalty != 0.f;
   float m = -FLT_MAX;
   int am = V;
+#pragma unroll 4
   for (int i = t; i < V; i += kThreads) {
     float v = x[i];
     if (rep && a.seen[i]) v = v > 0.f ? v / o.repetition_penalty : v * o.repetition_penalty;
@@ -106,14 +143,14 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
       if (t == 0) s.prefix = 0, s.need = o.top_k;
       uint32_t mask = 0;
       for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = t; b < 256; b += kThreads) s.cnt[b] = 0;
-        __syncthreads();
+        hist_clear(hc, hm);
         const uint32_t prefix = s.prefix;
+#pragma unroll 4
         for (int i = t; i < V; i += kThreads) {
           const uint32_t key = order_key(x[i]);
-          if ((key & mask) == prefix) atomicAdd(&s.cnt[(key >> shift) & 255u], 1u);
+          if ((key & mask) == prefix) atomicAdd(&hc[((key >> shift) & 255u) * 32 + lane], 1u);
         }
-        __syncthreads();
+        hist_reduce(s, hc, hm);
         if (t == 0) {
           int need = s.need, b = 255;
           for (; b > 0 && need > static_cast<int>(s.cnt[b]); --b) need -= s.cnt[b];
@@ -130,23 +167,26 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
     uint32_t kp = 0;
     if (o.top_p < 1.f) {
       double z = 0.0;
+#pragma unroll 4
       for (int i = t; i < V; i += kThreads)
         if (order_key(x[i]) >= kk) z += weight(x[i]);
       const float target = static_cast<float>(o.top_p * block_sum(s, z));
       if (t == 0) s.prefix = 0, s.above = 0.f;
       uint32_t mask = 0;
       for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = t; b < 256; b += kThreads) s.cnt[b] = 0, s.mass[b] = 0.f;
-        __syncthreads();
+        hist_clear(hc, hm);
         const uint32_t prefix = s.prefix;
+#pragma unroll 4
         for (int i = t; i < V; i += kThreads) {
-          const uint32_t key = order_key(x[i]);
+          const float v = x[i];
+          const uint32_t key = order_key(v);
           if (key >= kk && (key & mask) == prefix) {
-            atomicAdd(&s.cnt[(key >> shift) & 255u], 1u);
-            atomicAdd(&s.mass[(key >> shift) & 255u], weight(x[i]));
+            const uint32_t j = ((key >> shift) & 255u) * 32 + lane;
+            atomicAdd(&hc[j], 1u);
+            atomicAdd(&hm[j], weight(v));
           }
         }
-        __syncthreads();
+        hist_reduce(s, hc, hm);
         if (t == 0) {
           // walking down, the mass above bin b only grows: the answer is the last non-empty bin reached
           // while it is still below the target (the first non-empty bin always is: above < target)
@@ -181,6 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
       return e >= min_w ? e : 0.f;
     };
     double part = 0.0;
+#pragma unroll 4
     for (int i = lo + l; i < hi; i += 32) part += kept_w(i);
     for (int off = 16; off; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
     if (l == 0) s.wd[w] = part;
@@ -238,7 +279,13 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
 }  // namespace
 
 void launch(cudaStream_t st, const Args& a) {
-  sample_kernel<<<1, kThreads, 0, st>>>(a);
+  static const bool attr = [] {  // more than the default 48 KB of dynamic shared memory
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kHistBytes)));
+    return true;
+  }();
+  (void)attr;
+  sample_kernel<<<1, kThreads, kHistBytes, st>>>(a);
   LILY_CUDA_CHECK(cudaGetLastError());
 }
 
