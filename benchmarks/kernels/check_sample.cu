@@ -313,6 +313,8 @@ struct DevCase {  // device buffers of one input
     CK(cudaMemcpy(dopt, &opt, sizeof opt, cudaMemcpyHostToDevice));
     a.logits = dv.put(in.logits);
     a.x = dv.alloc<float>(in.V + kGuard);
+    a.work = dv.alloc<float>(ls::workspace_floats(in.V));
+    CK(cudaMemset(a.work, 0xFF, ls::workspace_floats(in.V) * sizeof(float)));  // NaN: stale partials show
     a.opt = dopt;
     a.bias_ids = dv.put(in.bias_ids), a.bias_vals = dv.put(in.bias_vals);
     a.seen = seen = dv.put(in.seen);

@@ -1,12 +1,17 @@
-// Device sampling (see sample.cuh for the semantics). One block: the row is 1 MB at full vocabulary and stays in
-// L2 after the head wrote it, so ~11 block-wide passes cost tens of microseconds, against ~0.3-0.8 ms for the
-// copy to the host plus a NumPy sampler. Thresholds are found by radix selection on an order-preserving
-// 32-bit key of x (8 bits per pass), never by sorting: top-k selects the k-th largest key by counts, top-p
-// the smallest key whose strictly-greater mass is below top_p by per-bin masses. Logits cluster in a few top
-// bits, so a shared histogram would serialise on one or two bins; each lane owns its own column of the
-// histogram (address bin * 32 + lane: no two lanes of a warp meet, and the bank is the lane), summed per bin
-// after the pass.
+// Device sampling (see sample.cuh for the semantics), three launches. Two grid passes over the 1 MB row (one
+// block per kSpan entries): the processed logits and each span's max; then the weights against the row max,
+// each span's sums and its candidates (weight >= kCandTau) compacted in vocab order. One final block then finds
+// the thresholds by radix selection on an order-preserving 32-bit key (8 bits per pass; top-k by counts, top-p
+// by per-bin masses), on the candidates alone when they provably hold the kept set (the usual case for a
+// language model: a few hundred tokens), else on the whole row; and draws. A single block reading the whole
+// row is latency-bound (~20 GB/s): the grid passes and the short candidate list are what make this cheap.
+// Logits cluster in a few top key bits, so one shared histogram would serialise on one or two bins: each lane
+// owns a column of the histogram (address bin * 32 + lane: no two lanes of a warp meet, the bank is the lane),
+// summed per bin after the pass.
 #include <cfloat>
+#include <climits>
+#include <stdexcept>
+#include <string>
 
 #include "cuda/common.cuh"
 #include "cuda/sample.cuh"
@@ -15,6 +20,9 @@ namespace lily::cuda::sample {
 namespace {
 
 constexpr int kWarps = kThreads / 32;
+constexpr int kBins = 256;
+constexpr size_t kHistBytes = kBins * 32 * (sizeof(uint32_t) + sizeof(float));
+constexpr size_t kListBytes = kCandCap * (sizeof(float) + sizeof(int32_t));
 
 // Monotone map float -> uint32 (larger float, larger key); NaN maps to 0, below -inf.
 __device__ __forceinline__ uint32_t order_key(float v) {
@@ -24,64 +32,179 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-constexpr int kBins = 256;
-constexpr size_t kHistBytes = kBins * 32 * (sizeof(uint32_t) + sizeof(float));  // dynamic shared memory
+// The weight of a processed logit relative to the row max (NaN weighs nothing). Every kernel uses this one
+// formula, so block sums and the final block's sums agree exactly.
+__device__ __forceinline__ float weight_of(float v, float m, float inv_t) {
+  return v == v ? __expf((v - m) * inv_t) : 0.f;
+}
 
+// The scratch of Args::work: per-block partials of the grid passes, then the candidate lists.
+struct Work {
+  float* part_max;   // [nb] block max of x
+  int32_t* part_arg; // [nb] its lowest index
+  float* part_z;     // [nb] block sum of weights
+  float* part_keep;  // [nb] block sum of weights >= min_p
+  int32_t* part_cnt; // [nb] candidates of the block
+  float* cand_val;   // [nb * kSpan] block b's candidates at b * kSpan, in vocab order
+  int32_t* cand_idx;
+};
+
+__host__ __device__ inline int blocks_for(int V) { return (V + kSpan - 1) / kSpan; }
+
+__host__ __device__ inline Work carve(float* base, int V) {
+  const int nb = blocks_for(V);
+  Work w;
+  w.part_max = base;
+  w.part_arg = reinterpret_cast<int32_t*>(base + nb);
+  w.part_z = base + 2 * nb;
+  w.part_keep = base + 3 * nb;
+  w.part_cnt = reinterpret_cast<int32_t*>(base + 4 * nb);
+  w.cand_val = base + 5 * nb;
+  w.cand_idx = reinterpret_cast<int32_t*>(base + 5 * nb + nb * kSpan);
+  return w;
+}
+
+// Max (NaN ignored) with its lowest index over the block; the result in every thread. nw: warps in the block.
+template <int kNw>
+__device__ void block_argmax(float& v, int& i, float* sf, int* si) {
+  for (int o = 16; o; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+  }
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  __syncthreads();
+  if (l == 0) sf[w] = v, si[w] = i;
+  __syncthreads();
+  v = l < kNw ? sf[l] : -FLT_MAX;
+  i = l < kNw ? si[l] : INT_MAX;
+  for (int o = 16; o; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+  }
+}
+
+template <int kNw>
+__device__ double block_sum(double v, double* sd) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  __syncthreads();
+  if (l == 0) sd[w] = v;
+  __syncthreads();
+  v = l < kNw ? sd[l] : 0.0;
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- grid pass 1: processed logits of the block's span, the span's max -----------------------------------
+__global__ void __launch_bounds__(kGridThreads) process_kernel(Args a) {
+  __shared__ float sf[kGridThreads / 32];
+  __shared__ int si[kGridThreads / 32];
+  const Options o = *a.opt;
+  const Work wk = carve(a.work, a.vocab);
+  const int V = a.vocab, t = threadIdx.x, lo = blockIdx.x * kSpan, hi = min(V, lo + kSpan);
+  float* x = a.x;
+  for (int i = lo + t; i < hi; i += kGridThreads) x[i] = a.logits[i];
+  __syncthreads();
+  // bias before the penalties (the host sampler's order); each block applies the entries in its span
+  for (int j = t; j < o.n_bias; j += kGridThreads) {
+    const int id = a.bias_ids[j];
+    if (id >= lo && id < hi) x[id] += a.bias_vals[j];
+  }
+  __syncthreads();
+  const bool rep = o.repetition_penalty != 1.f, cnt = o.presence_penalty != 0.f || o.frequency_penalty != 0.f;
+  float m = -FLT_MAX;
+  int am = INT_MAX;
+  for (int i = lo + t; i < hi; i += kGridThreads) {
+    float v = x[i];
+    if (rep && a.seen[i]) v = v > 0.f ? v / o.repetition_penalty : v * o.repetition_penalty;
+    if (cnt) {
+      const int c = a.counts[i];
+      if (c) v -= o.frequency_penalty * static_cast<float>(c) + o.presence_penalty;
+    }
+    if (rep || cnt) x[i] = v;
+    if (v > m || (v == m && i < am)) m = v, am = i;  // NaN never compares greater
+  }
+  block_argmax<kGridThreads / 32>(m, am, sf, si);
+  if (t == 0) wk.part_max[blockIdx.x] = m, wk.part_arg[blockIdx.x] = am;
+}
+
+// ---- grid pass 2: weights against the row max; block sums; the span's candidates, compacted in order -------
+__global__ void __launch_bounds__(kGridThreads) weigh_kernel(Args a) {
+  constexpr int kNw = kGridThreads / 32;
+  __shared__ float sf[kNw];
+  __shared__ int si[kNw];
+  __shared__ double sd[kNw];
+  __shared__ int warp_n[kNw];
+  const Options o = *a.opt;
+  if (o.greedy) return;  // the argmax needs no weights
+  const Work wk = carve(a.work, a.vocab);
+  const int V = a.vocab, t = threadIdx.x, lane = t % 32, wid = t / 32, nb = blocks_for(V);
+  const int lo = blockIdx.x * kSpan, hi = min(V, lo + kSpan);
+  float m = -FLT_MAX;
+  int unused = 0;
+  for (int j = t; j < nb; j += kGridThreads) m = fmaxf(m, wk.part_max[j]);
+  block_argmax<kNw>(m, unused, sf, si);
+  const float it = o.inv_temperature;
+  double z = 0.0, keep = 0.0;
+  int base = 0;  // candidates written so far
+  for (int i0 = lo; i0 < hi; i0 += kGridThreads) {
+    const int i = i0 + t;
+    const float v = i < hi ? a.x[i] : -INFINITY;
+    const float w = i < hi && m > -FLT_MAX ? weight_of(v, m, it) : 0.f;
+    z += w;
+    keep += w >= o.min_p ? w : 0.f;
+    const bool cand = w >= kCandTau;
+    const unsigned bal = __ballot_sync(0xffffffffu, cand);
+    if (lane == 0) warp_n[wid] = __popc(bal);
+    __syncthreads();
+    int before = base, total = 0;
+    for (int j = 0; j < kNw; ++j) {
+      if (j < wid) before += warp_n[j];
+      total += warp_n[j];
+    }
+    if (cand) {
+      const int at = lo + before + __popc(bal & ((1u << lane) - 1u));
+      wk.cand_val[at] = v;
+      wk.cand_idx[at] = i;
+    }
+    base += total;
+    __syncthreads();
+  }
+  z = block_sum<kNw>(z, sd);
+  keep = block_sum<kNw>(keep, sd);
+  if (t == 0) {
+    wk.part_z[blockIdx.x] = static_cast<float>(z);
+    wk.part_keep[blockIdx.x] = static_cast<float>(keep);
+    wk.part_cnt[blockIdx.x] = base;
+  }
+}
+
+// ---- the final block: thresholds on the candidates (or the whole row), then the draw -----------------------
 struct Smem {
   uint32_t cnt[kBins];   // per-bin totals of the lane columns
   float mass[kBins];
   float wf[kWarps];
   int wi[kWarps];
   double wd[kWarps];
-  uint32_t prefix;   // radix selection: key bits decided so far
-  float above;       // top-p: kept mass strictly above the current prefix
-  int need;          // top-k: rank still to find inside the current prefix
-  int chosen_warp;
+  int offs[kThreads];    // candidate list: where block j's candidates start
+  uint32_t prefix;       // radix selection: key bits decided so far
+  float above;           // top-p: kept mass strictly above the current prefix
+  int need;              // top-k: rank still to find inside the current prefix
+  int chosen;
   float remainder;
   int token;
 };
 
-// Max of x (NaN ignored) and its lowest index, over the block; result in every thread.
-__device__ void block_argmax(Smem& s, float v, int i, float& m, int& am) {
-  for (int o = 16; o; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-  }
-  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
-  if (l == 0) s.wf[w] = v, s.wi[w] = i;
-  __syncthreads();
-  v = s.wf[l];
-  i = s.wi[l];
-  for (int o = 16; o; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-  }
-  m = v;
-  am = i;
-  __syncthreads();
-}
-
-__device__ double block_sum(Smem& s, double v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
-  if (l == 0) s.wd[w] = v;
-  __syncthreads();
-  v = s.wd[l];
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  return v;
-}
-
-// Lane-column histograms in dynamic shared memory: hc/hm[bin * 32 + lane].
+// Lane-column histograms: hc/hm[bin * 32 + lane].
 __device__ void hist_clear(uint32_t* hc, float* hm) {
   for (int j = threadIdx.x; j < kBins * 32; j += kThreads) hc[j] = 0u, hm[j] = 0.f;
   __syncthreads();
 }
 
-// s.cnt / s.mass [bin] = sums of the 32 lane columns; each thread of a bin's group starts at another column
-// so that the 256 bins' threads read 32 different banks.
+// s.cnt / s.mass [bin] = sums of the 32 lane columns (each bin's thread starts at another column: no bank
+// conflicts between the bins' threads).
 __device__ void hist_reduce(Smem& s, const uint32_t* hc, const float* hm) {
   __syncthreads();
   if (threadIdx.x < kBins) {
@@ -99,175 +222,241 @@ __device__ void hist_reduce(Smem& s, const uint32_t* hc, const float* hm) {
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
-  __shared__ Smem s;
-  extern __shared__ uint32_t hist[];
-  uint32_t* hc = hist;
-  float* hm = reinterpret_cast<float*>(hist + kBins * 32);
-  const int lane = threadIdx.x % 32;
-  const Options o = *a.opt;
-  const int V = a.vocab, t = threadIdx.x;
-  float* x = a.x;
-
-  // 1. processed logits: bias first (sparse), then the penalties, as the host sampler orders them
-#pragma unroll 4
-  for (int i = t; i < V; i += kThreads) x[i] = a.logits[i];
-  __syncthreads();
-  for (int j = t; j < o.n_bias; j += kThreads) x[a.bias_ids[j]] += a.bias_vals[j];
-  __syncthreads();
-  const bool rep = o.repetition_penalty != 1.f, cnt = o.presence_penalty != 0.f || o.frequency_penalty != 0.f;
-  float m = -FLT_MAX;
-  int am = V;
-#pragma unroll 4
-  for (int i = t; i < V; i += kThreads) {
-    float v = x[i];
-    if (rep && a.seen[i]) v = v > 0.f ? v / o.repetition_penalty : v * o.repetition_penalty;
-    if (cnt) {
-      const int c = a.counts[i];
-      if (c) v -= o.frequency_penalty * static_cast<float>(c) + o.presence_penalty;
+// One warp walks positions [lo, hi) of `vals` in order: the first position whose inclusive cumulative kept
+// weight exceeds rem; past the end (rounding), the last kept position; -1 when none is kept.
+template <class KeptW>
+__device__ int warp_walk(int lo, int hi, float rem, KeptW kept_w) {
+  const int l = threadIdx.x % 32;
+  float run = 0.f;
+  int last = -1, found = -1;
+  for (int base = lo; base < hi && found < 0; base += 32) {
+    const float e = base + l < hi ? kept_w(base + l) : 0.f;
+    float inc = e;
+    for (int off = 1; off < 32; off <<= 1) {
+      const float n = __shfl_up_sync(0xffffffffu, inc, off);
+      if (l >= off) inc += n;
     }
-    x[i] = v;
-    if (v > m || (v == m && i < am)) m = v, am = i;  // NaN never compares greater
+    const unsigned hit = __ballot_sync(0xffffffffu, e > 0.f && run + inc > rem);
+    const unsigned any = __ballot_sync(0xffffffffu, e > 0.f);
+    if (hit) found = base + __ffs(hit) - 1;
+    else if (any) last = base + 31 - __clz(any);
+    run += __shfl_sync(0xffffffffu, inc, 31);
   }
-  block_argmax(s, m, am, m, am);
-  if (am >= V) am = 0;  // every entry NaN (or -FLT_MAX and below): token 0, as argmax of a NaN row would
+  return found >= 0 ? found : last;
+}
+
+// Thread 0: among `n` weights (in order), the first whose cumulative sum passes u * total; rounding past the
+// end picks the last non-zero one with its remainder past its end. Sets s.chosen / s.remainder.
+template <class WeightAt>
+__device__ void pick_segment(Smem& s, int n, float u, WeightAt weight_at) {
+  double total = 0.0;
+  for (int j = 0; j < n; ++j) total += weight_at(j);
+  const double target = static_cast<double>(u) * total;
+  double before = 0.0, before_c = 0.0;
+  int c = -1;
+  for (int j = 0; j < n; ++j) {
+    const double wj = weight_at(j);
+    if (wj <= 0.0) continue;
+    c = j;
+    before_c = before;
+    if (before + wj > target) break;
+    before += wj;
+  }
+  s.chosen = c;
+  s.remainder = static_cast<float>(target - before_c);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
+  __shared__ Smem s;
+  extern __shared__ uint32_t dyn[];
+  uint32_t* hc = dyn;
+  float* hm = reinterpret_cast<float*>(dyn + kBins * 32);
+  float* list_val = hm + kBins * 32;
+  int32_t* list_idx = reinterpret_cast<int32_t*>(list_val + kCandCap);
+  const Options o = *a.opt;
+  const Work wk = carve(a.work, a.vocab);
+  const int V = a.vocab, t = threadIdx.x, lane = t % 32, nb = blocks_for(V);
+
+  float m = -FLT_MAX;
+  int am = INT_MAX;
+  for (int j = t; j < nb; j += kThreads)
+    if (wk.part_max[j] > m || (wk.part_max[j] == m && wk.part_arg[j] < am)) m = wk.part_max[j], am = wk.part_arg[j];
+  block_argmax<kWarps>(m, am, s.wf, s.wi);
+  if (am >= V) am = 0;  // every entry NaN or -inf: token 0, as argmax of such a row would
 
   int token = am;
   if (!o.greedy && m > -FLT_MAX) {
-    const float it = o.inv_temperature;
-    auto weight = [&](float v) { return __expf((v - m) * it); };
-
-    // 2. top-k: the key of the k-th largest x, 8 bits per pass
-    uint32_t kk = 0;  // keep keys >= kk
-    if (o.top_k > 0 && o.top_k < V) {
-      if (t == 0) s.prefix = 0, s.need = o.top_k;
-      uint32_t mask = 0;
-      for (int shift = 24; shift >= 0; shift -= 8) {
-        hist_clear(hc, hm);
-        const uint32_t prefix = s.prefix;
-#pragma unroll 4
-        for (int i = t; i < V; i += kThreads) {
-          const uint32_t key = order_key(x[i]);
-          if ((key & mask) == prefix) atomicAdd(&hc[((key >> shift) & 255u) * 32 + lane], 1u);
-        }
-        hist_reduce(s, hc, hm);
-        if (t == 0) {
-          int need = s.need, b = 255;
-          for (; b > 0 && need > static_cast<int>(s.cnt[b]); --b) need -= s.cnt[b];
-          s.need = need;
-          s.prefix = prefix | (static_cast<uint32_t>(b) << shift);
-        }
-        mask |= 255u << shift;
-        __syncthreads();
+    const float it = o.inv_temperature, min_w = o.min_p;
+    auto weight = [&](float v) { return weight_of(v, m, it); };
+    const bool topk = o.top_k > 0 && o.top_k < V, topp = o.top_p < 1.f;
+    if (!topk && !topp) {
+      // every token with weight >= min_p is kept: the block sums pick the span, one warp walks it
+      if (t == 0) {
+        pick_segment(s, nb, *a.uniform, [&](int j) { return static_cast<double>(wk.part_keep[j]); });
+        s.token = am;
       }
-      kk = s.prefix;
-    }
-
-    // 3. top-p over the kept: the smallest key whose strictly-greater kept mass is < top_p * kept mass
-    uint32_t kp = 0;
-    if (o.top_p < 1.f) {
-      double z = 0.0;
-#pragma unroll 4
-      for (int i = t; i < V; i += kThreads)
-        if (order_key(x[i]) >= kk) z += weight(x[i]);
-      const float target = static_cast<float>(o.top_p * block_sum(s, z));
-      if (t == 0) s.prefix = 0, s.above = 0.f;
-      uint32_t mask = 0;
-      for (int shift = 24; shift >= 0; shift -= 8) {
-        hist_clear(hc, hm);
-        const uint32_t prefix = s.prefix;
-#pragma unroll 4
-        for (int i = t; i < V; i += kThreads) {
-          const float v = x[i];
-          const uint32_t key = order_key(v);
-          if (key >= kk && (key & mask) == prefix) {
-            const uint32_t j = ((key >> shift) & 255u) * 32 + lane;
-            atomicAdd(&hc[j], 1u);
-            atomicAdd(&hm[j], weight(v));
-          }
-        }
-        hist_reduce(s, hc, hm);
-        if (t == 0) {
-          // walking down, the mass above bin b only grows: the answer is the last non-empty bin reached
-          // while it is still below the target (the first non-empty bin always is: above < target)
-          float acc = s.above, at = s.above;
-          int chosen = -1;
-          for (int b = 255; b >= 0; --b) {
-            if (!s.cnt[b]) continue;
-            if (!(acc < target) && chosen >= 0) break;
-            chosen = b;
-            at = acc;
-            acc += s.mass[b];
-          }
-          s.above = at;
-          s.prefix = prefix | (static_cast<uint32_t>(chosen < 0 ? 0 : chosen) << shift);
-        }
-        mask |= 255u << shift;
-        __syncthreads();
+      __syncthreads();
+      if (t < 32 && s.chosen >= 0) {
+        const int lo = s.chosen * kSpan, hi = min(V, lo + kSpan);
+        const int pos = warp_walk(lo, hi, s.remainder, [&](int i) {
+          const float e = weight(a.x[i]);
+          return e >= min_w ? e : 0.f;
+        });
+        if (t == 0 && pos >= 0) s.token = pos;
       }
-      kp = s.prefix;
-    }
-    const uint32_t keep_key = kk > kp ? kk : kp;
-    const float min_w = o.min_p;
-
-    // 4. draw: warp w owns a contiguous span of the vocab (lanes stride by one, so loads coalesce)
-    const int span = ((V + kWarps - 1) / kWarps + 31) / 32 * 32;
-    const int w = t / 32, l = t % 32, lo = w * span, hi = min(V, lo + span);
-    auto kept_w = [&](int i) {
-      if (i >= hi) return 0.f;
-      const float v = x[i];
-      if (order_key(v) < keep_key) return 0.f;
-      const float e = weight(v);
-      return e >= min_w ? e : 0.f;
-    };
-    double part = 0.0;
-#pragma unroll 4
-    for (int i = lo + l; i < hi; i += 32) part += kept_w(i);
-    for (int off = 16; off; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-    if (l == 0) s.wd[w] = part;
-    __syncthreads();
-    if (t == 0) {
-      double total = 0.0;
-      for (int j = 0; j < kWarps; ++j) total += s.wd[j];
-      const double target = static_cast<double>(*a.uniform) * total;
-      // the first warp whose cumulative weight passes the target; if rounding lets none do (target ~ total),
-      // the last warp with weight, with a remainder past its end (its walk then takes its last kept token)
-      double before = 0.0, before_cw = 0.0;
-      int cw = -1;
-      for (int j = 0; j < kWarps; ++j) {
-        if (s.wd[j] <= 0.0) continue;
-        cw = j;
-        before_cw = before;
-        if (before + s.wd[j] > target) break;
-        before += s.wd[j];
-      }
-      s.chosen_warp = cw;
-      s.remainder = static_cast<float>(target - before_cw);
-      s.token = am;
-    }
-    __syncthreads();
-    if (w == s.chosen_warp) {
-      const float rem = s.remainder;
-      float run = 0.f;
-      int last = -1;  // last kept index seen (rounding fallback)
-      int found = -1;
-      for (int base = lo; base < hi && found < 0; base += 32) {
-        const float e = kept_w(base + l);
-        float inc = e;
+      __syncthreads();
+      token = s.token;
+    } else {
+      // The candidates (weight >= kCandTau) hold the kept set when there are at most kCandCap of them and they
+      // hold top-k's k tokens, or (top-p alone) top_p of the row's mass: thresholds then come from them alone.
+      int c_total = 0;
+      {
+        __syncthreads();  // s.wi was block_argmax's
+        const int c = t < nb ? wk.part_cnt[t] : 0;
+        // exclusive scan of the blocks' counts (nb <= kThreads)
+        int inc = c;
         for (int off = 1; off < 32; off <<= 1) {
-          const float n = __shfl_up_sync(0xffffffffu, inc, off);
-          if (l >= off) inc += n;
+          const int n = __shfl_up_sync(0xffffffffu, inc, off);
+          if (lane >= off) inc += n;
         }
-        const unsigned hit = __ballot_sync(0xffffffffu, e > 0.f && run + inc > rem);
-        const unsigned any = __ballot_sync(0xffffffffu, e > 0.f);
-        if (hit) found = base + __ffs(hit) - 1;
-        else if (any) last = base + 31 - __clz(any);
-        run += __shfl_sync(0xffffffffu, inc, 31);
+        if (lane == 31) s.wi[t / 32] = inc;
+        __syncthreads();
+        int warp_before = 0;
+        for (int j = 0; j < t / 32; ++j) warp_before += s.wi[j];
+        if (t < nb) s.offs[t] = warp_before + inc - c;
+        for (int j = 0; j < kWarps; ++j) c_total += s.wi[j];
+        __syncthreads();
       }
-      if (l == 0) s.token = found >= 0 ? found : last >= 0 ? last : am;
+      bool use_list = c_total <= kCandCap && (!topk || c_total >= o.top_k);
+      double z_all = 0.0;
+      if (use_list) {
+        for (int j = 0; j < nb; ++j) {
+          const int c = wk.part_cnt[j], off = s.offs[j];
+          for (int q = t; q < c; q += kThreads) {
+            list_val[off + q] = wk.cand_val[j * kSpan + q];
+            list_idx[off + q] = wk.cand_idx[j * kSpan + q];
+          }
+        }
+        double zp = 0.0;
+        for (int j = t; j < nb; j += kThreads) zp += wk.part_z[j];
+        z_all = block_sum<kWarps>(zp, s.wd);
+        if (topp && !topk) {
+          double lm = 0.0;
+          for (int q = t; q < c_total; q += kThreads) lm += weight(list_val[q]);
+          lm = block_sum<kWarps>(lm, s.wd);
+          use_list = lm >= o.top_p * z_all * (1.0 + 1e-4);
+        }
+        __syncthreads();
+      }
+      const int n = use_list ? c_total : V;
+      const float* vals = use_list ? list_val : a.x;
+
+      // top-k: the key of the k-th largest value, 8 bits per pass
+      uint32_t kk = 0;  // keep keys >= kk
+      if (o.top_k > 0 && o.top_k < n) {
+        if (t == 0) s.prefix = 0, s.need = o.top_k;
+        uint32_t mask = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+          hist_clear(hc, hm);
+          const uint32_t prefix = s.prefix;
+#pragma unroll 4
+          for (int i = t; i < n; i += kThreads) {
+            const uint32_t key = order_key(vals[i]);
+            if ((key & mask) == prefix) atomicAdd(&hc[((key >> shift) & 255u) * 32 + lane], 1u);
+          }
+          hist_reduce(s, hc, hm);
+          if (t == 0) {
+            int need = s.need, b = 255;
+            for (; b > 0 && need > static_cast<int>(s.cnt[b]); --b) need -= s.cnt[b];
+            s.need = need;
+            s.prefix = prefix | (static_cast<uint32_t>(b) << shift);
+          }
+          mask |= 255u << shift;
+          __syncthreads();
+        }
+        kk = s.prefix;
+      }
+
+      // top-p over the kept: the smallest key whose strictly-greater kept mass is < top_p * kept mass (the
+      // row's mass when top-k is off, which the candidate list alone does not hold)
+      uint32_t kp = 0;
+      if (topp) {
+        double z = 0.0;
+        if (use_list && !topk) {
+          z = z_all;
+        } else {
+#pragma unroll 4
+          for (int i = t; i < n; i += kThreads)
+            if (order_key(vals[i]) >= kk) z += weight(vals[i]);
+          z = block_sum<kWarps>(z, s.wd);
+        }
+        const float target = static_cast<float>(o.top_p * z);
+        if (t == 0) s.prefix = 0, s.above = 0.f;
+        uint32_t mask = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+          hist_clear(hc, hm);
+          const uint32_t prefix = s.prefix;
+#pragma unroll 4
+          for (int i = t; i < n; i += kThreads) {
+            const float v = vals[i];
+            const uint32_t key = order_key(v);
+            if (key >= kk && (key & mask) == prefix) {
+              const uint32_t j = ((key >> shift) & 255u) * 32 + lane;
+              atomicAdd(&hc[j], 1u);
+              atomicAdd(&hm[j], weight(v));
+            }
+          }
+          hist_reduce(s, hc, hm);
+          if (t == 0) {
+            // walking down, the mass above bin b only grows: the answer is the last non-empty bin reached
+            // while it is still below the target (the first non-empty bin always is: above < target)
+            float acc = s.above, at = s.above;
+            int chosen = -1;
+            for (int b = 255; b >= 0; --b) {
+              if (!s.cnt[b]) continue;
+              if (!(acc < target) && chosen >= 0) break;
+              chosen = b;
+              at = acc;
+              acc += s.mass[b];
+            }
+            s.above = at;
+            s.prefix = prefix | (static_cast<uint32_t>(chosen < 0 ? 0 : chosen) << shift);
+          }
+          mask |= 255u << shift;
+          __syncthreads();
+        }
+        kp = s.prefix;
+      }
+      const uint32_t keep_key = kk > kp ? kk : kp;
+
+      // draw: warp w owns a contiguous span of positions (lanes stride by one, so loads coalesce)
+      const int span = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
+      const int w = t / 32, lo = min(n, w * span), hi = min(n, lo + span);
+      auto kept_w = [&](int i) {
+        const float v = vals[i];
+        if (order_key(v) < keep_key) return 0.f;
+        const float e = weight(v);
+        return e >= min_w ? e : 0.f;
+      };
+      double part = 0.0;
+#pragma unroll 4
+      for (int i = lo + lane; i < hi; i += 32) part += kept_w(i);
+      for (int off = 16; off; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+      __syncthreads();
+      if (lane == 0) s.wd[w] = part;
+      __syncthreads();
+      if (t == 0) {
+        pick_segment(s, kWarps, *a.uniform, [&](int j) { return s.wd[j]; });
+        s.token = am;
+      }
+      __syncthreads();
+      if (w == s.chosen) {
+        const int pos = warp_walk(lo, hi, s.remainder, kept_w);
+        if (lane == 0 && pos >= 0) s.token = use_list ? list_idx[pos] : pos;
+      }
+      __syncthreads();
+      token = s.token;
     }
-    __syncthreads();
-    token = s.token;
   }
   if (t == 0) {
     *a.token = token;
@@ -278,20 +467,31 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(Args a) {
 
 }  // namespace
 
+size_t workspace_floats(int V) {
+  const int nb = blocks_for(V);
+  return static_cast<size_t>(5) * nb + static_cast<size_t>(2) * nb * kSpan;
+}
+
 void launch(cudaStream_t st, const Args& a) {
   static const bool attr = [] {  // more than the default 48 KB of dynamic shared memory
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kHistBytes)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kHistBytes + kListBytes)));
     return true;
   }();
   (void)attr;
-  sample_kernel<<<1, kThreads, kHistBytes, st>>>(a);
+  if (blocks_for(a.vocab) > kThreads)
+    throw std::invalid_argument("[lily] device sampler: vocab " + std::to_string(a.vocab) + " exceeds " +
+                                std::to_string(kThreads * kSpan));
+  process_kernel<<<blocks_for(a.vocab), kGridThreads, 0, st>>>(a);
+  weigh_kernel<<<blocks_for(a.vocab), kGridThreads, 0, st>>>(a);
+  select_kernel<<<1, kThreads, kHistBytes + kListBytes, st>>>(a);
   LILY_CUDA_CHECK(cudaGetLastError());
 }
 
 DeviceSampler::~DeviceSampler() {
   for (void* p : {static_cast<void*>(opt_), static_cast<void*>(bias_ids_), static_cast<void*>(bias_vals_),
-                  static_cast<void*>(seen_), static_cast<void*>(counts_), static_cast<void*>(x_)})
+                  static_cast<void*>(seen_), static_cast<void*>(counts_), static_cast<void*>(x_),
+                  static_cast<void*>(work_)})
     if (p) cudaFree(p);
 }
 
@@ -305,6 +505,8 @@ void DeviceSampler::begin(cudaStream_t st, const Options& opt, const int32_t* bi
     LILY_CUDA_CHECK(cudaMalloc(&seen_, V));
     LILY_CUDA_CHECK(cudaMalloc(&counts_, static_cast<size_t>(V) * sizeof(int32_t)));
     LILY_CUDA_CHECK(cudaMalloc(&x_, static_cast<size_t>(V) * sizeof(float)));
+    if (work_) cudaFree(work_), work_ = nullptr;
+    LILY_CUDA_CHECK(cudaMalloc(&work_, workspace_floats(V) * sizeof(float)));
     V_ = V;
   }
   if (!opt_) LILY_CUDA_CHECK(cudaMalloc(&opt_, sizeof(Options)));
@@ -336,6 +538,7 @@ void DeviceSampler::draw(cudaStream_t st, const float* logits, const float* unif
   Args a;
   a.logits = logits;
   a.x = x_;
+  a.work = work_;
   a.opt = opt_;
   a.bias_ids = bias_ids_;
   a.bias_vals = bias_vals_;

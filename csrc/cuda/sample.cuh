@@ -10,13 +10,18 @@
 //   seed gives a different (equally distributed) sequence on the device than on the host.
 // The chosen token is written to `token` (the next decode step's input) and recorded in seen/counts.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
 namespace lily::cuda::sample {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 1024;       // the final block
+constexpr int kGridThreads = 256;    // the grid passes
+constexpr int kSpan = 2048;          // row entries per grid block (the vocab may be up to kThreads * kSpan)
+constexpr int kCandCap = 8192;       // candidates the final block holds in shared memory
+constexpr float kCandTau = 1e-5f;    // candidate: weight >= kCandTau relative to the row max
 
 // Options of one generation, resident on the device (written once per generation by the host).
 struct Options {
@@ -34,6 +39,7 @@ struct Options {
 struct Args {
   const float* logits = nullptr;    // [V] raw logits of the step (left unchanged)
   float* x = nullptr;               // [V] scratch: the processed logits
+  float* work = nullptr;            // [workspace_floats(V)] scratch: block partials and candidate lists
   const Options* opt = nullptr;     // device
   const int32_t* bias_ids = nullptr;  // [n_bias] distinct token ids
   const float* bias_vals = nullptr;   // [n_bias]
@@ -44,7 +50,9 @@ struct Args {
   int32_t vocab = 0;                // V >= 1
 };
 
-// One block of kThreads on the stream.
+size_t workspace_floats(int V);
+
+// Three kernels on the stream (two grid passes, one final block).
 void launch(cudaStream_t st, const Args& a);
 
 // The device buffers of one engine's sampler (options, bias, seen, counts, scratch row), sized on first use.
@@ -70,6 +78,7 @@ class DeviceSampler {
   uint8_t* seen_ = nullptr;
   int32_t* counts_ = nullptr;
   float* x_ = nullptr;
+  float* work_ = nullptr;
 };
 
 }  // namespace lily::cuda::sample
