@@ -22,7 +22,6 @@ namespace {
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;
 constexpr size_t kHistBytes = kBins * 32 * (sizeof(uint32_t) + sizeof(float));
-constexpr size_t kListBytes = kCandCap * (sizeof(float) + sizeof(int32_t));
 
 // Monotone map float -> uint32 (larger float, larger key); NaN maps to 0, below -inf.
 __device__ __forceinline__ uint32_t order_key(float v) {
@@ -47,6 +46,8 @@ struct Work {
   int32_t* part_cnt; // [nb] candidates of the block
   float* cand_val;   // [nb * kSpan] block b's candidates at b * kSpan, in vocab order
   int32_t* cand_idx;
+  float* list_val;   // [kCandCap] all candidates in vocab order (the final block's list; L2-resident)
+  int32_t* list_idx;
 };
 
 __host__ __device__ inline int blocks_for(int V) { return (V + kSpan - 1) / kSpan; }
@@ -61,6 +62,8 @@ __host__ __device__ inline Work carve(float* base, int V) {
   w.part_cnt = reinterpret_cast<int32_t*>(base + 4 * nb);
   w.cand_val = base + 5 * nb;
   w.cand_idx = reinterpret_cast<int32_t*>(base + 5 * nb + nb * kSpan);
+  w.list_val = base + 5 * nb + 2 * nb * kSpan;
+  w.list_idx = reinterpret_cast<int32_t*>(w.list_val + kCandCap);
   return w;
 }
 
@@ -271,10 +274,10 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
   extern __shared__ uint32_t dyn[];
   uint32_t* hc = dyn;
   float* hm = reinterpret_cast<float*>(dyn + kBins * 32);
-  float* list_val = hm + kBins * 32;
-  int32_t* list_idx = reinterpret_cast<int32_t*>(list_val + kCandCap);
   const Options o = *a.opt;
   const Work wk = carve(a.work, a.vocab);
+  float* list_val = wk.list_val;
+  int32_t* list_idx = wk.list_idx;
   const int V = a.vocab, t = threadIdx.x, lane = t % 32, nb = blocks_for(V);
 
   float m = -FLT_MAX;
@@ -337,6 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
             list_idx[off + q] = wk.cand_idx[j * kSpan + q];
           }
         }
+        __syncthreads();  // the list (global memory) is read by other threads below
         double zp = 0.0;
         for (int j = t; j < nb; j += kThreads) zp += wk.part_z[j];
         z_all = block_sum<kWarps>(zp, s.wd);
@@ -469,13 +473,13 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
 
 size_t workspace_floats(int V) {
   const int nb = blocks_for(V);
-  return static_cast<size_t>(5) * nb + static_cast<size_t>(2) * nb * kSpan;
+  return static_cast<size_t>(5) * nb + static_cast<size_t>(2) * nb * kSpan + static_cast<size_t>(2) * kCandCap;
 }
 
 void launch(cudaStream_t st, const Args& a) {
   static const bool attr = [] {  // more than the default 48 KB of dynamic shared memory
     LILY_CUDA_CHECK(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kHistBytes + kListBytes)));
+                                         static_cast<int>(kHistBytes)));
     return true;
   }();
   (void)attr;
@@ -484,7 +488,7 @@ void launch(cudaStream_t st, const Args& a) {
                                 std::to_string(kThreads * kSpan));
   process_kernel<<<blocks_for(a.vocab), kGridThreads, 0, st>>>(a);
   weigh_kernel<<<blocks_for(a.vocab), kGridThreads, 0, st>>>(a);
-  select_kernel<<<1, kThreads, kHistBytes + kListBytes, st>>>(a);
+  select_kernel<<<1, kThreads, kHistBytes, st>>>(a);
   LILY_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -20,7 +20,7 @@ namespace lily::cuda::sample {
 constexpr int kThreads = 1024;       // the final block
 constexpr int kGridThreads = 256;    // the grid passes
 constexpr int kSpan = 2048;          // row entries per grid block (the vocab may be up to kThreads * kSpan)
-constexpr int kCandCap = 8192;       // candidates the final block holds in shared memory
+constexpr int kCandCap = 32768;      // candidates the final block selects from (a list in L2)
 constexpr float kCandTau = 1e-5f;    // candidate: weight >= kCandTau relative to the row max
 
 // Options of one generation, resident on the device (written once per generation by the host).
