@@ -137,18 +137,7 @@ class CudaBackend final : public Backend {
 
   bool sampler_begin(const SampleOptions& o) override {
     if (decode_mode_ == 0 || !fused_ok_) return false;
-    cuda::sample::Options d;
-    d.greedy = o.temperature == 0.f;
-    d.inv_temperature = d.greedy ? 1.f : 1.f / o.temperature;
-    d.top_k = o.top_k;
-    d.top_p = o.top_p;
-    d.min_p = o.min_p;
-    d.repetition_penalty = o.repetition_penalty;
-    d.presence_penalty = o.presence_penalty;
-    d.frequency_penalty = o.frequency_penalty;
-    sampler_.begin(st_, d, o.bias_ids.data(), o.bias_vals.data(), o.seen.empty() ? nullptr : o.seen.data(),
-                   o.counts.empty() ? nullptr : o.counts.data(), static_cast<int32_t>(o.bias_ids.size()),
-                   static_cast<int32_t>(cfg_.vocab));
+    sampler_.begin(st_, o, static_cast<int32_t>(cfg_.vocab));
     return true;
   }
 

@@ -499,9 +499,22 @@ DeviceSampler::~DeviceSampler() {
     if (p) cudaFree(p);
 }
 
-void DeviceSampler::begin(cudaStream_t st, const Options& opt, const int32_t* bias_ids, const float* bias_vals,
-                          const uint8_t* seen, const int32_t* counts, int32_t n_bias, int32_t V) {
+void DeviceSampler::begin(cudaStream_t st, const SampleOptions& so, int32_t V) {
   ready_ = false;
+  Options opt;
+  opt.greedy = so.temperature == 0.f;
+  opt.inv_temperature = opt.greedy ? 1.f : 1.f / so.temperature;
+  opt.top_k = so.top_k;
+  opt.top_p = so.top_p;
+  opt.min_p = so.min_p;
+  opt.repetition_penalty = so.repetition_penalty;
+  opt.presence_penalty = so.presence_penalty;
+  opt.frequency_penalty = so.frequency_penalty;
+  const int32_t n_bias = static_cast<int32_t>(so.bias_ids.size());
+  const int32_t* bias_ids = so.bias_ids.data();
+  const float* bias_vals = so.bias_vals.data();
+  const uint8_t* seen = so.seen.empty() ? nullptr : so.seen.data();
+  const int32_t* counts = so.counts.empty() ? nullptr : so.counts.data();
   if (V != V_) {
     for (void** p : {reinterpret_cast<void**>(&seen_), reinterpret_cast<void**>(&counts_),
                      reinterpret_cast<void**>(&x_)})

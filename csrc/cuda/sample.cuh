@@ -15,6 +15,8 @@
 
 #include <cuda_runtime.h>
 
+#include "core/backend.h"
+
 namespace lily::cuda::sample {
 
 constexpr int kThreads = 1024;       // the final block
@@ -63,8 +65,7 @@ class DeviceSampler {
   DeviceSampler& operator=(const DeviceSampler&) = delete;
   ~DeviceSampler();
   // Uploads one generation's options (seen / counts empty: all zero) on the stream; vocab V.
-  void begin(cudaStream_t st, const Options& opt, const int32_t* bias_ids, const float* bias_vals,
-             const uint8_t* seen, const int32_t* counts, int32_t n_bias, int32_t V);
+  void begin(cudaStream_t st, const SampleOptions& opt, int32_t V);
   bool ready() const { return ready_; }
   // Draws from logits [V] with *uniform (device) into *token (device).
   void draw(cudaStream_t st, const float* logits, const float* uniform, int32_t* token);
