@@ -133,7 +133,7 @@ class FlagStub:
     def __init__(self, eng):
         self._eng, self._flags = eng, {a.flag: a.meaning for a in ABLATIONS}
         self._vals = {"cuda_decode": 2, "routing_sync": 0, "gqa_pack": 1, "split_k": 1, "dn_form": 3,
-                      "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1}
+                      "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1, "l2_prefetch": 0}
 
     def __getattr__(self, k):
         return getattr(self._eng, k)

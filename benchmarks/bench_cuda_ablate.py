@@ -34,6 +34,9 @@ ABLATIONS = (
     Ablation("GEMM implementation", "gemm_impl", (0,), (), (4096,), "1 new (default), 0 legacy wmma"),
     Ablation("attention implementation", "attn_impl", (0,), (), (4096,), "1 new (default), 0 legacy (prefill only)"),
     Ablation("programmatic dependent launch", "pdl", (0,), (4096, 32768), (), "1 on (default), 0 off"),
+    # an experiment switched ON (default off until measured): see benchmarks/kernels/exp_stage_chain.cu
+    Ablation("L2 prefetch of the ring projections' rows", "l2_prefetch", (1,), (4096, 131072), (),
+             "0 off (default), 1 each ring-projection warp prefetches all its rows into L2 before the PDL wait"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
              "2 bulk-copy, 4 per-warp cp.async rings everywhere"),

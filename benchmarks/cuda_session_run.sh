@@ -44,6 +44,12 @@ check)
   grep -E "^(FAIL|TIME|== )|BUILD FAILED|error" "$OUT/kernels.txt" | cut -c1-230 | head -60
   SUMMARY+=("kernel checks rc=$KRC: $(sed -n '/---- kernel checks ----/,$p' "$OUT/kernels.txt" | tail -n +2 | tr '\n' ';')")
   echo "[$(el)s] kernel checks rc=$KRC"
+  # the decode-chain experiment (not a check: its figures steer the decode design; it self-checks its outputs)
+  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/exp_stage_chain \
+    benchmarks/kernels/exp_stage_chain.cu > "$OUT/exp_stage_chain.build.txt" 2>&1 \
+    && timeout 120 /tmp/exp_stage_chain > "$OUT/exp_stage_chain.txt" 2>&1
+  grep -E "^(TIME|FAIL|SUMMARY|--)" "$OUT/exp_stage_chain.txt" 2>/dev/null | head -24
+  SUMMARY+=("exp_stage_chain: $(grep -m1 '^SUMMARY' "$OUT/exp_stage_chain.txt" 2>/dev/null || echo 'did not run')")
   python3 benchmarks/cuda_check.py --tokens 256 --json "$OUT/cuda_check.json" > "$OUT/cuda_check.txt" 2>&1
   CRC=$?
   grep -E "FAIL|Error|error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -15

@@ -193,6 +193,8 @@ class CudaBackend final : public Backend {
       attn_impl_ = range(0, 1);
     } else if (name == "dn_form") {
       dn_form_ = range(0, 4);
+    } else if (name == "l2_prefetch") {
+      l2_prefetch_ = range(0, 1);
     } else {
       return Backend::set_flag(name, value);
     }
@@ -210,6 +212,7 @@ class CudaBackend final : public Backend {
     if (name == "gemm_impl") return gemm_impl_;
     if (name == "attn_impl") return attn_impl_;
     if (name == "dn_form") return dn_form_;
+    if (name == "l2_prefetch") return l2_prefetch_;
     if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
     if (name == "graph_nodes") return graph_nodes_;
     if (name == "graph_kernels") return graph_kernels_;
@@ -398,6 +401,11 @@ class CudaBackend final : public Backend {
     return g;
   }
 
+  unsigned run_proj(cuda::dec::ProjArgs a) {
+    a.l2_prefetch = l2_prefetch_;
+    return cuda::dec::proj(st_, a, gemv_impl_, pdl_);
+  }
+
   cuda::dec::ProjArgs norm_args(const float* w) const {
     cuda::dec::ProjArgs a;
     a.xmode = cuda::dec::kXNorm;
@@ -421,7 +429,7 @@ class CudaBackend final : public Backend {
     a.u = du_;
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
-    d::proj(st_, a, gemv_impl_, pdl_);
+    run_proj(a);
     const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                                cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, 1};
     d::dn_scan(st_, p, du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, pdl_);
@@ -435,7 +443,7 @@ class CudaBackend final : public Backend {
     o.zf = dz_;
     o.nw = L.dn_norm;
     o.seg[0] = seg(L.out, d::kOAccum, dx_);
-    d::proj(st_, o, gemv_impl_, pdl_);
+    run_proj(o);
     step_launches_ += 3;
   }
 
@@ -447,7 +455,7 @@ class CudaBackend final : public Backend {
     a.seg[0] = seg(L.q, d::kOStore, dqg_);
     a.seg[1] = seg(L.k, d::kOStore, dk_);
     a.seg[2] = seg(L.v, d::kOStore, dv_);
-    d::proj(st_, a, gemv_impl_, pdl_);
+    run_proj(a);
     const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                                 static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
                                 1.f / std::sqrt(static_cast<float>(D)), 0, 0, 1};
@@ -467,7 +475,7 @@ class CudaBackend final : public Backend {
     o.in = cfg_.n_heads * cfg_.head_dim;
     o.xb = dob_;
     o.seg[0] = seg(L.o, d::kOAccum, dx_);
-    d::proj(st_, o, gemv_impl_, pdl_);
+    run_proj(o);
     step_launches_ += 5;
   }
 
@@ -481,7 +489,7 @@ class CudaBackend final : public Backend {
     a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
     a.seg[1].w1 = L.sh_up;
     a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
-    d::proj(st_, a, gemv_impl_, pdl_);
+    run_proj(a);
     d::ProjArgs e;
     e.nseg = 1;
     e.xmode = d::kXBf16;
@@ -499,7 +507,7 @@ class CudaBackend final : public Backend {
     e.seg[0].routed = 1;
     e.seg[0].slots = k;
     e.seg[0].y_step = cfg_.moe_inter;
-    d::proj(st_, e, gemv_impl_, pdl_);
+    run_proj(e);
     d::DownArgs dn;
     dn.wd = L.down;
     dn.ws = L.sh_down;
@@ -531,7 +539,7 @@ class CudaBackend final : public Backend {
     h.nseg = 1;
     h.seg[0] = seg(lm_head_, cuda::dec::kOStore, dlg_);
     h.amax = damax_;
-    const unsigned nb = cuda::dec::proj(st_, h, gemv_impl_, pdl_);
+    const unsigned nb = run_proj(h);
     if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
     cuda::dec::finish(st_, damax_, static_cast<int>(nb), dctl_, dout_, pdl_);
     step_launches_ += 3;
@@ -762,6 +770,7 @@ class CudaBackend final : public Backend {
   int gemv_impl_ = 3;          // decode GEMVs: 3 auto, 2 tensor cores + bulk copies, 1 tensor cores, 0 scalar
   bool pdl_ = true;            // programmatic dependent launch between decode kernels
   bool routing_sync_ = false;  // prefill MoE: host-synchronised tile count instead of a device-sized grid
+  int l2_prefetch_ = 0;        // experiment: ring projections prefetch their rows into L2 before the PDL wait
   bool gqa_pack_ = true;       // decode attention: the query heads of a KV head share each K/V load
   bool split_k_ = true;        // decode attention: keys split over blocks (flash-decoding)
   int expert_tile_ = 0;        // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128

@@ -68,6 +68,9 @@ struct ProjArgs {
   int32_t conv_dim = 0, conv_k = 0;
   // greedy head: per-block max key of (logit, -row) written to amax[blockIdx.x]
   unsigned long long* amax = nullptr;
+  // 1: before waiting on its predecessor, each warp of the ring kernel asks L2 for all of its weight rows
+  // (cp.async.bulk.prefetch.L2), not just its ring's first chunks (experiment; flag "l2_prefetch", default off)
+  int32_t l2_prefetch = 0;
 };
 
 struct DownArgs {

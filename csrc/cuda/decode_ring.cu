@@ -134,6 +134,36 @@ __device__ __forceinline__ void stream_issue(const ProjArgs& a, const Stream& s,
   cp_commit();  // empty groups keep the wait count uniform at the end of the stream
 }
 
+// L2 bulk prefetch of [p, p + bytes) when both are 16-byte multiples (the instruction's contract).
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  if ((reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(bytes)) & 15u || bytes <= 0) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
+}
+
+// Lane 0 of each warp asks L2 for every weight row the warp (warp-owned) or its share of the block's tasks
+// (block-owned) will stream: a 16-row block's codes, scales and biases are each one contiguous range. Only for
+// launches without routing (the expert is known only after the wait).
+template <bool kBlockOwned>
+__device__ void prefetch_tasks(const ProjArgs& a, int n_tasks, int warp, int lane) {
+  if (lane != 0) return;
+  const int first = kBlockOwned ? blockIdx.x : blockIdx.x * kWarps + warp;
+  const int step = kBlockOwned ? gridDim.x : gridDim.x * kWarps;
+  int k = 0;
+  for (int t = first; t < n_tasks; t += step, ++k) {
+    if (kBlockOwned && k % kWarps != warp) continue;  // the block's tasks dealt round the warps
+    const Seg& sg = a.seg[find_seg_r(a, t)];
+    if (!ring_ok(sg.w0.p)) continue;
+    const int64_t row0 = static_cast<int64_t>((t - sg.warp0) % sg.warps_per_slot) * kRowBlock;
+    for (int set = 0; set < sets_of(sg); ++set) {
+      const DLinear& W = set ? sg.w1 : sg.w0;
+      const int64_t rows = min64(int64_t{kRowBlock}, W.p.out - row0), rcb = W.p.in / 2, rsb = W.p.in / 32;
+      prefetch_l2(reinterpret_cast<const unsigned char*>(W.codes) + row0 * rcb, rows * rcb);
+      prefetch_l2(reinterpret_cast<const unsigned char*>(W.scales) + row0 * rsb, rows * rsb);
+      prefetch_l2(reinterpret_cast<const unsigned char*>(W.biases) + row0 * rsb, rows * rsb);
+    }
+  }
+}
+
 template <bool kBlockOwned>
 __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_constant__ ProjArgs a, int n_tasks) {
   extern __shared__ __align__(128) unsigned char ring_smem[];
@@ -162,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_con
       stream_next<kBlockOwned>(a, is, n_tasks, step, warp);
     }
   }
+  if (a.l2_prefetch && !a.route) prefetch_tasks<kBlockOwned>(a, n_tasks, warp, lane);
   pdl_trigger();
   pdl_wait();
   stage_x(a, xs, nred, tid, warp, lane);
