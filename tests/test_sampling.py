@@ -98,6 +98,27 @@ def test_top_p_large_vocab_fast_path_matches_full_sort():
     assert set(got) == set(order[:keep].tolist())
 
 
+@pytest.mark.parametrize("scale,top_p,min_p", [(0.5, 0.3, 0.0), (1.0, 0.9, 0.0), (1.0, 0.95, 0.2), (0.05, 0.5, 0.0)])
+def test_top_p_long_flat_row_by_histogram(scale, top_p, min_p):
+    """Long flat rows take the histogram path (no likely pool, no short candidate list): same set as a full sort,
+    the best token first (min-p reads it), ties and underflowed (-inf) logits included."""
+    n = 100_000
+    x = logits_row(9, n=n, scale=scale)
+    x[::997] = -np.inf
+    x[5:9] = x.max()  # a tie at the top
+    s = Sampler(SamplingParams(top_p=top_p, min_p=min_p), n)
+    ids, probs = s.candidates(s.process(x))
+    z = x.astype(np.float64)
+    p = softmax(z)
+    order = np.argsort(-p, kind="stable")
+    keep = order[:int(np.count_nonzero(np.cumsum(p[order]) - p[order] < top_p))]
+    if min_p:
+        keep = keep[p[keep] >= min_p * p.max()]
+    assert set(ids.tolist()) == set(keep.tolist()) and len(ids) == len(set(ids.tolist()))
+    assert p[ids[0]] == p.max()
+    np.testing.assert_allclose(probs, p[ids] / p[ids].sum(), rtol=1e-9)
+
+
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5])
 def test_min_p(min_p):
     x = logits_row(5)

@@ -21,6 +21,9 @@ from .errors import LilyError
 MAX_TOP_LOGPROBS = 20
 # top-p first looks at this many best candidates and sorts the whole row only when they do not reach top_p
 _TOP_P_CANDIDATES = 1024
+# ... and on rows longer than this it finds the nucleus with a mass histogram instead of the full sort
+_NUCLEUS_HISTOGRAM_MIN = 32 * 1024
+_NUCLEUS_BINS = 4096
 
 
 def _top_k_pool(x: np.ndarray, k: int) -> np.ndarray:
@@ -218,7 +221,7 @@ class Sampler:
     def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature, top-k, top-p, min-p on processed logits -> (token ids, probabilities summing to 1).
 
-        Sorted best first when top-p is active (it needs the order); otherwise in no particular order.
+        The best token first when top-p is active; otherwise in no particular order.
         """
         ids, weights = self._weights(x)
         return (np.arange(x.shape[0]) if ids is None else ids), weights / weights.sum()
@@ -267,9 +270,12 @@ class Sampler:
         return None, 0.0
 
     def _nucleus(self, e: np.ndarray, total: float) -> np.ndarray:
-        """Indices into e (unnormalised probabilities) of the top-p set, best first. Sorts only the best
-        few when they already hold top_p of the mass (the usual case for a language model)."""
+        """Indices into e (unnormalised probabilities) of the top-p set, the best first (min-p reads it). Sorts
+        only the best few when they already hold top_p of the mass (the usual case for a language model); a
+        long flat row goes by histogram (`_nucleus_by_histogram`)."""
         top_p = self.params.top_p
+        if e.size > _NUCLEUS_HISTOGRAM_MIN:  # a long row here is a flat one (the likely pool did not narrow it)
+            return self._nucleus_by_histogram(e, total)
         order = None
         for m in (_TOP_P_CANDIDATES, 16 * _TOP_P_CANDIDATES):
             if e.size <= 2 * m:
@@ -283,6 +289,29 @@ class Sampler:
         probs = e[order] / total
         mass_before = np.cumsum(probs) - probs
         return order[:max(int(np.count_nonzero(mass_before < top_p)), 1)]
+
+    def _nucleus_by_histogram(self, e: np.ndarray, total: float) -> np.ndarray:
+        """The top-p set of a flat row without sorting it: a mass histogram over -log e (4,096 bins) finds the
+        bin where the cumulative mass from the top reaches top_p; every token above that bin is in, every token
+        below is out, and only that bin is sorted. Returns the best token first, the others in index order."""
+        target = self.params.top_p * total
+        # float32 bins are enough: rounding is monotone, so a larger e never lands in a later bin, and the one
+        # bin that is cut is sorted on the float64 e
+        lg = np.log(e.astype(np.float32))  # <= 0, 0 at the best token (-inf for e == 0)
+        lo = float(lg.min())
+        if not np.isfinite(lo):  # some weights underflowed to 0: they go to the last bin
+            lo = float(np.min(lg, initial=0.0, where=np.isfinite(lg)))
+        width = max(-lo, 1e-12) / (_NUCLEUS_BINS - 2)
+        b = np.minimum(lg * np.float32(-1.0 / width), np.float32(_NUCLEUS_BINS - 1)).astype(np.int32)
+        cum = np.cumsum(np.bincount(b, weights=e, minlength=_NUCLEUS_BINS))
+        cut = min(int(np.searchsorted(cum, target, side="left")), _NUCLEUS_BINS - 1)
+        before = float(cum[cut - 1]) if cut > 0 else 0.0
+        edge = np.flatnonzero(b == cut)
+        edge = edge[np.argsort(-e[edge], kind="stable")]
+        edge = edge[before + np.cumsum(e[edge]) - e[edge] < target]
+        keep = np.concatenate([np.flatnonzero(b < cut), edge])
+        best = int(np.argmax(e))
+        return np.concatenate([[best], keep[keep != best]]) if keep.size else np.array([best])
 
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token from one logits row ([vocab] or [1, vocab]) and record it as generated."""
