@@ -98,6 +98,19 @@ def test_top_p_large_vocab_fast_path_matches_full_sort():
     assert set(got) == set(order[:keep].tolist())
 
 
+@pytest.mark.parametrize("scale,k", [(0.05, 50), (1.0, 20), (1.0, 3000), (8.0, 40)])
+def test_top_k_long_rows(scale, k):
+    """Long rows narrow to a pool first (within 8 of the max, or above the k-th largest block maximum on a flat
+    row): the kept set is the k largest, and so is the distribution."""
+    n = 120_001  # not a multiple of the 64-entry blocks
+    x = logits_row(10, n=n, scale=scale)
+    got = distribution(Sampler(SamplingParams(top_k=k), n), x)
+    want = np.argsort(-x.astype(np.float64), kind="stable")[:k]
+    assert sorted(x[list(got)].tolist()) == sorted(x[want].tolist()) and len(got) == k
+    p = softmax(x[want].astype(np.float64))
+    np.testing.assert_allclose(sorted(got.values()), sorted(p.tolist()), rtol=1e-9)
+
+
 @pytest.mark.parametrize("scale,top_p,min_p", [(0.5, 0.3, 0.0), (1.0, 0.9, 0.0), (1.0, 0.95, 0.2), (0.05, 0.5, 0.0)])
 def test_top_p_long_flat_row_by_histogram(scale, top_p, min_p):
     """Long flat rows take the histogram path (no likely pool, no short candidate list): same set as a full sort,
