@@ -136,7 +136,9 @@ class CudaBackend final : public Backend {
   }
 
   bool sampler_begin(const SampleOptions& o) override {
-    if (decode_mode_ == 0 || !fused_ok_) return false;
+    // (a vocabulary past the sampler's grid would only fail after the step ran: the host samples it instead)
+    if (decode_mode_ == 0 || !fused_ok_ || cfg_.vocab > int64_t{cuda::sample::kThreads} * cuda::sample::kSpan)
+      return false;
     sampler_.begin(st_, o, static_cast<int32_t>(cfg_.vocab));
     return true;
   }
