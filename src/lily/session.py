@@ -398,7 +398,6 @@ class _DeviceDraw:
         self.params = params
         self.engine = engine
         self.id = 0      # 0: not begun yet (begins at the first device step, when the first token is known)
-        self.usable = True
 
     def _begin(self, sampler: Sampler) -> bool:
         p = self.params
