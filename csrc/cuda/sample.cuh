@@ -1,4 +1,4 @@
-// Sampling on the device: one block turns a logits row into the next token without the row leaving the GPU.
+// Sampling on the device: the logits row becomes the next token without leaving the GPU (sample.cu: three launches).
 // Semantics (the NumPy twin is lily.sampling.device_sample_reference):
 //   x = logits + logit_bias; repetition penalty on tokens marked `seen` (x/rp if x > 0 else x*rp);
 //   x -= frequency * count + presence * (count > 0) on generated tokens;
