@@ -16,6 +16,15 @@ from lily import reference as ref
 _lily = pytest.importorskip("lily._lily")
 
 
+def _difference_floor(residual_after, out):
+    """A sub-block's output is read back as the difference of two fp32 residual rows, which carries their
+    rounding (up to an ulp of the residual) whatever the kernel does: 2 eps ||residual|| / ||out||, added to
+    the op tolerance. (A DeltaNet output ~200x smaller than the residual measured 1.36e-5 against 1e-5 with a
+    floor of 5e-6: seed 58 of tiny_odd at S=1.)"""
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a, dtype=np.float64))))  # noqa: E731
+    return 2 * float(np.finfo(np.float32).eps) * rms(residual_after) / max(rms(out), 1e-30)
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny_dk_ne_dv", "tiny_odd"])
 @pytest.mark.parametrize("S,chunk", [(1, 0), (37, 0), (50, 16)])
 def test_every_subblock_matches_reference(rng, name, S, chunk):
@@ -46,10 +55,13 @@ def test_every_subblock_matches_reference(rng, name, S, chunk):
         else:
             out, rs.conv[i], rs.rec[i] = ref.deltanet_mixer(h, w, i, cfg, rs.conv[i], rs.rec[i])
             kind = "deltanet"
-        assert_close(f"{name} S={S} layer {i} {kind}", trace[f"mixer.{i}"] - x, out, limit)
+        assert_close(f"{name} S={S} layer {i} {kind}", trace[f"mixer.{i}"] - x, out,
+                     limit + _difference_floor(trace[f"mixer.{i}"], out))
         x = trace[f"mixer.{i}"]
         h = ref.rms_norm(x, w.vec(p + ".post_attention_layernorm.weight"), cfg.rms_norm_eps)
-        assert_close(f"{name} S={S} layer {i} moe", trace[f"moe.{i}"] - x, ref.moe_ffn(h, w, i, cfg), limit)
+        out = ref.moe_ffn(h, w, i, cfg)
+        assert_close(f"{name} S={S} layer {i} moe", trace[f"moe.{i}"] - x, out,
+                     limit + _difference_floor(trace[f"moe.{i}"], out))
         x = trace[f"moe.{i}"]
     head = ref.rms_norm(x, w.vec("model.norm.weight"), cfg.rms_norm_eps) @ w.linear("lm_head").T
     assert_close(f"{name} head", trace["logits"], head, limit)
