@@ -511,6 +511,7 @@ void DeviceSampler::begin(cudaStream_t st, const SampleOptions& so, int32_t V) {
   opt.presence_penalty = so.presence_penalty;
   opt.frequency_penalty = so.frequency_penalty;
   const int32_t n_bias = static_cast<int32_t>(so.bias_ids.size());
+  opt.n_bias = n_bias;
   const int32_t* bias_ids = so.bias_ids.data();
   const float* bias_vals = so.bias_vals.data();
   const uint8_t* seen = so.seen.empty() ? nullptr : so.seen.data();
@@ -536,9 +537,7 @@ void DeviceSampler::begin(cudaStream_t st, const SampleOptions& so, int32_t V) {
   }
   // On the backend's stream (a non-blocking stream does not order against the legacy default stream), then a
   // wait: once per generation, and the caller's pageable vectors may go away when this returns.
-  Options o = opt;
-  o.n_bias = n_bias;
-  LILY_CUDA_CHECK(cudaMemcpyAsync(opt_, &o, sizeof(Options), cudaMemcpyHostToDevice, st));
+  LILY_CUDA_CHECK(cudaMemcpyAsync(opt_, &opt, sizeof(Options), cudaMemcpyHostToDevice, st));
   if (n_bias) {
     LILY_CUDA_CHECK(cudaMemcpyAsync(bias_ids_, bias_ids, n_bias * sizeof(int32_t), cudaMemcpyHostToDevice, st));
     LILY_CUDA_CHECK(cudaMemcpyAsync(bias_vals_, bias_vals, n_bias * sizeof(float), cudaMemcpyHostToDevice, st));
