@@ -37,54 +37,16 @@
 
 #include "cuda/sample.cuh"
 
+#define CHECK_FAMILY "sample"
+#include "check_util.cuh"
+
 namespace ls = lily::cuda::sample;
 
-#define CK(x)                                                                                                   \
-  do {                                                                                                          \
-    const cudaError_t e_ = (x);                                                                                 \
-    if (e_ != cudaSuccess)                                                                                      \
-      throw std::runtime_error(std::string(#x) + " at line " + std::to_string(__LINE__) + ": " +               \
-                               cudaGetErrorString(e_));                                                         \
-  } while (0)
-
-static std::mt19937_64 rng;
-static int n_pass = 0, n_total = 0;
 constexpr double kTol = 1e-5;
 constexpr int kGuard = 64;  // entries past V in x / seen / counts that nothing may write
 constexpr float kRep = 1.3f, kPres = 0.5f, kFreq = 0.3f;
 
-static std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
-static std::string fmt(const char* f, ...) {
-  char b[512];
-  va_list ap;
-  va_start(ap, f), std::vsnprintf(b, sizeof b, f, ap), va_end(ap);
-  return b;
-}
 
-// Device allocations of one case, freed when it ends (also on a failure).
-struct Dev {
-  std::vector<void*> ptrs;
-  ~Dev() { for (void* p : ptrs) cudaFree(p); }
-  template <class T>
-  T* alloc(size_t n) {
-    void* p = nullptr;
-    CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-    ptrs.push_back(p);
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  T* put(const std::vector<T>& h) {
-    T* d = alloc<T>(h.size());
-    if (!h.empty()) CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
-};
-template <class T>
-static std::vector<T> get(const T* d, size_t n) {
-  std::vector<T> h(n);
-  if (n) CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 
 // ---------------------------------------------------------------- inputs
 struct Opts {
@@ -408,20 +370,6 @@ static void check_case(const char* row, const Input& in, const Opts& o) {
               describe(in, o).c_str(), toks.c_str(), fails.c_str(), notes.c_str());
 }
 
-// Runs one case; an exception (CUDA error) is one FAIL. A sticky CUDA error ends the program.
-static void run_case(const std::string& name, const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    ++n_total;
-    std::printf("FAIL %s exception: %s\n", name.c_str(), e.what());
-    cudaGetLastError();
-    if (cudaDeviceSynchronize() != cudaSuccess) {
-      std::printf("sticky CUDA error: stopping\nSUMMARY sample %d/%d\n", n_pass, n_total);
-      std::exit(1);
-    }
-  }
-}
 
 // ---------------------------------------------------------------- timing
 static void time_mode(const char* mode, const Opts& o) {

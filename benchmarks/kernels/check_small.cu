@@ -32,19 +32,12 @@
 #include "cuda/decode.cuh"
 #include "cuda/kernels.cuh"
 
+#define CHECK_FAMILY "small"
+#include "check_util.cuh"
+
 using namespace lily;
 namespace lc = lily::cuda;
 
-#define CK(x)                                                                                                   \
-  do {                                                                                                          \
-    const cudaError_t e_ = (x);                                                                                 \
-    if (e_ != cudaSuccess)                                                                                      \
-      throw std::runtime_error(std::string(#x) + " at line " + std::to_string(__LINE__) + ": " +               \
-                               cudaGetErrorString(e_));                                                         \
-  } while (0)
-
-static std::mt19937_64 rng;
-static int n_pass = 0, n_total = 0;
 
 // ---------------------------------------------------------------- helpers
 static uint16_t f2bf(float f) {  // round to nearest even (inputs here are finite)
@@ -65,33 +58,6 @@ static uint32_t fbits(float f) {
   return u;
 }
 
-// Device allocations of one case, freed when it ends (also on a failure).
-struct Dev {
-  std::vector<void*> ptrs;
-  ~Dev() {
-    for (void* p : ptrs) cudaFree(p);
-  }
-  template <class T>
-  T* alloc(size_t n, bool poison = true) {
-    void* p = nullptr;
-    CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-    ptrs.push_back(p);
-    if (poison) CK(cudaMemset(p, 0xFF, std::max<size_t>(n, 1) * sizeof(T)));  // NaN (fp32 / bf16), -1 (int32)
-    return static_cast<T*>(p);
-  }
-  template <class T>
-  T* put(const std::vector<T>& h) {
-    T* d = alloc<T>(h.size(), false);
-    if (!h.empty()) CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
-};
-template <class T>
-static std::vector<T> get(const T* d, size_t n) {
-  std::vector<T> h(n);
-  if (n) CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return h;
-}
 static void after_launch() {
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
@@ -167,30 +133,7 @@ static void report_exact(const std::string& name, const std::vector<double>& ref
               std::sqrt(num / std::max(den, 1e-300)), mx, static_cast<long long>(bad), ref.size());
 }
 
-// Runs one case; an exception (CUDA error, launcher refusal) is one FAIL. A sticky CUDA error ends the program.
-static void run_case(const std::string& name, const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    ++n_total;
-    std::printf("FAIL %-52s rel_rms=nan max_abs=nan exception: %s\n", name.c_str(), e.what());
-    cudaGetLastError();
-    if (cudaDeviceSynchronize() != cudaSuccess) {
-      std::printf("sticky CUDA error: stopping\nSUMMARY small %d/%d\n", n_pass, n_total);
-      std::exit(1);
-    }
-  }
-}
 
-static std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
-static std::string fmt(const char* f, ...) {
-  char b[256];
-  va_list ap;
-  va_start(ap, f);
-  std::vsnprintf(b, sizeof b, f, ap);
-  va_end(ap);
-  return b;
-}
 
 static double silu_d(double x) { return x / (1.0 + std::exp(-x)); }
 static double sigmoid_d(double x) { return 1.0 / (1.0 + std::exp(-x)); }
