@@ -133,7 +133,8 @@ class FlagStub:
     def __init__(self, eng):
         self._eng, self._flags = eng, {a.flag: a.meaning for a in ABLATIONS}
         self._vals = {"cuda_decode": 2, "routing_sync": 0, "gqa_pack": 1, "split_k": 1, "dn_form": 3,
-                      "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1, "l2_prefetch": 0}
+                      "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1, "l2_prefetch": 0,
+                      "l2_ahead": 0}
 
     def __getattr__(self, k):
         return getattr(self._eng, k)
@@ -212,6 +213,7 @@ def parse_args(argv=None):
     ap.add_argument("--mlx-lengths", default="", help="MLX-LM lengths (default 512,4096,16384; dry run 64,96)")
     ap.add_argument("--no-mlx", action="store_true")
     ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument("--ablations", default="", help="only the ablations of these flags (comma-separated)")
     ap.add_argument("--fake-flags", action="store_true", help="dry run: accept and ignore the ablation flags")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--mlx-decode-steps", type=int, default=8)
@@ -259,6 +261,12 @@ def main(argv=None):
         mlx_note = peer.error or peer.warm_up(toks)
         print(f"mlx-lm: {peer.info if peer.ok else mlx_note}", flush=True)
     ablations = ABLATIONS if args.backend == "cuda" else scaled(ABLATIONS, lambda x: DRY_LENGTHS.get(x, x))
+    if args.ablations:
+        keep = set(args.ablations.split(","))
+        unknown = keep - {a.flag for a in ABLATIONS}
+        if unknown:
+            sys.exit(f"--ablations: unknown flag(s) {sorted(unknown)}; expected some of {sorted({a.flag for a in ABLATIONS})}")
+        ablations = tuple(a for a in ablations if a.flag in keep)
     ablator = None if args.no_ablations else Ablator(eng, ablations, deadline)
     rows, profiles, checks = [], {}, {}
 

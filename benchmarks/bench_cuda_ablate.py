@@ -37,6 +37,9 @@ ABLATIONS = (
     # an experiment switched ON (default off until measured): see benchmarks/kernels/exp_stage_chain.cu
     Ablation("L2 prefetch of the ring projections' rows", "l2_prefetch", (1,), (4096, 131072), (),
              "0 off (default), 1 each ring-projection warp prefetches all its rows into L2 before the PDL wait"),
+    Ablation("L2 prefetch of the next kernels' weights", "l2_ahead", (1,), (4096, 32768, 131072), (),
+             "0 off (default), 1 each decode kernel asks L2 for the next projection's weights (the MoE gate/up for "
+             "the chosen experts' down rows) before its wait"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
              "2 bulk-copy, 4 per-warp cp.async rings everywhere"),

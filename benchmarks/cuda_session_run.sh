@@ -67,7 +67,7 @@ check)
     done
     # racecheck instruments every shared-memory access: a tiny config and a few tokens keep it inside the call
     timeout ${RACE_TIMEOUT:-200} "$CS" --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_check.py \
-      --configs tiny_odd --tokens 12 > "$OUT/racecheck_tiny_odd.txt" 2>&1
+      --configs tiny_odd --tokens 12 --no-bundled > "$OUT/racecheck_tiny_odd.txt" 2>&1
     RRC=$?
     grep -m3 -A8 "Race\|Error" "$OUT/racecheck_tiny_odd.txt" | cut -c1-200 | head -12
     SUMMARY+=("racecheck tiny_odd rc=$RRC $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/racecheck_tiny_odd.txt")")

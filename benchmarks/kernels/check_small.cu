@@ -597,6 +597,8 @@ int main(int argc, char** argv) {
   C("dn_conv", [] { check_dn_conv(3, 6, 64, 96, 4, 37); });
   C("dn_conv", [] { check_dn_conv(1, 5, 96, 64, 4, 1); });
   C("dn_conv", [] { check_dn_conv(2, 2, 40, 17, 2, 37); });
+  C("dn_conv", [] { check_dn_conv(2, 3, 32, 48, 3, 65); });  // the sliding window at K = 3, three row blocks
+  C("dn_conv", [] { check_dn_conv(1, 2, 32, 24, 5, 40); });  // K = 5: the generic path
 
   // deltanet_gated_norm
   for (int64_t S : {1, 37}) C("dn_gated_norm", [=] { check_dn_gated_norm(32, 128, S); });

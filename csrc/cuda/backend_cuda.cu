@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -170,6 +171,8 @@ class CudaBackend final : public Backend {
       dn_form_ = range(0, 4);
     } else if (name == "l2_prefetch") {
       l2_prefetch_ = range(0, 1);
+    } else if (name == "l2_ahead") {
+      l2_ahead_ = range(0, 1);
     } else {
       return Backend::set_flag(name, value);
     }
@@ -188,6 +191,7 @@ class CudaBackend final : public Backend {
     if (name == "attn_impl") return attn_impl_;
     if (name == "dn_form") return dn_form_;
     if (name == "l2_prefetch") return l2_prefetch_;
+    if (name == "l2_ahead") return l2_ahead_;
     if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
     if (name == "graph_nodes") return graph_nodes_;
     if (name == "graph_kernels") return graph_kernels_;
@@ -381,6 +385,19 @@ class CudaBackend final : public Backend {
     return cuda::dec::proj(st_, a, gemv_impl_, pdl_);
   }
 
+  // The L2 prefetch list of weights a later kernel reads (empty with the flag l2_ahead off).
+  cuda::dec::L2Ahead ahead(std::initializer_list<const DLinear*> ws) const {
+    cuda::dec::L2Ahead h;
+    if (l2_ahead_)
+      for (const DLinear* w : ws) cuda::dec::ahead_add(h, *w);
+    return h;
+  }
+  // The first projection of a layer's mixer (the next layer's weights, asked for by this layer's MoE down).
+  cuda::dec::L2Ahead ahead_first(const DLayer* L, bool attention) const {
+    if (L == nullptr) return {};
+    return attention ? ahead({&L->q, &L->k, &L->v}) : ahead({&L->qkv, &L->z, &L->b, &L->a});
+  }
+
   cuda::dec::ProjArgs norm_args(const float* w) const {
     cuda::dec::ProjArgs a;
     a.xmode = cuda::dec::kXNorm;
@@ -404,6 +421,7 @@ class CudaBackend final : public Backend {
     a.u = du_;
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
+    a.ahead = ahead({&L.out});
     run_proj(a);
     const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
                                cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, 1};
@@ -418,6 +436,7 @@ class CudaBackend final : public Backend {
     o.zf = dz_;
     o.nw = L.dn_norm;
     o.seg[0] = seg(L.out, d::kOAccum, dx_);
+    o.ahead = ahead({&L.router, &L.sh_gate, &L.sh_up, &L.sh_expert_gate});
     run_proj(o);
     step_launches_ += 3;
   }
@@ -430,6 +449,7 @@ class CudaBackend final : public Backend {
     a.seg[0] = seg(L.q, d::kOStore, dqg_);
     a.seg[1] = seg(L.k, d::kOStore, dk_);
     a.seg[2] = seg(L.v, d::kOStore, dv_);
+    a.ahead = ahead({&L.o});
     run_proj(a);
     const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                                 static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
@@ -450,11 +470,13 @@ class CudaBackend final : public Backend {
     o.in = cfg_.n_heads * cfg_.head_dim;
     o.xb = dob_;
     o.seg[0] = seg(L.o, d::kOAccum, dx_);
+    o.ahead = ahead({&L.router, &L.sh_gate, &L.sh_up, &L.sh_expert_gate});
     run_proj(o);
     step_launches_ += 5;
   }
 
-  void dec_moe(const DLayer& L) {
+  // next: the following layer (nullptr after the last), whose first projection the MoE down asks L2 for.
+  void dec_moe(const DLayer& L, const DLayer* next, bool next_attention) {
     namespace d = cuda::dec;
     const int k = cfg_.top_k;
     d::ProjArgs a = norm_args(L.post_norm);
@@ -464,6 +486,7 @@ class CudaBackend final : public Backend {
     a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
     a.seg[1].w1 = L.sh_up;
     a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
+    a.ahead = ahead({&L.sh_down});
     run_proj(a);
     d::ProjArgs e;
     e.nseg = 1;
@@ -482,6 +505,7 @@ class CudaBackend final : public Backend {
     e.seg[0].routed = 1;
     e.seg[0].slots = k;
     e.seg[0].y_step = cfg_.moe_inter;
+    if (l2_ahead_) e.ahead.routed = L.down;  // the chosen experts' down rows, once the prologue has routed
     run_proj(e);
     d::DownArgs dn;
     dn.wd = L.down;
@@ -493,6 +517,7 @@ class CudaBackend final : public Backend {
     dn.sgate = dsg_;
     dn.x = dx_;
     dn.k = k;
+    dn.ahead = ahead_first(next, next_attention);
     d::moe_down(st_, dn, gemv_impl_, pdl_);
     step_launches_ += 3;
   }
@@ -508,7 +533,9 @@ class CudaBackend final : public Backend {
       const int slot = st.layer_slot[L];
       if (cfg_.layer_types[L] == LayerType::Attention) dec_attention(layers_[L], st.kv[slot]);
       else dec_deltanet(layers_[L], st.dn[slot]);
-      dec_moe(layers_[L]);
+      const bool last = L + 1 == cfg_.n_layers;
+      dec_moe(layers_[L], last ? nullptr : &layers_[L + 1],
+              !last && cfg_.layer_types[L + 1] == LayerType::Attention);
     }
     cuda::dec::ProjArgs h = norm_args(final_norm_);
     h.nseg = 1;
@@ -746,6 +773,7 @@ class CudaBackend final : public Backend {
   bool pdl_ = true;            // programmatic dependent launch between decode kernels
   bool routing_sync_ = false;  // prefill MoE: host-synchronised tile count instead of a device-sized grid
   int l2_prefetch_ = 0;        // experiment: ring projections prefetch their rows into L2 before the PDL wait
+  int l2_ahead_ = 0;           // each decode kernel asks L2 for the next projection's weights (L2Ahead)
   bool gqa_pack_ = true;       // decode attention: the query heads of a KV head share each K/V load
   bool split_k_ = true;        // decode attention: keys split over blocks (flash-decoding)
   int expert_tile_ = 0;        // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128

@@ -190,11 +190,14 @@ __global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant
     r4.setup(sg.w0, sg.w1, dual, 0, row0);
     r4.load(0, lane);
   }
+  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;
+  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
   stage_x(a, xs, red, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
+  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
 
   float acc[NR];
 #pragma unroll
@@ -314,6 +317,7 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const __grid_constant__ 
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * NR;
   const bool active = row0 < H;
   const bool flat = a.wd.p.kind == 0 && a.ws.p.kind == 0;
+  l2_ahead(a.ahead, nullptr, 0, blockIdx.x * kThreads + tid, gridDim.x * kThreads);
   pdl_trigger();
   pdl_wait();  // the routing and the activations come from the previous kernel
 

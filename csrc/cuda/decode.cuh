@@ -30,6 +30,39 @@ struct Ctl {
   float uniform;  // device sampling: this step's draw in [0, 1)
 };
 
+// Weights a kernel asks L2 for on behalf of a LATER kernel of the step (flag "l2_ahead"): the next projection's
+// weights never depend on this kernel's output, so their DRAM reads can overlap this kernel's work and the next
+// kernel then streams from L2 instead of paying DRAM latency at its start. Ranges are dealt over all threads of
+// the grid in 4 KB pieces (cp.async.bulk.prefetch.L2: a hint, it changes no value). `routed` (stacked experts,
+// codes == nullptr for none): the rows of the experts this kernel's routing prologue chose (the MoE down weights
+// asked for by the experts' gate/up launch).
+constexpr int kMaxAhead = 16;
+struct L2Ahead {
+  const void* p[kMaxAhead] = {};
+  int64_t bytes[kMaxAhead] = {};
+  int32_t n = 0;
+  int32_t pad_ = 0;
+  DLinear routed;
+};
+
+// Host: appends w (an unstacked weight; of a stacked one, expert 0) to h's ranges.
+inline void ahead_add(L2Ahead& h, const DLinear& w) {
+  auto add = [&h](const void* p, int64_t bytes) {
+    if (p == nullptr || bytes <= 0) return;
+    if (h.n == kMaxAhead) throw std::logic_error("[lily] cuda decode: more than kMaxAhead L2 prefetch ranges");
+    h.p[h.n] = p;
+    h.bytes[h.n] = bytes;
+    ++h.n;
+  };
+  if (w.p.kind == 0) {
+    add(w.codes, w.p.expert_words * 4);
+    add(w.scales, w.p.expert_groups * 2);
+    add(w.biases, w.p.expert_groups * 2);
+  } else {
+    add(w.dense, w.p.expert_elems * (w.p.kind == 1 ? 2 : 4));
+  }
+}
+
 struct Seg {
   DLinear w0, w1;        // w1: the up projection of a DUAL segment (same shape and format as w0)
   float* y = nullptr;    // fp32 output (store / accumulate)
@@ -71,6 +104,7 @@ struct ProjArgs {
   // 1: before waiting on its predecessor, each warp of the ring kernel asks L2 for all of its weight rows
   // (cp.async.bulk.prefetch.L2), not just its ring's first chunks (experiment; flag "l2_prefetch", default off)
   int32_t l2_prefetch = 0;
+  L2Ahead ahead;  // weights of later kernels (flag "l2_ahead"; n == 0 and no routed: none)
 };
 
 struct DownArgs {
@@ -82,6 +116,7 @@ struct DownArgs {
   const float* sgate = nullptr;  // [1] shared expert gate logit
   float* x = nullptr;            // [H] residual, accumulated
   int32_t k = 0;
+  L2Ahead ahead;                 // weights of later kernels (the next layer's first projection)
 };
 
 // Launchers (stream-ordered, no synchronisation). pdl: launch with programmatic stream serialisation (the

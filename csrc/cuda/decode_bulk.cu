@@ -201,12 +201,15 @@ __global__ void __launch_bounds__(kBulkThreads, 1) proj_bulk_kernel(const __grid
     return;
   }
 
+  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;  // compute threads only
+  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();
   stage_x<true>(a, xs, nred, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   compute_sync<true>();
   if (a.route) route_arrive();
+  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
   permute_x(xs, xp, gs, n, warp, lane);
   compute_sync<true>();
 
@@ -289,6 +292,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) down_bulk_kernel(const __grid
     return;
   }
 
+  l2_ahead(a.ahead, nullptr, 0, blockIdx.x * kThreads + tid, gridDim.x * kThreads);  // compute threads only
   pdl_trigger();
   pdl_wait();
   {

@@ -134,12 +134,6 @@ __device__ __forceinline__ void stream_issue(const ProjArgs& a, const Stream& s,
   cp_commit();  // empty groups keep the wait count uniform at the end of the stream
 }
 
-// L2 bulk prefetch of [p, p + bytes) when both are 16-byte multiples (the instruction's contract).
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-  if ((reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(bytes)) & 15u || bytes <= 0) return;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-}
-
 // Lane 0 of each warp asks L2 for every weight row the warp (warp-owned) or its share of the block's tasks
 // (block-owned) will stream: a 16-row block's codes, scales and biases are each one contiguous range. Only for
 // launches without routing (the expert is known only after the wait).
@@ -193,11 +187,14 @@ __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_con
     }
   }
   if (a.l2_prefetch && !a.route) prefetch_tasks<kBlockOwned>(a, n_tasks, warp, lane);
+  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;
+  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();
   stage_x(a, xs, nred, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
+  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
   permute_x(xs, xp, gs, n, warp, lane);
   __syncthreads();
   for (; issued < kDepth - 1; ++issued) {

@@ -104,12 +104,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) proj_tc_kernel(const _
   __shared__ int32_t s_idx[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, q = lane >> 2, c = lane & 3;
+  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;
 
+  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();
   stage_x(a, xs, nred, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
+  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
   permute_x(xs, xp, gs, n, warp, lane);
   __syncthreads();
 
@@ -184,6 +187,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_tc_kernel(const _
   __shared__ int32_t eid[kMaxTopK + 1];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, q = lane >> 2, c = lane & 3;
 
+  l2_ahead(a.ahead, nullptr, 0, blockIdx.x * kThreads + tid, gridDim.x * kThreads);
   pdl_trigger();
   pdl_wait();  // routing and activations come from the previous kernels
   {

@@ -12,15 +12,35 @@ __device__ __forceinline__ float conv_x(const float* cs, const float* qkv, int64
 }
 
 // u[t, c] = silu(sum_j w[c, j] X[t + j, c]); tap K-1 multiplies the current row. Reads conv_state only.
+// KS > 0: the kernel size is KS and the K-row window slides in registers (each X row read once per thread,
+// not K times); KS == 0: any K, re-reading the window. Same sum order either way, so the results are identical.
+template <int KS>
 __global__ void conv_kernel(kp::DeltaNetParams p, const float* qkv, const float* w, const float* cs, float* u) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, C = p.conv_dim;
   if (c >= C) return;
-  const int K = p.conv_kernel;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kConvRows, t1 = min64(p.S, t0 + kConvRows);
-  for (int64_t t = t0; t < t1; ++t) {
-    float acc = 0.f;
-    for (int j = 0; j < K; ++j) acc += w[c * K + j] * conv_x(cs, qkv, t + j, c, C, K);
-    u[t * C + c] = acc / (1.f + expf(-acc));
+  if constexpr (KS > 0) {
+    float wr[KS], win[KS];
+#pragma unroll
+    for (int j = 0; j < KS; ++j) wr[j] = w[c * KS + j];
+#pragma unroll
+    for (int j = 0; j < KS - 1; ++j) win[j + 1] = conv_x(cs, qkv, t0 + j, c, C, KS);
+    for (int64_t t = t0; t < t1; ++t) {
+#pragma unroll
+      for (int j = 0; j < KS - 1; ++j) win[j] = win[j + 1];
+      win[KS - 1] = conv_x(cs, qkv, t + KS - 1, c, C, KS);
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < KS; ++j) acc += wr[j] * win[j];
+      u[t * C + c] = acc / (1.f + expf(-acc));
+    }
+  } else {
+    const int K = p.conv_kernel;
+    for (int64_t t = t0; t < t1; ++t) {
+      float acc = 0.f;
+      for (int j = 0; j < K; ++j) acc += w[c * K + j] * conv_x(cs, qkv, t + j, c, C, K);
+      u[t * C + c] = acc / (1.f + expf(-acc));
+    }
   }
 }
 
@@ -120,8 +140,13 @@ __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const fl
 void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
                    float* conv_state, float* u) {
   const unsigned cblocks = static_cast<unsigned>((p.conv_dim + 127) / 128);
-  conv_kernel<<<dim3(cblocks, static_cast<unsigned>((p.S + kConvRows - 1) / kConvRows)), 128, 0, st>>>(
-      p, qkv, conv_w, conv_state, u);
+  const dim3 cgrid(cblocks, static_cast<unsigned>((p.S + kConvRows - 1) / kConvRows));
+  switch (p.conv_kernel) {  // the model's kernel size is 4; the sliding window for the small ones
+    case 2: conv_kernel<2><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    case 3: conv_kernel<3><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    case 4: conv_kernel<4><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    default: conv_kernel<0><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+  }
   LILY_LAUNCH_CHECK();
   conv_state_kernel<<<cblocks, 128, 0, st>>>(p, qkv, conv_state);
   LILY_LAUNCH_CHECK();
