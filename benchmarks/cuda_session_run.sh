@@ -6,6 +6,8 @@
 #   bash benchmarks/cuda_session_run.sh check        build + kernel checks + cuda_check + memcheck
 #   bash benchmarks/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
 #   bash benchmarks/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
+#   bash benchmarks/cuda_session_run.sh verify ARGS  build + the kernel checks named in KCHECKS (e.g. "small decode")
+#        + cuda_check on the tiny configs + memcheck and racecheck on tiny_odd; then, with ARGS, the benchmark
 # Files land under $OUT (the device tool's output folder). Pass LILY_GIT_SHA=$(git rev-parse HEAD) from the calling
 # machine: the device's copy of .git can be stale, and the benchmark JSON records the sha.
 set -u
@@ -72,6 +74,32 @@ check)
     grep -m3 -A8 "Race\|Error" "$OUT/racecheck_tiny_odd.txt" | cut -c1-200 | head -12
     SUMMARY+=("racecheck tiny_odd rc=$RRC $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/racecheck_tiny_odd.txt")")
     echo "[$(el)s] racecheck tiny_odd rc=$RRC"
+  fi
+  ;;
+verify)
+  for k in ${KCHECKS:-}; do
+    bash benchmarks/kernels/run.sh "$k" > "$OUT/kernels_$k.txt" 2>&1
+    SUMMARY+=("kernel check $k rc=$?: $(grep '^SUMMARY' "$OUT/kernels_$k.txt" | tr '\n' ';')")
+    grep -E "^(FAIL|TIME)|BUILD FAILED" "$OUT/kernels_$k.txt" | cut -c1-200 | head -${KLINES:-12}
+  done
+  python3 benchmarks/cuda_check.py --configs ${VCONFIGS:-tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads} --tokens 96 --no-bundled \
+    > "$OUT/cuda_check.txt" 2>&1
+  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$OUT/cuda_check.txt")")
+  grep -E "FAIL|Error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -10
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    timeout 240 "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs tiny_odd \
+      --tokens 12 --no-bundled > "$OUT/${tool}_tiny_odd.txt" 2>&1
+    SUMMARY+=("$tool tiny_odd rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/${tool}_tiny_odd.txt")")
+    echo "[$(el)s] $tool done"
+  done
+  if [ $# -gt 0 ]; then
+    CK=/tmp/full35b
+    [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$OUT/full_checkpoint.txt" 2>&1
+    timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_cuda.py --checkpoint $CK --out "$OUT" "$@" \
+      > "$OUT/bench.txt" 2>&1
+    SUMMARY+=("bench rc=$?")
+    tail -${BLINES:-30} "$OUT/bench.txt"
   fi
   ;;
 full|bench)
