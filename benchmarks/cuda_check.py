@@ -44,6 +44,7 @@ from cuda_check_sampling import check_engine_sampling, check_session_sampling  #
 SUBBLOCK_REL_RMS = 3e-2
 # Same engine, two paths (decode vs prefill, chunked vs not): only summation order and bf16 rounding order.
 SELF_REL_RMS = 2e-2
+FORMS_TOKENS = 150  # the DeltaNet forms check: two full chunks of 64 and a partial one, whatever --tokens is
 
 
 def mid_config_dict() -> dict:
@@ -88,7 +89,7 @@ def check_config(name, cfg, T, results):
         results.append({"config": name, "check": check, "pass": bool(ok), **fig})
 
     tensors, quant = random_weights(cfg, seed=11)
-    max_ctx = T + 8
+    max_ctx = max(T, FORMS_TOKENS) + 8
     cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=0, max_context=max_ctx, backend="cpu")
     t0 = time.time()
     gpu = _lily.Engine(cfg.to_dict(), tensors, quant, max_context=max_ctx, backend="cuda")
@@ -134,8 +135,23 @@ def check_config(name, cfg, T, results):
     finally:
         for flag in ("l2_prefetch", "l2_ahead"):
             gpu.set_backend_flag(flag, 0)
-    add("decode with L2 prefetch == without", bool(np.array_equal(dec_pf, dec[:48])), tokens=48,
+    add("decode with L2 prefetch == without", bool(np.array_equal(dec_pf, dec[:48])), tokens=len(dec_pf),
         max_abs=float(np.max(np.abs(dec_pf - dec[:48]))))
+
+    # DeltaNet prefill forms: the chunked TF32 form (its tiles pipelined over chunks) against the sequential fp32
+    # scan on the same prompt, forced on every length (the default picks by length, so short runs never chunk).
+    if not all(cfg.is_attention(i) for i in range(cfg.num_hidden_layers)):
+        ft = np.random.default_rng(5).integers(0, cfg.vocab_size, FORMS_TOKENS).astype(np.int32)
+        by_form = {}
+        try:
+            for form in (1, 2):
+                gpu.set_backend_flag("dn_form", form)
+                by_form[form] = gpu.forward(gpu.new_state(), ft, logits="all")
+        finally:
+            gpu.set_backend_flag("dn_form", 3)
+        f_rms = rel_rms(by_form[2], by_form[1])
+        add("DeltaNet chunked == sequential", np.all(np.isfinite(by_form[2])) and f_rms <= max(SELF_REL_RMS, env_rms),
+            tokens=FORMS_TOKENS, rel_rms=f_rms, limit=max(SELF_REL_RMS, env_rms))
 
     # Chunked == unchunked; last == all[-1].
     ch = gpu.forward(gpu.new_state(), toks, logits="all", chunk_size=48)

@@ -7,7 +7,8 @@
 #   bash benchmarks/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
 #   bash benchmarks/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
 #   bash benchmarks/cuda_session_run.sh verify ARGS  build + the kernel checks named in KCHECKS (e.g. "small decode")
-#        + cuda_check on the tiny configs + memcheck and racecheck on tiny_odd; then, with ARGS, the benchmark
+#        + cuda_check on the tiny configs + memcheck and racecheck on tiny_odd; then, with ARGS, the benchmark,
+#        and with FULL_TIMEOUT=seconds the full-size envelope check after it
 # Files land under $OUT (the device tool's output folder). Pass LILY_GIT_SHA=$(git rev-parse HEAD) from the calling
 # machine: the device's copy of .git can be stale, and the benchmark JSON records the sha.
 set -u
@@ -82,7 +83,7 @@ verify)
     SUMMARY+=("kernel check $k rc=$?: $(grep '^SUMMARY' "$OUT/kernels_$k.txt" | tr '\n' ';')")
     grep -E "^(FAIL|TIME)|BUILD FAILED" "$OUT/kernels_$k.txt" | cut -c1-200 | head -${KLINES:-12}
   done
-  python3 benchmarks/cuda_check.py --configs ${VCONFIGS:-tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads} --tokens 96 --no-bundled \
+  python3 benchmarks/cuda_check.py --configs ${VCONFIGS:-tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads} --tokens ${VTOKENS:-256} --no-bundled \
     > "$OUT/cuda_check.txt" 2>&1
   SUMMARY+=("cuda_check rc=$?: $(tail -1 "$OUT/cuda_check.txt")")
   grep -E "FAIL|Error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -10
@@ -100,6 +101,12 @@ verify)
       > "$OUT/bench.txt" 2>&1
     SUMMARY+=("bench rc=$?")
     tail -${BLINES:-30} "$OUT/bench.txt"
+    if [ "${FULL_TIMEOUT:-0}" != 0 ]; then  # the full-size envelope (cuda_check --full) after the benchmark
+      timeout $FULL_TIMEOUT python3 benchmarks/cuda_check.py --configs none --full $CK \
+        --env-positions ${ENV_POSITIONS:-192} --json "$OUT/cuda_check_full.json" > "$OUT/cuda_check_full.txt" 2>&1
+      SUMMARY+=("full-size check rc=$?: $(tail -1 "$OUT/cuda_check_full.txt")")
+      tail -6 "$OUT/cuda_check_full.txt" | cut -c1-200
+    fi
   fi
   ;;
 full|bench)

@@ -84,6 +84,30 @@ __device__ __forceinline__ void load_tile(float* dst, int dst_ld, const float* s
   }
 }
 
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+
+// load_tile through 16-byte cp.async when vec4, so all of a thread's copies are in flight at once instead of one
+// load round trip each (generic pointers: the compiler cannot batch a load past the previous smem store). The
+// caller commits, waits and syncs before reading dst; zero fill by direct stores. !vec4: load_tile's copy.
+template <int COLS>
+__device__ __forceinline__ void load_tile_async(float* dst, int dst_ld, const float* src, int64_t src_ld, int rows,
+                                                int cols, bool vec4) {
+  if (!vec4) {
+    load_tile<COLS>(dst, dst_ld, src, src_ld, rows, cols, false);
+    return;
+  }
+  constexpr int kQuads = COLS / 4;
+  for (int i = threadIdx.x; i < kChunk * kQuads; i += kThreads) {
+    const int c = i / kQuads, d = 4 * (i % kQuads);
+    float* o = dst + c * dst_ld + d;
+    if (c < rows && d < cols) cp_async16(o, src + c * src_ld + d);
+    else *reinterpret_cast<float4*>(o) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
 // mma.sync m16n8k8 TF32 helpers (form 2). Fragment layouts (PTX ISA, .tf32):
 // g = lane / 4, t = lane % 4; A (16x8, row): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4);
 // B (8x8, col): b0 (t, g), b1 (t+4, g); C (16x8): c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
@@ -272,14 +296,16 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args
   float* sBeta = smem + L::kBeta;
 
   const float* qg = args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk;  // rows past len, columns past Dk: 0
-  load_tile<DKP>(sQ, L::kStride, qg, C, len, Dk, args.s.vec4);
-  load_tile<DKP>(sK, L::kStride, qg + key_dim, C, len, Dk, args.s.vec4);
+  load_tile_async<DKP>(sQ, L::kStride, qg, C, len, Dk, args.s.vec4);
+  load_tile_async<DKP>(sK, L::kStride, qg + key_dim, C, len, Dk, args.s.vec4);
+  cp_async_commit();
   if (tid < kChunk) {  // log g = -exp(A_log) softplus(a + dt_bias); padded rows: g = 1, beta = 0
     const bool in = tid < len;
     const float araw = in ? args.s.a[(t0 + tid) * Hv + h] : 0.f, braw = in ? args.s.b[(t0 + tid) * Hv + h] : 0.f;
     sLg[tid] = in ? -expf(args.s.a_log[h]) * softplusf_(araw + args.s.dt_bias[h]) : 0.f;
     sBeta[tid] = in ? 1.f / (1.f + expf(-braw)) : 0.f;
   }
+  cp_async_wait<0>();
   __syncthreads();
   if (tid == 0) {  // inclusive prefix sum (64 adds; not worth a parallel scan)
     float acc = 0.f;
@@ -555,18 +581,30 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkState
   // Step 1/2 tiles: m-tile mc (chunk rows 16 mc ..), n-tiles nv = 2 (warp % 2) + {0, 1} (state rows).
   const int mc = warp / 2, nv0 = 2 * (warp % 2);
 
+  // Chunk tiles arrive by cp.async in two sets: W, Q, U and lg are last read by step 1's epilogue, so chunk n+1's
+  // go out right after it and land while steps 2 and 3 of chunk n run; K and P are read until the chunk's end,
+  // so theirs go out at the top of chunk n+1. None of them depends on the state, only the order of the buffers.
+  const bool vec4 = args.s.vec4;
+  auto issue_early = [&](int n) {
+    const int64_t t0 = static_cast<int64_t>(n) * kChunk, hn = static_cast<int64_t>(h) * args.n_chunks + n;
+    const int len = static_cast<int>(min64(kChunk, p.S - t0));
+    load_tile_async<DKP>(sW, L::kAStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
+    load_tile_async<DKP>(sQ, L::kAStride, args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk, C, len, Dk, vec4);
+    load_tile_async<kStateRows>(sU, kStateRows, args.x.uu + hn * kChunk * Dv + dv0, Dv, kChunk, Dv - dv0, vec4);
+    if (tid < kChunk) cp_async4(sLg + tid, args.x.lg + hn * kChunk + tid);
+    cp_async_commit();
+  };
+  issue_early(0);
+
   for (int n = 0; n < args.n_chunks; ++n) {
     const int64_t t0 = static_cast<int64_t>(n) * kChunk, hn = static_cast<int64_t>(h) * args.n_chunks + n;
     const int len = static_cast<int>(min64(kChunk, p.S - t0));
-    __syncthreads();  // the previous chunk is done with every buffer
-    const bool vec4 = args.s.vec4;
+    __syncthreads();  // the previous chunk is done with K, P, D, Dd and S
     const float* qg = args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk;
-    load_tile<DKP>(sW, L::kAStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
-    load_tile<DKP>(sQ, L::kAStride, qg, C, len, Dk, vec4);
-    load_tile<DKP>(sK, L::kKStride, qg + key_dim, C, len, Dk, vec4);
-    load_tile<kChunk>(sP, L::kPStride, args.x.pm + hn * kChunk * kChunk, kChunk, kChunk, kChunk, vec4);
-    load_tile<kStateRows>(sU, kStateRows, args.x.uu + hn * kChunk * Dv + dv0, Dv, kChunk, Dv - dv0, vec4);
-    if (tid < kChunk) sLg[tid] = args.x.lg[hn * kChunk + tid];
+    load_tile_async<DKP>(sK, L::kKStride, qg + key_dim, C, len, Dk, vec4);
+    load_tile_async<kChunk>(sP, L::kPStride, args.x.pm + hn * kChunk * kChunk, kChunk, kChunk, kChunk, vec4);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
 
     // Step 1: WS = W S^T and QS = Q S^T, [C][32], this warp's 16x16 block.
@@ -596,6 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkState
         qs[j][e] *= expf(sLg[c]);
       }
     __syncthreads();
+    if (n + 1 < args.n_chunks) issue_early(n + 1);  // W, Q, U and lg are free now (see above)
 
     // Step 2: O = gamma QS + P Delta; P is causal, so only k-steps up to this m-tile's last row.
 #pragma unroll 2
