@@ -40,6 +40,8 @@ ABLATIONS = (
     Ablation("L2 prefetch of the next kernels' weights", "l2_ahead", (1,), (4096, 32768, 131072), (),
              "0 off (default), 1 each decode kernel asks L2 for the next projection's weights (the MoE gate/up for "
              "the chosen experts' down rows) before its wait"),
+    Ablation("decode attention K/V pipeline", "attn_pipe", (0,), (4096, 32768, 131072), (),
+             "1 on (default: the next K/V tile is copied while this one is scored), 0 each tile waited for"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
              "2 bulk-copy, 4 per-warp cp.async rings everywhere"),

@@ -173,7 +173,8 @@ struct Case {
   std::string name;
   Shape s;
   int impl, plan_impl;
-  int sample;  // rows checked (0 = all)
+  int sample;              // rows checked (0 = all)
+  bool pipelined = true;   // CUDA-core kernel: next K/V tile copied while this one is scored (false: the ablation)
 };
 
 static int g_sm_count = 0;
@@ -196,7 +197,7 @@ static bool run_case(const Case& c, uint64_t seed) {
   CK(cudaMalloc(&o, no * sizeof(bf16)));
   CK(cudaMemset(part, 0xFF, std::max<size_t>(part_floats(s, sp), 1) * sizeof(float)));
   CK(cudaMemset(o, 0xFF, no * sizeof(bf16)));
-  lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, c.impl);
+  lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, c.impl, c.pipelined);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> out(no);
@@ -253,7 +254,7 @@ static bool run_case(const Case& c, uint64_t seed) {
 }
 
 // Median time (ms) of `impl` over rotating input sets; reps adapt so the slow old kernel stays in budget.
-static double time_impl(std::vector<Inputs>& sets, int impl, double budget_ms) {
+static double time_impl(std::vector<Inputs>& sets, int impl, double budget_ms, bool pipelined = true) {
   const Shape& s = sets[0].s;
   const kp::AttentionParams p = make_params(s);
   const kp::AttnSplitParams sp = lily::cuda::attention_plan(p, g_sm_count, impl);
@@ -266,7 +267,7 @@ static double time_impl(std::vector<Inputs>& sets, int impl, double budget_ms) {
   CK(cudaEventCreate(&e1));
   auto once = [&](const Inputs& in) {
     CK(cudaEventRecord(e0));
-    lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, impl);
+    lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, impl, pipelined);
     CK(cudaGetLastError());
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
@@ -304,6 +305,22 @@ static void time_shape(const Shape& s, uint64_t seed) {
   for (auto& in : sets) in.release();
 }
 
+// One decode step's attention (S = 1) at a long context: a stream of the K/V cache, so reported as bandwidth;
+// the K/V tile pipeline on and off (split-K plan as the decode graph uses it).
+static void time_decode(const Shape& s, uint64_t seed) {
+  std::vector<Inputs> sets(3);
+  for (size_t i = 0; i < sets.size(); ++i) sets[i].alloc(s, 0), sets[i].randomize(seed + 100 * i);
+  CK(cudaDeviceSynchronize());
+  const double bytes = static_cast<double>(s.pos0 + 1) * s.Hkv * s.D * 2.0 * 2.0;  // K and V, bf16
+  const double t_pipe = time_impl(sets, 1, 300.0, true), t_plain = time_impl(sets, 1, 300.0, false);
+  std::printf("TIME decode attention D=%d Hq=%d Hkv=%d keys=%lld: pipelined %.1f us %.2f TB/s | each tile waited "
+              "%.1f us %.2f TB/s | speedup %.2fx\n",
+              s.D, s.Hq, s.Hkv, static_cast<long long>(s.pos0 + 1), t_pipe * 1e3, bytes / t_pipe * 1e-9,
+              t_plain * 1e3, bytes / t_plain * 1e-9, t_plain / t_pipe);
+  std::fflush(stdout);
+  for (auto& in : sets) in.release();
+}
+
 int main() {
   const auto wall0 = std::chrono::steady_clock::now();
   int dev = 0;
@@ -323,6 +340,9 @@ int main() {
       // awkward shapes
       {"S1_pos0_decodepath", {256, 16, 2, 1, 0}, 1, 1, 0},
       {"S1_pos777_decodepath", {256, 16, 2, 1, 777}, 1, 1, 0},
+      {"S1_pos131071_decodepath", {256, 16, 2, 1, 131071}, 1, 1, 0},
+      {"S1_pos4100_decodepath_unpipelined", {256, 16, 2, 1, 4100}, 1, 1, 0, false},
+      {"S1_pos33_D64_decodepath", {64, 6, 2, 1, 33}, 1, 1, 0},
       {"S2_pos0", {256, 16, 2, 2, 0}, 1, 1, 0},
       {"S37_pos0", {256, 16, 2, 37, 0}, 1, 1, 0},
       {"S300_pos129", {256, 16, 2, 300, 129}, 1, 1, 0},
@@ -340,6 +360,7 @@ int main() {
       {"old_S37_pos0", {256, 16, 2, 37, 0}, 0, 0, 0},
       {"old_D64_S300_pos1000", {64, 4, 2, 300, 1000}, 0, 0, 0},
       {"old_S64_pos4000_newplan", {256, 16, 2, 64, 4000}, 0, 1, 0},
+      {"old_D128_S45_pos70_unpipelined", {128, 8, 2, 45, 70}, 0, 0, 0, false},
   };
   int passed = 0, total = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -352,6 +373,9 @@ int main() {
     time_shape({256, 16, 2, 2048, 14336}, seed);
     time_shape({256, 16, 2, 2048, 129024}, seed);
     time_shape({256, 16, 2, 16, 129024}, seed);  // a short last chunk at 128K: the split path
+    time_decode({256, 16, 2, 1, 4095}, seed);
+    time_decode({256, 16, 2, 1, 32767}, seed);
+    time_decode({256, 16, 2, 1, 131071}, seed);
   }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
   std::printf("wall %.1f s\nSUMMARY attention %d/%d\n", wall, passed, total);

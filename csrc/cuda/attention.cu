@@ -54,20 +54,31 @@ __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float*
 // Block = (tile of R query rows, KV head g, key split s); one warp per (row, query head of g's group), so
 // the G heads of a KV head share every K/V tile load (GQA packing). Scores: one key per lane against q in
 // shared memory; online softmax per warp; output dims lane + 32 i per lane. Writes (m, l, o[D]) partials.
+// K/V tiles arrive by 16-byte cp.async into two buffers: with `pipelined`, tile i+1 is in flight while tile i
+// is scored (the decode step at long context is a stream of the cache; one synchronous load round trip per tile
+// left the H200 ~4x under its bandwidth there); without, each tile is waited for before it is used (ablation).
+__device__ __forceinline__ void attn_cp16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
+
 template <int D>
 __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* q, const bf16* kc,
-                            const bf16* vc, float* part, const int32_t* dpos) {
+                            const bf16* vc, float* part, const int32_t* dpos, bool pipelined) {
   if (dpos) {  // decode graphs: position on the device, n_splits fixed, split length from the key count
     p.pos0 = *dpos;
     const int64_t keys = p.pos0 + p.S;
     sp.split_len = static_cast<int32_t>(((keys + sp.n_splits - 1) / sp.n_splits + kKeyTile - 1) / kKeyTile * kKeyTile);
   }
-  constexpr int LD = D + 2;  // bf16 row stride: rows start one bank apart
+  // bf16 row stride: 16-byte rows for cp.async; scores read 16 bytes per lane, so the 8 lanes of a phase start
+  // 4 banks apart (conflict-free).
+  constexpr int LD = D + 8;
   constexpr int NO = D / 32;
   extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(attn_smem);
-  bf16* Vs = Ks + kKeyTile * LD;
-  float* qs = reinterpret_cast<float*>(Vs + kKeyTile * LD);
+  bf16* Kb = reinterpret_cast<bf16*>(attn_smem);  // [2][kKeyTile][LD]
+  bf16* Vb = Kb + 2 * kKeyTile * LD;              // [2][kKeyTile][LD]
+  float* qs = reinterpret_cast<float*>(Vb + 2 * kKeyTile * LD);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // GB query heads of KV head g per block: all G of them share each K/V tile load (GQA packing), or fewer
   // (heads_per_block, the ablation) so several blocks load the same tiles.
@@ -91,49 +102,69 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
 #pragma unroll
   for (int i = 0; i < NO; ++i) o[i] = 0.f;
 
-  for (int64_t k0 = split0; k0 < block_end; k0 += kKeyTile) {
-    __syncthreads();  // previous tile consumed (and q staged on the first pass)
+  // Rows past block_end are never copied (nor read: scores need k0 + lane < my_end, the sum j < my_end - k0).
+  const int n_tiles = block_end > split0 ? static_cast<int>((block_end - split0 + kKeyTile - 1) / kKeyTile) : 0;
+  auto issue = [&](int it) {
+    const int64_t k0 = split0 + static_cast<int64_t>(it) * kKeyTile;
+    bf16* Kd = Kb + (it & 1) * kKeyTile * LD;
+    bf16* Vd = Vb + (it & 1) * kKeyTile * LD;
     for (int u = threadIdx.x; u < kKeyTile * D / 8; u += blockDim.x) {
       const int r = u / (D / 8), c = u % (D / 8);
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;
       if (k0 + r < block_end) {
         const int64_t off = (k0 + r) * kv_row + static_cast<int64_t>(g) * D + c * 8;
-        kv = *reinterpret_cast<const uint4*>(kc + off);
-        vv = *reinterpret_cast<const uint4*>(vc + off);
+        attn_cp16(Kd + r * LD + c * 8, kc + off);
+        attn_cp16(Vd + r * LD + c * 8, vc + off);
       }
-      uint32_t* kd = reinterpret_cast<uint32_t*>(Ks + r * LD + c * 8);
-      uint32_t* vd = reinterpret_cast<uint32_t*>(Vs + r * LD + c * 8);
-      kd[0] = kv.x, kd[1] = kv.y, kd[2] = kv.z, kd[3] = kv.w;
-      vd[0] = vv.x, vd[1] = vv.y, vd[2] = vv.z, vd[3] = vv.w;
     }
-    __syncthreads();
-    if (!active || k0 >= my_end) continue;
-    const bool valid = k0 + lane < my_end;
-    float sc = -INFINITY;
-    if (valid) {
-      const __nv_bfloat162* kr = reinterpret_cast<const __nv_bfloat162*>(Ks + lane * LD);
-      const float2* q2 = reinterpret_cast<const float2*>(qw);
-      float acc = 0.f;
-#pragma unroll 8
-      for (int d2 = 0; d2 < D / 2; ++d2) {
-        const float2 kf = __bfloat1622float2(kr[d2]), qf = q2[d2];
-        acc += qf.x * kf.x + qf.y * kf.y;
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  if (n_tiles > 0) issue(0);
+  for (int it = 0; it < n_tiles; ++it) {
+    const int64_t k0 = split0 + static_cast<int64_t>(it) * kKeyTile;
+    if (pipelined && it + 1 < n_tiles) {
+      issue(it + 1);  // its buffer was released by the barrier that ended tile it - 1
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // tile it has landed for every thread (and q is staged, on the first pass)
+    const bf16* Ks = Kb + (it & 1) * kKeyTile * LD;
+    const bf16* Vs = Vb + (it & 1) * kKeyTile * LD;
+    if (active && k0 < my_end) {
+      const bool valid = k0 + lane < my_end;
+      float sc = -INFINITY;
+      if (valid) {
+        const uint4* kr = reinterpret_cast<const uint4*>(Ks + lane * LD);
+        const float2* q2 = reinterpret_cast<const float2*>(qw);
+        float acc = 0.f;  // pairs in ascending order, as before the 16-byte reads
+#pragma unroll 4
+        for (int d8 = 0; d8 < D / 8; ++d8) {
+          const uint4 k8 = kr[d8];
+          const uint32_t kw[4] = {k8.x, k8.y, k8.z, k8.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kw[j]));
+            const float2 qf = q2[4 * d8 + j];
+            acc += qf.x * kf.x + qf.y * kf.y;
+          }
+        }
+        sc = acc * p.scale;
       }
-      sc = acc * p.scale;
-    }
-    const float m_new = fmaxf(m, warp_max(sc));
-    const float pr = valid ? expf(sc - m_new) : 0.f;
-    const float corr = expf(m - m_new);  // 0 on the first tile (m = -inf)
-    l = l * corr + warp_sum(pr);
+      const float m_new = fmaxf(m, warp_max(sc));
+      const float pr = valid ? expf(sc - m_new) : 0.f;
+      const float corr = expf(m - m_new);  // 0 on the first tile (m = -inf)
+      l = l * corr + warp_sum(pr);
 #pragma unroll
-    for (int i = 0; i < NO; ++i) o[i] *= corr;
-    const int nk = static_cast<int>(min64(kKeyTile, my_end - k0));
-    for (int j = 0; j < nk; ++j) {
-      const float pj = __shfl_sync(0xffffffffu, pr, j);
+      for (int i = 0; i < NO; ++i) o[i] *= corr;
+      const int nk = static_cast<int>(min64(kKeyTile, my_end - k0));
+      for (int j = 0; j < nk; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, pr, j);
 #pragma unroll
-      for (int i = 0; i < NO; ++i) o[i] += pj * bf2f(Vs[j * LD + lane + 32 * i]);
+        for (int i = 0; i < NO; ++i) o[i] += pj * bf2f(Vs[j * LD + lane + 32 * i]);
+      }
+      m = m_new;
     }
-    m = m_new;
+    __syncthreads();  // every warp is done with buffer it & 1 before tile it + 2 is copied into it
   }
   if (!active) return;
   float* out = part + ((t * p.n_heads + h) * sp.n_splits + s) * (D + 2);
@@ -180,17 +211,17 @@ int rows_per_block(const kp::AttentionParams& p) {
 
 template <int D>
 void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-                 const bf16* kc, const bf16* vc, float* part, const int32_t* dpos) {
+                 const bf16* kc, const bf16* vc, float* part, const int32_t* dpos, bool pipelined) {
   const int G = p.n_heads / p.n_kv_heads, GB = sp.heads_per_block > 0 ? sp.heads_per_block : G;
   if (G % GB != 0) throw std::invalid_argument("[lily] cuda attention: heads_per_block must divide the GQA group");
   const int warps = sp.rows_per_block * GB;
-  const size_t smem = 2 * kKeyTile * (D + 2) * sizeof(bf16) + warps * D * sizeof(float);
+  const size_t smem = 4 * kKeyTile * (D + 8) * sizeof(bf16) + warps * D * sizeof(float);  // 2 buffers of K and V
   if (smem > 48 * 1024)
     LILY_CUDA_CHECK(cudaFuncSetAttribute(attn_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block),
                   static_cast<unsigned>(p.n_kv_heads * (G / GB)), sp.n_splits);
-  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos);
+  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos, pipelined);
   LILY_LAUNCH_CHECK();
 }
 
@@ -221,16 +252,16 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, i
 
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, const int32_t* dpos,
-               int impl) {
+               int impl, bool pipelined) {
   if (impl == 1 && p.S > 1 && dpos == nullptr && attention_mma_supported(p)) {
     attention_mma(st, p, sp, q, qg, k_cache, v_cache, part, o);
     if (sp.n_splits == 1) return;  // o written, gate applied
   } else {
     switch (p.head_dim) {
-      case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-      case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-      case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
-      case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
+      case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
+      case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
+      case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
       default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
     }
   }

@@ -173,6 +173,8 @@ class CudaBackend final : public Backend {
       l2_prefetch_ = range(0, 1);
     } else if (name == "l2_ahead") {
       l2_ahead_ = range(0, 1);
+    } else if (name == "attn_pipe") {
+      attn_pipe_ = range(0, 1) != 0;
     } else {
       return Backend::set_flag(name, value);
     }
@@ -192,6 +194,7 @@ class CudaBackend final : public Backend {
     if (name == "dn_form") return dn_form_;
     if (name == "l2_prefetch") return l2_prefetch_;
     if (name == "l2_ahead") return l2_ahead_;
+    if (name == "attn_pipe") return attn_pipe_ ? 1 : 0;
     if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
     if (name == "graph_nodes") return graph_nodes_;
     if (name == "graph_kernels") return graph_kernels_;
@@ -239,7 +242,8 @@ class CudaBackend final : public Backend {
     cuda::attention_prep(st_, p, qg_, k_, v_, L.q_norm, L.k_norm, q_, kv.k.as<bf16>(), kv.v.as<bf16>());
     const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_, attn_impl_);
     float* part = part_.get<float>(mem_, S * cfg_.n_heads * sp.n_splits * (D + 2));
-    cuda::attention(st_, p, sp, q_, qg_, kv.k.as<bf16>(), kv.v.as<bf16>(), part, ob_, nullptr, attn_impl_);
+    cuda::attention(st_, p, sp, q_, qg_, kv.k.as<bf16>(), kv.v.as<bf16>(), part, ob_, nullptr, attn_impl_,
+                    attn_pipe_);
     cuda::linear(st_, L.o, ob_, cfg_.n_heads * D, S, x_, H, /*accumulate=*/true, gemm_impl_);
   }
 
@@ -463,7 +467,7 @@ class CudaBackend final : public Backend {
     if (!split_k_) sp.n_splits = 1;      // ablation: one block per (row tile, KV head) reads every key
     if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block, K/V loaded once per head
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
-    cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos);
+    cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos, 1, attn_pipe_);
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXBf16;
@@ -774,6 +778,7 @@ class CudaBackend final : public Backend {
   bool routing_sync_ = false;  // prefill MoE: host-synchronised tile count instead of a device-sized grid
   int l2_prefetch_ = 0;        // experiment: ring projections prefetch their rows into L2 before the PDL wait
   int l2_ahead_ = 0;           // each decode kernel asks L2 for the next projection's weights (L2Ahead)
+  bool attn_pipe_ = true;      // CUDA-core attention (decode; prefill ablation): next K/V tile copied during this one
   bool gqa_pack_ = true;       // decode attention: the query heads of a KV head share each K/V load
   bool split_k_ = true;        // decode attention: keys split over blocks (flash-decoding)
   int expert_tile_ = 0;        // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128

@@ -90,7 +90,7 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, i
 // 0 = the CUDA-core attn_kernel (always used for S == 1 / decode; kept for ablation).
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o,
-               const int32_t* dpos = nullptr, int impl = 1);
+               const int32_t* dpos = nullptr, int impl = 1, bool pipelined = true);
 
 // attention_mma.cu (called by attention(); exposed for the check program)
 // Whether attention_mma handles this shape (D in {32, 64, 128, 256}, Hq a multiple of Hkv).
