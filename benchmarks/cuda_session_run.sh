@@ -88,7 +88,7 @@ verify)
   SUMMARY+=("cuda_check rc=$?: $(tail -1 "$OUT/cuda_check.txt")")
   grep -E "FAIL|Error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -10
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for tool in memcheck racecheck; do
+  for tool in ${TOOLS:-memcheck racecheck}; do
     timeout ${RACE_TIMEOUT:-240} "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs tiny_odd \
       --tokens 12 --no-bundled > "$OUT/${tool}_tiny_odd.txt" 2>&1
     SUMMARY+=("$tool tiny_odd rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/${tool}_tiny_odd.txt")")
