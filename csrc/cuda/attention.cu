@@ -125,6 +125,7 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
       issue(it + 1);  // its buffer was released by the barrier that ended tile it - 1
       asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
+      if (!pipelined && it > 0) issue(it);  // the ablation: copy this tile only now (tile 0 went out above)
       asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
     __syncthreads();  // tile it has landed for every thread (and q is staged, on the first pass)
