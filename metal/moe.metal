@@ -34,15 +34,18 @@ kernel void moe_topk(device const float*    logits [[buffer(0)]],   // [S, E]
     for (uint j = 0; j < MAXJ; j++) p[j] = lane + 32 * j < E ? p[j] / sum : -1.0f;   // taken/absent: -1
     float chosen = 0.0f;
     for (uint r = 0; r < k; r++) {
+        // A non-finite row (a NaN upstream: no p beats -1) picks expert 0 with a NaN weight, never an id past E
+        // (which moe_count would use as an index).
         float best = -1.0f;
-        uint bi = 0xffffffffu;
+        uint bi = 0;
         for (uint j = 0; j < MAXJ; j++)
             if (p[j] > best) { best = p[j]; bi = lane + 32 * j; }
         const float top = simd_max(best);
         const uint e = simd_min(best == top ? bi : 0xffffffffu);
         if (e % 32 == lane) p[e / 32] = -1.0f;
-        chosen += top;
-        if (lane == 0) { ids[s * k + r] = int(e); wts[s * k + r] = top; }
+        const float w = top < -0.5f ? as_type<float>(0x7fc00000u) : top;
+        chosen += w;
+        if (lane == 0) { ids[s * k + r] = int(e); wts[s * k + r] = w; }
     }
     if (lane == 0 && ra.norm_topk)
         for (uint r = 0; r < k; r++) wts[s * k + r] /= chosen;

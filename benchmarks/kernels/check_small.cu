@@ -266,6 +266,34 @@ static void check_route(int64_t S, int E, int k, int norm) {
   report("moe_route w " + tag, rw, to_d(gw), 1e-5);
 }
 
+// A non-finite router row (NaN residual upstream) must not route to an expert index past E (an out-of-bounds
+// weight read): every slot goes to expert 0 with a NaN weight, so the NaN reaches the output. Row 0 all NaN, row 1
+// one NaN, row 2 finite (checked against the twin as usual by check_route; here only that it is unaffected).
+static void check_route_nonfinite(int E, int k) {
+  Dev dv;
+  std::vector<float> lg(3 * E);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  for (auto& v : lg) v = nd(rng);
+  for (int e = 0; e < E; ++e) lg[e] = NAN;
+  lg[E + E / 2] = NAN;
+  kp::MoeParams p{};
+  p.hidden = 2048, p.n_experts = E, p.top_k = k, p.inter = 512, p.shared_inter = 512, p.norm_topk_prob = 1, p.S = 3;
+  const float* dl = dv.put(lg);
+  int32_t* didx = dv.alloc<int32_t>(3 * k);
+  float* dw = dv.alloc<float>(3 * k);
+  lc::moe_route(0, p, dl, didx, dw);
+  after_launch();
+  const auto gi = get(didx, 3 * k);
+  const auto gw = get(dw, 3 * k);
+  int bad = 0;
+  for (int j = 0; j < 2 * k; ++j) bad += gi[j] != 0 || !std::isnan(gw[j]);
+  for (int j = 2 * k; j < 3 * k; ++j) bad += gi[j] < 0 || gi[j] >= E || !std::isfinite(gw[j]);
+  ++n_total;
+  n_pass += bad == 0;
+  std::printf("%s moe_route non-finite rows E=%d k=%d (expert 0, NaN weight; finite row untouched): %d bad\n",
+              bad ? "FAIL" : "PASS", E, k, bad);
+}
+
 // ---------------------------------------------------------------- routing.cu: moe_sort
 // top_idx: k distinct experts per row (as routing gives); skew sends ~70% of picks to 4 experts (several tiles per
 // expert, most experts empty). Checks: n_tiles == sum_e ceil(count_e / tile_rows); each tile 1..tile_rows rows inside
@@ -573,6 +601,8 @@ int main(int argc, char** argv) {
   C("route", [] { check_route(37, 5, 3, 0); });
   C("route", [] { check_route(7, 33, 4, 1); });
   C("route", [] { check_route(3, 8, 8, 1); });  // k == E
+  C("route", [] { check_route_nonfinite(256, 8); });
+  C("route", [] { check_route_nonfinite(5, 3); });
 
   // moe_sort: real routing sizes (P up to 16384 > 1024 threads), tile_rows 16/64, skewed loads, E=5 top-3.
   C("sort", [] { check_sort(37, 256, 8, 64, false); });

@@ -160,7 +160,7 @@ __device__ __forceinline__ void route_warp(const ProjArgs& a, int32_t* s_idx, fl
   float chosen = 0.f;
   for (int j = 0; j < k; ++j) {
     float bv = -2.f;
-    int bi = 1 << 30;
+    int bi = 0;  // a non-finite row (every comparison false) picks expert 0, never an index past E
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
@@ -173,6 +173,7 @@ __device__ __forceinline__ void route_warp(const ProjArgs& a, int32_t* s_idx, fl
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (lane + 32 * i == bi) v[i] = -1.f;
+    if (bv < -1.5f) bv = __int_as_float(0x7fc00000);  // nothing beat the start value: NaN weight, NaN output
     if (lane == 0) s_idx[j] = bi, s_w[j] = bv;
     chosen += bv;
   }

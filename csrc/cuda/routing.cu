@@ -32,7 +32,7 @@ __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_
   float chosen = 0.f;
   for (int j = 0; j < k; ++j) {
     float bv = -2.f;
-    int bi = 1 << 30;
+    int bi = 0;  // a non-finite row (every comparison false) picks expert 0, never an index past E
 #pragma unroll
     for (int i = 0; i < kMaxExpertsPerLane; ++i)
       if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
@@ -45,6 +45,7 @@ __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_
 #pragma unroll
     for (int i = 0; i < kMaxExpertsPerLane; ++i)
       if (lane + 32 * i == bi) v[i] = -1.f;
+    if (bv < -1.5f) bv = __int_as_float(0x7fc00000);  // nothing beat the start value: NaN weight, NaN output
     if (lane == 0) top_idx[s * k + j] = bi, top_w[s * k + j] = bv;
     chosen += bv;
   }

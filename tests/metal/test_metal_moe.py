@@ -56,6 +56,23 @@ def test_route_all_rows_to_one_expert_and_ties(rng):
     _check_route(r, logits, k, 16)
 
 
+@pytest.mark.parametrize("E,k", [(8, 2), (256, 8)])
+def test_route_nonfinite_row_stays_in_range(rng, E, k):
+    """A NaN residual upstream makes a router row NaN: its slots go to expert 0 with NaN weights (so the NaN reaches
+    the output) instead of an id past E, which the histogram would use as an index; finite rows are unaffected."""
+    logits = rng.standard_normal((4, E)).astype(np.float32) * 2
+    logits[0] = np.nan
+    logits[2, E // 2] = np.nan
+    r = route(logits, k, bm=16)
+    for s in (0, 2):
+        np.testing.assert_array_equal(r["ids"][s], np.zeros(k, np.int32))
+        assert np.all(np.isnan(r["wts"][s]))
+    ids, wts = ref_route(logits[[1, 3]], k, True)
+    np.testing.assert_array_equal(r["ids"][[1, 3]], ids)
+    assert_close("finite rows beside NaN rows", r["wts"][[1, 3]], wts, TOL)
+    assert np.all((r["ids"] >= 0) & (r["ids"] < E))
+
+
 def _layer(name, seed=3):
     cfg = CONFIGS[name]
     tensors, quant = random_weights(cfg, seed=seed)
