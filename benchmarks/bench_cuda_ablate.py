@@ -42,6 +42,9 @@ ABLATIONS = (
              "the chosen experts' down rows) before its wait"),
     Ablation("decode attention K/V pipeline", "attn_pipe", (0,), (4096, 32768, 131072), (),
              "1 on (default: the next K/V tile is copied while this one is scored), 0 each tile waited for"),
+    # switched ON: the tensor-core decode attention, default off until it has run on the GPU
+    Ablation("decode attention on the tensor cores", "attn_decode_tc", (1,), (4096, 32768, 131072), (),
+             "0 CUDA-core attn_kernel (default), 1 tensor-core decode kernel (8 heads of a KV head as the mma N)"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
              "2 bulk-copy, 4 per-warp cp.async rings everywhere"),

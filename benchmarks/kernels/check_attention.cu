@@ -1,4 +1,4 @@
-// build: csrc/cuda/attention.cu csrc/cuda/attention_mma.cu
+// build: csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/attention_decode_tc.cu
 // Prefill attention (csrc/cuda/attention.cu dispatch -> attention_mma.cu tensor-core flash attention; impl 0 =
 // the CUDA-core attn_kernel) against an fp64 host reference, then timing new vs old at the real shapes.
 //
@@ -313,10 +313,12 @@ static void time_decode(const Shape& s, uint64_t seed) {
   CK(cudaDeviceSynchronize());
   const double bytes = static_cast<double>(s.pos0 + 1) * s.Hkv * s.D * 2.0 * 2.0;  // K and V, bf16
   const double t_pipe = time_impl(sets, 1, 300.0, true), t_plain = time_impl(sets, 1, 300.0, false);
+  const double t_tc = time_impl(sets, 2, 300.0);
   std::printf("TIME decode attention D=%d Hq=%d Hkv=%d keys=%lld: pipelined %.1f us %.2f TB/s | each tile waited "
-              "%.1f us %.2f TB/s | speedup %.2fx\n",
+              "%.1f us %.2f TB/s | speedup %.2fx | tensor cores %.1f us %.2f TB/s (%.2fx the pipelined)\n",
               s.D, s.Hq, s.Hkv, static_cast<long long>(s.pos0 + 1), t_pipe * 1e3, bytes / t_pipe * 1e-9,
-              t_plain * 1e3, bytes / t_plain * 1e-9, t_plain / t_pipe);
+              t_plain * 1e3, bytes / t_plain * 1e-9, t_plain / t_pipe, t_tc * 1e3, bytes / t_tc * 1e-9,
+              t_pipe / t_tc);
   std::fflush(stdout);
   for (auto& in : sets) in.release();
 }
@@ -343,6 +345,16 @@ int main() {
       {"S1_pos131071_decodepath", {256, 16, 2, 1, 131071}, 1, 1, 0},
       {"S1_pos4100_decodepath_unpipelined", {256, 16, 2, 1, 4100}, 1, 1, 0, false},
       {"S1_pos33_D64_decodepath", {64, 6, 2, 1, 33}, 1, 1, 0},
+      // the tensor-core decode kernel (impl 2; shapes it does not take fall back to attn_kernel)
+      {"tc_S1_pos0", {256, 16, 2, 1, 0}, 2, 1, 0},
+      {"tc_S1_pos63", {256, 16, 2, 1, 63}, 2, 1, 0},
+      {"tc_S1_pos64", {256, 16, 2, 1, 64}, 2, 1, 0},
+      {"tc_S1_pos777", {256, 16, 2, 1, 777}, 2, 1, 0},
+      {"tc_S1_pos4100", {256, 16, 2, 1, 4100}, 2, 1, 0},
+      {"tc_S1_pos131071", {256, 16, 2, 1, 131071}, 2, 1, 0},
+      {"tc_D128_S1_pos1000", {128, 16, 2, 1, 1000}, 2, 1, 0},
+      {"tc_D256_Hkv1_S1_pos5000", {256, 8, 1, 1, 5000}, 2, 1, 0},
+      {"tc_fallback_D64_G3_S1_pos40", {64, 6, 2, 1, 40}, 2, 1, 0},
       {"S2_pos0", {256, 16, 2, 2, 0}, 1, 1, 0},
       {"S37_pos0", {256, 16, 2, 37, 0}, 1, 1, 0},
       {"S300_pos129", {256, 16, 2, 300, 129}, 1, 1, 0},

@@ -257,6 +257,8 @@ void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSpli
   if (impl == 1 && p.S > 1 && dpos == nullptr && attention_mma_supported(p)) {
     attention_mma(st, p, sp, q, qg, k_cache, v_cache, part, o);
     if (sp.n_splits == 1) return;  // o written, gate applied
+  } else if (impl == 2 && attention_decode_tc_supported(p)) {
+    attention_decode_tc(st, p, sp, q, k_cache, v_cache, part, dpos);
   } else {
     switch (p.head_dim) {
       case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;

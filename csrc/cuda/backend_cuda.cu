@@ -8,6 +8,7 @@
 // the whole step (embed -> layers -> head -> argmax) is one replayable CUDA graph. Flag "cuda_decode":
 // 0 = the sub-block path (engine layer loop), 1 = fused kernels launched one by one, 2 = fused + CUDA graph
 // (default; env LILY_CUDA_DECODE=legacy|fused|graph or 0|1|2 sets the default).
+#include <array>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -139,62 +140,38 @@ class CudaBackend final : public Backend {
   }
 
   // Switches for ablations and debugging (Engine.set_backend_flag); each names the technique it turns off.
+  struct Switch {
+    const char* name;
+    int* field;
+    int lo, hi;
+  };
+  std::array<Switch, 14> switches() {
+    return {{{"cuda_decode", &decode_mode_, 0, 2}, {"gemv_impl", &gemv_impl_, 0, 4}, {"pdl", &pdl_, 0, 1},
+             {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1}, {"split_k", &split_k_, 0, 1},
+             {"expert_tile", &expert_tile_, 0, 128}, {"gemm_impl", &gemm_impl_, 0, 1}, {"attn_impl", &attn_impl_, 0, 1},
+             {"dn_form", &dn_form_, 0, 4}, {"l2_prefetch", &l2_prefetch_, 0, 1}, {"l2_ahead", &l2_ahead_, 0, 1},
+             {"attn_pipe", &attn_pipe_, 0, 1}, {"attn_decode_tc", &attn_decode_tc_, 0, 1}}};
+  }
+
   void set_flag(const std::string& name, int64_t value) override {
-    auto range = [&](int64_t lo, int64_t hi) {
-      if (value < lo || value > hi)
-        throw std::invalid_argument("[lily] backend flag '" + name + "' must be in [" + std::to_string(lo) + ", " +
-                                    std::to_string(hi) + "], got " + std::to_string(value));
-      return static_cast<int>(value);
-    };
-    if (name == "cuda_decode") {
-      decode_mode_ = range(0, 2);
-    } else if (name == "gemv_impl") {
-      gemv_impl_ = range(0, 4);
-    } else if (name == "pdl") {
-      pdl_ = range(0, 1) != 0;
-    } else if (name == "routing_sync") {
-      routing_sync_ = range(0, 1) != 0;
-    } else if (name == "gqa_pack") {
-      gqa_pack_ = range(0, 1) != 0;
-    } else if (name == "split_k") {
-      split_k_ = range(0, 1) != 0;
-    } else if (name == "expert_tile") {
-      if (value != 0 && value != 16 && value != 32 && value != 64 && value != 128)
+    for (const Switch& w : switches()) {
+      if (name != w.name) continue;
+      if (value < w.lo || value > w.hi)
+        throw std::invalid_argument("[lily] backend flag '" + name + "' must be in [" + std::to_string(w.lo) + ", " +
+                                    std::to_string(w.hi) + "], got " + std::to_string(value));
+      if (name == "expert_tile" && value != 0 && value != 16 && value != 32 && value != 64 && value != 128)
         throw std::invalid_argument("[lily] backend flag 'expert_tile' must be 0 (auto), 16, 32, 64 or 128, got " +
                                     std::to_string(value));
-      expert_tile_ = static_cast<int>(value);
-    } else if (name == "gemm_impl") {
-      gemm_impl_ = range(0, 1);
-    } else if (name == "attn_impl") {
-      attn_impl_ = range(0, 1);
-    } else if (name == "dn_form") {
-      dn_form_ = range(0, 4);
-    } else if (name == "l2_prefetch") {
-      l2_prefetch_ = range(0, 1);
-    } else if (name == "l2_ahead") {
-      l2_ahead_ = range(0, 1);
-    } else if (name == "attn_pipe") {
-      attn_pipe_ = range(0, 1) != 0;
-    } else {
-      return Backend::set_flag(name, value);
+      *w.field = static_cast<int>(value);
+      drop_graph();  // a captured step holds the old choices
+      return;
     }
-    drop_graph();  // a captured step holds the old choices
+    Backend::set_flag(name, value);
   }
 
   int64_t flag(const std::string& name) const override {
-    if (name == "cuda_decode") return decode_mode_;
-    if (name == "gemv_impl") return gemv_impl_;
-    if (name == "pdl") return pdl_ ? 1 : 0;
-    if (name == "routing_sync") return routing_sync_ ? 1 : 0;
-    if (name == "gqa_pack") return gqa_pack_ ? 1 : 0;
-    if (name == "split_k") return split_k_ ? 1 : 0;
-    if (name == "expert_tile") return expert_tile_;
-    if (name == "gemm_impl") return gemm_impl_;
-    if (name == "attn_impl") return attn_impl_;
-    if (name == "dn_form") return dn_form_;
-    if (name == "l2_prefetch") return l2_prefetch_;
-    if (name == "l2_ahead") return l2_ahead_;
-    if (name == "attn_pipe") return attn_pipe_ ? 1 : 0;
+    for (const Switch& w : const_cast<CudaBackend*>(this)->switches())
+      if (name == w.name) return *w.field;
     if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
     if (name == "graph_nodes") return graph_nodes_;
     if (name == "graph_kernels") return graph_kernels_;
@@ -467,7 +444,8 @@ class CudaBackend final : public Backend {
     if (!split_k_) sp.n_splits = 1;      // ablation: one block per (row tile, KV head) reads every key
     if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block, K/V loaded once per head
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
-    cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos, 1, attn_pipe_);
+    cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos,
+                    attn_decode_tc_ ? 2 : 1, attn_pipe_);
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXBf16;
@@ -773,18 +751,19 @@ class CudaBackend final : public Backend {
   // decode fast path (dedicated scratch, one token)
   int decode_mode_ = 2;
   // Ablation switches (set_flag): defaults are the fast paths.
-  int gemv_impl_ = 3;          // decode GEMVs: 3 auto, 2 tensor cores + bulk copies, 1 tensor cores, 0 scalar
-  bool pdl_ = true;            // programmatic dependent launch between decode kernels
-  bool routing_sync_ = false;  // prefill MoE: host-synchronised tile count instead of a device-sized grid
-  int l2_prefetch_ = 0;        // experiment: ring projections prefetch their rows into L2 before the PDL wait
-  int l2_ahead_ = 0;           // each decode kernel asks L2 for the next projection's weights (L2Ahead)
-  bool attn_pipe_ = true;      // CUDA-core attention (decode; prefill ablation): next K/V tile copied during this one
-  bool gqa_pack_ = true;       // decode attention: the query heads of a KV head share each K/V load
-  bool split_k_ = true;        // decode attention: keys split over blocks (flash-decoding)
-  int expert_tile_ = 0;        // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128
-  int gemm_impl_ = 1;          // prefill GEMM: 1 tensor-core pipeline, 0 the wmma kernel
-  int attn_impl_ = 1;          // prefill attention: 1 tensor-core flash, 0 CUDA-core
-  int dn_form_ = 3;            // DeltaNet prefill: 0 old scan, 1 new scan, 2 chunked (TF32), 3 auto, 4 chunked fp32
+  int gemv_impl_ = 3;       // decode GEMVs: 3 auto, 2 tensor cores + bulk copies, 1 tensor cores, 0 scalar
+  int pdl_ = 1;             // programmatic dependent launch between decode kernels
+  int routing_sync_ = 0;    // prefill MoE: host-synchronised tile count instead of a device-sized grid
+  int l2_prefetch_ = 0;     // experiment: ring projections prefetch their rows into L2 before the PDL wait
+  int l2_ahead_ = 0;        // experiment: each decode kernel asks L2 for the next projection's weights (L2Ahead)
+  int attn_pipe_ = 1;       // CUDA-core attention (decode; prefill ablation): next K/V tile copied during this one
+  int attn_decode_tc_ = 0;  // decode attention on the tensor cores (attention_decode_tc.cu; not yet run on a GPU)
+  int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load
+  int split_k_ = 1;         // decode attention: keys split over blocks (flash-decoding)
+  int expert_tile_ = 0;     // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128
+  int gemm_impl_ = 1;       // prefill GEMM: 1 tensor-core pipeline, 0 the wmma kernel
+  int attn_impl_ = 1;       // prefill attention: 1 tensor-core flash, 0 CUDA-core
+  int dn_form_ = 3;         // DeltaNet prefill: 0 old scan, 1 new scan, 2 chunked (TF32), 3 auto, 4 chunked fp32
   bool fused_ok_ = false;
   std::vector<Buffer> dec_bufs_;
   std::vector<std::pair<void*, size_t>> dec_poison_;

@@ -87,10 +87,18 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, i
 // dpos (prep and attention): when set, pos0 is read from the device (decode graphs) and the split length is
 // derived there from the key count over the fixed sp.n_splits (empty splits write m = -inf, l = 0).
 // impl: 1 (default) = tensor-core flash attention (attention_mma.cu) for prefill chunks (S > 1, dpos null);
-// 0 = the CUDA-core attn_kernel (always used for S == 1 / decode; kept for ablation).
+// 0 = the CUDA-core attn_kernel (used for S == 1 / decode; kept for ablation); 2 = for S == 1 with 8 query heads
+// per KV head, the tensor-core decode kernel (attention_decode_tc.cu), else as 1. pipelined: attn_kernel's next
+// K/V tile copied while this one is scored (false: the ablation).
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o,
                const int32_t* dpos = nullptr, int impl = 1, bool pipelined = true);
+
+// attention_decode_tc.cu (called by attention() with impl 2): one query row on the tensor cores, 8 query heads
+// per KV head, head_dim 128 or 256; writes the split partials for attn_combine_kernel (any n_splits).
+bool attention_decode_tc_supported(const kp::AttentionParams& p);
+void attention_decode_tc(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
+                         const bf16* k_cache, const bf16* v_cache, float* part, const int32_t* dpos);
 
 // attention_mma.cu (called by attention(); exposed for the check program)
 // Whether attention_mma handles this shape (D in {32, 64, 128, 256}, Hq a multiple of Hkv).
