@@ -3,6 +3,7 @@
 // at the top of decode_tc.cu.
 #pragma once
 #include "cuda/decode_stage.cuh"
+#include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda::dec {
 
@@ -59,13 +60,7 @@ __device__ __forceinline__ uint32_t nib_pair(uint32_t w, int i) {  // bf16x2 (12
   return ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using mma::mma_bf16;  // mma_bf16.cuh
 
 // Any weight format, scalar lanes: lane = 2 r + half takes row row0 + r, values [32 half, 32 half + 32) of
 // each 64-slice l in [l0, l1). Returns the lane pair's sum (valid in both lanes of the pair).
