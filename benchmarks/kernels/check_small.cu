@@ -1,4 +1,4 @@
-// build: csrc/cuda/misc.cu csrc/cuda/routing.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/decode.cu csrc/cuda/decode_tc.cu csrc/cuda/decode_bulk.cu csrc/cuda/decode_ring.cu
+// build: csrc/cuda/misc.cu csrc/cuda/routing.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/attention_decode_tc.cu csrc/cuda/decode.cu csrc/cuda/decode_tc.cu csrc/cuda/decode_bulk.cu csrc/cuda/decode_ring.cu
 // The small CUDA kernel families (kernels.cuh: misc.cu, routing.cu, deltanet.cu conv / gated norm, attention.cu
 // prep; decode.cuh: dec::dn_scan) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes

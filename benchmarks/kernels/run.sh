@@ -4,6 +4,7 @@
 # NaN first), times the fast path, prints one line per case and ends with "SUMMARY <family> <pass>/<total>".
 # Each file names the sources it needs on a line "// build: csrc/cuda/a.cu csrc/cuda/b.cu".
 #   bash benchmarks/kernels/run.sh [filter]        (repository root; logs under $OUT if set)
+#   BUILD_ONLY=1 bash benchmarks/kernels/run.sh    build every program, run none (CI, no GPU needed)
 set -u
 OUT=${OUT:-/tmp/lily_kernels}
 mkdir -p "$OUT" /tmp/lily_kbin
@@ -23,6 +24,14 @@ for src in benchmarks/kernels/check_*.cu; do
   build "$src" "$name" &
 done
 wait
+if [ -n "${BUILD_ONLY:-}" ]; then  # CI: every program compiles and links against its "// build:" line
+  for rcf in "$OUT"/*.build.rc; do
+    name=$(basename "$rcf" .build.rc)
+    if [ "$(cat "$rcf")" != 0 ]; then echo "BUILD FAILED $name"; grep -m10 -E "error" "$OUT/$name.build.txt"; rc=1
+    else echo "built $name"; fi
+  done
+  exit $rc
+fi
 for src in benchmarks/kernels/check_*.cu; do
   name=$(basename "$src" .cu)
   if [ -n "${1:-}" ] && [[ "$name" != *"$1"* ]]; then continue; fi

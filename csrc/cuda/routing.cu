@@ -53,41 +53,87 @@ __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_
     for (int j = 0; j < k; ++j) top_w[s * k + j] /= chosen;
 }
 
-// One block: histogram -> exclusive scan -> tile map (thread 0) -> scatter of pairs.
+// Exclusive prefix sum of v over the block (blockDim a multiple of 32, <= 1024); *total = the sum of all.
+// ws: 33 ints of shared scratch.
+__device__ int block_exclusive_scan(int v, int* ws, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  int inc = v;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += n;
+  }
+  if (lane == 31) ws[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < nw ? ws[lane] : 0;
+    int winc = w;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, winc, off);
+      if (lane >= off) winc += n;
+    }
+    if (lane < nw) ws[lane] = winc - w;
+    if (lane == 31) ws[32] = winc;
+  }
+  __syncthreads();
+  const int r = ws[warp] + inc - v;
+  *total = ws[32];
+  __syncthreads();  // ws is reused by the next scan
+  return r;
+}
+
+// One block of 1,024 threads: histogram -> exclusive scans (pairs and tiles per expert) -> tile map, one thread
+// per expert -> scatter of pairs. The pairs of a warp that share an expert meet in one shared-memory atomic
+// (__match_any_sync): routing is skewed, and one atomic per pair serialised on the popular experts.
 __global__ void sort_kernel(kp::MoeParams p, const int32_t* top_idx, const float* top_w, int tile_rows,
                             int32_t* pair_row, int32_t* pair_id, float* pair_w, int32_t* n_tiles,
                             int32_t* tile_expert, int32_t* tile_row0, int32_t* tile_rows_out) {
   extern __shared__ int sm[];
-  const int E = p.n_experts, k = p.top_k;
+  __shared__ int ws[33];
+  const int E = p.n_experts, k = p.top_k, lane = threadIdx.x % 32;
   const int64_t P = p.S * k;
   int* counts = sm;
   int* fill = sm + E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < P; i += blockDim.x) atomicAdd(&counts[top_idx[i]], 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int off = 0, nt = 0;
-    for (int e = 0; e < E; ++e) {
-      fill[e] = off;
-      for (int r = 0; r < counts[e]; r += tile_rows) {
-        tile_expert[nt] = e;
-        tile_row0[nt] = off + r;
-        tile_rows_out[nt] = min(tile_rows, counts[e] - r);
-        ++nt;
-      }
-      off += counts[e];
-    }
-    *n_tiles = nt;
+  for (int64_t base = 0; base < P; base += blockDim.x) {  // warp-uniform trip count (__match_any_sync)
+    const int64_t i = base + threadIdx.x;
+    const int e = i < P ? top_idx[i] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) atomicAdd(&counts[e], __popc(peers));
   }
+  __syncthreads();
+  const int e = threadIdx.x;
+  const int c = e < E ? counts[e] : 0, nt = (c + tile_rows - 1) / tile_rows;
+  int total_pairs = 0, total_tiles = 0;
+  const int c_before = block_exclusive_scan(c, ws, &total_pairs);
+  const int t_before = block_exclusive_scan(nt, ws, &total_tiles);
+  if (e < E) {
+    fill[e] = c_before;
+    for (int j = 0; j < nt; ++j) {  // experts ascending, rows ascending: the map the serial loop wrote
+      tile_expert[t_before + j] = e;
+      tile_row0[t_before + j] = c_before + j * tile_rows;
+      tile_rows_out[t_before + j] = min(tile_rows, c - j * tile_rows);
+    }
+  }
+  if (threadIdx.x == 0) *n_tiles = total_tiles;
   __syncthreads();
   // Order inside an expert group is arbitrary: each pair's result depends only on its own row.
-  for (int64_t i = threadIdx.x; i < P; i += blockDim.x) {
-    const int pos = atomicAdd(&fill[top_idx[i]], 1);
-    pair_row[pos] = static_cast<int32_t>(i / k);
-    pair_id[pos] = static_cast<int32_t>(i);
-    pair_w[pos] = top_w[i];
+  for (int64_t base = 0; base < P; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const int ei = i < P ? top_idx[i] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, ei);
+    const int leader = __ffs(peers) - 1;
+    int start = 0;
+    if (ei >= 0 && lane == leader) start = atomicAdd(&fill[ei], __popc(peers));
+    start = __shfl_sync(0xffffffffu, start, leader);
+    if (ei >= 0) {
+      const int pos = start + __popc(peers & ((1u << lane) - 1u));
+      pair_row[pos] = static_cast<int32_t>(i / k);
+      pair_id[pos] = static_cast<int32_t>(i);
+      pair_w[pos] = top_w[i];
+    }
   }
+  (void)total_pairs;
 }
 
 __global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, const float* gate, const float* d,
@@ -114,6 +160,7 @@ void moe_route(cudaStream_t st, const kp::MoeParams& p, const float* logits, int
 void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, const float* top_w, int tile_rows,
               int32_t* pair_row, int32_t* pair_id, float* pair_w, int32_t* n_tiles, int32_t* tile_expert,
               int32_t* tile_row0, int32_t* tile_rows_out) {
+  if (p.n_experts > 1024) throw std::invalid_argument("[lily] cuda moe_sort: more than 1,024 experts");
   sort_kernel<<<1, 1024, 2 * p.n_experts * sizeof(int), st>>>(p, top_idx, top_w, tile_rows, pair_row, pair_id, pair_w,
                                                              n_tiles, tile_expert, tile_row0, tile_rows_out);
   LILY_LAUNCH_CHECK();
