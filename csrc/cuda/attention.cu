@@ -1,4 +1,5 @@
 #include "cuda/kernels.cuh"
+#include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -57,11 +58,7 @@ __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float*
 // K/V tiles arrive by 16-byte cp.async into two buffers: with `pipelined`, tile i+1 is in flight while tile i
 // is scored (the decode step at long context is a stream of the cache; one synchronous load round trip per tile
 // left the H200 ~4x under its bandwidth there); without, each tile is waited for before it is used (ablation).
-__device__ __forceinline__ void attn_cp16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
+using mma::cp_async16;  // mma_bf16.cuh
 
 template <int D>
 __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* q, const bf16* kc,
@@ -112,8 +109,8 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
       const int r = u / (D / 8), c = u % (D / 8);
       if (k0 + r < block_end) {
         const int64_t off = (k0 + r) * kv_row + static_cast<int64_t>(g) * D + c * 8;
-        attn_cp16(Kd + r * LD + c * 8, kc + off);
-        attn_cp16(Vd + r * LD + c * 8, vc + off);
+        cp_async16(Kd + r * LD + c * 8, kc + off);
+        cp_async16(Vd + r * LD + c * 8, vc + off);
       }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");

@@ -20,6 +20,7 @@
 // substitution in registers, and writes W, U, P, lg to scratch; the state kernel walks the chunks in order,
 // one block per (value head, 32 state rows), with its state slice in shared memory.
 #include "cuda/kernels.cuh"
+#include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -84,10 +85,7 @@ __device__ __forceinline__ void load_tile(float* dst, int dst_ld, const float* s
   }
 }
 
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
+using mma::cp_async16;  // mma_bf16.cuh
 
 // load_tile through 16-byte cp.async when vec4, so all of a thread's copies are in flight at once instead of one
 // load round trip each (generic pointers: the compiler cannot batch a load past the previous smem store). The

@@ -1,5 +1,5 @@
-// Tensor-core helpers shared by the attention kernels (attention_mma.cu: prefill; attention_decode_tc.cu: decode):
-// 16-byte cp.async with zero fill, ldmatrix (plain and transposed), mma.sync m16n8k16 bf16 with fp32 accumulation,
+// Tensor-core and copy helpers shared by the attention, DeltaNet and decode kernels: 16-byte cp.async (with or
+// without zero fill), ldmatrix (plain and transposed), mma.sync m16n8k16 bf16 with fp32 accumulation,
 // and bf16 packing. Fragment layouts are the PTX ISA's (g = lane / 4, t = lane % 4):
 //   A 16x16 row: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
 //   B 16x8 col:  b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
@@ -15,6 +15,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
 // 16-byte async copy; valid = false zero-fills the destination without reading src.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+// 16-byte async copy of a valid source (dst: a generic pointer into shared memory).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
