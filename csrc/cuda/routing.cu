@@ -53,7 +53,7 @@ __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_
     for (int j = 0; j < k; ++j) top_w[s * k + j] /= chosen;
 }
 
-// Exclusive prefix sum of v over the block (blockDim a multiple of 32, <= 1024); *total = the sum of all.
+// Exclusive prefix sum of v over the block (blockDim a multiple of 32, <= 1024); *total (if given) = the sum.
 // ws: 33 ints of shared scratch.
 __device__ int block_exclusive_scan(int v, int* ws, int* total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
@@ -76,7 +76,7 @@ __device__ int block_exclusive_scan(int v, int* ws, int* total) {
   }
   __syncthreads();
   const int r = ws[warp] + inc - v;
-  *total = ws[32];
+  if (total) *total = ws[32];
   __syncthreads();  // ws is reused by the next scan
   return r;
 }
@@ -104,8 +104,8 @@ __global__ void sort_kernel(kp::MoeParams p, const int32_t* top_idx, const float
   __syncthreads();
   const int e = threadIdx.x;
   const int c = e < E ? counts[e] : 0, nt = (c + tile_rows - 1) / tile_rows;
-  int total_pairs = 0, total_tiles = 0;
-  const int c_before = block_exclusive_scan(c, ws, &total_pairs);
+  int total_tiles = 0;
+  const int c_before = block_exclusive_scan(c, ws, nullptr);
   const int t_before = block_exclusive_scan(nt, ws, &total_tiles);
   if (e < E) {
     fill[e] = c_before;
@@ -133,7 +133,6 @@ __global__ void sort_kernel(kp::MoeParams p, const int32_t* top_idx, const float
       pair_w[pos] = top_w[i];
     }
   }
-  (void)total_pairs;
 }
 
 __global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, const float* gate, const float* d,
