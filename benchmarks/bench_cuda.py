@@ -134,7 +134,7 @@ class FlagStub:
         self._eng, self._flags = eng, {a.flag: a.meaning for a in ABLATIONS}
         self._vals = {"cuda_decode": 2, "routing_sync": 0, "gqa_pack": 1, "split_k": 1, "dn_form": 3,
                       "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1, "l2_prefetch": 0,
-                      "l2_ahead": 0, "attn_pipe": 1, "attn_decode_tc": 0}
+                      "l2_ahead": 0, "attn_pipe": 1, "attn_decode_tc": 1}
 
     def __getattr__(self, k):
         return getattr(self._eng, k)

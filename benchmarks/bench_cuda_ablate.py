@@ -26,7 +26,9 @@ ABLATIONS = (
     Ablation("fused decode kernels", "cuda_decode", (0,), (4096,), (), "0 legacy sub-block path (one kernel per op)"),
     # prefill only: decode routes inside the experts' projection kernel, with no host-synced variant
     Ablation("GPU-resident routing", "routing_sync", (1,), (), (4096,), "0 device-resident (default), 1 host-synced"),
-    Ablation("GQA packing (decode attention)", "gqa_pack", (0,), (4096, 32768), (), "1 on (default), 0 off"),
+    Ablation("GQA packing (decode attention)", "gqa_pack", (0,), (4096, 32768), (),
+             "1 on (default), 0 off: one query head per block on the CUDA-core kernel (the tensor-core kernel "
+             "packs the 8 heads by construction, so its own ablation row is attn_decode_tc)"),
     Ablation("split-K", "split_k", (0,), (4096, 32768, 131072), (), "1 on (default), 0 off"),
     Ablation("DeltaNet scan form", "dn_form", (0, 1, 2, 4), (), (512, 4096, 16384),
              "3 auto (default), 0 old sequential, 1 new sequential, 2 chunked (TF32), 4 chunked (fp32)"),
@@ -42,9 +44,8 @@ ABLATIONS = (
              "the chosen experts' down rows) before its wait"),
     Ablation("decode attention K/V pipeline", "attn_pipe", (0,), (4096, 32768, 131072), (),
              "1 on (default: the next K/V tile is copied while this one is scored), 0 each tile waited for"),
-    # switched ON: the tensor-core decode attention, default off until it has run on the GPU
-    Ablation("decode attention on the tensor cores", "attn_decode_tc", (1,), (4096, 32768, 131072), (),
-             "0 CUDA-core attn_kernel (default), 1 tensor-core decode kernel (8 heads of a KV head as the mma N)"),
+    Ablation("decode attention on the tensor cores", "attn_decode_tc", (0,), (4096, 32768, 131072), (),
+             "1 tensor-core decode kernel (default; the 8 heads of a KV head as the mma N), 0 CUDA-core attn_kernel"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
              "2 bulk-copy, 4 per-warp cp.async rings everywhere"),

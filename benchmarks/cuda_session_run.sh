@@ -91,11 +91,14 @@ verify)
   SUMMARY+=("cuda_check rc=$?: $(tail -1 "$OUT/cuda_check.txt")")
   grep -E "FAIL|Error|exception" "$OUT/cuda_check.txt" | cut -c1-300 | head -10
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for tool in ${TOOLS:-memcheck racecheck}; do
-    timeout ${RACE_TIMEOUT:-240} "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs tiny_odd \
-      --tokens 12 --no-bundled > "$OUT/${tool}_tiny_odd.txt" 2>&1
-    SUMMARY+=("$tool tiny_odd rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/${tool}_tiny_odd.txt")")
-    echo "[$(el)s] $tool done"
+  # SAN_CONFIGS: mid_real_heads has the model's 16 / 2 heads, the shape the tensor-core decode attention serves
+  for cfg in ${SAN_CONFIGS:-tiny_odd}; do
+    for tool in ${TOOLS:-memcheck racecheck}; do
+      timeout ${RACE_TIMEOUT:-240} "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg \
+        --tokens 12 --no-bundled > "$OUT/${tool}_$cfg.txt" 2>&1
+      SUMMARY+=("$tool $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/${tool}_$cfg.txt")")
+      echo "[$(el)s] $tool $cfg done"
+    done
   done
   if [ $# -gt 0 ] && [ $KFAIL = 1 ] && [ "${BENCH_ON_FAIL:-0}" = 0 ]; then
     SUMMARY+=("bench skipped: a kernel check failed (a wrong kernel's speed means nothing; BENCH_ON_FAIL=1 runs it)")

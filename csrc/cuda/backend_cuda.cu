@@ -445,7 +445,7 @@ class CudaBackend final : public Backend {
     if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block, K/V loaded once per head
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
     cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos,
-                    attn_decode_tc_ ? 2 : 1, attn_pipe_);
+                    attn_decode_tc_ && gqa_pack_ ? 2 : 1, attn_pipe_);  // the tc kernel always packs 8 heads
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXBf16;
@@ -757,7 +757,7 @@ class CudaBackend final : public Backend {
   int l2_prefetch_ = 0;     // experiment: ring projections prefetch their rows into L2 before the PDL wait
   int l2_ahead_ = 0;        // experiment: each decode kernel asks L2 for the next projection's weights (L2Ahead)
   int attn_pipe_ = 1;       // CUDA-core attention (decode; prefill ablation): next K/V tile copied during this one
-  int attn_decode_tc_ = 0;  // decode attention on the tensor cores (attention_decode_tc.cu; not yet run on a GPU)
+  int attn_decode_tc_ = 1;  // decode attention on the tensor cores (attention_decode_tc.cu)
   int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load
   int split_k_ = 1;         // decode attention: keys split over blocks (flash-decoding)
   int expert_tile_ = 0;     // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128

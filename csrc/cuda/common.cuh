@@ -47,6 +47,55 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Router top-k of one token row, by one warp: fp32 softmax over E (<= 256) logits, then k rounds of a warp argmax
+// (ties -> lower index), renormalised over the chosen k when `norm`. Lane 0 writes idx_out[0..k) and w_out[0..k).
+// Absent (e >= E) and already-taken experts hold -1, which never beats the start value -1 (probabilities are >= 0):
+// a non-finite row (every comparison with NaN false) picks expert 0 with a NaN weight, so the NaN reaches the
+// output and no index past E ever serves as a weight offset or histogram slot.
+__device__ __forceinline__ void route_topk_warp(const float* logits, int E, int k, bool norm, int32_t* idx_out,
+                                                float* w_out, int lane) {
+  float v[8];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? logits[e] : -INFINITY;
+    mx = fmaxf(mx, v[i]);
+  }
+  mx = warp_max(mx);
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
+    den += v[i];
+  }
+  den = warp_sum(den);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
+  float chosen = 0.f;
+  for (int j = 0; j < k; ++j) {
+    float bv = -1.f;
+    int bi = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (lane + 32 * i == bi) v[i] = -1.f;
+    if (!(bv >= 0.f)) bv = __int_as_float(0x7fc00000);  // nothing beat the start value
+    if (lane == 0) idx_out[j] = bi, w_out[j] = bv;
+    chosen += bv;
+  }
+  if (lane == 0 && norm)
+    for (int j = 0; j < k; ++j) w_out[j] /= chosen;
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
 // log(1 + e^x) without overflow (same threshold as the CPU backend).

@@ -135,54 +135,12 @@ __device__ __forceinline__ void stage_x(const ProjArgs& a, bf16* xs, float* red,
   }
 }
 
-// Router softmax (fp32) over E <= 256 experts, top-k by repeated warp argmax (ties -> lower index), optional
-// renormalisation: route_kernel's arithmetic for one row, run by one warp.
+// The decode step's router row (route_kernel's arithmetic, common.cuh): top-k into shared memory, and block 0 also
+// stores it for the host's expert statistics.
 __device__ __forceinline__ void route_warp(const ProjArgs& a, int32_t* s_idx, float* s_w, int lane) {
-  const int E = a.E, k = a.top_k;
-  float v[8];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int e = lane + 32 * i;
-    v[i] = e < E ? a.rlogits[e] : -INFINITY;
-    mx = fmaxf(mx, v[i]);
-  }
-  mx = warp_max(mx);
-  float den = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
-    den += v[i];
-  }
-  den = warp_sum(den);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
-  float chosen = 0.f;
-  for (int j = 0; j < k; ++j) {
-    float bv = -2.f;
-    int bi = 0;  // a non-finite row (every comparison false) picks expert 0, never an index past E
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (lane + 32 * i == bi) v[i] = -1.f;
-    if (bv < -1.5f) bv = __int_as_float(0x7fc00000);  // nothing beat the start value: NaN weight, NaN output
-    if (lane == 0) s_idx[j] = bi, s_w[j] = bv;
-    chosen += bv;
-  }
-  if (lane == 0) {
-    if (a.norm_topk)
-      for (int j = 0; j < k; ++j) s_w[j] /= chosen;
-    if (blockIdx.x == 0 && a.top_idx)
-      for (int j = 0; j < k; ++j) a.top_idx[j] = s_idx[j], a.top_w[j] = s_w[j];
-  }
+  route_topk_warp(a.rlogits, a.E, a.top_k, a.norm_topk != 0, s_idx, s_w, lane);
+  if (lane == 0 && blockIdx.x == 0 && a.top_idx)
+    for (int j = 0; j < a.top_k; ++j) a.top_idx[j] = s_idx[j], a.top_w[j] = s_w[j];
 }
 
 __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {

@@ -3,54 +3,12 @@
 namespace lily::cuda {
 namespace {
 
-constexpr int kMaxExpertsPerLane = 8;  // E <= 256
-
-// One warp per token row: fp32 softmax over E, then k rounds of a warp argmax (ties -> lower index).
+// One warp per token row (route_topk_warp).
 __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_idx, float* top_w) {
   const int64_t s = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32, E = p.n_experts, k = p.top_k;
   if (s >= p.S) return;
-  const float* l = logits + s * E;
-  float v[kMaxExpertsPerLane];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-    const int e = lane + 32 * i;
-    v[i] = e < E ? l[e] : -INFINITY;
-    mx = fmaxf(mx, v[i]);
-  }
-  mx = warp_max(mx);
-  float den = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; ++i) {
-    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
-    den += v[i];
-  }
-  den = warp_sum(den);
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
-  float chosen = 0.f;
-  for (int j = 0; j < k; ++j) {
-    float bv = -2.f;
-    int bi = 0;  // a non-finite row (every comparison false) picks expert 0, never an index past E
-#pragma unroll
-    for (int i = 0; i < kMaxExpertsPerLane; ++i)
-      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-    }
-#pragma unroll
-    for (int i = 0; i < kMaxExpertsPerLane; ++i)
-      if (lane + 32 * i == bi) v[i] = -1.f;
-    if (bv < -1.5f) bv = __int_as_float(0x7fc00000);  // nothing beat the start value: NaN weight, NaN output
-    if (lane == 0) top_idx[s * k + j] = bi, top_w[s * k + j] = bv;
-    chosen += bv;
-  }
-  if (lane == 0 && p.norm_topk_prob)
-    for (int j = 0; j < k; ++j) top_w[s * k + j] /= chosen;
+  route_topk_warp(logits + s * p.n_experts, p.n_experts, p.top_k, p.norm_topk_prob != 0, top_idx + s * p.top_k,
+                  top_w + s * p.top_k, threadIdx.x % 32);
 }
 
 // Exclusive prefix sum of v over the block (blockDim a multiple of 32, <= 1024); *total (if given) = the sum.
@@ -150,7 +108,7 @@ __global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, con
 }  // namespace
 
 void moe_route(cudaStream_t st, const kp::MoeParams& p, const float* logits, int32_t* top_idx, float* top_w) {
-  if (p.n_experts > 32 * kMaxExpertsPerLane) throw std::invalid_argument("[lily] cuda moe_route: more than 256 experts");
+  if (p.n_experts > 256) throw std::invalid_argument("[lily] cuda moe_route: more than 256 experts");
   const int64_t threads = p.S * 32;
   route_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, logits, top_idx, top_w);
   LILY_LAUNCH_CHECK();
