@@ -392,7 +392,8 @@ def main(argv=None):
         m = by.get(("mlx-lm", r["phase"], r["tokens"]))
         if r["engine"].startswith("lily") and r["tok_s"] and m and m.get("tok_s"):
             r["ratio_to_mlx"] = r["tok_s"] / m["tok_s"]
-    title = (f"lily-{args.backend} vs MLX-LM, {cfg.num_hidden_layers} layers hidden {cfg.hidden_size} "
+    peer_note = " vs MLX-LM" if args.mlx_lengths else " (MLX-LM not run)"
+    title = (f"lily-{args.backend}{peer_note}, {cfg.num_hidden_layers} layers hidden {cfg.hidden_size} "
              f"({'checkpoint' if folder else 'in-memory'}), {dev_name}, git {git_sha()[:10]}")
     res = {"hardware": {**hardware(), "gpu": dev_name, "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mflops,
                         "host": platform.node()},

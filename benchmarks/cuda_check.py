@@ -190,7 +190,8 @@ def check_config(name, cfg, T, results):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=256,
+                    help="teacher-forced tokens per config (>= 12: the sampler chain needs 8 steps past a prefix)")
     ap.add_argument("--json", default="")
     ap.add_argument("--configs", default="")
     ap.add_argument("--full", default="", help="full-size checkpoint folder (benchmarks/full_checkpoint.py): "
@@ -202,6 +203,9 @@ def main():
                     help="skip the bundled model's session-sampling check (the sanitizers' runs: its model load "
                     "and generations take minutes under racecheck; the configs' own sampler checks still run)")
     args = ap.parse_args()
+    if args.tokens < 12:
+        ap.error(f"--tokens {args.tokens}: expected >= 12 (the device-sampler chain decodes 8 steps after a prefix "
+                 "of at least 2 tokens)")
     info = _lily.build_info()
     print("build", info, "devices", _lily.cuda_device_count(), flush=True)
     if _lily.cuda_device_count() == 0:

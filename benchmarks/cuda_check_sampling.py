@@ -45,6 +45,8 @@ def _begin(gpu, p, seen, counts):
 def check_engine_sampling(name, cfg, gpu, toks, add):
     """decode_sample vs the twin on the same logits, per option set and draw, and over an 8-step chain."""
     V = cfg.vocab_size
+    if len(toks) < 12:
+        raise ValueError(f"check_engine_sampling: {len(toks)} tokens, expected >= 12 (a prefix, then 8 steps)")
     n0 = min(16, len(toks) - 10)
     st = gpu.new_state()
     gpu.forward(st, toks[:n0], logits="none")
