@@ -109,7 +109,7 @@ class Conversation:
     or without (every turn prefills the whole conversation from an empty state). `step()` runs one turn."""
 
     def __init__(self, model, *, reuse: bool, turns: int, target: int, seed: int, max_tokens: int):
-        from lily.generation import resolve_sampling
+        from lily.sampling import resolve_sampling
         from lily.prefix_cache import PrefixCache, ReplyTokens
         self.model, self.reuse, self.turns, self.target = model, reuse, turns, target
         self.rng = np.random.default_rng(seed)

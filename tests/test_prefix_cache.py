@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import lily
-from lily.prefix_cache import PrefixCache, ReplyTokens, SessionFileError, snapshot_nbytes
-from lily.session import SessionSnapshot
+from lily.prefix_cache import PrefixCache, ReplyTokens
+from lily.session_file import SessionFileError
+from lily.snapshot import SessionSnapshot, snapshot_nbytes
 
 
 def _backend() -> str:

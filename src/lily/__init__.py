@@ -12,9 +12,10 @@ from .chat import ChatTemplateError
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError, LilyError
 from .generation import GenerationChunk, GenerationResult, GenerationStats
 from .model import Model, load
-from .prefix_cache import PrefixCache, SessionFileError
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, SamplingParamsError
 from .session import Session
+from .session_file import SessionFileError
 
 try:
     __version__ = _version("lily")

@@ -4,16 +4,12 @@ are pure Python: stop-string matching across chunk boundaries and resolving samp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import TokenLogprobs, resolve_sampling  # noqa: F401 (resolve_sampling moved to lily.sampling)
 
 FINISH_STOP = "stop"      # a stop token or stop string ended generation
 FINISH_LENGTH = "length"  # max_tokens reached, or the context window is full
-
-# options a checkpoint's generation_config.json may set (HF names == ours)
-_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                           "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -152,36 +148,3 @@ class StopStringMatcher:
                     best = n
                     break
         return best
-
-
-def resolve_sampling(generation_config: Mapping[str, Any] | None, *, max_tokens: int | None = None,
-                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                     min_p: float | None = None, repetition_penalty: float | None = None,
-                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                     seed: int | None = None, stop: str | Sequence[str] | None = None,
-                     stop_token_ids: Sequence[int] | None = None, logprobs: bool | int = False,
-                     top_logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None,
-                     ) -> SamplingParams:
-    """User options over the checkpoint's generation_config.json over neutral defaults (vLLM's "auto").
-
-    logprobs may be an int (OpenAI completions style): logprobs=5 means the sampled token's logprob plus
-    the 5 best alternatives.
-    """
-    gc = dict(generation_config or {})
-    defaults: dict[str, Any] = {k: gc[k] for k in _GENERATION_CONFIG_KEYS if gc.get(k) is not None}
-    if gc.get("do_sample") is False:
-        defaults["temperature"] = 0.0
-    user = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty)
-    opts = {**defaults, **{k: v for k, v in user.items() if v is not None}}
-    if "top_k" in opts and opts["top_k"] is not None:
-        opts["top_k"] = int(opts["top_k"]) if not isinstance(opts["top_k"], bool) else opts["top_k"]
-    n_top = top_logprobs
-    want = logprobs
-    if isinstance(logprobs, int) and not isinstance(logprobs, bool):
-        n_top = logprobs if n_top is None else n_top
-        want = True
-    return SamplingParams(**opts, seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids or ()),
-                          max_tokens=max_tokens, logprobs=bool(want) or bool(n_top),
-                          top_logprobs=int(n_top or 0), logit_bias=logit_bias)

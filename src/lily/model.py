@@ -15,6 +15,8 @@ from .chat import ChatTemplate
 from .config import ModelConfig
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError
 from .generation import GenerationChunk, GenerationResult
+from .identity import model_fingerprint, weights_digest
+from .sampling import takes_sampling_options
 from .session import PrefillResult, Session
 from .tokenizer import Tokenizer
 
@@ -188,31 +190,6 @@ class Model:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text) if tokenize else text
 
-    def _prompt_ids(self, prompt: Any, **template_kwargs: Any) -> tuple[list[int], bool]:
-        """prompt -> (token ids, is_chat). str: raw text; ints: token ids; dicts: chat messages."""
-        if isinstance(prompt, str):
-            if template_kwargs:
-                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
-                                f"but the prompt is a string (pass a list of {{'role', 'content'}} messages)")
-            return self.tokenizer.encode(prompt), False
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.reshape(-1).tolist()
-        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            kw = {"add_generation_prompt": True, **template_kwargs}
-            return self.tokenizer.encode(self.chat_template.render(prompt, **kw)), True
-        if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                for t in prompt):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"[generate] token id {bad[0]} is out of range: expected 0..{self.vocab_size - 1}")
-            if template_kwargs:
-                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
-                                f"but the prompt is token ids")
-            return ids, False
-        raise TypeError(f"[generate] prompt must be a string, a list of token ids or a list of chat message "
-                        f"dicts, got {type(prompt).__name__}")
-
     # ---- running ---------------------------------------------------------------------------------
     def session(self, prefix_cache: Any = None) -> Session:
         """A fresh session (empty state) for multi-turn use. With a `lily.prefix_cache.PrefixCache`, it keeps
@@ -226,7 +203,6 @@ class Model:
     @property
     def fingerprint(self) -> str:
         """Identity of these weights + tokenizer + config (session files carry it)."""
-        from .prefix_cache import model_fingerprint
         return model_fingerprint(self)
 
     def prefill(self, prompt: Any, **template_kwargs: Any) -> Session:
@@ -239,22 +215,17 @@ class Model:
         """Run a prompt in a throwaway session and report its prefill timing."""
         return Session(self).prefill(prompt, **template_kwargs)
 
-    def generate(self, prompt: Any, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
-                 frequency_penalty: float | None = None, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                 logprobs: bool | int = False, top_logprobs: int | None = None,
-                 logit_bias: Mapping[int, float] | None = None, stream: bool = False,
-                 enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
-                 tools: Sequence[Any] | None = None, **template_kwargs: Any
+    @takes_sampling_options
+    def generate(self, prompt: Any, *, stream: bool = False, enable_thinking: bool | None = None,
+                 preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None, **kwargs: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
         """Generate from a prompt, starting from an empty state.
 
         prompt: str (raw text, no template), list[int] (token ids), or a list of chat message dicts
         (rendered with the checkpoint's chat template and add_generation_prompt=True; enable_thinking,
         preserve_thinking, tools and other template kwargs apply to these only).
-        Sampling options left as None come from the checkpoint's generation_config.json, else neutral
+        Sampling options (max_tokens, temperature, top_p, ... : lily.sampling.SAMPLING_OPTIONS; the other
+        keywords are template kwargs) left as None come from the checkpoint's generation_config.json, else neutral
         defaults (SamplingParams). max_tokens=None: until a stop token/string or the context is full.
         stream=True returns an iterator of GenerationChunk; the last one has finish_reason and stats.
         Raises ContextLengthError when the prompt plus max_tokens does not fit in max_context.
@@ -262,13 +233,8 @@ class Model:
         for name, value in (("enable_thinking", enable_thinking), ("preserve_thinking", preserve_thinking),
                             ("tools", tools)):
             if value is not None:
-                template_kwargs[name] = value
-        return Session(self).generate(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=logit_bias, stream=stream,
-            **template_kwargs)
+                kwargs[name] = value
+        return Session(self).generate(prompt, stream=stream, **kwargs)
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [S, vocab] for token_ids, from an empty state."""
@@ -317,6 +283,5 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     model = Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
                   path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
                   chunk_size=chunk_size)
-    from .prefix_cache import weights_digest
     model.weights_digest = weights_digest(ckpt.tensors)  # identifies saved sessions' model
     return model

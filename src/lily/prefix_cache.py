@@ -1,4 +1,4 @@
-"""Prefix reuse for a hybrid model: a token trie of state snapshots, LRU-bounded in bytes, and session files.
+"""Prefix reuse for a hybrid model: a token trie of state snapshots, LRU-bounded in bytes.
 
 The DeltaNet and conv state cannot be rewound, so a session can only continue from a state that holds
 *exactly* a prefix of the new request's tokens. `PrefixCache` keeps snapshots (`SessionSnapshot`: engine
@@ -9,10 +9,7 @@ Which positions are worth a snapshot (`snapshot_points`): turn boundaries, i.e. 
 `<|im_start|>` token (end of the system prompt, end of each reply as the template re-renders it, end of the
 last user/tool turn before the generation prompt), and every `interval` tokens of a long prefill.
 
-Session files (`save_session_file` / `load_session_file`): one safetensors file per trie path. The KV
-cache is append-only, so the longest checkpoint's KV serves all shorter ones on that path; each checkpoint
-adds only its fixed-size recurrent state (DeltaNet + conv) and its logits row. The file carries the model
-fingerprint and is refused by another model.
+`save_dir` / `load_dir` keep the cache on disk as session files (lily.session_file), one per trie path.
 """
 from __future__ import annotations
 
@@ -20,31 +17,28 @@ import hashlib
 import json
 import os
 import threading
-import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .errors import LilyError
+from .identity import model_fingerprint
+from .session_file import SESSION_SUFFIX, SessionFileError, load_session_file, save_session_file
+from .snapshot import SessionSnapshot, snapshot_nbytes
+
+# SessionFileError and snapshot_nbytes were defined here before lily.session_file / lily.snapshot: still importable
+__all__ = ["PrefixCache", "ReplyTokens", "DEFAULT_CACHE_BYTES", "DEFAULT_SNAPSHOT_INTERVAL", "DEFAULT_MIN_GAP",
+           "SESSION_SUFFIX", "SessionFileError", "snapshot_nbytes"]
 
 if TYPE_CHECKING:
     from .model import Model
-    from .session import SessionSnapshot
 
-SESSION_FORMAT = "lily.session"
-SESSION_VERSION = "1"
-SESSION_SUFFIX = ".lily-session.safetensors"
 DEFAULT_CACHE_BYTES = 4 << 30
 DEFAULT_SNAPSHOT_INTERVAL = 4096
 # a snapshot fewer tokens after the state's starting point saves less recompute than the extra prefill piece
 # (one more engine call) costs
 DEFAULT_MIN_GAP = 64
-
-
-class SessionFileError(LilyError, ValueError):
-    """A session file is unreadable, of another format, or from another model."""
 
 
 # ---- the trie ------------------------------------------------------------------------------------------
@@ -65,11 +59,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         return n
     diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
     return int(diff[0])
-
-
-def snapshot_nbytes(snap: "SessionSnapshot") -> int:
-    logits = 0 if snap.last_logits is None else int(snap.last_logits.nbytes)
-    return int(getattr(snap.state, "nbytes", 0)) + logits + 8 * len(snap.tokens)
 
 
 class PrefixCache:
@@ -116,7 +105,7 @@ class PrefixCache:
         node = self._find(tokens)
         return node is not None and node.entry is not None
 
-    def lookup(self, tokens: Sequence[int], *, touch: bool = True) -> tuple[int, "SessionSnapshot | None"]:
+    def lookup(self, tokens: Sequence[int], *, touch: bool = True) -> tuple[int, SessionSnapshot | None]:
         """The longest stored snapshot usable for `tokens`: its tokens are a prefix of them, and it is
         strictly shorter unless it carries its logits (a generation needs the next-token logits)."""
         node, i, n = self._root, 0, len(tokens)
@@ -139,12 +128,12 @@ class PrefixCache:
             self._lru.move_to_end(hit)
         return length, hit.entry
 
-    def entries(self) -> list["SessionSnapshot"]:
+    def entries(self) -> list[SessionSnapshot]:
         """Stored snapshots, least recently used first."""
         return [node.entry for node in self._lru]
 
     # ---- changes ------------------------------------------------------------------------------------
-    def insert(self, snap: "SessionSnapshot") -> bool:
+    def insert(self, snap: SessionSnapshot) -> bool:
         """Store a snapshot (its pending tokens must be empty: the key is the tokens in its state).
         Returns False when it is larger than the whole budget (nothing stored)."""
         if snap.pending:
@@ -248,7 +237,7 @@ class PrefixCache:
         return sorted(points)
 
     # ---- disk -------------------------------------------------------------------------------------------
-    def paths(self) -> list[list["SessionSnapshot"]]:
+    def paths(self) -> list[list[SessionSnapshot]]:
         """Stored snapshots grouped into trie paths (shortest first), each snapshot in exactly one path:
         the longest unassigned snapshot heads a path and takes its unassigned ancestors."""
         nodes = sorted(self._lru, key=lambda nd: -len(nd.entry.tokens))
@@ -266,7 +255,7 @@ class PrefixCache:
             out.append([nd.entry for nd in reversed(chain)])
         return out
 
-    def save_dir(self, folder: str | os.PathLike, model: "Model", extra: Sequence["SessionSnapshot"] = ()
+    def save_dir(self, folder: str | os.PathLike, model: "Model", extra: Sequence[SessionSnapshot] = ()
                  ) -> list[Path]:
         """Write every stored snapshot (plus `extra`) under `folder`, one file per trie path; files this
         cache loaded or wrote earlier whose path no longer exists are removed (other files are left alone).
@@ -312,7 +301,7 @@ class PrefixCache:
         return added
 
 
-def _path_name(chain: Sequence["SessionSnapshot"], fingerprint: str) -> str:
+def _path_name(chain: Sequence[SessionSnapshot], fingerprint: str) -> str:
     h = hashlib.sha1(fingerprint.encode())
     for s in chain:
         h.update(np.asarray(s.tokens, np.int64).tobytes())
@@ -417,132 +406,3 @@ class ReplyTokens:
         if at < len(text):
             out += tokenizer.encode(text[at:])
         return out
-
-
-# ---- model fingerprint -----------------------------------------------------------------------------------
-def weights_digest(tensors: Mapping[str, np.ndarray], sample: int = 256) -> str:
-    """A cheap digest of a checkpoint's weights: every tensor's name, dtype and shape, and its first, middle
-    and last `sample` bytes (a few pages of a memory map, whatever the checkpoint size)."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        a = tensors[name]
-        h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
-        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        n = flat.size
-        mid = max(0, n // 2 - sample // 2)
-        for part in (flat[:sample], flat[mid:mid + sample], flat[max(0, n - sample):]):
-            h.update(part.tobytes())
-    return h.hexdigest()
-
-
-def model_fingerprint(model: "Model") -> str:
-    """Identity of the model a session state belongs to: config, tokenizer, and the weights digest that
-    `lily.load` records (models built by hand without one are identified by config + tokenizer only)."""
-    h = hashlib.sha256()
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    tok = model.tokenizer
-    h.update(f"|vocab={tok.vocab_size}|".encode())
-    try:
-        h.update(hashlib.sha256(Path(tok.path).read_bytes()).digest())
-    except OSError:
-        pass
-    h.update(str(getattr(model, "weights_digest", None)).encode())
-    return h.hexdigest()[:32]
-
-
-# ---- session files ---------------------------------------------------------------------------------------
-def save_session_file(path: str | os.PathLike, chain: Sequence["SessionSnapshot"], model: "Model",
-                      pending: Sequence[int] = (), metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write snapshots that lie on one token path (each a prefix of the next) to a safetensors file."""
-    from safetensors.numpy import save_file
-
-    if not chain:
-        raise ValueError("[save_session_file] nothing to save: expected at least one snapshot")
-    chain = sorted(chain, key=lambda s: len(s.tokens))
-    head = chain[-1]
-    tokens = np.asarray(head.tokens, np.int32)
-    for s in chain[:-1]:
-        if tuple(s.tokens) != tuple(head.tokens[:len(s.tokens)]):
-            raise ValueError("[save_session_file] the snapshots do not lie on one path: each must be a prefix "
-                             "of the longest")
-    arrays: dict[str, np.ndarray] = {"tokens": tokens, "pending": np.asarray(list(pending), np.int32),
-                                     "checkpoints": np.asarray([len(s.tokens) for s in chain], np.int64)}
-    for j, s in enumerate(chain):
-        exported = s.state.export_arrays()
-        for name, a in exported.items():
-            if name.startswith("kv."):
-                if s is head:
-                    arrays[name] = np.ascontiguousarray(a)
-            elif name != "position":
-                arrays[f"ckpt{j}.{name}"] = np.ascontiguousarray(a)
-        if s.last_logits is not None:
-            arrays[f"ckpt{j}.logits"] = np.ascontiguousarray(s.last_logits, np.float32)
-    meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, "fingerprint": model_fingerprint(model),
-            "model": str(model.path), "vocab_size": str(model.vocab_size),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if metadata:
-        meta["user"] = json.dumps(dict(metadata), ensure_ascii=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(arrays, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
-
-
-def read_session_metadata(path: str | os.PathLike) -> dict[str, str]:
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            return dict(f.metadata() or {})
-    except Exception as e:  # safetensors raises its own error types
-        raise SessionFileError(f"[Session.load] {path} is not a readable safetensors file: {e}") from None
-
-
-def read_session_user_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    raw = read_session_metadata(path).get("user")
-    return json.loads(raw) if raw else {}
-
-
-def load_session_file(path: str | os.PathLike, model: "Model") -> tuple[list["SessionSnapshot"], list[int]]:
-    """Read a session file back: (snapshots on its path, shortest first; pending tokens of the last)."""
-    from safetensors.numpy import load_file
-
-    from .session import SessionSnapshot
-
-    path = Path(path)
-    if not path.is_file():
-        raise SessionFileError(f"[Session.load] {path} does not exist")
-    meta = read_session_metadata(path)
-    if meta.get("format") != SESSION_FORMAT:
-        raise SessionFileError(f"[Session.load] {path} is not a lily session file (metadata format="
-                               f"{meta.get('format')!r}, expected {SESSION_FORMAT!r})")
-    if meta.get("version") != SESSION_VERSION:
-        raise SessionFileError(f"[Session.load] {path} has session format version {meta.get('version')!r}; this "
-                               f"lily reads version {SESSION_VERSION}")
-    mine = model_fingerprint(model)
-    if meta.get("fingerprint") != mine:
-        raise SessionFileError(
-            f"[Session.load] {path} was saved from another model (fingerprint {meta.get('fingerprint')}, "
-            f"model {meta.get('model')}), not from the loaded one (fingerprint {mine}, model {model.path}): "
-            f"a session state only makes sense with the exact weights that produced it")
-    arrays = load_file(str(path))
-    tokens = arrays["tokens"].astype(np.int64).tolist()
-    if len(tokens) > model.max_context:
-        raise SessionFileError(f"[Session.load] {path} holds {len(tokens)} tokens, more than this model's "
-                               f"context size {model.max_context} (load it with a larger max_context)")
-    kv = {k: v for k, v in arrays.items() if k.startswith("kv.")}
-    snaps = []
-    for j, p in enumerate(int(x) for x in arrays["checkpoints"]):
-        d: dict[str, Any] = {"position": np.int64(p)}
-        d.update({k: v[:p] for k, v in kv.items()})
-        prefix = f"ckpt{j}."
-        d.update({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix) and k != prefix + "logits"})
-        state = model.engine.new_state()
-        try:
-            state.import_arrays(d)
-        except (ValueError, KeyError, TypeError) as e:
-            raise SessionFileError(f"[Session.load] {path}: checkpoint {j} does not fit this engine: {e}") from None
-        logits = arrays.get(prefix + "logits")
-        snaps.append(SessionSnapshot(state, tuple(tokens[:p]), (), None if logits is None else logits.copy()))
-    return snaps, arrays["pending"].astype(np.int64).tolist()

@@ -10,9 +10,10 @@ A `constraint` (e.g. a grammar, lily.server.grammar) masks the processed logits 
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 
@@ -154,6 +155,76 @@ class SamplingParams:
                 if t >= vocab_size:
                     raise SamplingParamsError(f"[SamplingParams] {name} names token id {t}: expected ids "
                                               f"0..{vocab_size - 1} (the model's vocab)")
+
+
+# ---- the options of one request, declared once -------------------------------------------------------------
+# name -> (annotation, default) of each sampling keyword that generate() takes (Model.generate, Session.generate,
+# through `takes_sampling_options`) and `resolve_sampling` turns into SamplingParams; None = not set by the user
+SAMPLING_OPTIONS: dict[str, tuple[str, Any]] = {
+    "max_tokens": ("int | None", None),
+    "temperature": ("float | None", None),
+    "top_p": ("float | None", None),
+    "top_k": ("int | None", None),
+    "min_p": ("float | None", None),
+    "repetition_penalty": ("float | None", None),
+    "presence_penalty": ("float | None", None),
+    "frequency_penalty": ("float | None", None),
+    "seed": ("int | None", None),
+    "stop": ("str | Sequence[str] | None", None),
+    "stop_token_ids": ("Sequence[int] | None", None),
+    "logprobs": ("bool | int", False),
+    "top_logprobs": ("int | None", None),
+    "logit_bias": ("Mapping[int, float] | None", None),
+}
+# the options a checkpoint's generation_config.json may set (HF names == ours)
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                          "frequency_penalty")
+
+
+def split_sampling_options(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """kwargs -> (the sampling options among them, the rest)."""
+    options = {k: v for k, v in kwargs.items() if k in SAMPLING_OPTIONS}
+    return options, {k: v for k, v in kwargs.items() if k not in SAMPLING_OPTIONS}
+
+
+def takes_sampling_options(fn: Callable) -> Callable:
+    """Decorator for a function that takes the SAMPLING_OPTIONS in its **kwargs: its signature (help(),
+    inspect) lists them as keyword-only parameters, before its own keyword-only ones."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    at = next((i for i, q in enumerate(params) if q.kind in (q.KEYWORD_ONLY, q.VAR_KEYWORD)), len(params))
+    options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+               for name, (annotation, default) in SAMPLING_OPTIONS.items()]
+    fn.__signature__ = sig.replace(parameters=params[:at] + options + params[at:])
+    return fn
+
+
+def resolve_sampling(generation_config: Mapping[str, Any] | None, **options: Any) -> SamplingParams:
+    """User options (SAMPLING_OPTIONS) over the checkpoint's generation_config.json over neutral defaults
+    (vLLM's "auto").
+
+    logprobs may be an int (OpenAI completions style): logprobs=5 means the sampled token's logprob plus
+    the 5 best alternatives.
+    """
+    unknown = [k for k in options if k not in SAMPLING_OPTIONS]
+    if unknown:
+        raise TypeError(f"resolve_sampling() got an unexpected keyword argument {unknown[0]!r}")
+    o = {name: options.get(name, default) for name, (_, default) in SAMPLING_OPTIONS.items()}
+    gc = dict(generation_config or {})
+    defaults: dict[str, Any] = {k: gc[k] for k in GENERATION_CONFIG_KEYS if gc.get(k) is not None}
+    if gc.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    opts = {**defaults, **{k: o[k] for k in GENERATION_CONFIG_KEYS if o[k] is not None}}
+    if "top_k" in opts and opts["top_k"] is not None:
+        opts["top_k"] = int(opts["top_k"]) if not isinstance(opts["top_k"], bool) else opts["top_k"]
+    n_top = o["top_logprobs"]
+    want = o["logprobs"]
+    if isinstance(want, int) and not isinstance(want, bool):
+        n_top = want if n_top is None else n_top
+        want = True
+    return SamplingParams(**opts, seed=o["seed"], stop=o["stop"], stop_token_ids=tuple(o["stop_token_ids"] or ()),
+                          max_tokens=o["max_tokens"], logprobs=bool(want) or bool(n_top),
+                          top_logprobs=int(n_top or 0), logit_bias=o["logit_bias"])
 
 
 class TokenConstraint(Protocol):

@@ -20,8 +20,11 @@ import numpy as np
 
 from .errors import ContextLengthError, LilyError
 from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
-                         StopStringMatcher, collect, resolve_sampling)
-from .sampling import Sampler, SamplingParams, device_sampling_supported
+                         StopStringMatcher, collect)
+from .sampling import (Sampler, SamplingParams, device_sampling_supported, resolve_sampling, split_sampling_options,
+                       takes_sampling_options)
+from .session_file import load_session_file, read_session_user_metadata, save_session_file
+from .snapshot import SessionSnapshot
 
 if TYPE_CHECKING:
     from .model import Model
@@ -29,19 +32,6 @@ if TYPE_CHECKING:
 
 # progress(done, total) is called between prefill pieces; it may raise (e.g. to cancel a request)
 ProgressCallback = Callable[[int, int], None]
-
-@dataclass(frozen=True)
-class SessionSnapshot:
-    """A point of a session to come back to (`Session.restore`); the engine state is a deep copy."""
-
-    state: Any
-    tokens: tuple[int, ...]
-    pending: tuple[int, ...]
-    last_logits: np.ndarray | None
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens) + len(self.pending)
 
 
 @dataclass
@@ -121,10 +111,36 @@ class Session:
     def _new_tokens(self, prompt: Any, template_kwargs: Mapping[str, Any], whole: bool = False) -> list[int]:
         """The tokens this prompt adds to the session. Chat messages (and any prompt with whole=True) are
         the whole context: the session keeps the longest prefix of it that it can, see `_reuse`."""
-        ids, is_chat = self.model._prompt_ids(prompt, **template_kwargs)
+        ids, is_chat = self._prompt_ids(prompt, **template_kwargs)
         if not (is_chat or whole):
             return ids
         return self._reuse(ids)
+
+    def _prompt_ids(self, prompt: Any, **template_kwargs: Any) -> tuple[list[int], bool]:
+        """prompt -> (token ids, is_chat). str: raw text; ints: token ids; dicts: chat messages."""
+        model = self.model
+        if isinstance(prompt, str):
+            if template_kwargs:
+                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
+                                f"but the prompt is a string (pass a list of {{'role', 'content'}} messages)")
+            return model.tokenizer.encode(prompt), False
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            kw = {"add_generation_prompt": True, **template_kwargs}
+            return model.tokenizer.encode(model.chat_template.render(prompt, **kw)), True
+        if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < model.vocab_size]
+            if bad:
+                raise ValueError(f"[generate] token id {bad[0]} is out of range: expected 0..{model.vocab_size - 1}")
+            if template_kwargs:
+                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
+                                f"but the prompt is token ids")
+            return ids, False
+        raise TypeError(f"[generate] prompt must be a string, a list of token ids or a list of chat message "
+                        f"dicts, got {type(prompt).__name__}")
 
     def _reuse(self, ids: Sequence[int]) -> list[int]:
         """Make the state hold the longest available prefix of `ids` (the live state if it is a prefix,
@@ -254,8 +270,6 @@ class Session:
         """Write the session (state, tokens, and the prefix-cache snapshots on its own token path) to a
         safetensors file; `Session.load(path, model)` brings it back on the same model. `metadata` (JSON
         data, e.g. the chat messages) comes back as `.metadata` of the loaded session."""
-        from .prefix_cache import save_session_file
-
         chain = []
         if self.prefix_cache is not None:
             n = len(self._tokens)
@@ -268,8 +282,6 @@ class Session:
     def load(cls, path: str | Any, model: "Model", prefix_cache: "PrefixCache | None" = None) -> "Session":
         """A session read from a file written by `Session.save` with the same model (SessionFileError if
         it came from another one). Earlier snapshots in the file go into `prefix_cache` when given."""
-        from .prefix_cache import load_session_file, read_session_user_metadata
-
         snaps, pending = load_session_file(path, model)
         s = cls(model, prefix_cache)
         s.metadata = read_session_user_metadata(path)
@@ -282,32 +294,23 @@ class Session:
         return s
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, prompt: Any = None, *, max_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
-                 frequency_penalty: float | None = None, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                 logprobs: bool | int = False, top_logprobs: int | None = None,
-                 logit_bias: Mapping[int, float] | None = None, stream: bool = False,
-                 sampling: SamplingParams | None = None, whole: bool = False,
-                 progress: ProgressCallback | None = None, constraint: Any = None, **template_kwargs: Any
-                 ) -> GenerationResult | Iterator[GenerationChunk]:
+    @takes_sampling_options
+    def generate(self, prompt: Any = None, *, stream: bool = False, sampling: SamplingParams | None = None,
+                 whole: bool = False, progress: ProgressCallback | None = None, constraint: Any = None,
+                 **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
         """Generate from the session's state (after running `prompt`, if given, through it).
 
-        Options left as None come from the checkpoint's generation_config.json, else neutral defaults
+        The sampling options (max_tokens, temperature, top_p, ... : lily.sampling.SAMPLING_OPTIONS) are
+        keywords; the other keywords are template kwargs. Options left as None come from the checkpoint's generation_config.json, else neutral defaults
         (see SamplingParams). `sampling=` passes a ready SamplingParams instead. Template kwargs
         (enable_thinking, preserve_thinking, tools, add_generation_prompt, ...) apply to chat messages.
         whole=True: the prompt (text or ids) is the whole context, reusing the longest prefix held (chat
         messages always are). progress(done, total) is called during the prefill and may raise to cancel.
         constraint: a token mask applied before sampling (see `lily.sampling.Sampler`), e.g. a grammar.
         """
+        options, template_kwargs = split_sampling_options(kwargs)
         if sampling is None:
-            sampling = resolve_sampling(
-                self.model.generation_config, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed, stop=stop,
-                stop_token_ids=stop_token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
-                logit_bias=logit_bias)
+            sampling = resolve_sampling(self.model.generation_config, **options)
         t0 = time.perf_counter()
         new = [] if prompt is None else self._new_tokens(prompt, template_kwargs, whole)
         budget = self._check_room(len(new), sampling.max_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from _live import LiveServer
 
-from lily.prefix_cache import SESSION_SUFFIX
+from lily.session_file import SESSION_SUFFIX
 
 KW = {"chat_template_kwargs": {"enable_thinking": False, "preserve_thinking": True}}
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],

@@ -143,7 +143,7 @@ class LilyServer:
         s = self.worker.session
         extra = []
         if s._tokens:
-            from ..session import SessionSnapshot
+            from ..snapshot import SessionSnapshot
             extra.append(SessionSnapshot(s._state.snapshot(), tuple(s._tokens), (),
                                          None if s._last_logits is None else s._last_logits.copy()))
         files = [str(p) for p in self.cache.save_dir(self.config.session_dir, self.model, extra)]

@@ -13,8 +13,8 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..generation import GenerationStats, resolve_sampling
-from ..sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+from ..generation import GenerationStats
+from ..sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError, resolve_sampling
 
 
 class APIError(Exception):
