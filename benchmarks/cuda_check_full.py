@@ -74,10 +74,7 @@ def layer_cached_bf16_reference(cfg, tensors, quant, max_context, threads=0):
 
 def envelope_figures(cpu_logits, env_logits, out_logits, toks):
     """top-1, perplexity ratio, rel RMS of the envelope and of the engine under test, against the CPU engine."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _metrics import perplexity, rel_rms, top1_agreement
+    from lily.testing.metrics import perplexity, rel_rms, top1_agreement
     p_cpu = perplexity(cpu_logits, toks)
     return ({"top1": top1_agreement(env_logits, cpu_logits), "ppl_ratio": perplexity(env_logits, toks) / p_cpu,
              "rel_rms": rel_rms(env_logits, cpu_logits)},
@@ -124,10 +121,7 @@ def check_full(folder, T, env_positions, results, threads=0, backend="cuda"):
     from lily import _lily
     from lily.checkpoint import load_checkpoint
     from lily.config import ModelConfig
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1
+    from lily.testing.tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1
     t0 = time.time()
     ck = load_checkpoint(folder, progress=False)
     cfg = ck.config if isinstance(ck.config, ModelConfig) else ModelConfig.from_dict(ck.config)

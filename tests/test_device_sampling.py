@@ -1,7 +1,8 @@
 """Sampling on the device: the NumPy twin (lily.sampling.device_sample_reference) against the host Sampler's
 distribution; the engine API's input checks; and the session's device-sampling loop, driven here by a stand-in
 engine that implements the device sampler API with the twin on the CPU engine (the CUDA kernel itself is
-checked against the twin on the GPU by benchmarks/cuda_check_sampling.py and benchmarks/kernels/check_sample.cu).
+checked against the twin on the GPU by lily.testing.cuda_sampling_checks, run by benchmarks/cuda_check.py, and
+by benchmarks/kernels/check_sample.cu).
 """
 from __future__ import annotations
 

@@ -1,35 +1,6 @@
-"""The one tolerance table (mirrored in docs/numerics.md). Loosening a value needs a written reason
-in the commit message.
+"""The one tolerance table lives in lily.testing.tolerances (benchmarks/ read it too); tests import it from here
+by the same names. Loosening a value needs a written reason in the commit message."""
+from lily.testing.tolerances import (ENVELOPE_MIN_TOP1, ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, TOLERANCES,
+                                     tol)
 
-Keys: (comparison, dtype) -> {metric: threshold}. rel_rms = ||a-b|| / ||b||.
-"""
-
-TOLERANCES = {
-    # a fp32 backend against the fp32 NumPy reference on the same dequantized weights: only
-    # summation order differs (per op and whole model through all layers)
-    ("op_vs_reference", "fp32"): {"rel_rms": 1e-5},
-    ("model_vs_reference", "fp32"): {"rel_rms": 1e-4, "top1": 0.99},
-    # the same engine run two ways (chunked vs unchunked, prefill vs decode, snapshot/restore):
-    # identical math, only chunk-dependent summation order
-    ("self_consistency", "fp32"): {"rel_rms": 1e-5},
-    # lily (fp32 activations) against mlx-lm run in fp32 on the same quantized weights (issue 2)
-    ("model_vs_mlx", "fp32"): {"rel_rms": 1e-3, "top1": 0.99},
-    # quantize-at-load of HF bf16 weights vs the MLX export of the same weights
-    ("hf_vs_mlx_export", "fp32"): {"rel_rms": 1e-5},
-    # a GEMM whose tiles hold A and W in half / bf16 (Metal matrix-unit paths) vs the fp32 reference:
-    # one rounding of each input (measured 2e-4 for half, 2e-3 for bf16)
-    ("op_vs_reference", "f16_tiles"): {"rel_rms": 2e-3},
-    ("op_vs_reference", "bf16_tiles"): {"rel_rms": 8e-3},
-    # a backend with a bf16 KV cache, fp32 otherwise, vs the fp32 CPU backend: the fp32 bar of design.md §8
-    ("model_vs_cpu", "bf16_kv"): {"rel_rms": 1e-3, "top1": 0.99},
-}
-
-# Against mlx-lm in bf16, lily must be no worse than mlx-lm's own fp32-vs-bf16 envelope (design.md §8)
-# plus this slack; the envelope itself must be tight enough to mean something.
-ENVELOPE_SLACK_TOP1 = 0.01
-ENVELOPE_SLACK_PPL = 0.005
-ENVELOPE_MIN_TOP1 = 0.90
-
-
-def tol(comparison: str, dtype: str = "fp32") -> dict:
-    return TOLERANCES[(comparison, dtype)]
+__all__ = ["ENVELOPE_MIN_TOP1", "ENVELOPE_SLACK_PPL", "ENVELOPE_SLACK_TOP1", "TOLERANCES", "tol"]

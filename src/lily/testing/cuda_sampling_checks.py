@@ -1,5 +1,5 @@
-"""Device sampling checks for cuda_check.py (rows in its format): the CUDA engine's decode_sample against the
-NumPy twin lily.sampling.device_sample_reference on the step's own logits, over option sets and draws;
+"""Device sampling checks of lily.testing.cuda_checks (rows in its format; benchmarks/cuda_check.py prints them):
+the CUDA engine's decode_sample against the NumPy twin lily.sampling.device_sample_reference on the step's own logits, over option sets and draws;
 seen/counts carried across steps on the device; the stale-sampler and stale-logits rules; and, on the bundled
 model, greedy generation with the device sampler == with the host sampler, plus seeded reproducibility.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lily.sampling import SamplingParams, device_sample_reference
+from ..sampling import SamplingParams, device_sample_reference
 
 # The same relative tolerance as the kernel twin (benchmarks/kernels/check_sample.cu): a draw may differ from
 # the twin only where uniform lands within this of a CDF step (float32 sums on the device, float64 here).
