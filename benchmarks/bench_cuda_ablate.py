@@ -36,7 +36,7 @@ ABLATIONS = (
     Ablation("GEMM implementation", "gemm_impl", (0,), (), (4096,), "1 new (default), 0 legacy wmma"),
     Ablation("attention implementation", "attn_impl", (0,), (), (4096,), "1 new (default), 0 legacy (prefill only)"),
     Ablation("programmatic dependent launch", "pdl", (0,), (4096, 32768), (), "1 on (default), 0 off"),
-    # an experiment switched ON (default off until measured): see benchmarks/kernels/exp_stage_chain.cu
+    # an experiment switched ON (default off until measured): see dev/exp_stage_chain.cu
     Ablation("L2 prefetch of the ring projections' rows", "l2_prefetch", (1,), (4096, 131072), (),
              "0 off (default), 1 each ring-projection warp prefetches all its rows into L2 before the PDL wait"),
     Ablation("L2 prefetch of the next kernels' weights", "l2_ahead", (1,), (4096, 32768, 131072), (),

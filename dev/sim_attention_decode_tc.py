@@ -4,7 +4,7 @@ Each lane's fragment loads are transcribed from the kernel; mma.m16n8k16 and ldm
 the PTX ISA's fragment layouts (the same reading the GPU-verified prefill kernel attention_mma.cu relies on). It
 checks the transcription's layouts and the online softmax, not the hardware and not the .cu file itself: keep it
 in step with the kernel when the kernel's indexing changes. A swapped ldmatrix row mapping fails it (rel error
-~1). Run by hand: python3 benchmarks/kernels/sim_attention_decode_tc.py (about a minute)."""
+~1). Run by hand: python3 dev/sim_attention_decode_tc.py (about a minute)."""
 import numpy as np
 
 G, TILE, WARPS = 8, 64, 4

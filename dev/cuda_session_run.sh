@@ -2,11 +2,11 @@
 # One device call that builds lily on the H200 and checks it: kernel-level twins (benchmarks/kernels/run.sh),
 # whole-model checks against the CPU engine (cuda_check.py, tiny and mid configs), compute-sanitizer memcheck,
 # then optionally a step (full-size checkpoint + correctness, or the benchmark). Short summary last.
-#   bash benchmarks/cuda_session_run.sh quick        build + cuda_check
-#   bash benchmarks/cuda_session_run.sh check        build + kernel checks + cuda_check + memcheck
-#   bash benchmarks/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
-#   bash benchmarks/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
-#   bash benchmarks/cuda_session_run.sh verify ARGS  build + the kernel checks named in KCHECKS (e.g. "small decode")
+#   bash dev/cuda_session_run.sh quick        build + cuda_check
+#   bash dev/cuda_session_run.sh check        build + kernel checks + cuda_check + memcheck
+#   bash dev/cuda_session_run.sh full         build + full-size checkpoint + full-size correctness
+#   bash dev/cuda_session_run.sh bench ARGS   build + full-size checkpoint + bench_cuda.py ARGS
+#   bash dev/cuda_session_run.sh verify ARGS  build + the kernel checks named in KCHECKS (e.g. "small decode")
 #        + cuda_check on the tiny configs + memcheck and racecheck on tiny_odd; then, with ARGS, the benchmark,
 #        and with FULL_TIMEOUT=seconds the full-size envelope check after it
 # Files land under $OUT (the device tool's output folder). Pass LILY_GIT_SHA=$(git rev-parse HEAD) from the calling
@@ -49,7 +49,7 @@ check)
   echo "[$(el)s] kernel checks rc=$KRC"
   # the decode-chain experiment (not a check: its figures steer the decode design; it self-checks its outputs)
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/exp_stage_chain \
-    benchmarks/kernels/exp_stage_chain.cu > "$OUT/exp_stage_chain.build.txt" 2>&1 \
+    dev/exp_stage_chain.cu > "$OUT/exp_stage_chain.build.txt" 2>&1 \
     && timeout 120 /tmp/exp_stage_chain > "$OUT/exp_stage_chain.txt" 2>&1
   grep -E "^(TIME|FAIL|SUMMARY|--)" "$OUT/exp_stage_chain.txt" 2>/dev/null | head -24
   SUMMARY+=("exp_stage_chain: $(grep -m1 '^SUMMARY' "$OUT/exp_stage_chain.txt" 2>/dev/null || echo 'did not run')")

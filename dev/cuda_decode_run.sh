@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the fused-decode work: build, correctness (cuda_check, 28 checks), memcheck of the new
 # decode path on an awkward tiny config (if time allows), then the decode/prefill benchmark. Short table last.
-#   bash benchmarks/cuda_decode_run.sh GIT_SHA      (repository root of the device copy; files under $OUT)
+#   bash dev/cuda_decode_run.sh GIT_SHA      (repository root of the device copy; files under $OUT)
 set -u
 export PYTHONUNBUFFERED=1
 SHA=${1:-unknown}

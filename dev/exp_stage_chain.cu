@@ -1,5 +1,4 @@
-// build:
-// Experiment (not a check; run.sh only runs check_*.cu): how close can a decode-like chain of dependent 4-bit
+// Experiment (a one-off, not a check: dev/README.md): how close can a decode-like chain of dependent 4-bit
 // GEMVs get to the copy bandwidth, and what does it take? 40 "layers" x 5 stages with the byte sizes of a
 // DeltaNet layer's decode (in-proj 12,352 x 2,048; out-proj 2,048 x 4,096; router 256 x 2,048; experts 8,192 x
 // 2,048; down 2,048 x 4,608), ~1.4 GB of distinct weights, so nothing stays in L2 between tokens. Each stage
@@ -14,7 +13,7 @@
 //       prefetched into L2 before each barrier
 // plus the ceiling: one plain read of all the weights. Every variant's final output is compared with variant A's
 // (same arithmetic, same order: they must agree to the bit) and stage 0 with a CPU reference.
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/exp benchmarks/kernels/exp_stage_chain.cu
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/exp dev/exp_stage_chain.cu
 //   /tmp/exp [layers]
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
