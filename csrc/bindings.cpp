@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -118,7 +119,7 @@ struct PyEngine {
   std::unique_ptr<lily::Engine> eng;
 
   PyEngine(nb::dict config, nb::dict tensors, nb::dict quant, int threads, int64_t max_context,
-           const std::string& backend) {
+           const std::string& backend, nb::dict options) {
     lily::Config cfg = lily::Config::from_dict(to_config_dict(config));
     lily::TensorMap tmap;
     keep.reserve(nb::len(tensors));
@@ -151,8 +152,10 @@ struct PyEngine {
     const char* dbg = std::getenv("LILY_DEBUG");
     const bool debug = dbg && *dbg && std::string(dbg) != "0";
     if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
+    lily::BackendOptions opts;
+    for (auto [k, v] : options) opts[nb::cast<std::string>(nb::str(k))] = nb::cast<std::string>(nb::str(v));
     nb::gil_scoped_release rel;
-    eng = std::make_unique<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug, backend);
+    eng = std::make_unique<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug, backend, opts);
   }
 
   PyState new_state() const { return PyState{std::shared_ptr<lily::State>(eng->new_state())}; }
@@ -240,6 +243,80 @@ struct PyEngine {
   }
 };
 
+
+using F32Vec = nb::ndarray<nb::numpy, float, nb::ndim<1>>;
+using U8Array = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32Array = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+F32Vec new_row(int64_t V, float** data) {
+  float* out = new float[static_cast<size_t>(V)];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  *data = out;
+  return F32Vec(out, {static_cast<size_t>(V)}, owner);
+}
+
+// A token stream (lily::TokenStream); holds its engine and state alive.
+struct PyTokenStream {
+  nb::object engine;  // the PyEngine
+  PyState state;
+  std::unique_ptr<lily::TokenStream> s;
+  int64_t vocab = 0;
+
+  lily::TokenStream& get() {
+    if (!s) throw std::logic_error("[lily] TokenStream: closed");
+    return *s;
+  }
+  int32_t next() {
+    lily::TokenStream& t = get();
+    nb::gil_scoped_release rel;
+    return t.next();
+  }
+  F32Vec step(int64_t token) {
+    if (token < 0 || token >= vocab)
+      throw std::invalid_argument("[lily] TokenStream.step: token id " + std::to_string(token) +
+                                  " is out of range for vocab_size " + std::to_string(vocab));
+    lily::TokenStream& t = get();
+    float* out = nullptr;
+    F32Vec row = new_row(vocab, &out);
+    {
+      nb::gil_scoped_release rel;
+      t.step(static_cast<int32_t>(token), out);
+    }
+    return row;
+  }
+  nb::object close(bool logits) {
+    if (!s) return nb::none();
+    float* out = nullptr;
+    F32Vec row = new_row(vocab, &out);
+    bool have;
+    {
+      nb::gil_scoped_release rel;
+      have = s->close(logits ? out : nullptr);
+    }
+    if (!have) return nb::none();
+    return nb::cast(row);
+  }
+};
+
+lily::SampleOptions sample_options(double temperature, int64_t top_k, double top_p, double min_p,
+                                   double repetition_penalty, double presence_penalty, double frequency_penalty,
+                                   const std::vector<int32_t>& bias_ids, const std::vector<float>& bias_vals,
+                                   const std::optional<U8Array>& seen, const std::optional<I32Array>& counts) {
+  lily::SampleOptions o;
+  o.temperature = static_cast<float>(temperature);
+  o.top_k = static_cast<int32_t>(std::clamp<int64_t>(top_k, -1, INT32_MAX));
+  o.top_p = static_cast<float>(top_p);
+  o.min_p = static_cast<float>(min_p);
+  o.repetition_penalty = static_cast<float>(repetition_penalty);
+  o.presence_penalty = static_cast<float>(presence_penalty);
+  o.frequency_penalty = static_cast<float>(frequency_penalty);
+  o.bias_ids = bias_ids;
+  o.bias_vals = bias_vals;
+  if (seen) o.seen.assign(seen->data(), seen->data() + seen->shape(0));
+  if (counts) o.counts.assign(counts->data(), counts->data() + counts->shape(0));
+  return o;
+}
+
 nb::dict build_info() {
   nb::dict d;
   nb::list backends;
@@ -292,10 +369,26 @@ NB_MODULE(_lily, m) {
                " nbytes=" + std::to_string(s.st->nbytes()) + ">";
       });
 
+  nb::class_<PyTokenStream>(m, "TokenStream")
+      .def_prop_ro("device", [](PyTokenStream& t) { return t.get().device(); },
+                   "True: the device draws (next()); False: lock-step (step(token))")
+      .def("next", &PyTokenStream::next, "the next token drawn on the device, or -1 when the stream has ended")
+      .def("step", &PyTokenStream::step, "token"_a, "lock-step: run token one step; its logits float32 [vocab]")
+      .def("close", &PyTokenStream::close, "logits"_a = false,
+           "wait for the launched steps and end the stream; logits=True: the logits [vocab] after the last fed "
+           "token, or None when the device no longer holds them")
+      .def_prop_ro("fed", [](PyTokenStream& t) { return t.s ? t.s->fed() : 0; },
+                   "tokens run through the model by this stream (first included)")
+      .def_prop_ro("returned", [](PyTokenStream& t) { return t.s ? t.s->returned() : 0; }, "tokens next() returned")
+      .def_prop_ro("ended", [](PyTokenStream& t) { return !t.s || t.s->ended(); });
+
   nb::class_<PyEngine>(m, "Engine")
-      .def(nb::init<nb::dict, nb::dict, nb::dict, int, int64_t, const std::string&>(), "config"_a, "tensors"_a,
+      .def(nb::init<nb::dict, nb::dict, nb::dict, int, int64_t, const std::string&, nb::dict>(), "config"_a,
+           "tensors"_a,
            "quant"_a, "threads"_a = 0, "max_context"_a = 4096, "backend"_a = "cpu",
-           "backend: 'cpu' | 'cuda' (RuntimeError when not built or no device is visible)")
+           "options"_a = nb::dict(),
+           "backend: 'cpu' | 'cuda' | 'metal' (RuntimeError when not built or no device is visible); options: "
+           "backend-specific construction options by name (str -> str)")
       .def("new_state", &PyEngine::new_state, "empty context at position 0")
       .def("forward_trace", &PyEngine::forward_trace, "state"_a, "tokens"_a, "chunk_size"_a = 0)
       .def("forward", &PyEngine::forward, "state"_a, "tokens"_a, "logits"_a = "last", "chunk_size"_a = 0,
@@ -303,69 +396,50 @@ NB_MODULE(_lily, m) {
       .def("decode_greedy", &PyEngine::decode_greedy, "state"_a, "token"_a, "n_steps"_a,
            "Greedy decoding: feeds token, then each argmax; returns the n_steps argmax tokens (int32) and "
            "advances the state by n_steps. On the GPU the loop runs on the device (no logits copies).")
-      .def("sampler_begin",
-           [](PyEngine& e, double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
-              double presence_penalty, double frequency_penalty,
-              nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> bias_ids,
-              nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> bias_vals,
-              nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> seen,
-              nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> counts) {
-             lily::SampleOptions o;
-             o.temperature = static_cast<float>(temperature);
-             o.top_k = static_cast<int32_t>(std::clamp<int64_t>(top_k, -1, INT32_MAX));
-             o.top_p = static_cast<float>(top_p);
-             o.min_p = static_cast<float>(min_p);
-             o.repetition_penalty = static_cast<float>(repetition_penalty);
-             o.presence_penalty = static_cast<float>(presence_penalty);
-             o.frequency_penalty = static_cast<float>(frequency_penalty);
-             o.bias_ids.assign(bias_ids.data(), bias_ids.data() + bias_ids.shape(0));
-             o.bias_vals.assign(bias_vals.data(), bias_vals.data() + bias_vals.shape(0));
-             o.seen.assign(seen.data(), seen.data() + seen.shape(0));
-             o.counts.assign(counts.data(), counts.data() + counts.shape(0));
-             nb::gil_scoped_release rel;
-             return e.eng->sampler_begin(o);
-           },
-           "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a, "repetition_penalty"_a, "presence_penalty"_a,
-           "frequency_penalty"_a, "bias_ids"_a, "bias_vals"_a, "seen"_a, "counts"_a,
-           "Configure sampling on the device for one generation (seen: uint8 [vocab] or empty; counts: int32 "
-           "[vocab] or empty). Returns the sampler id for decode_sample, or 0 when the backend has no device "
-           "sampler.")
-      .def("decode_sample",
-           [](PyEngine& e, PyState& state, int64_t token, double uniform, int64_t sampler_id) {
+      .def("open_stream",
+           [](PyEngine& e, PyState& state, int64_t first, int64_t max_tokens, std::vector<int32_t> stop_ids,
+              bool device, double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
+              double presence_penalty, double frequency_penalty, std::vector<int32_t> bias_ids,
+              std::vector<float> bias_vals, std::optional<U8Array> seen, std::optional<I32Array> counts,
+              uint64_t seed) {
              const int64_t V = e.eng->config().vocab;
-             if (token < 0 || token >= V)
-               throw std::invalid_argument("[lily] decode_sample: token id " + std::to_string(token) +
+             if (first < 0 || first >= V)
+               throw std::invalid_argument("[lily] open_stream: token id " + std::to_string(first) +
                                            " is out of range for vocab_size " + std::to_string(V));
-             nb::gil_scoped_release rel;
-             return e.eng->decode_sample(*state.st, static_cast<int32_t>(token), static_cast<float>(uniform),
-                                         sampler_id);
-           },
-           "state"_a, "token"_a, "uniform"_a, "sampler_id"_a,
-           "One decode step of token, then the next token drawn on the device with uniform in [0, 1); advances "
-           "the state by 1. Returns -1 (and runs nothing) when sampler_id is no longer current.")
-      .def("decode_logits",
-           [](PyEngine& e, PyState& state) -> nb::object {
-             const int64_t V = e.eng->config().vocab;
-             float* out = new float[static_cast<size_t>(V)];
-             nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
-             bool ok;
+             lily::StreamOptions o;
+             o.max_tokens = max_tokens;
+             o.stop_ids = std::move(stop_ids);
+             o.device = device;
+             o.seed = seed;
+             o.sample = sample_options(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                                       frequency_penalty, bias_ids, bias_vals, seen, counts);
+             auto py = std::make_unique<PyTokenStream>();
+             py->engine = nb::find(&e);
+             py->state = state;
+             py->vocab = V;
              {
                nb::gil_scoped_release rel;
-               ok = e.eng->decode_logits(*state.st, out);
+               py->s = e.eng->open_stream(*state.st, static_cast<int32_t>(first), o);
              }
-             if (!ok) return nb::none();
-             return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<1>>(out, {static_cast<size_t>(V)}, owner));
+             return py.release();
            },
-           "state"_a, "The logits [vocab] of state's last decode_sample step, or None when the device no longer "
-           "holds them.")
+           "state"_a, "first"_a, "max_tokens"_a, "stop_ids"_a = std::vector<int32_t>{}, "device"_a = true,
+           "temperature"_a = 0.0, "top_k"_a = 0, "top_p"_a = 1.0, "min_p"_a = 0.0, "repetition_penalty"_a = 1.0,
+           "presence_penalty"_a = 0.0, "frequency_penalty"_a = 0.0, "bias_ids"_a = std::vector<int32_t>{},
+           "bias_vals"_a = std::vector<float>{}, "seen"_a = nb::none(), "counts"_a = nb::none(), "seed"_a = 0,
+           nb::rv_policy::take_ownership,
+           "A token stream from `first` (the last sampled token, at state.position): the token loop in the "
+           "extension. device=True draws on the device where the backend can (TokenStream.device says; next() "
+           "returns tokens, running one step ahead), else lock-step (step(token) returns the logits). seen: uint8 "
+           "[vocab] or empty (tokens in the context), counts: int32 [vocab] or empty (generated so far).")
       .def("set_backend_flag", [](PyEngine& e, const std::string& name, int64_t value) {
              nb::gil_scoped_release rel;
              e.eng->set_backend_flag(name, value);
-           }, "name"_a, "value"_a, "backend switch for ablations, e.g. cuda: 'cuda_decode' 0 | 1 | 2")
+           }, "name"_a, "value"_a, "backend switch for ablations, e.g. cuda: 'cuda_graph' 0 | 1")
       .def("backend_flag", [](PyEngine& e, const std::string& name) {
              nb::gil_scoped_release rel;
              return e.eng->backend_flag(name);
-           }, "name"_a, "backend switch or counter, e.g. cuda: 'cuda_decode', 'graph_kernels'")
+           }, "name"_a, "backend switch or counter, e.g. cuda: 'cuda_graph', 'graph_kernels'")
       .def_prop_ro("max_context", [](const PyEngine& e) { return e.eng->max_context(); })
       .def_prop_ro("backend", [](const PyEngine& e) { return std::string(e.eng->backend_name()); })
       .def_prop_ro("threads", [](const PyEngine& e) { return e.eng->threads(); })

@@ -11,7 +11,10 @@
 namespace lily {
 
 std::unique_ptr<Backend> make_backend(const std::string& name, const Config& cfg, const Weights& w, int threads,
-                                      bool debug) {
+                                      bool debug, const BackendOptions& options) {
+  if (name != "metal" && !options.empty())
+    throw std::invalid_argument("[lily] backend '" + name + "' takes no options (got '" + options.begin()->first +
+                                "')");
   if (name == "cpu") return make_cpu_backend(cfg, w, threads, debug);
   if (name == "cuda") {
 #ifdef LILY_HAVE_CUDA

@@ -1,9 +1,10 @@
 // The narrow Backend interface, at sub-block granularity. The engine's layer loop is written once
 // against it; each backend fuses its own kernel chains inside a sub-block. The residual stream
 // x [S, H] lives in the backend (device memory on GPU backends); only logits cross to the host.
-// Every entry point takes S rows; decode is S == 1 and may take a specialised path.
+// Every entry point takes S rows; decode is S == 1 (the backend's fused decode kernels), bracketed as a step.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -31,6 +32,15 @@ struct SampleOptions {
   std::vector<int32_t> counts;     // [V] or empty: times each token was generated (presence / frequency)
 };
 
+// One decode step: one token through the model, bracketed by Backend::begin_step / end_step.
+struct DecodeStep {
+  int64_t index = 0;      // the engine's step count (every stream's steps, in order); index & 1 picks device slots
+  int32_t token = -1;     // the token fed: >= 0 given by the host; -1: the token step index - 1 drew on the device
+  int64_t position = 0;   // position of that token (st.position before the step)
+  bool draw = false;      // the device draws the next token (sampler_begin's options), else logits go to the host
+  float uniform = 0.f;    // the draw's uniform number in [0, 1)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -44,6 +54,8 @@ class Backend {
   // Waits until all queued work is done (GPU backends queue asynchronously); called at the end of forward.
   virtual void sync() {}
 
+  // ---- sub-blocks: the engine's layer loop (core/engine.cpp) calls these for S rows -------------------------
+  // With S == 1 a backend runs its fused decode kernels. x [S, H] is the residual stream, held by the backend.
   // x[S, H] = E[ids[S]]; starts a chunk of S rows.
   virtual void embed(const int32_t* ids, int64_t S) = 0;
   // x += DeltaNet(RMSNorm(x; in_norm)); advances st (conv + recurrent state) by S rows.
@@ -57,22 +69,30 @@ class Backend {
   // logits[n, V] (host) = RMSNorm(x[row0 : row0+n]; final_norm) W_lm^T.
   virtual void head(int64_t row0, int64_t n, float* logits) = 0;
 
-  // Optional decode fast path for one token at st.position (st already reserved for position + 1): the whole
-  // step in the backend's own fused form; logits [V] to the host when logits != nullptr. Does not advance
-  // st.position. Returns false when the backend has none (the engine then runs the sub-block loop).
-  virtual bool decode_step(State& st, int32_t token, float* logits) { return false; }
-  // Optional greedy decoding on the device: n steps from `token` (st reserved for position + n); out[i] is the
-  // argmax (lowest index on ties) of the logits after step i and the input of step i + 1. Does not advance
-  // st.position. Returns false when the backend has none.
-  virtual bool decode_greedy(State& st, int32_t token, int64_t n, int32_t* out) { return false; }
-  // Optional sampling on the device. sampler_begin: options of a new generation (generated-token counts start
-  // at zero); false when the backend has no device sampler. decode_sample: one decode step of `token` at
-  // st.position (st reserved for position + 1), then the next token drawn on the device with `uniform` in
-  // [0, 1) into *next; does not advance st.position; false when unsupported or no sampler_begin happened.
-  // decode_logits: the logits row [V] of the last decode step, to the host (false when none is held).
+  // ---- decode steps: the engine brackets every one-token step ---------------------------------------------
+  // begin_step(st, d) -> [embed(&d.token, 1), the layer loop for 1 row, head_step(d)] -> end_step(st, d, logits).
+  // begin_step returns false when the backend replays a step it recorded earlier (a CUDA graph): the engine then
+  // issues nothing between the brackets. st is reserved for d.position + 1; the engine advances st.position.
+  // With d.token == -1 the step's embed reads the token step d.index - 1 drew (backends with a device sampler).
+  virtual bool begin_step(State& st, const DecodeStep& d) { return true; }
+  // The step's logits row [V], kept by the backend (device slot d.index & 1); with d.draw, then the next token
+  // drawn from it on the device (see sampler_begin), kept for drawn_token(d.index) and as step d.index + 1's input.
+  virtual void head_step(const DecodeStep& d) = 0;
+  // Ends (CUDA: launches) the step. logits != nullptr: the row [V] to the host, synchronously. Without logits a
+  // device backend may return before the step ran: drawn_token waits for it.
+  virtual void end_step(State& st, const DecodeStep& d, float* logits) = 0;
+
+  // Device draws (the token loop's device mode). sampler_begin: the options of a new generation (seen / counts
+  // as the host knows them); false when the backend cannot draw with them (the engine then runs lock-step: each
+  // step's logits go to the host, which draws). drawn_token: the token step `index` drew, waiting for that step
+  // (only the last two steps are held). step_logits: the logits row [V] of step `index` to the host; false when the
+  // backend no longer holds it.
   virtual bool sampler_begin(const SampleOptions& opt) { return false; }
-  virtual bool decode_sample(State& st, int32_t token, float uniform, int32_t* next) { return false; }
-  virtual bool decode_logits(float* logits) { return false; }
+  virtual int32_t drawn_token(int64_t index) {
+    throw std::logic_error(std::string("[lily] backend '") + name() + "' has no device sampler");
+  }
+  virtual bool step_logits(int64_t index, float* logits) { return false; }
+
   // Named switches for ablations and counters for reports; std::invalid_argument for an unknown name.
   virtual void set_flag(const std::string& flag_name, int64_t value) {
     throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
@@ -87,10 +107,14 @@ std::unique_ptr<Backend> make_cpu_backend(const Config& cfg, const Weights& w, i
 // Throws std::runtime_error("[lily] backend 'cuda': no CUDA device ...") when no device is visible.
 std::unique_ptr<Backend> make_cuda_backend(const Config& cfg, const Weights& w, bool debug);
 
-// The one dispatch point: "cpu" | "cuda". Throws std::invalid_argument for an unknown name and
+// Backend-specific construction options by name (e.g. the emulated Metal device's kernel libraries); a backend
+// throws std::invalid_argument for a name it does not know.
+using BackendOptions = std::map<std::string, std::string>;
+
+// The one dispatch point: "cpu" | "cuda" | "metal". Throws std::invalid_argument for an unknown name and
 // std::runtime_error for a backend not compiled into this build or with no device.
 std::unique_ptr<Backend> make_backend(const std::string& name, const Config& cfg, const Weights& w, int threads,
-                                      bool debug);
+                                      bool debug, const BackendOptions& options = {});
 
 // SIMD features the CPU backend was compiled with, e.g. "avx2 fma avx512f".
 std::string cpu_simd_features();

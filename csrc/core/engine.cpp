@@ -16,11 +16,11 @@ LogitsMode parse_logits_mode(const std::string& s) {
 }
 
 Engine::Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quant, int threads,
-               int64_t max_context, bool debug, const std::string& backend)
+               int64_t max_context, bool debug, const std::string& backend, const BackendOptions& options)
     : cfg_(cfg), weights_(load_weights(cfg_, tensors, quant)), max_context_(max_context), debug_(debug) {
   if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
   if (threads < 0) throw std::invalid_argument("[lily] threads must be >= 0 (0 = all hardware threads)");
-  backend_ = make_backend(backend, cfg_, weights_, threads, debug);
+  backend_ = make_backend(backend, cfg_, weights_, threads, debug, options);
 }
 
 void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
@@ -38,45 +38,60 @@ void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
                                   std::to_string(cfg_.vocab));
 }
 
+Engine::~Engine() = default;
+
+void Engine::run_layers(State& st, int64_t n, Trace* trace) {
+  auto record = [&](const std::string& name) {
+    if (!trace) return;
+    auto& v = (*trace)[name];
+    const size_t old = v.size();
+    v.resize(old + static_cast<size_t>(n) * cfg_.hidden);
+    backend_->read_residual(n, v.data() + old);
+  };
+  record("embed");
+  for (int L = 0; L < cfg_.n_layers; ++L) {
+    const int slot = st.layer_slot[L];
+    if (cfg_.layer_types[L] == LayerType::Attention) backend_->attention_block(L, st.kv[slot], st.position, n);
+    else backend_->deltanet_block(L, st.dn[slot], n);
+    record("mixer." + std::to_string(L));
+    backend_->moe_block(L, n);
+    record("moe." + std::to_string(L));
+  }
+}
+
+int64_t Engine::run_step(State& st, DecodeStep d, float* logits) {
+  d.index = next_step_++;
+  if (backend_->begin_step(st, d)) {
+    backend_->embed(&d.token, 1);
+    run_layers(st, 1, nullptr);
+    backend_->head_step(d);
+  }
+  backend_->end_step(st, d, logits);
+  st.position += 1;
+  return d.index;
+}
+
 void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
                      float* logits, Trace* trace) {
   std::lock_guard<std::mutex> lk(mu_);
-  forward_locked(st, tokens, S, mode, chunk_size, logits, trace);
-}
-
-void Engine::forward_locked(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
-                            float* logits, Trace* trace) {
+  park_active(nullptr);
   validate(st, tokens, S);
-  sampled_state_ = nullptr;  // a step may overwrite the device logits a decode_sample left
   if (chunk_size < 0) throw std::invalid_argument("[lily] forward: chunk_size must be >= 0");
   const int64_t chunk = chunk_size > 0 ? chunk_size : backend_->default_chunk();
   const int64_t V = cfg_.vocab;
   if (debug_) std::fill(logits, logits + logits_rows(mode, S) * V, std::numeric_limits<float>::quiet_NaN());
   st.reserve(st.position + S);
-  // One token without a trace: the backend's decode fast path where it has one.
-  if (S == 1 && !trace && backend_->decode_step(st, tokens[0], mode == LogitsMode::None ? nullptr : logits)) {
-    st.position += 1;
+  if (S == 1 && !trace) {  // a decode step, the same path as a token stream's lock-step
+    std::vector<float> row;
+    if (mode == LogitsMode::None) row.resize(static_cast<size_t>(V));
+    run_step(st, DecodeStep{0, tokens[0], st.position, false, 0.f},
+             mode == LogitsMode::None ? row.data() : logits);
     return;
   }
   for (int64_t c0 = 0; c0 < S; c0 += chunk) {
     const int64_t n = std::min(chunk, S - c0);
-    auto record = [&](const std::string& name) {
-      if (!trace) return;
-      auto& v = (*trace)[name];
-      const size_t old = v.size();
-      v.resize(old + static_cast<size_t>(n) * cfg_.hidden);
-      backend_->read_residual(n, v.data() + old);
-    };
     backend_->embed(tokens + c0, n);
-    record("embed");
-    for (int L = 0; L < cfg_.n_layers; ++L) {
-      const int slot = st.layer_slot[L];
-      if (cfg_.layer_types[L] == LayerType::Attention) backend_->attention_block(L, st.kv[slot], st.position, n);
-      else backend_->deltanet_block(L, st.dn[slot], n);
-      record("mixer." + std::to_string(L));
-      backend_->moe_block(L, n);
-      record("moe." + std::to_string(L));
-    }
+    run_layers(st, n, trace);
     if (mode == LogitsMode::All) backend_->head(0, n, logits + c0 * V);
     else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);
     st.position += n;
@@ -84,32 +99,9 @@ void Engine::forward_locked(State& st, const int32_t* tokens, int64_t S, LogitsM
   backend_->sync();
 }
 
-void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (n_steps < 0) throw std::invalid_argument("[lily] decode_greedy: n_steps must be >= 0");
-  validate(st, &token, 1);
-  sampled_state_ = nullptr;
-  if (st.position + n_steps > max_context_)
-    throw std::invalid_argument("[lily] decode_greedy: position " + std::to_string(st.position) + " + " +
-                                std::to_string(n_steps) + " steps exceeds max_context " + std::to_string(max_context_));
-  if (n_steps == 0) return;
-  st.reserve(st.position + n_steps);
-  if (backend_->decode_greedy(st, token, n_steps, out)) {
-    st.position += n_steps;
-    return;
-  }
-  std::vector<float> lg(static_cast<size_t>(cfg_.vocab));
-  for (int64_t i = 0; i < n_steps; ++i) {
-    forward_locked(st, &token, 1, LogitsMode::Last, 0, lg.data(), nullptr);
-    token = static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
-    out[i] = token;
-  }
-}
-
-int64_t Engine::sampler_begin(const SampleOptions& o) {
-  std::lock_guard<std::mutex> lk(mu_);
+void Engine::check_sample_options(const SampleOptions& o) const {
   const int64_t V = cfg_.vocab;
-  auto bad = [](const std::string& what) { throw std::invalid_argument("[lily] sampler_begin: " + what); };
+  auto bad = [](const std::string& what) { throw std::invalid_argument("[lily] open_stream: " + what); };
   if (!(o.temperature >= 0.f) || !std::isfinite(o.temperature)) bad("temperature must be a finite number >= 0");
   if (!(o.top_p > 0.f && o.top_p <= 1.f)) bad("top_p must be in (0, 1]");
   if (!(o.min_p >= 0.f && o.min_p <= 1.f)) bad("min_p must be in [0, 1]");
@@ -124,50 +116,183 @@ int64_t Engine::sampler_begin(const SampleOptions& o) {
     if (id < 0 || id >= V) bad("bias id " + std::to_string(id) + " is outside 0.." + std::to_string(V - 1));
     if (seen_id[id]++) bad("bias id " + std::to_string(id) + " appears twice: expected distinct ids");
   }
+  for (float b : o.bias_vals)
+    if (std::isnan(b)) bad("a logit bias is NaN");
   if (!o.seen.empty() && static_cast<int64_t>(o.seen.size()) != V)
     bad("seen has " + std::to_string(o.seen.size()) + " entries: expected vocab_size " + std::to_string(V) +
         " (or none)");
   if (!o.counts.empty() && static_cast<int64_t>(o.counts.size()) != V)
     bad("counts has " + std::to_string(o.counts.size()) + " entries: expected vocab_size " + std::to_string(V) +
         " (or none)");
-  sampler_id_ = backend_->sampler_begin(o) ? ++sampler_issued_ : 0;
-  return sampler_id_;
 }
 
-int32_t Engine::decode_sample(State& st, int32_t token, float uniform, int64_t id) {
+std::unique_ptr<TokenStream> Engine::open_stream(State& st, int32_t first, const StreamOptions& opt) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (id <= 0 || id > sampler_issued_)
-    throw std::invalid_argument("[lily] decode_sample: sampler id " + std::to_string(id) +
-                                " was not returned by sampler_begin");
-  if (id != sampler_id_) return -1;
-  if (!(uniform >= 0.f && uniform < 1.f))
-    throw std::invalid_argument("[lily] decode_sample: uniform must be in [0, 1), got " + std::to_string(uniform));
-  validate(st, &token, 1);
-  st.reserve(st.position + 1);
-  int32_t next = -1;
-  if (!backend_->decode_sample(st, token, uniform, &next))
-    throw std::logic_error(std::string("[lily] decode_sample: backend '") + backend_->name() +
-                           "' declined the step after accepting the sampler");
-  st.position += 1;
-  sampled_state_ = &st;
-  sampled_position_ = st.position;
-  return next;
+  park_active(nullptr);
+  validate(st, &first, 1);
+  if (opt.max_tokens < 1)
+    throw std::invalid_argument("[lily] open_stream: max_tokens must be >= 1, got " + std::to_string(opt.max_tokens));
+  for (int32_t id : opt.stop_ids)
+    if (id < 0 || id >= cfg_.vocab)
+      throw std::invalid_argument("[lily] open_stream: stop id " + std::to_string(id) + " is outside 0.." +
+                                  std::to_string(cfg_.vocab - 1));
+  check_sample_options(opt.sample);
+  const bool device = opt.device && backend_->sampler_begin(opt.sample);
+  std::unique_ptr<TokenStream> s(new TokenStream(*this, st, first, opt, device));
+  if (device) {
+    active_ = s.get();
+    s->launch(first);
+  }
+  return s;
 }
 
-bool Engine::decode_logits(const State& st, float* logits) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (sampled_state_ != &st || sampled_position_ != st.position) return false;
-  return backend_->decode_logits(logits);
+void Engine::park_active(const TokenStream* keep) {
+  if (active_ && active_ != keep) {
+    TokenStream* s = active_;
+    active_ = nullptr;
+    s->park();
+  }
+}
+
+void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out) {
+  if (n_steps < 0) throw std::invalid_argument("[lily] decode_greedy: n_steps must be >= 0");
+  if (n_steps == 0) return;
+  if (st.position + n_steps > max_context_)
+    throw std::invalid_argument("[lily] decode_greedy: position " + std::to_string(st.position) + " + " +
+                                std::to_string(n_steps) + " steps exceeds max_context " + std::to_string(max_context_));
+  StreamOptions opt;
+  opt.max_tokens = n_steps;
+  opt.sample.temperature = 0.f;
+  std::unique_ptr<TokenStream> s = open_stream(st, token, opt);
+  if (s->device()) {
+    for (int64_t i = 0; i < n_steps; ++i) out[i] = s->next();
+    s->close();
+    return;
+  }
+  std::vector<float> lg(static_cast<size_t>(cfg_.vocab));
+  for (int64_t i = 0; i < n_steps; ++i) {
+    s->step(token, lg.data());
+    token = static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    out[i] = token;
+  }
+  s->close();
 }
 
 void Engine::set_backend_flag(const std::string& name, int64_t value) {
   std::lock_guard<std::mutex> lk(mu_);
+  park_active(nullptr);
   backend_->set_flag(name, value);
 }
 
 int64_t Engine::backend_flag(const std::string& name) {
   std::lock_guard<std::mutex> lk(mu_);
   return backend_->flag(name);
+}
+
+// ---- TokenStream ------------------------------------------------------------------------------------------------
+
+TokenStream::TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device)
+    : eng_(eng), st_(st), opt_(opt), device_(device), rng_(opt.seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull) {
+  (void)first;
+  const size_t V = static_cast<size_t>(eng.cfg_.vocab);
+  if (opt_.sample.seen.empty()) opt_.sample.seen.assign(V, 0);
+  if (opt_.sample.counts.empty()) opt_.sample.counts.assign(V, 0);
+}
+
+TokenStream::~TokenStream() {
+  try {
+    close();
+  } catch (...) {  // a destructor must not throw; close() explicitly to see errors
+  }
+}
+
+// splitmix64: the device draws' uniform numbers, a fixed sequence per seed (24 random bits: exact in float32).
+float TokenStream::next_uniform() {
+  uint64_t z = (rng_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.f / 16777216.f);
+}
+
+void TokenStream::note(int32_t token) {
+  opt_.sample.seen[token] = 1;
+  opt_.sample.counts[token] += 1;
+}
+
+// Engine lock held. Step launched_ feeds host_token (>= 0) or what step launched_ - 1 drew (device slot).
+void TokenStream::launch(int32_t host_token) {
+  State& st = st_;
+  st.reserve(st.position + 1);
+  last_step_ = eng_.run_step(st, DecodeStep{0, host_token, st.position, true, next_uniform()}, nullptr);
+  ++launched_;
+}
+
+void TokenStream::park() {
+  if (parked_ || closed_ || launched_ == returned_) {
+    parked_ = true;
+    return;
+  }
+  // launched_ == returned_ + 1: the last launched step drew the token next() returns next
+  parked_token_ = eng_.backend_->drawn_token(last_step_);
+  parked_ = true;
+}
+
+int32_t TokenStream::next() {
+  if (!device_) throw std::logic_error("[lily] TokenStream.next: a lock-step stream takes step(token)");
+  std::lock_guard<std::mutex> lk(eng_.mu_);
+  if (ended_ || closed_) return -1;
+  if (launched_ == returned_) {  // the context (or max_tokens) stopped the launches: nothing more to draw
+    ended_ = true;
+    return -1;
+  }
+  eng_.park_active(this);
+  if (parked_) {
+    // another generation used the device: its sampler options and the slot are gone; begin again from the host
+    if (!eng_.backend_->sampler_begin(opt_.sample))
+      throw std::logic_error("[lily] TokenStream.next: the backend declined a sampler it accepted before");
+    eng_.active_ = this;
+  }
+  const int64_t idx = last_step_;  // the step that draws the token returned now
+  const int32_t known = parked_ ? parked_token_ : -1;
+  // Run ahead: the step that feeds this token goes out before we wait for it, unless the token is the last one.
+  const bool more = returned_ + 1 < opt_.max_tokens && st_.position < eng_.max_context_;
+  if (more) launch(known);  // known < 0: the device slot holds it
+  const int32_t tok = known >= 0 ? known : eng_.backend_->drawn_token(idx);
+  parked_ = false;
+  parked_token_ = -1;
+  ++returned_;
+  note(tok);
+  for (int32_t s : opt_.stop_ids)
+    if (s == tok) ended_ = true;
+  if (returned_ >= opt_.max_tokens) ended_ = true;
+  return tok;
+}
+
+void TokenStream::step(int32_t token, float* logits) {
+  if (device_) throw std::logic_error("[lily] TokenStream.step: a device stream draws its own tokens (next())");
+  std::lock_guard<std::mutex> lk(eng_.mu_);
+  if (closed_) throw std::logic_error("[lily] TokenStream.step: the stream is closed");
+  eng_.park_active(nullptr);
+  eng_.validate(st_, &token, 1);
+  st_.reserve(st_.position + 1);
+  last_step_ = eng_.run_step(st_, DecodeStep{0, token, st_.position, false, 0.f}, logits);
+  ++launched_;
+}
+
+bool TokenStream::close(float* logits) {
+  std::lock_guard<std::mutex> lk(eng_.mu_);
+  bool have = false;
+  if (!closed_ && device_ && launched_ > 0) {
+    if (eng_.active_ == this) {
+      eng_.active_ = nullptr;
+      eng_.backend_->drawn_token(last_step_);  // waits for the last launched step (its draw is dropped)
+      if (logits) have = eng_.backend_->step_logits(last_step_, logits);
+    }
+  }
+  closed_ = true;
+  ended_ = true;
+  return have;
 }
 
 }  // namespace lily

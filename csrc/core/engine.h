@@ -24,14 +24,80 @@ using Trace = std::map<std::string, std::vector<float>>;
 // Parses "none" | "last" | "all"; throws std::invalid_argument otherwise.
 LogitsMode parse_logits_mode(const std::string& s);
 
+// Options of one token stream (Engine::open_stream).
+struct StreamOptions {
+  int64_t max_tokens = 1;            // tokens next() returns at most (>= 1)
+  std::vector<int32_t> stop_ids;     // a drawn stop id is returned and ends the stream
+  bool device = true;                // draw on the device where the backend can; else lock-step
+  SampleOptions sample;              // the device draw; temperature 0 = greedy (lowest index on ties)
+  uint64_t seed = 0;                 // the device draws' uniform numbers come from this seed
+};
+
+class Engine;
+
+// One generation's token loop over one State, inside the extension (design.md §3). The stream feeds `first` (the
+// last token sampled, at st.position) and every token it returns.
+//
+// Device mode (the backend draws): next() launches the step that feeds the token it is about to return before
+// waiting for the step that drew it, so the device runs one step ahead of the host and never waits for it. That
+// step only ever feeds a token the host will accept (every returned token is part of the text; a stop id or a stop
+// string ends the stream *after* its token), so the state never has to step back: after close() it holds
+// `first` and every returned token, except that the last one stays unfed when max_tokens or the context ended the
+// stream (fed() says how many tokens ran). Another engine call (a forward, another stream) parks the stream first:
+// its launched steps finish and their tokens wait on the host; the stream resumes from them.
+//
+// Lock-step mode (a backend without a device sampler, or a host-side mask): step(token, logits) runs one token and
+// returns its logits row; the host draws the next token.
+class TokenStream {
+ public:
+  ~TokenStream();
+  TokenStream(const TokenStream&) = delete;
+  TokenStream& operator=(const TokenStream&) = delete;
+
+  bool device() const { return device_; }
+  // Device mode: the next token, or -1 when the stream has ended (max_tokens returned, a stop id returned, the
+  // context full, or close() called).
+  int32_t next();
+  // Lock-step mode: runs `token` at st.position (one step) and writes its logits [V].
+  void step(int32_t token, float* logits);
+  // Waits for the launched steps and ends the stream (idempotent). logits != nullptr: the logits row [V] after the
+  // last fed token, when one is held (returns false otherwise).
+  bool close(float* logits = nullptr);
+  // Tokens run through the model by this stream (first included); returned: tokens next() returned.
+  int64_t fed() const { return launched_; }
+  int64_t returned() const { return returned_; }
+  bool ended() const { return ended_; }
+
+ private:
+  friend class Engine;
+  TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device);
+  void launch(int32_t host_token);  // the step that feeds the next token (host_token >= 0, or the device slot)
+  void park();                      // engine lock held: finish the launched steps, keep their draws on the host
+  void note(int32_t token);         // host record of the generated tokens (seen / counts for a re-begin)
+  float next_uniform();
+
+  Engine& eng_;
+  State& st_;
+  StreamOptions opt_;
+  bool device_;
+  bool ended_ = false, closed_ = false;
+  bool parked_ = false;            // the device slot no longer holds this stream's next token
+  int32_t parked_token_ = -1;      // parked: the token the last launched step drew
+  int64_t launched_ = 0;           // steps launched = tokens fed
+  int64_t last_step_ = -1;         // the engine's index of the last step launched
+  int64_t returned_ = 0;
+  uint64_t rng_;
+};
+
 class Engine {
  public:
   static constexpr int64_t kDefaultChunkCpu = 256;
 
   // tensors: views that must outlive the engine (the binding keeps the arrays alive).
-  // backend: "cpu" | "cuda" (see make_backend).
+  // backend: "cpu" | "cuda" | "metal" (see make_backend).
   Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quant, int threads, int64_t max_context,
-         bool debug = false, const std::string& backend = "cpu");
+         bool debug = false, const std::string& backend = "cpu", const BackendOptions& options = {});
+  ~Engine();
 
   std::unique_ptr<State> new_state() const {
     return std::make_unique<State>(cfg_, max_context_, backend_->memory(), backend_->kv_elem());
@@ -40,26 +106,19 @@ class Engine {
   // Throws std::invalid_argument naming the problem (empty, token out of range, context overflow).
   void validate(const State& st, const int32_t* tokens, int64_t S) const;
 
-  // Runs S tokens (prefill in chunks of chunk_size rows, 0 = backend default; S == 1 is a decode step)
-  // and advances st.position by S. logits: [rows(mode, S), V] with rows 0 / 1 / S for none / last / all.
+  // Runs S tokens (prefill in chunks of chunk_size rows, 0 = backend default; S == 1 without a trace is a decode
+  // step) and advances st.position by S. logits: [rows(mode, S), V] with rows 0 / 1 / S for none / last / all.
   void forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size, float* logits,
                Trace* trace = nullptr);
 
-  // Greedy decoding: n_steps tokens; out[i] = argmax (lowest index on ties) of the logits after feeding
-  // token (i = 0) or out[i-1]; advances st.position by n_steps. On the device where the backend has a fast
-  // path (no logits cross to the host), else a loop of forward steps.
-  void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
+  // A token stream from `first` at st.position (see TokenStream); validates the options (std::invalid_argument
+  // naming the bad one). The stream must not outlive the engine or the state, and is the engine's only open
+  // stream on st.
+  std::unique_ptr<TokenStream> open_stream(State& st, int32_t first, const StreamOptions& opt);
 
-  // Sampling on the device (backends that have it; see Backend::sampler_begin). sampler_begin validates the
-  // options (std::invalid_argument naming the bad one) and returns an id for this generation, or 0 when the
-  // backend has no device sampler. decode_sample runs `token` at st.position, advances st.position by 1 and
-  // returns the next token drawn on the device with `uniform`; it returns -1 without running anything when
-  // `id` is no longer the engine's current sampler (another generation began since: begin again with the
-  // host's counts). decode_logits copies the logits [V] of st's last decode_sample step; false when the device no longer
-  // holds them (another step ran since, on any state) or the backend has none.
-  int64_t sampler_begin(const SampleOptions& opt);
-  int32_t decode_sample(State& st, int32_t token, float uniform, int64_t id);
-  bool decode_logits(const State& st, float* logits);
+  // Greedy decoding: n_steps tokens from a device-mode stream where the backend has one, else lock-step argmax;
+  // out[i] = argmax (lowest index on ties) after feeding token (i = 0) or out[i-1]. Advances st.position by n_steps.
+  void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
 
   // Backend switches (ablations) and counters; std::invalid_argument for a name the backend does not know.
   void set_backend_flag(const std::string& name, int64_t value);
@@ -77,19 +136,24 @@ class Engine {
   bool debug() const { return debug_; }
 
  private:
-  void forward_locked(State& st, const int32_t* tokens, int64_t S, LogitsMode mode, int64_t chunk_size,
-                      float* logits, Trace* trace);
+  friend class TokenStream;
+  // The layer loop, written once: x += mixer(norm(x)); x += moe(norm(x)) for n rows at st.position.
+  void run_layers(State& st, int64_t n, Trace* trace);
+  // One bracketed decode step (d.position == st.position); numbers it (d.index: the engine's step count, so a
+  // backend's per-step slots tell the steps of every stream apart), advances st.position by 1, returns d.index.
+  int64_t run_step(State& st, DecodeStep d, float* logits);
+  void check_sample_options(const SampleOptions& o) const;
+  // Engine lock held: park the open device stream (if any) unless it is `keep`.
+  void park_active(const TokenStream* keep);
 
   Config cfg_;
   Weights weights_;
   int64_t max_context_;
   bool debug_;
   std::unique_ptr<Backend> backend_;
-  int64_t sampler_id_ = 0;     // current device sampler (0: none)
-  const State* sampled_state_ = nullptr;  // the state of the last decode_sample (its logits are on the device)
-  int64_t sampled_position_ = -1;
-  int64_t sampler_issued_ = 0;
-  std::mutex mu_;  // one forward at a time: backend buffers are shared
+  int64_t next_step_ = 0;           // decode steps run by this engine
+  TokenStream* active_ = nullptr;   // the device stream whose steps may be in flight or own the sampler
+  std::mutex mu_;  // one forward / step at a time: backend buffers are shared
 };
 
 }  // namespace lily

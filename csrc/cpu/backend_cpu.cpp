@@ -84,6 +84,16 @@ class CpuBackend final : public Backend {
     cpu::linear(pool_, w_.lm_head, h_.data(), n, logits);
   }
 
+  // Decode steps run synchronously on the host: no recording, no device draws (lock-step token streams).
+  void head_step(const DecodeStep& d) override {
+    if (d.draw) throw std::logic_error("[lily] backend 'cpu' has no device sampler: the step cannot draw");
+    step_logits_.resize(static_cast<size_t>(cfg_.vocab));
+    head(0, 1, step_logits_.data());
+  }
+  void end_step(State&, const DecodeStep&, float* logits) override {
+    if (logits) std::copy(step_logits_.begin(), step_logits_.end(), logits);
+  }
+
  private:
   void add_residual(int64_t S) {
     float* x = x_.data();
@@ -133,6 +143,7 @@ class CpuBackend final : public Backend {
   std::vector<float> qg_, k_, v_, o_;    // attention: [S, 2*Hq*D], [S, Hkv*D] x2, [S, Hq*D]
   std::vector<float> qkv_, u_, z_, y_;   // deltanet: [S, C] x2, [S, Hv*Dv] x2
   std::vector<float> b_, a_;             // deltanet: [S, Hv]
+  std::vector<float> step_logits_;       // [V] the last decode step's logits
   cpu::MoeScratch moe_;
 };
 
