@@ -16,7 +16,6 @@ import emu  # noqa: E402
 import mslc  # noqa: E402
 
 METAL_DIR = os.path.join(ROOT, "metal")
-CLANG_HINT = "install it with: apt-get install -y clang-16 (the address-space check runs clang in C++-for-OpenCL mode)"
 
 
 def metal_files() -> list[str]:

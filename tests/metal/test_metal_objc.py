@@ -16,7 +16,7 @@ FLAGS = ["-x", "objective-c++", "-std=c++20", "-fobjc-arc", "-fobjc-runtime=maco
 
 
 def _check(path):
-    r = subprocess.run([mslc.CLANG, *FLAGS, path], capture_output=True, text=True)
+    r = subprocess.run([*mslc.CLANG, *FLAGS, path], capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
 
 

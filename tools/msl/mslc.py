@@ -18,8 +18,11 @@ Outputs are cached under $MSL_BUILD_DIR (default <repo>/build/msl) by a hash of 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,30 @@ INC = os.path.join(HERE, "include")
 RT_SRC = os.path.join(HERE, "rt", "msl_rt.cpp")
 DEFAULT_INCLUDES = [os.path.join(REPO, "metal"), os.path.join(REPO, "csrc")]
 PARAMS_H = os.path.join(REPO, "csrc", "kernels", "params.h")
-CLANG = os.environ.get("MSL_CLANG", "clang++-16")
+
+
+def clang_command() -> list[str] | None:
+    """The clang driver of the address-space and Objective-C++ checks: $MSL_CLANG (a command line) if set,
+    else the clang inside the `ziglang` wheel (a test dependency, so `pip install` is enough: `zig clang` is
+    zig's unmodified clang driver; -resource-dir points it at its own builtin headers), else clang++-16 or
+    clang++ on PATH. None when there is none."""
+    if os.environ.get("MSL_CLANG"):
+        return shlex.split(os.environ["MSL_CLANG"])
+    spec = importlib.util.find_spec("ziglang")
+    if spec and spec.origin:
+        zig_dir = os.path.dirname(spec.origin)
+        zig = os.path.join(zig_dir, "zig.exe" if os.name == "nt" else "zig")
+        if os.path.exists(zig):
+            return [zig, "clang", "-resource-dir", os.path.join(zig_dir, "lib")]
+    for name in ("clang++-16", "clang++"):
+        if shutil.which(name):
+            return [name]
+    return None
+
+
+CLANG = clang_command()
+CLANG_MISSING = ("no clang found for the address-space check: pip install ziglang (listed in tests/requirements.txt), "
+                 "or set MSL_CLANG to a clang++ command line")
 
 
 def build_dir() -> str:
@@ -421,7 +447,9 @@ def check(path: str, include_dirs=None, metal3: bool = False) -> tuple[int, str]
 
 
 def check_as(path: str, include_dirs=None) -> tuple[int, str]:
-    return _cached("as", path, "as", lambda s: [CLANG] + CLANG_FLAGS + ["-fsyntax-only", "-x", "clcpp", s], include_dirs)
+    if CLANG is None:
+        return 1, CLANG_MISSING
+    return _cached("as", path, "as", lambda s: CLANG + CLANG_FLAGS + ["-fsyntax-only", "-x", "clcpp", s], include_dirs)
 
 
 def runtime_lib() -> str:
