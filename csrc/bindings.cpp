@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "cpu/sample.h"
 #include "cuda/runtime.h"
 
 namespace nb = nanobind;
@@ -447,6 +448,31 @@ NB_MODULE(_lily, m) {
       .def_prop_ro("debug", [](const PyEngine& e) { return e.eng->debug(); })
       .def_prop_ro("default_chunk", [](const PyEngine& e) { return e.eng->default_chunk(); });
 
+  m.def("sample_draw",
+        [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits, double uniform,
+           double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
+           double presence_penalty, double frequency_penalty, std::vector<int32_t> bias_ids,
+           std::vector<float> bias_vals, std::optional<U8Array> seen, std::optional<I32Array> counts) {
+          const int64_t V = static_cast<int64_t>(logits.shape(0));
+          lily::SampleOptions o = sample_options(temperature, top_k, top_p, min_p, repetition_penalty,
+                                                 presence_penalty, frequency_penalty, bias_ids, bias_vals, seen,
+                                                 counts);
+          if (V < 1) throw std::invalid_argument("[lily] sample_draw: logits is empty");
+          if ((!o.seen.empty() && static_cast<int64_t>(o.seen.size()) != V) ||
+              (!o.counts.empty() && static_cast<int64_t>(o.counts.size()) != V))
+            throw std::invalid_argument("[lily] sample_draw: seen / counts must have the logits' length or be None");
+          for (int32_t id : o.bias_ids)
+            if (id < 0 || id >= V) throw std::invalid_argument("[lily] sample_draw: bias id out of range");
+          if (o.bias_ids.size() != o.bias_vals.size())
+            throw std::invalid_argument("[lily] sample_draw: bias_ids and bias_vals differ in length");
+          return lily::cpu::sample_draw(logits.data(), V, o, o.seen, o.counts, static_cast<float>(uniform));
+        },
+        "logits"_a, "uniform"_a, "temperature"_a = 1.0, "top_k"_a = 0, "top_p"_a = 1.0, "min_p"_a = 0.0,
+        "repetition_penalty"_a = 1.0, "presence_penalty"_a = 0.0, "frequency_penalty"_a = 0.0,
+        "bias_ids"_a = std::vector<int32_t>{}, "bias_vals"_a = std::vector<float>{}, "seen"_a = nb::none(),
+        "counts"_a = nb::none(),
+        "The device sampler's draw on the host (the CPU backend's 'device_draw' twin; lily.sampling."
+        "device_sample_reference is its NumPy twin): the token drawn from logits [V] with uniform in [0, 1).");
   m.def("build_info", &build_info, "backends compiled, cuda flag, SIMD features, compiler");
   m.def("cuda_device_count", &cuda_device_count, "visible CUDA devices; 0 when there is no driver");
 }

@@ -1,6 +1,6 @@
 """Sampling on the device: the NumPy twin (lily.sampling.device_sample_reference) against the host Sampler's
-distribution; the engine API's input checks; and the session's device-sampling loop, driven here by a stand-in
-engine that implements the device sampler API with the twin on the CPU engine (the CUDA kernel itself is
+distribution; its C++ twin (lily._lily.sample_draw) against it; the token stream's input checks; and the
+session's device-mode token loop on the CPU backend's device twin (Engine flag "device_draw"; the CUDA kernel is
 checked against the twin on the GPU by lily.testing.cuda_sampling_checks, run by benchmarks/cuda_check.py, and
 by benchmarks/kernels/check_sample.cu).
 """
@@ -74,7 +74,38 @@ def test_twin_draw_is_vocab_order_cdf():
         == [0, 0, 1, 1, 2, 3, 3]
 
 
-# ---- the engine API's checks (validation runs before the backend; the CPU backend has no device sampler) ----
+# ---- the C++ twin of the device sampler (the CPU backend's device_draw) against the NumPy twin ----------------
+
+def _draw_kw(p: SamplingParams) -> dict:
+    bias = p.logit_bias or {}
+    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6, top_k=7),
+    SamplingParams(temperature=1.3, top_p=0.7),
+    SamplingParams(min_p=0.08),
+    SamplingParams(temperature=0.9, top_k=30, top_p=0.85, min_p=0.01, logit_bias={4: 3.0, 9: -50.0},
+                   repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+], ids=["greedy", "t1", "topk", "topp", "minp", "all"])
+def test_cpp_twin_equals_numpy_twin(params):
+    rng = np.random.default_rng(5)
+    for trial in range(3):
+        x = (rng.standard_normal(301) * 2.5).astype(np.float32)
+        x[rng.integers(0, 301, 6)] = x.max()  # ties at the top
+        seen = (rng.random(301) < 0.1).astype(np.uint8)
+        counts = (rng.random(301) < 0.05).astype(np.int32) * rng.integers(1, 4, 301).astype(np.int32)
+        for u in rng.random(40):
+            want = device_sample_reference(x, params, seen, counts, float(np.float32(u)))
+            got = _lily.sample_draw(x, float(np.float32(u)), seen=seen, counts=counts, **_draw_kw(params))
+            assert got == want, (trial, u)
+
+
+# ---- the engine's token streams: input checks, and the device mode on the CPU backend's twin ----------------
 
 @pytest.fixture(scope="module")
 def cpu_engine():
@@ -84,84 +115,30 @@ def cpu_engine():
     return cfg, _lily.Engine(cfg.to_dict(), tensors, quant, threads=1, max_context=64)
 
 
-def _begin(eng, V, **kw):
-    a = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-             frequency_penalty=0.0, bias_ids=np.zeros(0, np.int32), bias_vals=np.zeros(0, np.float32),
-             seen=np.zeros(0, np.uint8), counts=np.zeros(0, np.int32))
-    a.update(kw)
-    return eng.sampler_begin(**a)
-
-
-def test_engine_sampler_checks(cpu_engine):
+def test_stream_option_checks(cpu_engine):
     cfg, eng = cpu_engine
     V = cfg.vocab_size
-    assert _begin(eng, V) == 0  # the CPU backend samples on the host
+    st = eng.new_state()
+    assert not eng.open_stream(st, 1, 4, temperature=0.7).device  # the CPU backend draws on the host by default
     bad = [
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(min_p=1.5), "min_p"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(bias_ids=np.array([V], np.int32), bias_vals=np.array([1.0], np.float32)), "bias id"),
-        (dict(bias_ids=np.array([2, 2], np.int32), bias_vals=np.array([1.0, 2.0], np.float32)), "twice"),
-        (dict(bias_ids=np.array([2], np.int32)), "same length"),
+        (dict(bias_ids=[V], bias_vals=[1.0]), "bias id"),
+        (dict(bias_ids=[2, 2], bias_vals=[1.0, 2.0]), "twice"),
+        (dict(bias_ids=[2]), "same length"),
         (dict(seen=np.zeros(V - 1, np.uint8)), "seen"),
         (dict(counts=np.zeros(V + 1, np.int32)), "counts"),
+        (dict(stop_ids=[V]), "stop id"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            _begin(eng, V, **kw)
-    with pytest.raises(ValueError, match="sampler id"):
-        eng.decode_sample(eng.new_state(), 1, 0.5, 0)
-    assert eng.decode_logits(eng.new_state()) is None
-
-
-# ---- the session's device-sampling loop, on a stand-in engine -------------------------------------------
-
-class TwinDeviceEngine:
-    """The CPU engine plus the device sampler API, implemented with the twin (what the CUDA backend does)."""
-
-    def __init__(self, eng):
-        self._eng = eng
-        self.current = self.issued = self.begins = 0
-        self._held = None
-
-    def __getattr__(self, name):
-        return getattr(self._eng, name)
-
-    def forward(self, st, tokens, **kw):
-        self._held = None
-        return self._eng.forward(st, tokens, **kw)
-
-    def sampler_begin(self, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-                      frequency_penalty, bias_ids, bias_vals, seen, counts):
-        V = self._eng.vocab_size
-        self.params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                                     min_p=float(min_p), repetition_penalty=float(repetition_penalty),
-                                     presence_penalty=float(presence_penalty),
-                                     frequency_penalty=float(frequency_penalty),
-                                     logit_bias=dict(zip(bias_ids.tolist(), bias_vals.tolist())))
-        self.seen = seen.astype(bool) if seen.size else np.zeros(V, bool)
-        self.counts = counts.astype(np.int32) if counts.size else np.zeros(V, np.int32)
-        self.issued += 1
-        self.begins += 1
-        self.current = self.issued
-        return self.current
-
-    def decode_sample(self, st, token, uniform, sampler_id):
-        assert 0 <= uniform < 1
-        if sampler_id != self.current:
-            return -1
-        lg = self._eng.forward(st, np.array([token], np.int32), logits="last")[0]
-        nxt = device_sample_reference(lg, self.params, self.seen, self.counts, uniform)
-        self.seen[nxt] = True
-        self.counts[nxt] += 1
-        self._held = (st, st.position, lg)
-        return nxt
-
-    def decode_logits(self, st):
-        if self._held is None or self._held[0] is not st or self._held[1] != st.position:
-            return None
-        return self._held[2].copy()
+            eng.open_stream(st, 1, 4, **kw)
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.open_stream(st, 1, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        eng.open_stream(st, V, 4)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +146,7 @@ def models():
     import lily
     host = lily.load(backend="cpu")
     dev = lily.load(backend="cpu")
-    dev.engine = TwinDeviceEngine(dev.engine)
+    dev.engine.set_backend_flag("device_draw", 1)
     return host, dev
 
 
@@ -181,15 +158,36 @@ def test_session_device_greedy_equals_host(models, kw):
     s = dev.session()
     b = s.generate("The list type", max_tokens=24, stream=False, **kw)
     assert a.token_ids == b.token_ids and len(b.token_ids) > 1
-    # the state holds every token but the last (pending); the logits row it came from was fetched
+    # max_tokens ended it: the stream did not run ahead past the last token, which stays pending
     assert s.tokens[-len(b.token_ids):] == b.token_ids and len(s._pending) == 1
     ref = host.session()
     ref.generate("The list type", max_tokens=24, stream=False, **kw)
-    np.testing.assert_allclose(s._last_logits, ref._last_logits, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(s._last_logits, ref._last_logits)
     # the session continues: the pending token runs at the start of the next turn
     c = s.generate(" and", max_tokens=4, stream=False, **kw)
     d = ref.generate(" and", max_tokens=4, stream=False, **kw)
     assert c.token_ids == d.token_ids
+
+
+def test_stop_string_run_ahead_leaves_the_exact_state(models):
+    """A stop string ends a device stream after the device already ran the token that completed it (run ahead):
+    the session then holds exactly the state of a session that fed the same tokens one step at a time."""
+    host, dev = models
+    probe = host.session().generate("The list type", max_tokens=12, stream=False, temperature=0.0)
+    stop = host.tokenizer.decode(probe.token_ids[3:5])  # a stop string that completes at the 5th token
+    s = dev.session()
+    r = s.generate("The list type", max_tokens=12, stop=stop, stream=False, temperature=0.0)
+    assert r.finish_reason == "stop" and len(r.token_ids) <= 6
+    assert not s._pending  # the token that completed the stop string already ran on the device
+    ref = host.session()
+    ref.generate("The list type", max_tokens=len(r.token_ids), stream=False, temperature=0.0)
+    ref.flush()  # the last token runs as one decode step, as the run-ahead step did
+    assert ref.tokens == s.tokens
+    np.testing.assert_array_equal(s._last_logits, ref._last_logits)
+    a = s.generate(" next", max_tokens=3, stream=False, temperature=0.0)
+    b = ref.generate(" next", max_tokens=3, stream=False, temperature=0.0)
+    assert a.token_ids == b.token_ids
+    np.testing.assert_array_equal(dev.logits(s.tokens), host.logits(ref.tokens))
 
 
 def test_session_device_sampling_seeded_and_interleaved(models):
@@ -197,9 +195,10 @@ def test_session_device_sampling_seeded_and_interleaved(models):
     kw = dict(temperature=0.9, top_p=0.9, repetition_penalty=1.3, seed=11, max_tokens=20)
     solo = [dev.session().generate(p, stream=False, **kw).token_ids for p in ("The list", "A dict")]
     assert solo[0] == dev.session().generate("The list", stream=False, **kw).token_ids  # seeded: repeats
-    # two streams pulled in turn take the engine's one device sampler from each other: each begins again from
-    # its own host record (seen / counts) and must draw exactly what it drew alone
-    begins = dev.engine.begins
+    assert solo[0] != dev.session().generate("The list", stream=False, **{**kw, "seed": 12}).token_ids
+    # two streams pulled in turn take the engine's one device sampler from each other: each is parked (its
+    # launched step finishes, its draw waits on the host) and resumes with its own record (seen / counts)
+    begins = dev.engine.backend_flag("sampler_begins")
     g = [dev.session().generate(p, stream=True, **kw) for p in ("The list", "A dict")]
     got = [[], []]
     live = [True, True]
@@ -212,14 +211,14 @@ def test_session_device_sampling_seeded_and_interleaved(models):
                 else:
                     got[i].append(c.token_id)
     assert got == solo
-    assert dev.engine.begins - begins > 4  # the streams really did take the sampler from each other
+    assert dev.engine.backend_flag("sampler_begins") - begins > 4  # they really did take it from each other
 
 
-def test_session_host_paths_unchanged(models):
+def test_session_host_paths_when_device_sampling_is_off(models):
     _, dev = models
     s = dev.session()
     s.device_sampling = False
-    begins = dev.engine.begins
+    begins = dev.engine.backend_flag("sampler_begins")
     s.generate("The list type", max_tokens=5, stream=False, temperature=0.0)
     dev.session().generate("The list type", max_tokens=5, stream=False, temperature=0.7, logprobs=True)
-    assert dev.engine.begins == begins  # switched off, and logprobs need the host row: no device sampler
+    assert dev.engine.backend_flag("sampler_begins") == begins  # off, and logprobs need the host row

@@ -9,6 +9,7 @@
 #include "cpu/linear.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
+#include "cpu/sample.h"
 #include "cpu/thread_pool.h"
 
 namespace lily {
@@ -27,6 +28,14 @@ class CpuBackend final : public Backend {
 
   void embed(const int32_t* ids, int64_t S) override {
     reserve(S);
+    int32_t drawn = -1;
+    if (step_.index >= 0 && ids[0] < 0) {  // a step fed by the previous step's device draw
+      const Slot& prev = slots_[(step_.index - 1) & 1];
+      if (prev.index != step_.index - 1 || prev.token < 0)
+        throw std::logic_error("[lily] backend 'cpu': the step's token comes from a draw that is not held");
+      drawn = prev.token;
+      ids = &drawn;
+    }
     cpu::embed(pool_, w_.embed, ids, S, x_.data());
   }
 
@@ -84,14 +93,58 @@ class CpuBackend final : public Backend {
     cpu::linear(pool_, w_.lm_head, h_.data(), n, logits);
   }
 
-  // Decode steps run synchronously on the host: no recording, no device draws (lock-step token streams).
-  void head_step(const DecodeStep& d) override {
-    if (d.draw) throw std::logic_error("[lily] backend 'cpu' has no device sampler: the step cannot draw");
-    step_logits_.resize(static_cast<size_t>(cfg_.vocab));
-    head(0, 1, step_logits_.data());
+  // Decode steps run synchronously on the host. Lock-step by default (the host draws); the test switch
+  // "device_draw" makes this backend draw as a device backend does (cpu/sample.h), so the engine's device-mode
+  // token loop is exercised without a GPU.
+  bool begin_step(State&, const DecodeStep& d) override {
+    step_ = d;
+    return true;
   }
-  void end_step(State&, const DecodeStep&, float* logits) override {
-    if (logits) std::copy(step_logits_.begin(), step_logits_.end(), logits);
+  void head_step(const DecodeStep& d) override {
+    Slot& s = slots_[d.index & 1];
+    s.logits.resize(static_cast<size_t>(cfg_.vocab));
+    head(0, 1, s.logits.data());
+    s.index = d.index;
+    s.token = -1;
+    if (d.draw) {
+      if (!sampler_ready_) throw std::logic_error("[lily] backend 'cpu': a drawing step without sampler_begin");
+      s.token = cpu::sample_draw(s.logits.data(), cfg_.vocab, sampler_, sampler_.seen, sampler_.counts, d.uniform);
+    }
+  }
+  void end_step(State&, const DecodeStep& d, float* logits) override {
+    const Slot& s = slots_[d.index & 1];
+    if (logits) std::copy(s.logits.begin(), s.logits.end(), logits);
+    step_.index = -1;
+  }
+  bool sampler_begin(const SampleOptions& opt) override {
+    if (!device_draw_) return false;
+    sampler_ = opt;
+    sampler_ready_ = true;
+    ++sampler_begins_;
+    return true;
+  }
+  int32_t drawn_token(int64_t index) override {
+    const Slot& s = slots_[index & 1];
+    if (s.index != index || s.token < 0)
+      throw std::logic_error("[lily] backend 'cpu': step " + std::to_string(index) + " drew no token that is held");
+    return s.token;
+  }
+  bool step_logits(int64_t index, float* logits) override {
+    const Slot& s = slots_[index & 1];
+    if (s.index != index) return false;
+    std::copy(s.logits.begin(), s.logits.end(), logits);
+    return true;
+  }
+  void set_flag(const std::string& name, int64_t value) override {
+    if (name != "device_draw") return Backend::set_flag(name, value);
+    if (value != 0 && value != 1)
+      throw std::invalid_argument("[lily] backend flag 'device_draw' must be 0 or 1, got " + std::to_string(value));
+    device_draw_ = value != 0;
+    sampler_ready_ = false;
+  }
+  int64_t flag(const std::string& name) const override {
+    if (name == "sampler_begins") return sampler_begins_;  // counter: generations begun (resumed streams too)
+    return name == "device_draw" ? int64_t{device_draw_} : Backend::flag(name);
   }
 
  private:
@@ -143,7 +196,16 @@ class CpuBackend final : public Backend {
   std::vector<float> qg_, k_, v_, o_;    // attention: [S, 2*Hq*D], [S, Hkv*D] x2, [S, Hq*D]
   std::vector<float> qkv_, u_, z_, y_;   // deltanet: [S, C] x2, [S, Hv*Dv] x2
   std::vector<float> b_, a_;             // deltanet: [S, Hv]
-  std::vector<float> step_logits_;       // [V] the last decode step's logits
+  struct Slot {                          // one of the last two decode steps
+    int64_t index = -1;
+    int32_t token = -1;                  // its draw (device_draw)
+    std::vector<float> logits;           // [V]
+  };
+  Slot slots_[2];
+  DecodeStep step_{-1, -1, 0, false, 0.f};  // the step being run (index -1: none)
+  bool device_draw_ = false, sampler_ready_ = false;
+  int64_t sampler_begins_ = 0;
+  SampleOptions sampler_;
   cpu::MoeScratch moe_;
 };
 

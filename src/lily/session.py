@@ -1,8 +1,10 @@
 """Session: one conversation's engine state plus the tokens in it, and the decode loop.
 
-The loop is Python over single decode steps, so Ctrl-C or closing a stream stops within one step. The
-last sampled token is kept *pending* (sampled, not yet run through the model) and is fed at the start of
-the next prefill/generate, so a finished generation costs no extra forward.
+The token loop runs in the extension (lily._lily.TokenStream): on a backend with a device sampler the device
+draws each token and runs one step ahead of Python, which reads tokens as they arrive (detokenizes, checks stop
+strings); elsewhere each step's logits come back and the host Sampler draws (lock-step). Ctrl-C or closing a
+stream stops within one step. A sampled token the stream did not run through the model stays *pending* and is
+fed at the start of the next prefill/generate, so a finished generation costs no extra forward.
 
 Prefix reuse: a prompt that is the *whole* context (chat messages, or `whole=True`) continues from the
 session's state when the session holds a prefix of it, else from the longest snapshot of the session's
@@ -240,12 +242,6 @@ class Session:
                 progress(cut - start, end - start)
         return logits
 
-    def _device_sampler(self, params: SamplingParams, constraint: Any) -> "_DeviceDraw | None":
-        if not (self.device_sampling and device_sampling_supported(params, constraint)
-                and hasattr(self._engine, "decode_sample")):
-            return None
-        return _DeviceDraw(params, self._engine)
-
     def prefill(self, prompt: Any, *, whole: bool = False, progress: ProgressCallback | None = None,
                 **template_kwargs: Any) -> PrefillResult:
         """Run a prompt through the model. Text and token ids are appended to the session; a list of chat
@@ -326,118 +322,99 @@ class Session:
         model = self.model
         stats = GenerationStats(prompt_tokens=self.position + len(new), cached_tokens=len(self._tokens))
         logits = self._feed_prompt(new, progress)
-        t_prefilled = time.perf_counter()
-        stats.prefill_s = t_prefilled - t0
-        vocab = logits.shape[-1]
-        sampler = Sampler(params, vocab, prompt_tokens=self.tokens, constraint=constraint)
+        stats.prefill_s = time.perf_counter() - t0
+        sampler = Sampler(params, logits.shape[-1], prompt_tokens=self.tokens, constraint=constraint)
         detok = model.tokenizer.streaming_detokenizer(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
         stop_ids = set(model.stop_token_ids) | set(params.stop_token_ids)
-        device = self._device_sampler(params, constraint)
-        try:
-            yield from self._steps(budget, logits, sampler, device, params, matcher, detok, stop_ids, stats, t0)
-        finally:
-            if device is not None and self._last_logits is None:
-                # the loop ended after a device step: the row the last token came from is still on the device
-                self._last_logits = device.fetch_logits(self)
-
-    def _steps(self, budget: int, logits: np.ndarray, sampler: Sampler, device: "_DeviceDraw | None",
-               params: SamplingParams, matcher: StopStringMatcher, detok: Any, stop_ids: set[int],
-               stats: GenerationStats, t0: float) -> Iterator[GenerationChunk]:
-        """The token loop of `_decode_loop`: the first token is drawn on the host from the prompt's logits,
-        the others on the host from each step's logits or, with `device`, on the device."""
         t_first = None
 
-        def finish(text: str, token: int, lp, reason: str, why) -> GenerationChunk:
-            now = time.perf_counter()
-            stats.decode_s = now - (t_first or now)
-            stats.total_s = now - t0
-            return GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None,
-                                   reason, why, stats)
-
-        nxt = None
-        for step in range(budget):
-            if nxt is None:
-                token = sampler.sample(logits)
-            else:
-                token = nxt
-                sampler.accept(token)
-            lp = sampler.logprobs(logits, token) if params.logprobs else None
-            self._pending.append(token)
+        def chunk(token: int, lp: Any) -> GenerationChunk | None:
+            """The chunk of one generated token; the last one (with finish_reason and stats) when it ends."""
+            nonlocal t_first
             stats.generated_tokens += 1
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t0
+            reason = why = None
             if token in stop_ids:
                 text, _ = matcher.flush(detok.flush())
-                yield finish(text, token, lp, FINISH_STOP, token)
-                return
-            text, hit = matcher.push(detok.add(token))
-            if hit is not None:
-                yield finish(text, token, lp, FINISH_STOP, hit)
-                return
-            if step == budget - 1:
-                tail, hit = matcher.flush(detok.flush())
-                yield finish(text + tail, token, lp, FINISH_STOP if hit else FINISH_LENGTH, hit)
-                return
-            yield GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None)
-            if device is not None:  # one decode step and the draw of the next token, on the device
-                nxt = device.step(self, sampler)
-                if nxt is None:  # the engine has no device sampler: the host from here on
-                    device = None
-            if device is None:
-                logits = self._feed([])  # one decode step: runs the pending token
+                reason, why = FINISH_STOP, token
+            else:
+                text, hit = matcher.push(detok.add(token))
+                if hit is not None:
+                    reason, why = FINISH_STOP, hit
+                elif stats.generated_tokens == budget:
+                    tail, hit = matcher.flush(detok.flush())
+                    text += tail
+                    reason, why = (FINISH_STOP, hit) if hit else (FINISH_LENGTH, None)
+            if reason is None:
+                return GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None)
+            now = time.perf_counter()
+            stats.decode_s = now - t_first
+            stats.total_s = now - t0
+            return GenerationChunk(text, token, lp.logprob if lp else None, lp.top if lp else None, reason, why,
+                                   stats)
 
+        # the first token is drawn on the host from the prompt's logits; the engine's token stream runs the rest
+        token = sampler.sample(logits)
+        lp = sampler.logprobs(logits, token) if params.logprobs else None
+        self._pending.append(token)
+        out = chunk(token, lp)
+        yield out
+        if out.finish_reason is not None:
+            return
+        yield from self._token_loop(token, params, budget - 1, sampler, stop_ids, constraint, chunk)
 
-class _DeviceDraw:
-    """One generation's sampler on the device (the engine's `sampler_begin` / `decode_sample`). The host
-    `Sampler` stays the record of seen tokens and counts (every token is `accept`ed there too), so when another
-    generation took the engine's device sampler in between, this one begins again from the host's record."""
-
-    # uniform draws are float32 on the device: the largest float32 below 1
-    _U_MAX = 1.0 - 2.0 ** -24
-
-    def __init__(self, params: SamplingParams, engine: Any):
-        self.params = params
-        self.engine = engine
-        self.id = 0      # 0: not begun yet (begins at the first device step, when the first token is known)
-
-    def _begin(self, sampler: Sampler) -> bool:
-        p = self.params
+    def _token_loop(self, first: int, params: SamplingParams, max_tokens: int, sampler: Sampler,
+                    stop_ids: set[int], constraint: Any, chunk: Callable[[int, Any], GenerationChunk]
+                    ) -> Iterator[GenerationChunk]:
+        """Up to max_tokens more tokens after `first` (pending) from one engine TokenStream: drawn on the device
+        where the engine can (the stream runs one step ahead of this loop), else lock-step (each step's logits
+        here, the host Sampler draws). The session's tokens follow the state: the stream reports what it fed."""
+        device = self.device_sampling and device_sampling_supported(params, constraint)
+        p = params
         bias = p.logit_bias or {}
-        self.id = int(self.engine.sampler_begin(
-            p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-            p.frequency_penalty, np.fromiter(bias.keys(), np.int32, len(bias)),
-            np.fromiter(bias.values(), np.float32, len(bias)),
-            sampler._seen.view(np.uint8) if p.repetition_penalty != 1.0 else np.zeros(0, np.uint8),
-            sampler._counts if (p.presence_penalty or p.frequency_penalty) else np.zeros(0, np.int32)))
-        return self.id > 0
+        start = self._state.position  # (a device stream launches its first step at once)
+        stream = self._engine.open_stream(
+            self._state, first, max_tokens, stop_ids=sorted(stop_ids), device=device, temperature=p.temperature,
+            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            bias_ids=[int(k) for k in bias], bias_vals=[float(v) for v in bias.values()],
+            seen=sampler._seen.view(np.uint8) if p.repetition_penalty != 1.0 else None,
+            counts=sampler._counts if (p.presence_penalty or p.frequency_penalty) else None,
+            seed=int(sampler.rng.integers(0, 2**63)))
+        generated = list(self._pending)  # [first]
+        base = self._tokens
+        last_logits = None
 
-    def step(self, session: Session, sampler: Sampler) -> int | None:
-        """Run the pending token and draw the next one on the device; None when the engine has no device
-        sampler (the caller then continues on the host)."""
-        if len(session._pending) != 1:
-            raise LilyError(f"[generate] internal: expected one pending token, found {len(session._pending)}")
-        if session.position + 1 > session.max_context:
-            raise ContextLengthError(f"[generate] {session.position + 1} tokens exceed the context size "
-                                     f"{session.max_context}")
-        if self.id == 0 and not self._begin(sampler):
-            return None
-        u = min(float(sampler.rng.random()), self._U_MAX)
-        token = session._pending[0]
-        session._last_logits = None
-        before = session._state.position
+        def settle() -> None:  # tokens the stream ran are in the state; the rest stay pending
+            fed = self._state.position - start
+            self._tokens = base + generated[:fed]
+            self._pending = generated[fed:]
+
         try:
-            nxt = int(self.engine.decode_sample(session._state, token, u, self.id))
-            if nxt < 0:  # another generation began on this engine since: begin again from the host's record
-                self._begin(sampler)
-                nxt = int(self.engine.decode_sample(session._state, token, u, self.id))
+            for _ in range(max_tokens):
+                if stream.device:
+                    token = stream.next()
+                    if token < 0:
+                        return
+                    sampler.accept(token)
+                    lp = None
+                else:
+                    last_logits = stream.step(generated[-1])
+                    settle()
+                    token = sampler.sample(last_logits)
+                    lp = sampler.logprobs(last_logits, token) if p.logprobs else None
+                generated.append(token)
+                settle()
+                out = chunk(token, lp)
+                yield out
+                if out.finish_reason is not None:
+                    return
         finally:
-            if session._state.position > before:
-                session._tokens.append(token)
-                session._pending = []
-        return nxt
-
-    def fetch_logits(self, session: Session) -> np.ndarray | None:
-        out = self.engine.decode_logits(session._state) if self.id else None
-        return None if out is None else np.asarray(out, np.float32)
+            held = stream.close(logits=stream.device)
+            settle()
+            if stream.device:
+                last_logits = held
+            self._last_logits = None if last_logits is None else np.asarray(last_logits, np.float32)

@@ -100,6 +100,31 @@ def forward_hidden(w: Weights, cfg: ModelConfig, state: ReferenceState, tokens: 
     return rms_norm(x, w.vec("model.norm.weight"), cfg.rms_norm_eps)
 
 
+class ReferenceTokenStream:
+    """The engine's TokenStream contract in its lock-step form (the reference has no device sampler)."""
+
+    device = False
+
+    def __init__(self, engine: "ReferenceEngine", state: ReferenceState):
+        self._engine, self._state = engine, state
+        self.fed = self.returned = 0
+        self.ended = False
+
+    def next(self) -> int:
+        raise RuntimeError("[TokenStream.next] a lock-step stream takes step(token)")
+
+    def step(self, token: int) -> np.ndarray:
+        if self.ended:
+            raise RuntimeError("[TokenStream.step] the stream is closed")
+        out = self._engine.forward(self._state, np.array([token], np.int64), logits="last")[0]
+        self.fed += 1
+        return out
+
+    def close(self, logits: bool = False) -> None:
+        self.ended = True
+        return None
+
+
 class ReferenceEngine:
     """NumPy implementation of docs/engine_contract.md (backend name "reference")."""
 
@@ -115,6 +140,15 @@ class ReferenceEngine:
 
     def new_state(self) -> ReferenceState:
         return ReferenceState(self.config)
+
+    def open_stream(self, state: ReferenceState, first: int, max_tokens: int, **options) -> ReferenceTokenStream:
+        """A lock-step token stream (the options of a device draw do not apply: the host draws)."""
+        if not 0 <= int(first) < self.config.vocab_size:
+            raise ValueError(f"[open_stream] token id {first} is out of range for vocab_size "
+                             f"{self.config.vocab_size}")
+        if max_tokens < 1:
+            raise ValueError(f"[open_stream] max_tokens must be >= 1, got {max_tokens}")
+        return ReferenceTokenStream(self, state)
 
     def forward(self, state: ReferenceState, tokens, logits: str = "last", chunk_size: int = 0) -> np.ndarray:
         cfg = self.config
