@@ -80,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--progress-tokens", type=int, default=4096,
                    help="SSE prefill progress comment every N prompt tokens")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = v.add_argument_group("limits (fair serving; all shown in GET /health)")
+    g.add_argument("--max-tokens", type=int, default=4096, metavar="N",
+                   help="default and ceiling of a request's max_tokens (default 4096)")
+    g.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="requests decoding at once, their steps interleaved round-robin, each with its own "
+                        "session (default 4)")
+    g.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot; beyond, 503 with Retry-After (default 64)")
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="stop a request this many seconds after it arrived, queue included (0 = never; "
+                        "default 600)")
+    g.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
+                   help="request body limit in MiB; larger bodies get 413 (default 4)")
+    g.add_argument("--prefill-slice", type=int, default=512, metavar="N",
+                   help="prefill tokens between decode rounds of the other running requests (default 512)")
+    g.add_argument("--cors-origins", default="", metavar="LIST",
+                   help="comma-separated browser origins allowed by CORS, or '*' (default: none, so no web page "
+                        "can call this server from a browser)")
 
     b = sub.add_parser("bench", help="prefill/decode throughput sweeps (batch 1), optional peer; JSON + PNG")
     _add_model_args(b)
@@ -298,13 +316,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"error: lily serve needs the server extra ({e}): pip install 'lily[server]'", file=sys.stderr)
         return 1
+    for name in ("max_tokens", "parallel"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} {getattr(args, name)} is invalid: expected at least 1",
+                  file=sys.stderr)
+            return 2
+    if args.max_queue < 0 or args.request_timeout < 0 or args.max_body_mb <= 0 or args.prefill_slice < 1:
+        print("error: --max-queue and --request-timeout must be >= 0, --max-body-mb > 0, --prefill-slice >= 1",
+              file=sys.stderr)
+        return 2
+    import socket
+    try:  # before loading the model (which can take minutes): is the port free?
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port or stop "
+              f"what uses it", file=sys.stderr)
+        return 1
     model = _load(args)
     config = ServerConfig(model_name=args.model_name, api_key=args.api_key or os.environ.get("LILY_API_KEY"),
                           session_dir=args.session_dir, cache_bytes=int(args.cache_gib * (1 << 30)),
                           snapshot_interval=args.snapshot_interval, keepalive_s=args.keepalive,
                           progress_tokens=args.progress_tokens,
                           default_thinking=None if args.thinking is None else args.thinking == "on",
-                          reasoning_field=args.reasoning_field)
+                          reasoning_field=args.reasoning_field, max_tokens=args.max_tokens,
+                          parallel=args.parallel, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                          max_body_bytes=int(args.max_body_mb * (1 << 20)), prefill_slice=args.prefill_slice,
+                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
     print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0

@@ -143,7 +143,13 @@ def test_text_completions(client):
                                   logprobs=2, echo=True)
     c = r.choices[0]
     assert r.object == "text_completion" and c.text.startswith("The quick brown fox")
-    assert len(c.logprobs.tokens) == r.usage.completion_tokens and all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    # echo with logprobs (legacy OpenAI): the prompt's tokens (the first has no logprob) and then the completion's
+    lp = c.logprobs
+    assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # top alternatives keyed by text: two ids with the same text (partial UTF-8) share one key
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:]) and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == c.text and lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text[len("The quick brown fox"):]

@@ -1,41 +1,47 @@
-"""`lily serve`: an OpenAI-compatible HTTP server (FastAPI) over one model, batch 1.
+"""`lily serve`: an OpenAI-compatible HTTP server (FastAPI) over one model.
 
-POST /v1/chat/completions, POST /v1/completions (SSE streaming or not), GET /v1/models, GET /health,
-POST /v1/sessions/save (with --session-dir). Requests queue in arrival order and run on one engine thread
-(server/worker.py) that keeps the conversation state and a prefix cache of snapshots, so a conversation
-that comes back longer is prefilled only from where the longest stored prefix ends.
+POST /v1/chat/completions, /v1/completions, /v1/responses (SSE streaming or not), /tokenize, /detokenize,
+GET /v1/models, /health, /metrics, POST /v1/sessions/save (with --session-dir). Requests run on one engine
+thread (server/worker.py) that interleaves the decode steps of up to --parallel requests, each with its own
+session, all sharing a prefix cache of snapshots, so a conversation that comes back longer is prefilled only
+from where the longest stored prefix ends. Parsing, validation and tokenizing run in a thread pool, in an
+order that refuses oversized input before any large work.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import StreamingResponse
 
 from ..chat import ChatTemplateError
-from ..errors import ContextLengthError, LilyError
+from ..errors import LilyError
 from ..model import Model
-from ..sampling import SamplingParamsError
 from ..prefix_cache import DEFAULT_CACHE_BYTES, DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, ReplyTokens
-from .grammar import GrammarConstraint, GrammarError, json_schema_grammar, tool_call_grammar
+from .errors import as_api_error, retry_headers
+from .grammar import GrammarConstraint, json_schema_grammar, tool_call_grammar
+from .metrics import Metrics
+from .middleware import APIKeyMiddleware, RequestGuard, SSEResponse, error_response
 from .output import ChatOutput
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, completion_logprobs,
-                       max_tokens_of, new_id, normalize_chat_messages, now, parse_request, sampling_of, timings,
-                       usage)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       bad_request, completion_logprobs, max_tokens_of, new_id, normalize_chat_messages, now,
+                       parse_request, sampling_of)
 from .reasoning import prompt_opens_reasoning
-from .worker import Cancelled, EngineWorker, Job
-
+from .scoring import prompt_logprobs
+from .streams import chat_stream, chat_whole, completion_stream, completion_whole
+from .validation import (GILFreeTokenizer, check_text_fits, longest_token_bytes, message_text_bytes, too_large,
+                         validate_tools)
+from .worker import EngineWorker, Job
 
 REPLIES_FILE = "replies.json"  # exact tokens of recent replies (session_dir), see ReplyTokens
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+             "/tokenize", "/detokenize", "/v1/sessions/save")
 
 
 @dataclass
@@ -49,74 +55,18 @@ class ServerConfig:
     progress_tokens: int = 4096            # prefill progress comment every this many tokens
     default_thinking: bool | None = None   # server default for enable_thinking (None: the template's)
     reasoning_field: str = "both"          # "both", "reasoning_content" or "reasoning"
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events that always watch for the client going away: on disconnect the stream is
-    cancelled and `on_close` runs at once (the engine job is cancelled within one decode step)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        import anyio
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            self.on_close()
-
-
-class APIKeyMiddleware:
-    """401 for /v1/* requests without `Authorization: Bearer KEY` (or `x-api-key: KEY`). Plain ASGI, so
-    streaming responses and disconnect detection pass through untouched."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-            got = headers.get("authorization", "")
-            token = got[7:].strip() if got.lower().startswith("bearer ") else headers.get("x-api-key")
-            if token != self.key:
-                e = APIError(401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY' (the key "
-                                  "given to lily serve --api-key)", type="authentication_error", code="invalid_api_key")
-                await error_response(e)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-def _as_api_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ContextLengthError):
-        return bad_request(str(e), code="context_length_exceeded")
-    if isinstance(e, (GrammarError, ChatTemplateError, SamplingParamsError)):
-        return bad_request(str(e))
-    if isinstance(e, Cancelled):
-        return APIError(499, str(e), type="cancelled")
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+    # fair serving
+    max_tokens: int = 4096                 # default and ceiling of a request's max_tokens
+    parallel: int = 4                      # requests decoding at once (interleaved steps)
+    max_queue: int = 64                    # requests allowed to wait for a slot; more get 503
+    request_timeout_s: float = 600.0       # arrival to last token; 0: no limit
+    max_body_bytes: int = 4 << 20          # request body limit (413 beyond)
+    prefill_slice: int = 512               # prefill tokens between decode rounds of the other requests
+    cors_origins: tuple[str, ...] = ()     # browser origins allowed (CORS); empty: none
 
 
 class LilyServer:
-    """The app's state: model, worker, prefix cache, and request preparation."""
+    """The app's state: model, worker, prefix cache, metrics, and request preparation."""
 
     def __init__(self, model: Model, config: ServerConfig):
         self.model = model
@@ -124,7 +74,12 @@ class LilyServer:
         self.name = config.model_name or (Path(model.path).name if model.path else "lily")
         self.cache = PrefixCache(config.cache_bytes, config.snapshot_interval)
         self.replies = ReplyTokens()
-        self.worker = EngineWorker(model, self.cache, config.progress_tokens)
+        self.metrics = Metrics()
+        self.worker = EngineWorker(model, self.cache, config.progress_tokens, parallel=config.parallel,
+                                   max_queue=config.max_queue, prefill_slice=config.prefill_slice,
+                                   metrics=self.metrics)
+        self.tokenizer = GILFreeTokenizer(model.tokenizer)
+        self.max_token_bytes = longest_token_bytes(model.tokenizer, model.vocab_size)
         self.started = now()
         self.fingerprint = model.fingerprint[:16]
 
@@ -136,16 +91,12 @@ class LilyServer:
         self.worker.start()
 
     def save_sessions(self) -> list[str]:
-        """On the worker thread: the live state and every snapshot of the cache -> session_dir."""
+        """On the worker thread: the live states and every snapshot of the cache -> session_dir."""
         if not self.config.session_dir:
             raise bad_request("this server has no --session-dir: start it with --session-dir DIR to keep "
                               "sessions on disk")
-        s = self.worker.session
-        extra = []
-        if s._tokens:
-            from ..snapshot import SessionSnapshot
-            extra.append(SessionSnapshot(s._state.snapshot(), tuple(s._tokens), (),
-                                         None if s._last_logits is None else s._last_logits.copy()))
+        extra = [s.snapshot() for s in self.worker.sessions if s._tokens]
+        extra = [type(e)(e.state, e.tokens, (), e.last_logits) for e in extra]  # the pending token is not in the state
         files = [str(p) for p in self.cache.save_dir(self.config.session_dir, self.model, extra)]
         self.replies.save(Path(self.config.session_dir) / REPLIES_FILE)
         return files
@@ -158,24 +109,44 @@ class LilyServer:
                 print(f"[lily serve] could not save sessions to {self.config.session_dir}: {e}")
         self.worker.stop()
 
-    # ---- request preparation (runs in a thread pool: template rendering and tokenizing) -------------------
+    def limits(self) -> dict[str, Any]:
+        c = self.config
+        return {"max_tokens": c.max_tokens, "parallel": c.parallel, "max_queue": c.max_queue,
+                "request_timeout_s": c.request_timeout_s or None, "max_body_bytes": c.max_body_bytes,
+                "max_context": self.model.max_context, "prefill_slice": c.prefill_slice,
+                "cors_origins": list(c.cors_origins)}
+
+    # ---- request preparation (runs in a thread pool: parsing, template rendering and tokenizing) ----------
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.name, self.model.path):
             raise APIError(404, f"The model {name!r} does not exist: this server serves {self.name!r} (see "
                                 f"GET /v1/models)", param="model", code="model_not_found")
 
-    def _check_context(self, n_prompt: int, max_tokens: int | None) -> None:
+    def _max_tokens(self, requested: int | None, n_prompt: int, param: str) -> int:
+        """The request's max_tokens capped by --max-tokens; without one, as much as the cap and the context
+        allow. 400 when the prompt (+ an explicit max_tokens) does not fit."""
         ctx = self.model.max_context
-        need = n_prompt + (max_tokens or 1)
-        if need > ctx:
-            asked = f"{n_prompt} in the prompt" + (f" and {max_tokens} for the completion" if max_tokens else "")
+        if requested is None:
+            if n_prompt >= ctx:
+                raise bad_request(f"This model's maximum context length is {ctx} tokens. However, the prompt is "
+                                  f"{n_prompt} tokens, which leaves no room to generate. Please reduce the length of "
+                                  f"the {param}.", param=param, code="context_length_exceeded")
+            return min(self.config.max_tokens, ctx - n_prompt)
+        capped = min(requested, self.config.max_tokens)
+        if n_prompt + capped > ctx:
             raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                              f"{need} tokens ({asked}). Please reduce the length of the messages or completion.",
-                              param="messages", code="context_length_exceeded")
+                              f"{n_prompt + capped} tokens ({n_prompt} in the prompt and {capped} for the "
+                              f"completion). Please reduce the length of the {param} or completion.",
+                              param=param, code="context_length_exceeded")
+        return capped
 
     def prepare_chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
         model = self.model
+        self.check_model(req.model)
+        tools = validate_tools(req.tools) or None
         messages = normalize_chat_messages(req.messages)
+        check_text_fits(message_text_bytes([m for m in messages if m.get("role") != "assistant"]),
+                        self.max_token_bytes, model.max_context - 1, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "continue_final_message"})
         if reserved:
@@ -188,13 +159,12 @@ class LilyServer:
             kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
         if "enable_thinking" not in kwargs and self.config.default_thinking is not None:
             kwargs["enable_thinking"] = self.config.default_thinking
-        tools = req.tools or None
         choice = req.tool_choice
         forced: str | None = None
         if choice is not None and tools is None and choice != "none":
             raise bad_request("tool_choice is set but tools is empty: expected a list of tools", param="tool_choice")
         if isinstance(choice, dict):
-            forced = ((choice.get("function") or {}).get("name"))
+            forced = ((choice.get("function") or {}).get("name")) or choice.get("name")
             if not isinstance(forced, str):
                 raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
                                   "'function': {'name': ...}}", param="tool_choice")
@@ -205,9 +175,11 @@ class LilyServer:
             text = model.chat_template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
-        ids = self.replies.encode(model.tokenizer, text)
-        max_tokens = max_tokens_of(req)
-        self._check_context(len(ids), max_tokens)
+        check_text_fits(len(text.encode("utf-8", "replace")) - message_text_bytes(
+            [m for m in messages if m.get("role") == "assistant"]), self.max_token_bytes, model.max_context - 1,
+            "messages")
+        ids = self.replies.encode(self.tokenizer, text)
+        max_tokens = self._max_tokens(max_tokens_of(req), len(ids), "messages")
         sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens,
                                logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs if req.logprobs else None)
         in_reasoning = prompt_opens_reasoning(text)
@@ -232,10 +204,20 @@ class LilyServer:
             grammar = tool_call_grammar(tools, forced, parallel=req.parallel_tool_calls is not False)
             constraint = GrammarConstraint(model, grammar, start_after)
         return {"ids": ids, "sampling": sampling, "constraint": constraint, "in_reasoning": in_reasoning,
-                "tools": tools, "parse_tools": bool(tools) and choice != "none"}
+                "tools": tools, "parse_tools": bool(tools) and choice != "none", "request": req}
+
+    def fim_prompt(self, prefix: str, suffix: str) -> str:
+        tok = self.model.tokenizer
+        marks = [tok.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
+        if any(m is None for m in marks):
+            raise bad_request("suffix (fill-in-the-middle) is not supported: this model's tokenizer has no "
+                              "<|fim_prefix|>/<|fim_suffix|>/<|fim_middle|> tokens, so it has no fill-in-the-middle "
+                              "template; send the prompt without suffix", param="suffix")
+        return f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
 
     def prepare_completion(self, req: CompletionRequest) -> dict[str, Any]:
         model = self.model
+        self.check_model(req.model)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -243,9 +225,12 @@ class LilyServer:
                                   param="prompt")
             prompt = prompt[0]
         if req.suffix:
-            raise bad_request("suffix is not supported by this model", param="suffix")
+            if not isinstance(prompt, str):
+                raise bad_request("suffix needs a text prompt, not token ids", param="suffix")
+            prompt = self.fim_prompt(prompt, req.suffix)
         if isinstance(prompt, str):
-            ids, text = self.replies.encode_text(model.tokenizer, prompt), prompt
+            check_text_fits(len(prompt.encode("utf-8")), self.max_token_bytes, model.max_context, "prompt")
+            ids, text = self.replies.encode_text(self.tokenizer, prompt), prompt
         else:
             bad = [t for t in prompt if not 0 <= t < model.vocab_size]
             if bad:
@@ -254,18 +239,26 @@ class LilyServer:
             ids, text = list(prompt), model.tokenizer.decode(prompt)
         if not ids:
             raise bad_request("prompt is empty: expected at least one token", param="prompt")
-        max_tokens = 16 if req.max_tokens is None else max_tokens_of(req)
-        self._check_context(len(ids), max_tokens)
         n_top = req.logprobs
         if n_top is not None and n_top < 0:
             raise bad_request(f"logprobs={n_top} is invalid: expected 0..20", param="logprobs")
-        sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens,
+        if req.max_tokens == 0:  # prompt scoring only (echo + logprobs), or just the usage
+            if len(ids) > model.max_context:
+                raise bad_request(f"This model's maximum context length is {model.max_context} tokens. However, "
+                                  f"the prompt is {len(ids)} tokens.", param="prompt", code="context_length_exceeded")
+            max_tokens = 0
+        else:
+            max_tokens = self._max_tokens(16 if req.max_tokens is None else max_tokens_of(req), len(ids), "prompt")
+        sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens or None,
                                logprobs=n_top is not None, top_logprobs=n_top)
-        return {"ids": ids, "sampling": sampling, "prompt_text": text, "raw": isinstance(prompt, str)}
+        return {"ids": ids, "sampling": sampling, "prompt_text": text, "raw": isinstance(prompt, str),
+                "score_prompt": bool(req.echo) and n_top is not None, "n_top": n_top or 0, "max_tokens": max_tokens}
 
     # ---- running a job -----------------------------------------------------------------------------------
     def submit(self, prep: dict[str, Any]) -> tuple[Job, int]:
-        job = Job(prep["ids"], prep["sampling"], asyncio.get_running_loop(), constraint=prep.get("constraint"))
+        timeout = self.config.request_timeout_s or None
+        job = Job(prep["ids"], prep["sampling"], asyncio.get_running_loop(), constraint=prep.get("constraint"),
+                  timeout_s=timeout)
         return job, self.worker.submit(job)
 
     def remember_completion(self, prep: dict[str, Any], ids: list[int], stop_reason: Any) -> None:
@@ -276,35 +269,28 @@ class LilyServer:
             self.replies.remember_text(prep["prompt_text"] + self.model.tokenizer.decode(ids), prep["ids"] + ids)
 
     def remember_reply(self, ids: list[int], stop_reason: Any) -> None:
-        """Keep the exact tokens of a reply (without its stop token) for the next turn's tokenization, and
-        run the final stop token now when nothing is waiting, so the next turn reuses it too."""
+        """Keep the exact tokens of a reply (without its stop token) for the next turn's tokenization (the
+        worker runs the final stop token through the model while idle, so the next turn reuses it too)."""
         if isinstance(stop_reason, int) and ids and ids[-1] == stop_reason:
             ids = ids[:-1]
-            if self.worker.waiting == 0:
-                self.worker.call(self.worker.session.flush)
         if ids:
             self.replies.remember(self.model.tokenizer.decode(ids), ids)
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            job.request_cancel()
-            return
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it passes `limit` bytes (also without a Content-Length)."""
+    parts, n = [], 0
+    async for part in request.stream():
+        n += len(part)
+        if n > limit:
+            raise too_large(limit, None)
+        parts.append(part)
+    return b"".join(parts)
 
 
-async def _events(job: Job, keepalive_s: float) -> AsyncIterator[tuple]:
-    """The job's events; ("idle",) when nothing came for keepalive_s."""
-    while True:
-        try:
-            ev = await asyncio.wait_for(job.events.get(), timeout=keepalive_s)
-        except asyncio.TimeoutError:
-            yield ("idle",)
-            continue
-        yield ev
-        if ev[0] in ("end", "error"):
-            return
+def _openapi_body(cls: Any) -> dict[str, Any]:
+    """A typed request body for /docs (the handlers parse the body themselves, to answer OpenAI errors)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": cls.model_json_schema()}}}}
 
 
 def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
@@ -317,7 +303,8 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         yield
         await run_in_threadpool(srv.shutdown)
 
-    app = FastAPI(title="lily", lifespan=lifespan)
+    app = FastAPI(title="lily", lifespan=lifespan,
+                  description="OpenAI-compatible server of lily (docs/server.md). Try a request from /docs.")
     app.state.lily = srv
 
     @app.exception_handler(APIError)
@@ -331,22 +318,45 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(LilyError)
     async def _lily_error(request: Request, e: LilyError):
-        return error_response(_as_api_error(e))
+        return error_response(as_api_error(e), headers=retry_headers(e))
 
     @app.exception_handler(Exception)
     async def _any_error(request: Request, e: Exception):
-        return error_response(_as_api_error(e))
+        return error_response(as_api_error(e))
 
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, key=config.api_key)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes,
+                       count=lambda path, status: srv.metrics.request(path if path in ENDPOINTS else "other", status))
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        # outermost: preflights (no Authorization header) are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+
+    async def parse(cls: Any, request: Request) -> Any:
+        """Body -> request model, refusing at once when the queue is full (before any large work)."""
+        srv.worker.check_room()
+        raw = await read_body(request, config.max_body_bytes)
+        return await run_in_threadpool(parse_request, cls, raw)
 
     @app.get("/health")
     async def health():
         w = srv.worker
-        return {"status": "ok", "model": srv.name, "backend": model.backend, "busy": w.busy, "queued": w.waiting,
-                "max_context": model.max_context, "stats": dict(w.stats),
+        return {"status": "ok", "model": srv.name, "backend": model.backend, "busy": w.busy, "running": w.running,
+                "queued": w.queued(), "max_context": model.max_context, "limits": srv.limits(), "stats": dict(w.stats),
                 "cache": {"snapshots": len(srv.cache), "bytes": srv.cache.nbytes, "max_bytes": srv.cache.max_bytes,
                           "hits": srv.cache.hits, "misses": srv.cache.misses}}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        w = srv.worker
+        gauges = {"lily_requests_running": ("Requests decoding now", w.running),
+                  "lily_requests_queued": ("Requests waiting for a running slot", w.queued()),
+                  "lily_prefix_cache_bytes": ("Bytes held by prefix-cache snapshots", srv.cache.nbytes),
+                  "lily_prefix_cache_snapshots": ("Snapshots in the prefix cache", len(srv.cache))}
+        return PlainTextResponse(srv.metrics.render(gauges, srv.cache),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _model_card() -> dict[str, Any]:
         return {"id": srv.name, "object": "model", "created": srv.started, "owned_by": "lily",
@@ -366,10 +376,38 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         files = await asyncio.wrap_future(srv.worker.call(srv.save_sessions))
         return {"object": "list", "data": files}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await request.body())
+    @app.post("/tokenize", openapi_extra=_openapi_body(TokenizeRequest))
+    async def tokenize(request: Request):
+        raw = await read_body(request, config.max_body_bytes)
+
+        def work() -> dict[str, Any]:
+            req = parse_request(TokenizeRequest, raw)
+            srv.check_model(req.model)
+            if req.messages is not None:
+                messages = normalize_chat_messages(req.messages)
+                text = model.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                                                  tools=validate_tools(req.tools) or None,
+                                                  **(req.chat_template_kwargs or {}))
+            elif req.prompt is not None:
+                text = req.prompt
+            else:
+                raise bad_request("tokenize needs prompt (text) or messages (chat)", param="prompt")
+            ids = srv.tokenizer.encode(text)
+            return {"count": len(ids), "max_model_len": model.max_context, "tokens": ids}
+        return await run_in_threadpool(work)
+
+    @app.post("/detokenize", openapi_extra=_openapi_body(DetokenizeRequest))
+    async def detokenize(request: Request):
+        req = parse_request(DetokenizeRequest, await read_body(request, config.max_body_bytes))
         srv.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < model.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of range: expected 0..{model.vocab_size - 1}", param="tokens")
+        return {"prompt": model.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        req = await parse(ChatCompletionRequest, request)
         prep = await run_in_threadpool(srv.prepare_chat, req)
         job, ahead = srv.submit(prep)
         out = ChatOutput(model.tokenizer, in_reasoning=prep["in_reasoning"], tools=prep["tools"],
@@ -378,173 +416,43 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         rid, created, name = new_id("chatcmpl"), now(), req.model or srv.name
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         if req.stream:
-            return SSEResponse(_chat_stream(srv, job, ahead, out, rid, created, name, include_usage),
+            return SSEResponse(chat_stream(srv, job, ahead, out, rid, created, name, include_usage),
                                job.request_cancel)
-        return await _chat_whole(srv, request, job, out, rid, created, name)
+        return await chat_whole(srv, request, job, out, rid, created, name)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest))
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await request.body())
-        srv.check_model(req.model)
+        req = await parse(CompletionRequest, request)
         prep = await run_in_threadpool(srv.prepare_completion, req)
-        job, ahead = srv.submit(prep)
         rid, created, name = new_id("cmpl"), now(), req.model or srv.name
         echo = prep["prompt_text"] if req.echo else ""
+        if prep["score_prompt"]:
+            fut = srv.worker.call(lambda: prompt_logprobs(model, prep["ids"], prep["n_top"]))
+            prep["prompt_logprobs"] = await asyncio.wrap_future(fut)
+        if prep["max_tokens"] == 0:
+            return JSONResponse(_scored_prompt(srv, prep, rid, created, name, echo))
+        job, ahead = srv.submit(prep)
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
-            return SSEResponse(_completion_stream(srv, prep, job, ahead, rid, created, name, echo, include_usage),
+            return SSEResponse(completion_stream(srv, prep, job, ahead, rid, created, name, echo, include_usage),
                                job.request_cancel)
-        return await _completion_whole(srv, prep, request, job, rid, created, name, echo)
+        return await completion_whole(srv, prep, request, job, rid, created, name, echo)
 
+    from .responses import add_responses_routes
+    add_responses_routes(app, srv, parse)
     return app
 
 
-# ---- chat ---------------------------------------------------------------------------------------------------
-def _comment(ev: tuple, ahead: int) -> str | None:
-    if ev[0] == "progress":
-        return f": prefill {ev[1]}/{ev[2]} tokens\n\n"
-    if ev[0] == "idle":
-        return ": keep-alive\n\n"
-    return None
-
-
-async def _chat_stream(srv: LilyServer, job: Job, ahead: int, out: ChatOutput, rid: str, created: int, name: str,
-                       include_usage: bool) -> AsyncIterator[str]:
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-            "system_fingerprint": srv.fingerprint}
-
-    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({**base, "choices": [choice], **extra})
-
-    if ahead:
-        yield f": queued, {ahead} request(s) ahead\n\n"
-    yield chunk({"role": "assistant", "content": ""})
-    ids: list[int] = []
-    queue_s = 0.0
-    async for ev in _events(job, srv.config.keepalive_s):
-        if ev[0] == "start":
-            queue_s = ev[1]
-        elif ev[0] == "chunk":
-            c = ev[1]
-            ids.append(c.token_id)
-            deltas, items = out.push(c)
-            lp = {"content": items} if items else None
-            for k, d in enumerate(deltas):
-                yield chunk(d, logprobs=lp if k == len(deltas) - 1 else None)
-            if not deltas and lp:
-                yield chunk({}, logprobs=lp)
-            if c.finish_reason is not None:
-                srv.remember_reply(ids, c.stop_reason)
-                extra = {"timings": timings(c.stats, queue_s)}
-                yield chunk({}, out.finish_reason, **extra)
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(c.stats, out.reasoning_tokens), **extra})
-        elif ev[0] == "error":
-            err = _as_api_error(ev[1])
-            if isinstance(ev[1], Cancelled):
-                return
-            yield sse(err.body())
-        elif (text := _comment(ev, ahead)) is not None:
-            yield text
-    yield "data: [DONE]\n\n"
-
-
-async def _collect(srv: LilyServer, request: Request, job: Job, on_chunk: Callable[[Any], None]) -> tuple[Any, float]:
-    """Run a job to its end for a non-streaming response; a client that goes away cancels it."""
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    last, queue_s = None, 0.0
-    try:
-        async for ev in _events(job, 3600.0):
-            if ev[0] == "start":
-                queue_s = ev[1]
-            elif ev[0] == "chunk":
-                on_chunk(ev[1])
-                last = ev[1]
-            elif ev[0] == "error":
-                raise _as_api_error(ev[1])
-    finally:
-        watcher.cancel()
-        job.request_cancel()
-    return last, queue_s
-
-
-async def _chat_whole(srv: LilyServer, request: Request, job: Job, out: ChatOutput, rid: str, created: int,
-                      name: str) -> JSONResponse:
-    ids: list[int] = []
-
-    def on_chunk(c):
-        ids.append(c.token_id)
-        out.push(c)
-
-    last, queue_s = await _collect(srv, request, job, on_chunk)
-    srv.remember_reply(ids, last.stop_reason)
-    body = {"id": rid, "object": "chat.completion", "created": created, "model": name,
-            "system_fingerprint": srv.fingerprint,
-            "choices": [{"index": 0, "message": out.message(),
-                         "logprobs": {"content": out.logprobs} if out.want_logprobs else None,
-                         "finish_reason": out.finish_reason}],
-            "usage": usage(last.stats, out.reasoning_tokens), "timings": timings(last.stats, queue_s)}
-    return JSONResponse(body)
-
-
-# ---- completions --------------------------------------------------------------------------------------------
-async def _completion_stream(srv: LilyServer, prep: dict[str, Any], job: Job, ahead: int, rid: str, created: int,
-                             name: str, echo: str, include_usage: bool) -> AsyncIterator[str]:
-    base = {"id": rid, "object": "text_completion", "created": created, "model": name}
-    want_lp = job.sampling.logprobs
-    if ahead:
-        yield f": queued, {ahead} request(s) ahead\n\n"
-    if echo:
-        yield sse({**base, "choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
-    queue_s, offset = 0.0, len(echo)
-    ids: list[int] = []
-    async for ev in _events(job, srv.config.keepalive_s):
-        if ev[0] == "start":
-            queue_s = ev[1]
-        elif ev[0] == "chunk":
-            c = ev[1]
-            ids.append(c.token_id)
-            if c.finish_reason:
-                srv.remember_completion(prep, ids, c.stop_reason)
-            lp = completion_logprobs(srv.model.tokenizer, [(c.token_id, c.logprob, c.top_logprobs)], offset) \
-                if want_lp and c.logprob is not None else None
-            offset += len(c.text)
-            extra = {"timings": timings(c.stats, queue_s)} if c.finish_reason else {}
-            if c.text or lp or c.finish_reason:
-                yield sse({**base, "choices": [{"index": 0, "text": c.text, "logprobs": lp,
-                                                "finish_reason": c.finish_reason}], **extra})
-            if c.finish_reason and include_usage:
-                yield sse({**base, "choices": [], "usage": usage(c.stats), **extra})
-        elif ev[0] == "error":
-            if isinstance(ev[1], Cancelled):
-                return
-            yield sse(_as_api_error(ev[1]).body())
-        elif (text := _comment(ev, ahead)) is not None:
-            yield text
-    yield "data: [DONE]\n\n"
-
-
-async def _completion_whole(srv: LilyServer, prep: dict[str, Any], request: Request, job: Job, rid: str,
-                            created: int, name: str, echo: str) -> JSONResponse:
-    texts: list[str] = []
-    items: list[tuple] = []
-    ids: list[int] = []
-
-    def on_chunk(c):
-        texts.append(c.text)
-        ids.append(c.token_id)
-        if c.logprob is not None:
-            items.append((c.token_id, c.logprob, c.top_logprobs))
-
-    last, queue_s = await _collect(srv, request, job, on_chunk)
-    srv.remember_completion(prep, ids, last.stop_reason)
-    lp = completion_logprobs(srv.model.tokenizer, items, len(echo)) if job.sampling.logprobs else None
-    body = {"id": rid, "object": "text_completion", "created": created, "model": name,
-            "choices": [{"index": 0, "text": echo + "".join(texts), "logprobs": lp,
-                         "finish_reason": last.finish_reason}],
-            "usage": usage(last.stats), "timings": timings(last.stats, queue_s)}
-    return JSONResponse(body)
+def _scored_prompt(srv: LilyServer, prep: dict[str, Any], rid: str, created: int, name: str,
+                   echo: str) -> dict[str, Any]:
+    """max_tokens 0: the prompt (with its logprobs when asked), nothing generated."""
+    items = prep.get("prompt_logprobs")
+    lp = completion_logprobs(srv.model.tokenizer, items, 0) if items else None
+    n = len(prep["ids"])
+    return {"id": rid, "object": "text_completion", "created": created, "model": name,
+            "choices": [{"index": 0, "text": echo, "logprobs": lp, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                      "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,

@@ -63,8 +63,17 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
+# bounds of a forced call, so that a call always ends: a string without maxLength, an integer without
+# minimum/maximum and a number take at most this many characters / digits, and at most MAX_PARALLEL calls
+MAX_STRING_CHARS = 4096
+MAX_INT = 10 ** 18 - 1
+MAX_PARALLEL = 8
+_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,15})?([eE][+-]?[0-9]{1,3})?/"
+
+
 def _value_rule(schema: Mapping[str, Any] | None) -> str:
-    """Lark for one XML parameter value of this JSON schema (strings raw, everything else JSON)."""
+    """Lark for one XML parameter value of this JSON schema (strings raw, everything else JSON), every
+    value bounded in length."""
     schema = schema if isinstance(schema, Mapping) else {}
     if "enum" in schema and all(isinstance(v, (str, int, float, bool)) or v is None for v in schema["enum"]):
         alts = [_lark_str(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"]]
@@ -72,8 +81,16 @@ def _value_rule(schema: Mapping[str, Any] | None) -> str:
     t = schema.get("type")
     if t == "string" or t is None or (isinstance(t, list) and "string" in t):
         n = schema.get("maxLength")
-        rep = f"{{0,{int(n)}}}" if isinstance(n, int) and n >= 0 else "*"
-        return rf"/([^<]|<[^\/]){rep}/"   # raw text, no "</" (which would start </parameter>)
+        n = int(n) if isinstance(n, int) and 0 <= n <= MAX_STRING_CHARS else MAX_STRING_CHARS
+        return rf"/([^<]|<[^\/]){{0,{n}}}/"   # raw text, no "</" (which would start </parameter>)
+    if t == "integer":
+        bounded = dict(schema)
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        bounded["minimum"] = lo if isinstance(lo, (int, float)) and lo >= -MAX_INT else -MAX_INT
+        bounded["maximum"] = hi if isinstance(hi, (int, float)) and hi <= MAX_INT else MAX_INT
+        return "%json " + json.dumps(bounded, ensure_ascii=False)
+    if t == "number" and not any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        return _NUMBER
     return "%json " + json.dumps(dict(schema), ensure_ascii=False)
 
 
@@ -103,7 +120,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None = Non
                      f'{_lark_str("</function>" + chr(10))}')
         alts.append(f"f{i}")
     call = "call: <tool_call> (" + " | ".join(alts) + ") </tool_call>"
-    start = "start: call" if name is not None or not parallel else 'start: call ("\\n" call)*'
+    start = "start: call" if name is not None or not parallel else \
+        f'start: call ("\\n" call){{0,{MAX_PARALLEL - 1}}}'
     return llg.LLMatcher.grammar_from_lark("\n".join([start, call, *rules]))
 
 

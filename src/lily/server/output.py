@@ -47,7 +47,7 @@ class ChatOutput:
         if chunk.finish_reason is not None:
             deltas += self._text(self.reasoning.finish())
             if self.tools is not None:
-                deltas += self._tool_events(self.tools.finish())
+                deltas += self._tool_events(self.tools.finish(truncated=chunk.finish_reason == "length"))
             self.stats = chunk.stats
             self.finish_reason = "tool_calls" if self.tool_calls and chunk.finish_reason == "stop" \
                 else chunk.finish_reason

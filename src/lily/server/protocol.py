@@ -76,14 +76,34 @@ class CompletionRequest(_Request):
     suffix: Optional[str] = None
 
 
-def parse_request(cls: type[_Request], raw: bytes) -> Any:
-    """Body bytes -> request model, or a 400 naming the problem."""
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def parse_request(cls: type[BaseModel], raw: bytes) -> Any:
+    """Body bytes -> request model, or a 400 naming the problem (also for text no tokenizer can take)."""
+    from .validation import check_unicode
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON ({e}): expected a JSON object") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    check_unicode(data)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -201,6 +221,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def normalize_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages -> what the chat template reads: `developer` is a system message, text parts are
     kept (other parts are refused), tool-call arguments given as JSON strings become objects."""
+    from .validation import check_message_content
     if not messages:
         raise bad_request("messages is empty: expected at least one message", param="messages")
     out = []
@@ -209,6 +230,7 @@ def normalize_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, An
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role={role!r} is invalid: expected one of {', '.join(ROLES)}",
                               param=f"messages.{i}.role")
+        check_message_content(i, m)
         m = dict(m)
         if role == "developer":
             m["role"] = "system"

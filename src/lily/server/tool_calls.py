@@ -53,6 +53,7 @@ class ToolCall:
     name: str
     arguments: str = ""       # the JSON object, complete once `end` was seen
     done: bool = False
+    truncated: bool = False   # cut off (max_tokens): `arguments` is the raw partial text, not closed JSON
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -170,13 +171,14 @@ class ToolCallParser:
             self.open = None
             self.after_call = True
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, truncated: bool = False) -> list[ToolEvent]:
         """End of the reply: close an unterminated call (if its function name was seen), else pass its
-        text on as content."""
+        text on as content. truncated=True (the reply hit max_tokens): an unterminated call is left as what
+        it is, its arguments the partial JSON text so far (never closed into valid-looking JSON)."""
         events: list[ToolEvent] = []
         if self.open is not None:
             o = self.open
-            self._parse(events, final=True)
+            self._parse(events, final=True, truncated=truncated)
             if o.call is None:
                 self._content(events, o.ws + TOOL_CALL + o.buf)
             self.open = None
@@ -199,7 +201,7 @@ class ToolCallParser:
         else:
             events.append(ToolEvent("content", text))
 
-    def _parse(self, events: list[ToolEvent], final: bool) -> None:
+    def _parse(self, events: list[ToolEvent], final: bool, truncated: bool = False) -> None:
         o = self.open
         body = o.buf
         if o.call is None:
@@ -223,10 +225,29 @@ class ToolCallParser:
                        json.dumps(value, ensure_ascii=False))
             o.n_args += 1
             o.pos = m.end()
+        if not o.call.done and truncated and _FUNCTION_END not in body[o.pos:]:
+            self._partial(events, o, body[o.pos:], schema)
+            return
         if not o.call.done and (final or _FUNCTION_END in body[o.pos:]):
             self._args(events, o, "{}" if o.n_args == 0 else "}")
             o.call.done = True
             events.append(ToolEvent("end", index=o.index, id=o.call.id, name=o.call.name))
+
+    def _partial(self, events: list[ToolEvent], o: _Open, rest: str, schema: Mapping[str, Any]) -> None:
+        """The call was cut off: its arguments end with the parameter being written, as far as it got
+        (a string value without its closing quote), and no closing brace."""
+        o.call.truncated = True
+        m = re.search(r"<parameter=([^>\n]+)>\n?", rest)
+        frag = "{" if o.n_args == 0 else ""
+        if m is not None:
+            name = m.group(1).strip()
+            raw = rest[m.end():]
+            raw = raw[:len(raw) - held_suffix(raw, ("\n" + "</parameter>",))]  # a closing tag begun, not finished
+            types = _schema_types(schema.get(name))
+            value = json.dumps(raw, ensure_ascii=False)[:-1] if not types or "string" in types else raw.strip()
+            frag += ("" if o.n_args == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": " + value
+        if frag:
+            self._args(events, o, frag)
 
     def _args(self, events: list[ToolEvent], o: _Open, fragment: str) -> None:
         o.call.arguments += fragment

@@ -1,0 +1,103 @@
+"""Plain ASGI pieces of the server: SSE responses that notice a client going away, the API key check, and
+the request guard (body size limit from Content-Length, request counts for /metrics). Plain ASGI, so
+streaming responses and disconnect detection pass through untouched."""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse
+from starlette.responses import StreamingResponse
+
+from .protocol import APIError
+from .validation import too_large
+
+# paths that need the API key (when one is set); /health, /docs and /openapi.json stay open
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/metrics")
+
+
+def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always watch for the client going away: on disconnect the stream is
+    cancelled and `on_close` runs at once (the engine job is cancelled within one decode step)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        import anyio
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
+
+
+class APIKeyMiddleware:
+    """401 for protected requests without `Authorization: Bearer KEY` (or `x-api-key: KEY`)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            got = headers.get("authorization", "")
+            token = got[7:].strip() if got.lower().startswith("bearer ") else headers.get("x-api-key")
+            if token != self.key:
+                e = APIError(401, "Incorrect API key provided: send it as 'Authorization: Bearer KEY' (the key "
+                                  "given to lily serve --api-key)", type="authentication_error", code="invalid_api_key")
+                await error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestGuard:
+    """413 before reading a body whose Content-Length is over the limit; counts answers for /metrics."""
+
+    def __init__(self, app, max_body_bytes: int, count: Callable[[str, int], None]):
+        self.app, self.max_body_bytes, self.count = app, max_body_bytes, count
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = [0]
+
+        async def send_counted(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        length = None
+        for k, v in scope.get("headers", []):
+            if k.lower() == b"content-length":
+                try:
+                    length = int(v)
+                except ValueError:
+                    length = None
+        try:
+            if length is not None and length > self.max_body_bytes:
+                await error_response(too_large(self.max_body_bytes, length),
+                                     headers={"Connection": "close"})(scope, receive, send_counted)
+                return
+            await self.app(scope, receive, send_counted)
+        finally:
+            if status[0]:
+                self.count(path, status[0])
