@@ -265,10 +265,14 @@ def _shard_files(folder: Path) -> dict[str, SafetensorsFile]:
     return {n: SafetensorsFile(folder / n) for n in found}
 
 
-def _progress_disabled(progress: bool | None) -> bool:
+def _progress_disabled(progress: bool | None) -> bool | None:
+    """tqdm's `disable`: None (the default) shows the bar only on a terminal, so logs and pipes never get
+    a leftover `Loading ...: 0%` line."""
     if progress is not None:
         return not progress
-    return os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes", "on")
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    return None
 
 
 def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None = None,
@@ -279,7 +283,7 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
     quantize_dense: an unquantized checkpoint (HF bf16 or a dense MLX export) is quantized at load
         like `mlx_lm.convert -q` (4-bit g64, router and shared-expert gate 8-bit); False keeps it
         dense bf16.
-    progress: tqdm bar (None = on unless HF_HUB_DISABLE_PROGRESS_BARS is set).
+    progress: tqdm bar (None = on a terminal, unless HF_HUB_DISABLE_PROGRESS_BARS is set).
     threads: worker threads for quantizing at load (0 = all cores, up to 16).
     """
     folder = resolve_checkpoint(path_or_repo_id, revision)
@@ -300,7 +304,7 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
     tensors: dict[str, np.ndarray] = {}
     quant: dict[str, tuple[int, int]] = {}
     bar = tqdm(total=len(lin) + len(vec), unit="tensor", desc=f"Loading {folder.name}",
-               disable=_progress_disabled(progress), leave=False)
+               disable=_progress_disabled(progress), leave=False, delay=0.5)  # no flash for a quick load
     nbytes = 0
 
     def advance(names: tuple[str, ...]) -> None:

@@ -1,15 +1,20 @@
 """What a generation returns (result, stream chunks, timing stats) and the pieces of the decode loop that
-are pure Python: stop-string matching across chunk boundaries and resolving sampling options.
+are pure Python: stop-string matching across chunk boundaries, splitting a chat reply into reasoning and
+answer, and resolving sampling options.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
+from .reasoning import ReasoningParser, prompt_opens_reasoning
 from .sampling import TokenLogprobs, resolve_sampling  # noqa: F401 (resolve_sampling moved to lily.sampling)
 
 FINISH_STOP = "stop"      # a stop token or stop string ended generation
 FINISH_LENGTH = "length"  # max_tokens reached, or the context window is full
+CHANNEL_REASONING = "reasoning"  # inside the reply's <think> block
+CHANNEL_CONTENT = "content"      # the answer
 
 
 @dataclass
@@ -56,7 +61,12 @@ class GenerationStats:
 class GenerationChunk:
     """One sampled token of a stream. `text` is the new text it completes (may be empty: partial UTF-8
     or text held back because it could be the start of a stop string). The last chunk has
-    `finish_reason` and `stats`."""
+    `finish_reason` and `stats`.
+
+    In a stream split by `split_reasoning` (chat replies), `text` is new answer text only and `reasoning`
+    the new text of the `<think>` block, both without the tags; `channel` says which part of the reply
+    this token belongs to ("reasoning" for the tokens of the think block and its closing tag, then
+    "content"). Unsplit streams (raw prompts) have all their text in `text` and channel "content"."""
 
     text: str
     token_id: int
@@ -65,12 +75,16 @@ class GenerationChunk:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended generation
     stats: GenerationStats | None = None
+    reasoning: str = ""
+    channel: str = CHANNEL_CONTENT
 
 
 @dataclass
 class GenerationResult:
     """A finished generation. token_ids: every sampled token, including a final stop token; text excludes
-    stop tokens, special tokens and the stop string (and anything after it)."""
+    stop tokens, special tokens and the stop string (and anything after it). For a chat reply split by
+    `split_reasoning`, `text` is the answer and `reasoning` the think block (tags and the blank lines
+    after `</think>` removed); otherwise reasoning is ""."""
 
     text: str
     token_ids: list[int]
@@ -78,26 +92,55 @@ class GenerationResult:
     stats: GenerationStats
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    reasoning: str = ""
 
     def __str__(self) -> str:
         return self.text
 
 
-def collect(chunks) -> GenerationResult:
-    """Drain a chunk stream into a `GenerationResult`."""
+def split_reasoning(chunks: Iterable[GenerationChunk], in_reasoning: bool | str) -> Iterator[GenerationChunk]:
+    """The chunks of a chat reply with reasoning and answer apart (see GenerationChunk), one chunk per
+    token as before. in_reasoning: whether the reply starts inside `<think>`, or the prompt text, from
+    which `lily.reasoning.prompt_opens_reasoning` decides it. The same parser as `lily serve`."""
+    if isinstance(in_reasoning, str):
+        in_reasoning = prompt_opens_reasoning(in_reasoning)
+    parser = ReasoningParser(bool(in_reasoning))
+    for c in chunks:
+        was_reasoning = parser.in_reasoning
+        pieces = parser.feed(c.text)
+        if c.finish_reason is not None:
+            pieces += parser.finish()
+        content = "".join(t for kind, t in pieces if kind == CHANNEL_CONTENT)
+        reasoning = "".join(t for kind, t in pieces if kind == CHANNEL_REASONING)
+        if content:
+            channel = CHANNEL_CONTENT
+        elif reasoning or was_reasoning or parser.in_reasoning:  # a tag token (<think>, </think>) joins its block
+            channel = CHANNEL_REASONING
+        else:
+            channel = CHANNEL_CONTENT
+        yield dataclasses.replace(c, text=content, reasoning=reasoning, channel=channel)
+
+
+def collect(chunks: Iterable[GenerationChunk], in_reasoning: bool | str | None = None) -> GenerationResult:
+    """Drain a chunk stream into a `GenerationResult`. in_reasoning (as for `split_reasoning`): split a
+    chat reply into `.reasoning` and `.text`; None keeps the chunks as they are."""
+    if in_reasoning is not None:
+        chunks = split_reasoning(chunks, in_reasoning)
     parts: list[str] = []
+    thought: list[str] = []
     ids: list[int] = []
     lps: list[TokenLogprobs] = []
     last = None
     for c in chunks:
         parts.append(c.text)
+        thought.append(c.reasoning)
         ids.append(c.token_id)
         if c.logprob is not None:
             lps.append(TokenLogprobs(c.token_id, c.logprob, dict(c.top_logprobs or {})))
         last = c
     assert last is not None and last.finish_reason is not None, "a generation always ends with a final chunk"
     return GenerationResult("".join(parts), ids, last.finish_reason, last.stats or GenerationStats(),
-                            last.stop_reason, lps if lps else None)
+                            last.stop_reason, lps if lps else None, "".join(thought))
 
 
 class StopStringMatcher:
