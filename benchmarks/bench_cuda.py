@@ -17,7 +17,7 @@ Dry run without a GPU (tiny checkpoint, CPU engine, mlx-lm on the CPU):
     PYTHONPATH=src python3 benchmarks/bench_cuda.py --backend cpu --config tiny --out /tmp/dry
 
 Writes OUT/NAME.json ({hardware, git_sha, settings, rows: [{engine, phase, tokens, tok_s, ms, ...}], ablations,
-decode_profiles, ...}), OUT/NAME.png and OUT/cuda_ablations_h200.md (dry run: cuda_ablations_dryrun.md).
+kernel_profiles, counters, ...}), OUT/NAME.png and OUT/cuda_ablations_h200.md (dry run: cuda_ablations_dryrun.md).
 `synthetic_weights` (the older constant-scale generator) stays for benchmarks/multiturn.py.
 """
 
@@ -132,9 +132,8 @@ class FlagStub:
 
     def __init__(self, eng):
         self._eng, self._flags = eng, {a.flag: a.meaning for a in ABLATIONS}
-        self._vals = {"cuda_decode": 2, "routing_sync": 0, "gqa_pack": 1, "split_k": 1, "dn_form": 3,
-                      "expert_tile": 0, "gemm_impl": 1, "attn_impl": 1, "pdl": 1, "l2_prefetch": 0,
-                      "l2_ahead": 0, "attn_pipe": 1, "attn_decode_tc": 1}
+        self._vals = {"cuda_graph": 1, "gemv_impl": 3, "routing_sync": 0, "gqa_pack": 1, "split_k": 1,
+                      "dn_form": 0, "expert_tile": 0}
 
     def __getattr__(self, k):
         return getattr(self._eng, k)
@@ -172,25 +171,31 @@ class LilyRunner:
         return time.perf_counter() - t0
 
     def decode_sampled(self, st, tok, device):
-        """Steps with temperature 0.7 / top-p 0.9 / top-k 50 sampling, as the session runs them: on the host
-        (forward + logits to the host + lily.sampling.Sampler) or on the device (Engine.decode_sample)."""
+        """Steps with temperature 0.7 / top-p 0.9 / top-k 50 sampling, as the session runs them: one token stream
+        (Engine.open_stream) drawing on the device (run ahead one step) or lock-step (logits to the host +
+        lily.sampling.Sampler)."""
         from lily.sampling import Sampler, SamplingParams
         p = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=0)
-        sampler = Sampler(p, self.eng.vocab_size)
-        if not device:
-            step = lambda t: sampler.sample(self.eng.forward(st, np.array([t], np.int32), logits="last")[-1])  # noqa: E731
-        else:
-            sid = self.eng.sampler_begin(p.temperature, p.top_k, p.top_p, p.min_p, 1.0, 0.0, 0.0,
-                                         np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.uint8),
-                                         np.zeros(0, np.int32))
-            if not sid:
+        opts = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=0)
+
+        def run(n, tok):
+            s = self.eng.open_stream(st, tok, n, device=device, **opts)
+            if device and not s.device:
+                s.close()
                 raise RuntimeError("the engine has no device sampler")
-            step = lambda t: self.eng.decode_sample(st, t, float(sampler.rng.random()) * 0.999999, sid)  # noqa: E731
-        for _ in range(3):
-            tok = step(tok)
+            if s.device:
+                for _ in range(n):
+                    tok = s.next()
+            else:
+                sampler = Sampler(p, self.eng.vocab_size)
+                for _ in range(n):
+                    tok = sampler.sample(s.step(tok))
+            s.close()
+            return tok
+
+        tok = run(3, tok)
         t0 = time.perf_counter()
-        for _ in range(self.n):
-            tok = step(tok)
+        run(self.n, tok)
         return time.perf_counter() - t0
 
     def decode_greedy(self, st, tok):
@@ -317,7 +322,7 @@ def main(argv=None):
                     st.restore(snap)
                     add(lily.name + ("-sample-device" if device else "-sample-host"), "decode", L,
                         lily.decode_sampled(st, tok, device), args.decode_steps,
-                        method="T 0.7, top-p 0.9, top-k 50: " + ("Engine.decode_sample (drawn on the device)"
+                        method="T 0.7, top-p 0.9, top-k 50: " + ("Engine.open_stream (drawn on the device)"
                                                                  if device else "forward + host Sampler"))
                 except Exception as e:  # noqa: BLE001
                     checks[f"decode_sampled_device={device}@{L}"] = repr(e)[:200]
@@ -342,20 +347,16 @@ def main(argv=None):
             return
         if args.backend != "cuda":
             return
-        # "graph nopdl": with PDL each kernel starts early and its recorded time includes its wait on the
-        # previous one; without it the recorded times are the kernels' own (the step runs a few % slower).
-        for label, mode, pdl in (("graph", 2, 1), ("nograph", 1, 1), ("graph nopdl", 2, 0)):
+        for label, graph in (("graph", 1), ("nograph", 0)):
             try:
-                eng.set_backend_flag("cuda_decode", mode)
-                eng.set_backend_flag("pdl", pdl)
+                eng.set_backend_flag("cuda_graph", graph)
                 st.restore(snap)
                 profiles[f"decode@{L} {label}"] = kernel_profile(
                     lambda i: eng.forward(st, np.array([toks[i]], np.int32), logits="last"), 8)
             except Exception as e:  # noqa: BLE001 - a report extra, never a reason to lose the figures
                 profiles[f"decode@{L} {label}"] = {"error": repr(e)[:200]}
             finally:
-                eng.set_backend_flag("cuda_decode", 2)
-                eng.set_backend_flag("pdl", 1)
+                eng.set_backend_flag("cuda_graph", 1)
         try:
             profiles[f"prefill@{L}"] = kernel_profile(lambda i: eng.forward(eng.new_state(), toks[:L], logits="last"), 1)
         except Exception as e:  # noqa: BLE001
