@@ -213,6 +213,28 @@ def test_interrupt_inside_a_step_keeps_the_session_consistent(model):
     assert len(more.token_ids) == 2
 
 
+@pytest.mark.parametrize("bad_call", [1, 3])  # the prompt's logits, or a later decode step's
+def test_non_finite_logits_stop_generation_with_a_clear_error(model, bad_call):
+    engine = model.engine
+    calls = {"n": 0}
+    real = engine.forward
+
+    def broken(state, tokens, **kw):
+        calls["n"] += 1
+        out = real(state, tokens, **kw)
+        if calls["n"] == bad_call:
+            out = out.copy()
+            out[..., 5] = np.nan
+        return out
+
+    engine.forward = broken
+    try:
+        with pytest.raises(lily.NonFiniteLogitsError, match="non-finite logits"):
+            model.generate(PROMPT, max_tokens=8, temperature=0.7, seed=1)
+    finally:
+        del engine.forward
+
+
 def test_generation_config_supplies_defaults(tmp_path):
     m = tiny_model(tmp_path, generation_config={"temperature": 0.0, "top_k": 20})
     assert m.generate(PROMPT, max_tokens=5).token_ids == m.generate(PROMPT, max_tokens=5, temperature=0).token_ids

@@ -9,7 +9,7 @@ The C++ extension (lily._lily) is imported only when a model is loaded on a C++ 
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from .chat import ChatTemplateError
-from .errors import BackendUnavailableError, CheckpointError, ContextLengthError, LilyError
+from .errors import BackendUnavailableError, CheckpointError, ContextLengthError, LilyError, NonFiniteLogitsError
 from .generation import GenerationChunk, GenerationResult, GenerationStats
 from .model import Model, load
 from .prefix_cache import PrefixCache
@@ -24,4 +24,5 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = ["load", "Model", "Session", "SamplingParams", "GenerationResult", "GenerationChunk",
            "GenerationStats", "LilyError", "CheckpointError", "BackendUnavailableError", "ContextLengthError",
+           "NonFiniteLogitsError",
            "ChatTemplateError", "SamplingParamsError", "PrefixCache", "SessionFileError", "__version__"]

@@ -15,3 +15,7 @@ class BackendUnavailableError(LilyError, RuntimeError):
 
 class ContextLengthError(LilyError, ValueError):
     """A prompt (plus the tokens to generate) does not fit in the context window."""
+
+
+class NonFiniteLogitsError(LilyError, FloatingPointError):
+    """The model produced NaN or infinite logits (broken weights or a broken kernel): generation stops."""

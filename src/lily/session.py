@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ContextLengthError, LilyError
+from .errors import ContextLengthError, LilyError, NonFiniteLogitsError
 from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
                          StopStringMatcher, collect)
 from .sampling import (Sampler, SamplingParams, device_sampling_supported, resolve_sampling, split_sampling_options,
@@ -357,6 +357,7 @@ class Session:
                                    stats)
 
         # the first token is drawn on the host from the prompt's logits; the engine's token stream runs the rest
+        _check_finite(logits, self.position)
         token = sampler.sample(logits)
         lp = sampler.logprobs(logits, token) if params.logprobs else None
         self._pending.append(token)
@@ -404,6 +405,7 @@ class Session:
                 else:
                     last_logits = stream.step(generated[-1])
                     settle()
+                    _check_finite(last_logits, self._state.position)
                     token = sampler.sample(last_logits)
                     lp = sampler.logprobs(last_logits, token) if p.logprobs else None
                 generated.append(token)
@@ -418,3 +420,12 @@ class Session:
             if stream.device:
                 last_logits = held
             self._last_logits = None if last_logits is None else np.asarray(last_logits, np.float32)
+
+
+def _check_finite(logits: np.ndarray, position: int) -> None:
+    """Stop a generation on NaN / inf logits instead of sampling garbage from them."""
+    if not np.isfinite(logits).all():
+        bad = int((~np.isfinite(logits)).sum())
+        raise NonFiniteLogitsError(
+            f"[generate] the model produced {bad} non-finite logits (NaN or inf) after position {position}: "
+            f"the weights or a kernel are broken (check the checkpoint: a NaN in a weight tensor does this)")
