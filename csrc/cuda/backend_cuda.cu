@@ -1,19 +1,20 @@
 // CUDA backend: bf16 activations into every matrix product (fp32 accumulate), fp32 residual stream, norms,
 // softmax and DeltaNet state; bf16 KV cache. Weights are copied to the device once at construction.
-// Everything of a chunk is queued on one stream; the host waits only in head/read_residual/sync.
+// Everything is queued on one stream; the host waits only in head / read_residual / sync and for a step's
+// logits or drawn token.
 //
-// Decode (one token, decode_step / decode_greedy): the fused kernels of decode.cu (norms folded into the
-// projections, projections that read the same row in one launch, MoE combine fused into the down projection,
-// conv into the in-projection) on dedicated scratch, with the token and position in a device control block so
-// the whole step (embed -> layers -> head -> argmax) is one replayable CUDA graph. Flag "cuda_decode":
-// 0 = the sub-block path (engine layer loop), 1 = fused kernels launched one by one, 2 = fused + CUDA graph
-// (default; env LILY_CUDA_DECODE=legacy|fused|graph or 0|1|2 sets the default).
-#include <array>
+// Sub-blocks (core/backend.h) run the prefill kernels for any S, except S == 1 inside a step bracket
+// (begin_step .. end_step): there they run the fused decode kernels (gemv.cu: norms folded into the projections,
+// projections that read the same row in one launch, conv into the in-projection, MoE combine into the down
+// projection) on dedicated scratch, with the token and position in a device control block, so the whole step
+// (embed -> layers -> head -> draw) is one CUDA graph, recorded once per key (step_key) and replayed.
+// Flag "cuda_graph" (1 default, 0: the step's kernels launched one by one, no capture).
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <initializer_list>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "cuda/linear.cuh"
 #include "cuda/runtime.h"
 #include "cuda/sample.cuh"
+#include "cuda/weights_cuda.h"
 
 namespace lily {
 namespace {
@@ -33,15 +35,7 @@ namespace {
 using cuda::bf16;
 using cuda::DLinear;
 
-struct DLayer {
-  const float* in_norm = nullptr;
-  const float* post_norm = nullptr;
-  DLinear qkv, z, b, a, out;  // DeltaNet
-  const float *conv_w = nullptr, *dt_bias = nullptr, *a_log = nullptr, *dn_norm = nullptr;
-  DLinear q, k, v, o;  // attention
-  const float *q_norm = nullptr, *k_norm = nullptr;
-  DLinear router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate;  // MoE
-};
+using DLayer = cuda::DeviceLayer;
 
 // A device scratch buffer that only grows.
 struct Scratch {
@@ -54,22 +48,31 @@ struct Scratch {
   }
 };
 
+// A recorded decode step: the graph of one key (step_key), kept while it may be replayed.
+struct StepGraph {
+  std::vector<uintptr_t> key;
+  cudaGraphExec_t exec = nullptr;
+  int64_t last_use = 0;
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const Config& cfg, const Weights& w, bool debug)
       : cfg_(cfg), mem_(std::make_shared<CudaMemory>()), st_(mem_->stream()), debug_(debug) {
     check_supported();
     LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, 0));
-    upload(w);
-    decode_mode_ = default_decode_mode();
+    w_ = cuda::upload_weights(cfg_, w, mem_);
     fused_ok_ = fused_supported();
-    if (fused_ok_) alloc_decode();
+    alloc_decode();
   }
 
   ~CudaBackend() override {
-    drop_graph();
-    if (ctl_host_) cudaFreeHost(ctl_host_);
-    if (lg_host_) cudaFreeHost(lg_host_);
+    cudaStreamSynchronize(st_);
+    drop_graphs();
+    for (cudaEvent_t e : {step_done_[0], step_done_[1], in_copied_[0], in_copied_[1]})
+      if (e) cudaEventDestroy(e);
+    for (void* p : {static_cast<void*>(in_host_), static_cast<void*>(lg_host_), static_cast<void*>(drawn_host_)})
+      if (p) cudaFreeHost(p);
   }
 
   const char* name() const override { return "cuda"; }
@@ -79,78 +82,124 @@ class CudaBackend final : public Backend {
   int64_t default_chunk() const override { return 2048; }
   void sync() override { LILY_CUDA_CHECK(cudaStreamSynchronize(st_)); }
 
-  bool decode_step(State& st, int32_t token, float* logits) override {
-    if (decode_mode_ == 0 || !fused_ok_) return false;
-    *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, 0, 0.f};
-    LILY_CUDA_CHECK(cudaMemcpyAsync(dctl_, ctl_host_, sizeof(cuda::dec::Ctl), cudaMemcpyHostToDevice, st_));
-    run_step(st);
-    // Through pinned memory: a pageable device-to-host copy of the 1 MB of logits is several times slower.
-    if (logits)
-      LILY_CUDA_CHECK(cudaMemcpyAsync(lg_host_, dlg_, cfg_.vocab * sizeof(float), cudaMemcpyDeviceToHost, st_));
-    sync();
-    if (logits) std::memcpy(logits, lg_host_, cfg_.vocab * sizeof(float));
+  // ---- step brackets ---------------------------------------------------------------------------------------
+  bool begin_step(State& st, const DecodeStep& d) override {
+    if (in_step_) close_failed_step();
+    if (d.draw && !sampler_.ready()) throw std::logic_error("[lily] cuda: a drawing step without sampler_begin");
+    if (d.token < 0 && !fused_ok_) throw std::logic_error("[lily] cuda: a device token without fused decode");
+    step_ = d;
+    in_step_ = true;
+    write_inputs(d);
+    fused_ = fused_ok_;
+    capturing_ = false;
+    replay_ = nullptr;
+    calls_.clear();
+    if (!fused_ || !graph_on_) return true;  // launched one by one (the unfused path embeds host ids: no graph)
+    const std::vector<uintptr_t> key = step_key(st, d);
+    for (StepGraph& g : graphs_)
+      if (g.key == key) {
+        replay_ = &g;
+        g.last_use = ++graph_clock_;
+        return false;
+      }
+    key_ = key;
+    LILY_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
     return true;
   }
 
-  bool decode_greedy(State& st, int32_t token, int64_t n, int32_t* out) override {
-    if (decode_mode_ == 0 || !fused_ok_) return false;
-    for (int64_t done = 0; done < n;) {
-      const int64_t m = std::min<int64_t>(kOutCap, n - done);
-      // The first batch sets token and position; later ones only reset the output index (the device advanced
-      // token and position itself).
-      *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, static_cast<int32_t>(m), 0.f};
-      const size_t off = done == 0 ? 0 : offsetof(cuda::dec::Ctl, step);
-      LILY_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(dctl_) + off, reinterpret_cast<char*>(ctl_host_) + off,
-                                      sizeof(cuda::dec::Ctl) - off, cudaMemcpyHostToDevice, st_));
-      for (int64_t i = 0; i < m; ++i) run_step(st);
-      LILY_CUDA_CHECK(cudaMemcpyAsync(out + done, dout_, m * sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
-      sync();
-      done += m;
+  // The step's logits into slot p = index & 1, then (d.draw) the next token into the next step's input slot
+  // (slot 1 - p of the control block) and into the pinned drawn_host_[p].
+  void head_step(const DecodeStep& d) override {
+    if (!in_step_) throw std::logic_error("[lily] cuda: head_step outside a step");
+    issue([this, d] {
+      const int p = static_cast<int>(d.index & 1);
+      float* lg = dlg_ + p * cfg_.vocab;
+      if (!fused_) {
+        cuda::rms_norm(st_, x_, w_.final_norm, cfg_.rms_eps, 1, cfg_.hidden, h_);
+        cuda::linear(st_, w_.lm_head, h_, cfg_.hidden, 1, lg, cfg_.vocab, false);
+        return;
+      }
+      cuda::dec::ProjArgs h = norm_args(w_.final_norm);
+      h.nseg = 1;
+      h.seg[0] = seg(w_.lm_head, cuda::dec::kOStore, lg);
+      h.amax = damax_;  // always: the head kernel is then the same whether the step draws or not
+      const unsigned nb = run_proj(h);
+      if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
+      step_launches_ += 1;
+      if (!d.draw) return;
+      int32_t* next = &dctl_->slot[1 - p].token;
+      if (draw_argmax_) cuda::dec::finish(st_, damax_, static_cast<int>(nb), next, true);
+      else sampler_.draw(st_, lg, &dctl_->slot[p].uniform, next);
+      LILY_CUDA_CHECK(cudaMemcpyAsync(&drawn_host_[p], next, sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
+      step_launches_ += draw_argmax_ ? 1 : 3;
+    });
+  }
+
+  void end_step(State& st, const DecodeStep& d, float* logits) override {
+    (void)st;
+    if (!in_step_) throw std::logic_error("[lily] cuda: end_step outside a step");
+    in_step_ = false;
+    const int p = static_cast<int>(d.index & 1);
+    if (capturing_) {
+      cudaGraph_t g = nullptr;
+      const cudaError_t e = cudaStreamEndCapture(st_, &g);
+      capturing_ = false;
+      if (e != cudaSuccess || g == nullptr) {
+        if (g) cudaGraphDestroy(g);
+        abandon_capture(cudaGetErrorString(e), /*already_ended=*/true);
+      } else {
+        replay_ = record(g);
+      }
     }
-    return true;
+    if (replay_) LILY_CUDA_CHECK(cudaGraphLaunch(replay_->exec, st_));
+    replay_ = nullptr;
+    calls_.clear();
+    LILY_CUDA_CHECK(cudaEventRecord(step_done_[p], st_));
+    held_[p] = d.index;
+    drew_[p] = d.draw;
+    if (logits) copy_logits(p, logits);
   }
 
+  // ---- device draws ----------------------------------------------------------------------------------------
   bool sampler_begin(const SampleOptions& o) override {
     // (a vocabulary past the sampler's grid would only fail after the step ran: the host samples it instead)
-    if (decode_mode_ == 0 || !fused_ok_ || cfg_.vocab > int64_t{cuda::sample::kThreads} * cuda::sample::kSpan)
-      return false;
+    if (!fused_ok_ || cfg_.vocab > int64_t{cuda::sample::kThreads} * cuda::sample::kSpan) return false;
+    // Greedy without logit processing is the fused argmax of the head; anything else the sampler's kernels.
+    draw_argmax_ = o.temperature == 0.f && o.bias_ids.empty() && o.repetition_penalty == 1.f &&
+                   o.presence_penalty == 0.f && o.frequency_penalty == 0.f;
     sampler_.begin(st_, o, static_cast<int32_t>(cfg_.vocab));
     return true;
   }
 
-  // The step's graph ends with the argmax in dctl_->token; the sampler overwrites it with its draw.
-  bool decode_sample(State& st, int32_t token, float uniform, int32_t* next) override {
-    if (decode_mode_ == 0 || !fused_ok_ || !sampler_.ready()) return false;
-    *ctl_host_ = cuda::dec::Ctl{token, static_cast<int32_t>(st.position), 0, 0, uniform};
-    LILY_CUDA_CHECK(cudaMemcpyAsync(dctl_, ctl_host_, sizeof(cuda::dec::Ctl), cudaMemcpyHostToDevice, st_));
-    run_step(st);
-    sampler_.draw(st_, dlg_, &dctl_->uniform, &dctl_->token);
-    LILY_CUDA_CHECK(cudaMemcpyAsync(&ctl_host_->token, &dctl_->token, sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
-    sync();
-    *next = ctl_host_->token;
+  int32_t drawn_token(int64_t index) override {
+    const int p = static_cast<int>(index & 1);
+    if (index < 0 || held_[p] != index || !drew_[p])
+      throw std::logic_error("[lily] cuda: drawn_token(" + std::to_string(index) +
+                             "): not one of the last two steps, or that step did not draw");
+    LILY_CUDA_CHECK(cudaEventSynchronize(step_done_[p]));
+    return drawn_host_[p];
+  }
+
+  bool step_logits(int64_t index, float* logits) override {
+    const int p = static_cast<int>(index & 1);
+    if (index < 0 || held_[p] != index) return false;
+    copy_logits(p, logits);
     return true;
   }
 
-  bool decode_logits(float* logits) override {
-    if (!fused_ok_ || !dlg_) return false;
-    LILY_CUDA_CHECK(cudaMemcpyAsync(lg_host_, dlg_, cfg_.vocab * sizeof(float), cudaMemcpyDeviceToHost, st_));
-    sync();
-    std::memcpy(logits, lg_host_, cfg_.vocab * sizeof(float));
-    return true;
-  }
-
-  // Switches for ablations and debugging (Engine.set_backend_flag); each names the technique it turns off.
+  // ---- switches --------------------------------------------------------------------------------------------
+  // Ablations (Engine.set_backend_flag); each names the technique it turns off or the alternative it picks.
   struct Switch {
     const char* name;
     int* field;
     int lo, hi;
   };
-  std::array<Switch, 14> switches() {
-    return {{{"cuda_decode", &decode_mode_, 0, 2}, {"gemv_impl", &gemv_impl_, 0, 4}, {"pdl", &pdl_, 0, 1},
-             {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1}, {"split_k", &split_k_, 0, 1},
-             {"expert_tile", &expert_tile_, 0, 128}, {"gemm_impl", &gemm_impl_, 0, 1}, {"attn_impl", &attn_impl_, 0, 1},
-             {"dn_form", &dn_form_, 0, 4}, {"l2_prefetch", &l2_prefetch_, 0, 1}, {"l2_ahead", &l2_ahead_, 0, 1},
-             {"attn_pipe", &attn_pipe_, 0, 1}, {"attn_decode_tc", &attn_decode_tc_, 0, 1}}};
+  std::vector<Switch> switches() {
+    return {{"cuda_graph", &graph_on_, 0, 1},     {"gemv_impl", &gemv_impl_, 0, 4},
+            {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1},
+            {"split_k", &split_k_, 0, 1},          {"dn_form", &deltanet_form_, 0, 4},
+            {"expert_tile", &expert_tile_, 0, 128}};
   }
 
   void set_flag(const std::string& name, int64_t value) override {
@@ -163,7 +212,8 @@ class CudaBackend final : public Backend {
         throw std::invalid_argument("[lily] backend flag 'expert_tile' must be 0 (auto), 16, 32, 64 or 128, got " +
                                     std::to_string(value));
       *w.field = static_cast<int>(value);
-      drop_graph();  // a captured step holds the old choices
+      sync();
+      drop_graphs();  // a recorded step holds the old choices
       return;
     }
     Backend::set_flag(name, value);
@@ -180,86 +230,97 @@ class CudaBackend final : public Backend {
     return Backend::flag(name);
   }
 
+  // ---- sub-blocks ------------------------------------------------------------------------------------------
   void embed(const int32_t* ids, int64_t S) override {
+    if (fused_step(S)) {  // the token is in the control block (begin_step, or the previous step's draw)
+      issue([this] {
+        step_launches_ = 0;
+        if (debug_) {  // NaN in every scratch buffer of the step, so a read of something unwritten shows
+          for (auto& [p, n] : dec_poison_) cuda::poison(st_, p, n);
+          cuda::poison(st_, dlg_ + (step_.index & 1) * cfg_.vocab, cfg_.vocab * sizeof(float));  // not the other
+        }                                                                   // slot: the previous step's logits stay held
+        cuda::embed(st_, w_.embed, &dctl_->slot[step_.index & 1].token, 1, dx_);
+        step_launches_ += 1;
+      });
+      return;
+    }
     reserve(S);
     LILY_CUDA_CHECK(cudaMemcpyAsync(ids_, ids, S * sizeof(int32_t), cudaMemcpyHostToDevice, st_));
-    cuda::embed(st_, embed_, ids_, S, x_);
+    cuda::embed(st_, w_.embed, ids_, S, x_);
   }
 
   void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
-    const DLayer& L = layers_[layer];
+    const DLayer& L = w_.layers[layer];
+    if (fused_step(S)) return issue([this, &L, &st] { fused_deltanet(L, st); });
     const int64_t H = cfg_.hidden;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.qkv, h_, H, S, qkv_, L.qkv.p.out, false, gemm_impl_);
-    cuda::linear(st_, L.z, h_, H, S, z_, L.z.p.out, false, gemm_impl_);
-    cuda::linear(st_, L.b, h_, H, S, b_, L.b.p.out, false, gemm_impl_);
-    cuda::linear(st_, L.a, h_, H, S, a_, L.a.p.out, false, gemm_impl_);
-    const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
-                               cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
+    cuda::linear(st_, L.qkv, h_, H, S, qkv_, L.qkv.p.out, false);
+    cuda::linear(st_, L.z, h_, H, S, z_, L.z.p.out, false);
+    cuda::linear(st_, L.b, h_, H, S, b_, L.b.p.out, false);
+    cuda::linear(st_, L.a, h_, H, S, a_, L.a.p.out, false);
+    const kp::DeltaNetParams p = deltanet_params(S);
     cuda::deltanet_conv(st_, p, qkv_, L.conv_w, st.conv.as<float>(), u_);
-    const int form = cuda::deltanet_scan_pick(p, dn_form_);
+    const int form = cuda::deltanet_scan_pick(p, deltanet_form_);
     const size_t scratch = form == cuda::kScanChunked || form == cuda::kScanChunkedFp32
                                ? cuda::deltanet_chunk_scratch_bytes(p) : 0;  // chunked forms' W, U, P, decays
-    float* dn_scratch = scratch ? s_dn_.get<float>(mem_, static_cast<int64_t>((scratch + 3) / 4)) : nullptr;
-    cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_, form, dn_scratch, scratch);
-    cuda::deltanet_gated_norm(st_, p, y_, z_, L.dn_norm, yb_);
-    cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true, gemm_impl_);
+    float* ws = scratch ? s_deltanet_.get<float>(mem_, static_cast<int64_t>((scratch + 3) / 4)) : nullptr;
+    cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_, form, ws, scratch);
+    cuda::deltanet_gated_norm(st_, p, y_, z_, L.deltanet_norm, yb_);
+    cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true);
   }
 
   void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override {
-    const DLayer& L = layers_[layer];
+    const DLayer& L = w_.layers[layer];
+    if (fused_step(S)) return issue([this, &L, &kv] { fused_attention(L, kv); });
     const int64_t H = cfg_.hidden, D = cfg_.head_dim;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.q, h_, H, S, qg_, L.q.p.out, false, gemm_impl_);
-    cuda::linear(st_, L.k, h_, H, S, k_, L.k.p.out, false, gemm_impl_);
-    cuda::linear(st_, L.v, h_, H, S, v_, L.v.p.out, false, gemm_impl_);
-    const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
-                                static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
-                                1.f / std::sqrt(static_cast<float>(D)), 0, pos0, S};
+    cuda::linear(st_, L.q, h_, H, S, qg_, L.q.p.out, false);
+    cuda::linear(st_, L.k, h_, H, S, k_, L.k.p.out, false);
+    cuda::linear(st_, L.v, h_, H, S, v_, L.v.p.out, false);
+    const kp::AttentionParams p = attention_params(pos0, S);
     cuda::attention_prep(st_, p, qg_, k_, v_, L.q_norm, L.k_norm, q_, kv.k.as<bf16>(), kv.v.as<bf16>());
-    const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_, attn_impl_);
+    const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_);
     float* part = part_.get<float>(mem_, S * cfg_.n_heads * sp.n_splits * (D + 2));
-    cuda::attention(st_, p, sp, q_, qg_, kv.k.as<bf16>(), kv.v.as<bf16>(), part, ob_, nullptr, attn_impl_,
-                    attn_pipe_);
-    cuda::linear(st_, L.o, ob_, cfg_.n_heads * D, S, x_, H, /*accumulate=*/true, gemm_impl_);
+    cuda::attention(st_, p, sp, q_, qg_, kv.k.as<bf16>(), kv.v.as<bf16>(), part, ob_);
+    cuda::linear(st_, L.o, ob_, cfg_.n_heads * D, S, x_, H, /*accumulate=*/true);
   }
 
   void moe_block(int layer, int64_t S) override {
-    const DLayer& L = layers_[layer];
-    const int64_t H = cfg_.hidden, I = cfg_.moe_inter, Is = cfg_.shared_inter;
+    const DLayer& L = w_.layers[layer];
+    if (fused_step(S)) return issue([this, &L] { fused_moe(L); });
+    const int64_t H = cfg_.hidden, Is = cfg_.shared_inter;
     const int k = cfg_.top_k;
     const kp::MoeParams p{cfg_.hidden, cfg_.n_experts, cfg_.top_k, cfg_.moe_inter, cfg_.shared_inter,
                           cfg_.norm_topk_prob ? 1 : 0, S};
     cuda::rms_norm(st_, x_, L.post_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.router, h_, H, S, logits_, cfg_.n_experts, false, gemm_impl_);
+    cuda::linear(st_, L.router, h_, H, S, logits_, cfg_.n_experts, false);
     cuda::moe_route(st_, p, logits_, top_idx_, top_w_);
-    cuda::linear_silu_mul(st_, L.sh_gate, L.sh_up, h_, H, S, sact_, Is, gemm_impl_);
-    cuda::linear(st_, L.sh_down, sact_, Is, S, shd_, H, false, gemm_impl_);
-    cuda::linear(st_, L.sh_expert_gate, h_, H, S, sg_, 1, false, gemm_impl_);
+    cuda::linear_silu_mul(st_, L.sh_gate, L.sh_up, h_, H, S, sact_, Is);
+    cuda::linear(st_, L.sh_down, sact_, Is, S, shd_, H, false);
+    cuda::linear(st_, L.sh_expert_gate, h_, H, S, sg_, 1, false);
     if (S == 1) {
       cuda::experts_gate_up(st_, L.gate, L.up, top_idx_, k, h_, act_);
       cuda::experts_down(st_, L.down, top_idx_, top_w_, k, act_, d_);
     } else {
-      // Rows per expert tile from the mean rows per expert (or the ablation's fixed size); the wmma GEMM holds
-      // at most kGemmBM rows per tile.
+      // Rows per expert tile from the mean rows per expert (or the ablation's fixed size); the wmma GEMM (the
+      // fallback for weights the mma GEMM does not take) holds at most kGemmBM rows per tile.
       int tr = expert_tile_ ? expert_tile_ : cuda::pick_expert_tile(S * k, cfg_.n_experts);
-      const bool mma = gemm_impl_ == cuda::kGemmImplMma && cuda::gemm_mma_supported(L.gate, &L.up, h_, H) &&
+      const bool mma = cuda::gemm_mma_supported(L.gate, &L.up, h_, H) &&
                        cuda::gemm_mma_supported(L.down, nullptr, act_, cfg_.moe_inter);
-      if (!mma) tr = std::min(tr, cuda::kGemmBM);  // the wmma GEMM (also the fallback) holds <= 64 rows
+      if (!mma) tr = std::min(tr, cuda::kGemmBM);
       cuda::moe_sort(st_, p, top_idx_, top_w_, tr, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_, tile_row0_,
                      tile_rows_);
       int64_t tiles = cuda::grouped_max_tiles(S * k, cfg_.n_experts, tr);  // grid bound; the count is on the device
-      if (routing_sync_) {             // ablation: wait for the count on the host and launch exactly that
+      if (routing_sync_) {  // ablation: wait for the count on the host and launch exactly that
         int32_t n = 0;
         LILY_CUDA_CHECK(cudaMemcpyAsync(&n, n_tiles_, sizeof(n), cudaMemcpyDeviceToHost, st_));
         sync();
         tiles = n;
       }
       cuda::GroupMap g{n_tiles_, tile_expert_, tile_row0_, tile_rows_, pair_row_, pair_id_, pair_w_, tiles};
-      cuda::grouped_gate_up(st_, L.gate, L.up, g, h_, H, act_, tr, gemm_impl_);
-      cuda::grouped_down(st_, L.down, g, act_, d_, tr, gemm_impl_);
+      cuda::grouped_gate_up(st_, L.gate, L.up, g, h_, H, act_, tr);
+      cuda::grouped_down(st_, L.down, g, act_, d_, tr);
     }
-    (void)I;
     cuda::moe_combine(st_, p, shd_, sg_, d_, x_);
   }
 
@@ -275,8 +336,8 @@ class CudaBackend final : public Backend {
     for (int64_t r = 0; r < n; r += kHeadRows) {
       const int64_t m = std::min(kHeadRows, n - r);
       float* lg = lg_.get<float>(mem_, m * V);
-      cuda::rms_norm(st_, x_ + (row0 + r) * H, final_norm_, cfg_.rms_eps, m, H, h_);
-      cuda::linear(st_, lm_head_, h_, H, m, lg, V, false, gemm_impl_);
+      cuda::rms_norm(st_, x_ + (row0 + r) * H, w_.final_norm, cfg_.rms_eps, m, H, h_);
+      cuda::linear(st_, w_.lm_head, h_, H, m, lg, V, false);
       LILY_CUDA_CHECK(cudaMemcpyAsync(logits + r * V, lg, m * V * sizeof(float), cudaMemcpyDeviceToHost, st_));
       sync();
     }
@@ -286,17 +347,141 @@ class CudaBackend final : public Backend {
   // Tile-map capacity for S rows at the smallest expert tile (any tile size fits).
   int64_t max_tiles(int64_t S) const { return cuda::grouped_max_tiles(S * cfg_.top_k, cfg_.n_experts, 16); }
 
-  // ---- decode fast path -------------------------------------------------------------------------------
-  static constexpr int64_t kOutCap = 4096;  // greedy tokens per host round trip
+  kp::DeltaNetParams deltanet_params(int64_t S) const {
+    return {cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
+            cfg_.conv_dim(),  cfg_.rms_eps,     1e-6f,          S};
+  }
+  kp::AttentionParams attention_params(int64_t pos0, int64_t S) const {
+    return {cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim, static_cast<float>(cfg_.rope_theta),
+            cfg_.rms_eps, 1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, pos0, S};
+  }
 
-  static int default_decode_mode() {
-    const char* e = std::getenv("LILY_CUDA_DECODE");
-    if (!e || !*e) return 2;
-    const std::string v(e);
-    if (v == "0" || v == "legacy") return 0;
-    if (v == "1" || v == "fused") return 1;
-    if (v == "2" || v == "graph") return 2;
-    throw std::invalid_argument("[lily] LILY_CUDA_DECODE must be legacy|fused|graph (or 0|1|2), got '" + v + "'");
+  // ---- decode steps: inputs, graphs, the fused sub-blocks ---------------------------------------------------
+  bool fused_step(int64_t S) const { return in_step_ && fused_ && S == 1; }
+
+  // The step's inputs into control slot p: position and uniform always, the token when the host gives it (else
+  // the previous step's draw is already there). From a pinned ring of two: the copy of step index - 2 (the last
+  // one that used this host slot) has run before it is overwritten.
+  void write_inputs(const DecodeStep& d) {
+    const int p = static_cast<int>(d.index & 1);
+    LILY_CUDA_CHECK(cudaEventSynchronize(in_copied_[p]));
+    cuda::dec::StepSlot& h = in_host_[p];
+    h.token = d.token;
+    h.pos = static_cast<int32_t>(d.position);
+    h.uniform = d.uniform;
+    // slot layout {token, pos, uniform}: copy from the token on, or from pos on
+    const size_t off = d.token >= 0 ? 0 : offsetof(cuda::dec::StepSlot, pos);
+    const size_t bytes = offsetof(cuda::dec::StepSlot, uniform) + sizeof(float) - off;
+    LILY_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(&dctl_->slot[p]) + off,
+                                    reinterpret_cast<const char*>(&h) + off, bytes, cudaMemcpyHostToDevice, st_));
+    LILY_CUDA_CHECK(cudaEventRecord(in_copied_[p], st_));
+  }
+
+  // A step that threw between its brackets left them open (the engine does not call end_step then): drop its
+  // capture; what it issued directly has run or will, and its slot's token and logits are no longer held.
+  void close_failed_step() {
+    if (capturing_) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(st_, &g);
+      if (g) cudaGraphDestroy(g);
+      cudaGetLastError();
+    }
+    const int p = static_cast<int>(step_.index & 1);
+    held_[p] = -1;
+    in_step_ = capturing_ = false;
+    replay_ = nullptr;
+    calls_.clear();
+  }
+
+  // Runs one piece of a step's issue; while capturing, also keeps it, so a capture that fails can be issued
+  // again without the graph (capture enqueues nothing: the state is untouched until the step really runs).
+  void issue(std::function<void()> f) {
+    if (!capturing_) return f();
+    calls_.push_back(f);
+    try {
+      f();
+    } catch (const std::exception& e) {
+      abandon_capture(e.what(), /*already_ended=*/false);
+    }
+  }
+
+  // Ends a failed capture and issues what the step has queued so far directly; decoding goes on without graphs.
+  void abandon_capture(const char* why, bool already_ended) {
+    if (!already_ended) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(st_, &g);
+      if (g) cudaGraphDestroy(g);
+    }
+    cudaGetLastError();
+    capturing_ = false;
+    graph_on_ = 0;
+    std::fprintf(stderr, "[lily] cuda: decode graph capture failed (%s); continuing without a graph\n", why);
+    std::vector<std::function<void()>> calls;
+    calls.swap(calls_);
+    for (auto& f : calls) f();  // a call that fails for a reason of its own throws again, now to the caller
+  }
+
+  // What a recorded step depends on besides the backend's own fixed buffers: the state's arrays and KV capacity,
+  // the control slot (parity), whether and how it draws, and the sampler's buffers.
+  std::vector<uintptr_t> step_key(const State& st, const DecodeStep& d) const {
+    std::vector<uintptr_t> k{static_cast<uintptr_t>(d.index & 1), static_cast<uintptr_t>(d.draw),
+                             static_cast<uintptr_t>(d.draw && draw_argmax_)};
+    for (const auto& c : st.kv)
+      k.insert(k.end(), {reinterpret_cast<uintptr_t>(c.k.data()), reinterpret_cast<uintptr_t>(c.v.data()),
+                         static_cast<uintptr_t>(c.capacity)});
+    for (const auto& s : st.dn)
+      k.insert(k.end(), {reinterpret_cast<uintptr_t>(s.ssm.data()), reinterpret_cast<uintptr_t>(s.conv.data())});
+    if (d.draw && !draw_argmax_) {
+      const std::vector<uintptr_t> sb = sampler_.buffers();
+      k.insert(k.end(), sb.begin(), sb.end());
+    }
+    return k;
+  }
+
+  // Instantiates a captured step and keeps it (the least recently used one goes when kMaxGraphs are held).
+  StepGraph* record(cudaGraph_t g) {
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+    size_t n = 0;
+    if (e == cudaSuccess) LILY_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &n));
+    std::vector<cudaGraphNode_t> nodes(n);
+    if (n) LILY_CUDA_CHECK(cudaGraphGetNodes(g, nodes.data(), &n));
+    int64_t kernels = 0;
+    for (auto nd : nodes) {
+      cudaGraphNodeType t;
+      LILY_CUDA_CHECK(cudaGraphNodeGetType(nd, &t));
+      kernels += t == cudaGraphNodeTypeKernel;
+    }
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+      abandon_capture(cudaGetErrorString(e), /*already_ended=*/true);
+      return nullptr;
+    }
+    graph_nodes_ = static_cast<int64_t>(n);
+    graph_kernels_ = kernels;
+    ++graph_captures_;
+    if (graphs_.size() >= kMaxGraphs) {
+      auto old = std::min_element(graphs_.begin(), graphs_.end(),
+                                  [](const StepGraph& a, const StepGraph& b) { return a.last_use < b.last_use; });
+      sync();  // it may still run
+      cudaGraphExecDestroy(old->exec);
+      graphs_.erase(old);
+    }
+    graphs_.push_back(StepGraph{key_, exec, ++graph_clock_});
+    return &graphs_.back();
+  }
+
+  void drop_graphs() {
+    for (StepGraph& g : graphs_) cudaGraphExecDestroy(g.exec);
+    graphs_.clear();
+  }
+
+  // Logits of step slot p to the host, through pinned memory (a pageable copy of ~1 MB is several times slower).
+  void copy_logits(int p, float* logits) {
+    const size_t bytes = cfg_.vocab * sizeof(float);
+    LILY_CUDA_CHECK(cudaMemcpyAsync(lg_host_, dlg_ + p * cfg_.vocab, bytes, cudaMemcpyDeviceToHost, st_));
+    sync();
+    std::memcpy(logits, lg_host_, bytes);
   }
 
   static bool same_format(const DLinear& a, const DLinear& b) {
@@ -307,7 +492,7 @@ class CudaBackend final : public Backend {
 
   bool fused_supported() const {
     if (cfg_.top_k > cuda::dec::kMaxTopK || cfg_.n_experts > 256) return false;
-    for (const DLayer& L : layers_)
+    for (const DLayer& L : w_.layers)
       if (!same_format(L.gate, L.up) || !same_format(L.sh_gate, L.sh_up)) return false;
     return true;
   }
@@ -319,11 +504,17 @@ class CudaBackend final : public Backend {
     return dec_bufs_.back().as<T>();
   }
 
-  // Dedicated decode scratch: fixed pointers for the lifetime of the backend (a captured graph holds them).
+  // Dedicated decode scratch: fixed pointers for the lifetime of the backend (a recorded step holds them).
   void alloc_decode() {
     const int64_t H = cfg_.hidden, D = cfg_.head_dim, Hq = cfg_.n_heads, Hkv = cfg_.n_kv_heads;
-    dctl_ = dalloc<cuda::dec::Ctl>(1, false);
-    dout_ = dalloc<int32_t>(kOutCap, false);
+    dctl_ = dalloc<cuda::dec::StepCtl>(1, false);
+    dlg_ = dalloc<float>(2 * cfg_.vocab, false);  // one logits row per step slot (debug: poisoned per slot)
+    for (cudaEvent_t* e : {&step_done_[0], &step_done_[1], &in_copied_[0], &in_copied_[1]})
+      LILY_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&in_host_), 2 * sizeof(cuda::dec::StepSlot)));
+    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&drawn_host_), 2 * sizeof(int32_t)));
+    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&lg_host_), cfg_.vocab * sizeof(float)));
+    if (!fused_ok_) return;
     dx_ = dalloc<float>(H, true);
     dh_ = dalloc<bf16>(H, true);
     du_ = dalloc<float>(cfg_.conv_dim(), true);
@@ -344,11 +535,8 @@ class CudaBackend final : public Backend {
     dsg_ = dalloc<float>(1, true);
     max_splits_ = std::max<int64_t>(1, (2 * sm_count_ + std::max(Hkv, int64_t{1}) - 1) / std::max(Hkv, int64_t{1}));
     dpart_ = dalloc<float>(Hq * max_splits_ * (D + 2), true);
-    dlg_ = dalloc<float>(cfg_.vocab, true);
     head_blocks_ = cuda::dec::head_blocks(cfg_.vocab);
     damax_ = dalloc<unsigned long long>(head_blocks_, false);
-    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ctl_host_), sizeof(cuda::dec::Ctl)));
-    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&lg_host_), cfg_.vocab * sizeof(float)));
   }
 
   cuda::dec::Seg seg(const DLinear& w, int mode, float* y, bf16* yb = nullptr) const {
@@ -361,23 +549,7 @@ class CudaBackend final : public Backend {
     return g;
   }
 
-  unsigned run_proj(cuda::dec::ProjArgs a) {
-    a.l2_prefetch = l2_prefetch_;
-    return cuda::dec::proj(st_, a, gemv_impl_, pdl_);
-  }
-
-  // The L2 prefetch list of weights a later kernel reads (empty with the flag l2_ahead off).
-  cuda::dec::L2Ahead ahead(std::initializer_list<const DLinear*> ws) const {
-    cuda::dec::L2Ahead h;
-    if (l2_ahead_)
-      for (const DLinear* w : ws) cuda::dec::ahead_add(h, *w);
-    return h;
-  }
-  // The first projection of a layer's mixer (the next layer's weights, asked for by this layer's MoE down).
-  cuda::dec::L2Ahead ahead_first(const DLayer* L, bool attention) const {
-    if (L == nullptr) return {};
-    return attention ? ahead({&L->q, &L->k, &L->v}) : ahead({&L->qkv, &L->z, &L->b, &L->a});
-  }
+  unsigned run_proj(const cuda::dec::ProjArgs& a) { return cuda::dec::proj(st_, a, gemv_impl_, true); }
 
   cuda::dec::ProjArgs norm_args(const float* w) const {
     cuda::dec::ProjArgs a;
@@ -389,7 +561,8 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  void dec_deltanet(const DLayer& L, DeltaNetState& s) {
+  // x += DeltaNet(RMSNorm(x)) for one token: [norm + qkv/z/b/a + conv] -> scan -> [gated norm + out + residual].
+  void fused_deltanet(const DLayer& L, DeltaNetState& s) {
     namespace d = cuda::dec;
     d::ProjArgs a = norm_args(L.in_norm);
     a.nseg = 4;
@@ -402,11 +575,8 @@ class CudaBackend final : public Backend {
     a.u = du_;
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
-    a.ahead = ahead({&L.out});
     run_proj(a);
-    const kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
-                               cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, 1};
-    d::dn_scan(st_, p, du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, pdl_);
+    d::dn_scan(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, true);
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXGated;
@@ -415,50 +585,47 @@ class CudaBackend final : public Backend {
     o.eps = cfg_.rms_eps;
     o.xf = dy_;
     o.zf = dz_;
-    o.nw = L.dn_norm;
+    o.nw = L.deltanet_norm;
     o.seg[0] = seg(L.out, d::kOAccum, dx_);
-    o.ahead = ahead({&L.router, &L.sh_gate, &L.sh_up, &L.sh_expert_gate});
     run_proj(o);
     step_launches_ += 3;
   }
 
-  void dec_attention(const DLayer& L, KVCache& kv) {
+  // x += Attention(RMSNorm(x)) for one token at the control block's position: [norm + q/k/v] -> prep (q/k norm,
+  // RoPE, cache append) -> attention (+ split combine) -> [o + residual].
+  void fused_attention(const DLayer& L, KVCache& kv) {
     namespace d = cuda::dec;
-    const int64_t D = cfg_.head_dim;
     d::ProjArgs a = norm_args(L.in_norm);
     a.nseg = 3;
     a.seg[0] = seg(L.q, d::kOStore, dqg_);
     a.seg[1] = seg(L.k, d::kOStore, dk_);
     a.seg[2] = seg(L.v, d::kOStore, dv_);
-    a.ahead = ahead({&L.o});
     run_proj(a);
-    const kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
-                                static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
-                                1.f / std::sqrt(static_cast<float>(D)), 0, 0, 1};
-    const int32_t* dpos = &dctl_->pos;
+    const kp::AttentionParams p = attention_params(0, 1);
+    const int32_t* dpos = &dctl_->slot[step_.index & 1].pos;
     cuda::attention_prep(st_, p, dqg_, dk_, dv_, L.q_norm, L.k_norm, dq_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpos);
-    // Split count fixed by the capacity (the graph is captured per capacity); split length follows the position.
+    // Split count fixed by the capacity (a step is recorded per capacity); split length follows the position.
     kp::AttentionParams cap = p;
     cap.pos0 = kv.capacity - 1;
     kp::AttnSplitParams sp = cuda::attention_plan(cap, sm_count_);
-    if (!split_k_) sp.n_splits = 1;      // ablation: one block per (row tile, KV head) reads every key
-    if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block, K/V loaded once per head
+    if (!split_k_) sp.n_splits = 1;          // ablation: one block per (row tile, KV head) reads every key
+    if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block (the CUDA-core kernel)
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
     cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos,
-                    attn_decode_tc_ && gqa_pack_ ? 2 : 1, attn_pipe_);  // the tc kernel always packs 8 heads
+                    gqa_pack_ ? 2 : 1);  // the tensor-core kernel always packs 8 heads
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXBf16;
     o.in = cfg_.n_heads * cfg_.head_dim;
     o.xb = dob_;
     o.seg[0] = seg(L.o, d::kOAccum, dx_);
-    o.ahead = ahead({&L.router, &L.sh_gate, &L.sh_up, &L.sh_expert_gate});
     run_proj(o);
     step_launches_ += 5;
   }
 
-  // next: the following layer (nullptr after the last), whose first projection the MoE down asks L2 for.
-  void dec_moe(const DLayer& L, const DLayer* next, bool next_attention) {
+  // x += MoE(RMSNorm(x)) for one token: [norm + router + shared gate/up + shared gate] -> [routing + experts'
+  // gate/up] -> [experts' down + shared down + combine + residual].
+  void fused_moe(const DLayer& L) {
     namespace d = cuda::dec;
     const int k = cfg_.top_k;
     d::ProjArgs a = norm_args(L.post_norm);
@@ -468,7 +635,6 @@ class CudaBackend final : public Backend {
     a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
     a.seg[1].w1 = L.sh_up;
     a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
-    a.ahead = ahead({&L.sh_down});
     run_proj(a);
     d::ProjArgs e;
     e.nseg = 1;
@@ -487,7 +653,6 @@ class CudaBackend final : public Backend {
     e.seg[0].routed = 1;
     e.seg[0].slots = k;
     e.seg[0].y_step = cfg_.moe_inter;
-    if (l2_ahead_) e.ahead.routed = L.down;  // the chosen experts' down rows, once the prologue has routed
     run_proj(e);
     d::DownArgs dn;
     dn.wd = L.down;
@@ -499,102 +664,8 @@ class CudaBackend final : public Backend {
     dn.sgate = dsg_;
     dn.x = dx_;
     dn.k = k;
-    dn.ahead = ahead_first(next, next_attention);
-    d::moe_down(st_, dn, gemv_impl_, pdl_);
+    d::moe_down(st_, dn, gemv_impl_, true);
     step_launches_ += 3;
-  }
-
-  // One decode step on the stream: token and position come from dctl_; ends with the argmax of the logits
-  // written to the control block (the next step's token) and the position advanced.
-  void enqueue_step(State& st) {
-    step_launches_ = 0;
-    if (debug_)
-      for (auto& [p, n] : dec_poison_) cuda::poison(st_, p, n);
-    cuda::embed(st_, embed_, &dctl_->token, 1, dx_);
-    for (int L = 0; L < cfg_.n_layers; ++L) {
-      const int slot = st.layer_slot[L];
-      if (cfg_.layer_types[L] == LayerType::Attention) dec_attention(layers_[L], st.kv[slot]);
-      else dec_deltanet(layers_[L], st.dn[slot]);
-      const bool last = L + 1 == cfg_.n_layers;
-      dec_moe(layers_[L], last ? nullptr : &layers_[L + 1],
-              !last && cfg_.layer_types[L + 1] == LayerType::Attention);
-    }
-    cuda::dec::ProjArgs h = norm_args(final_norm_);
-    h.nseg = 1;
-    h.seg[0] = seg(lm_head_, cuda::dec::kOStore, dlg_);
-    h.amax = damax_;
-    const unsigned nb = run_proj(h);
-    if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
-    cuda::dec::finish(st_, damax_, static_cast<int>(nb), dctl_, dout_, pdl_);
-    step_launches_ += 3;
-  }
-
-  // The buffers a captured step depends on besides the backend's own: the state's arrays and KV capacity.
-  std::vector<uintptr_t> graph_key(const State& st) const {
-    std::vector<uintptr_t> k;
-    for (const auto& c : st.kv)
-      k.insert(k.end(), {reinterpret_cast<uintptr_t>(c.k.data()), reinterpret_cast<uintptr_t>(c.v.data()),
-                         static_cast<uintptr_t>(c.capacity)});
-    for (const auto& d : st.dn)
-      k.insert(k.end(), {reinterpret_cast<uintptr_t>(d.ssm.data()), reinterpret_cast<uintptr_t>(d.conv.data())});
-    return k;
-  }
-
-  void drop_graph() {
-    if (exec_) cudaGraphExecDestroy(exec_);
-    if (graph_) cudaGraphDestroy(graph_);
-    exec_ = nullptr;
-    graph_ = nullptr;
-    key_.clear();
-  }
-
-  void capture(State& st) {
-    drop_graph();
-    LILY_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal));
-    try {
-      enqueue_step(st);
-    } catch (...) {
-      cudaGraph_t g = nullptr;
-      cudaStreamEndCapture(st_, &g);
-      if (g) cudaGraphDestroy(g);
-      cudaGetLastError();
-      throw;
-    }
-    LILY_CUDA_CHECK(cudaStreamEndCapture(st_, &graph_));
-    LILY_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-    size_t n = 0;
-    LILY_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &n));
-    std::vector<cudaGraphNode_t> nodes(n);
-    LILY_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &n));
-    graph_nodes_ = static_cast<int64_t>(n);
-    graph_kernels_ = 0;
-    for (auto nd : nodes) {
-      cudaGraphNodeType t;
-      LILY_CUDA_CHECK(cudaGraphNodeGetType(nd, &t));
-      graph_kernels_ += t == cudaGraphNodeTypeKernel;
-    }
-    key_ = graph_key(st);
-    ++graph_captures_;
-  }
-
-  void run_step(State& st) {
-    if (decode_mode_ == 2) {
-      if (!exec_ || key_ != graph_key(st)) {
-        try {
-          capture(st);
-        } catch (const std::exception& e) {  // keep decoding, without the graph
-          std::fprintf(stderr, "[lily] cuda: decode graph capture failed (%s); continuing without a graph\n",
-                       e.what());
-          drop_graph();
-          decode_mode_ = 1;
-          enqueue_step(st);
-          return;
-        }
-      }
-      LILY_CUDA_CHECK(cudaGraphLaunch(exec_, st_));
-      return;
-    }
-    enqueue_step(st);
   }
 
   void check_supported() const {
@@ -646,87 +717,16 @@ class CudaBackend final : public Backend {
         cuda::poison(st_, s->buf.data(), s->buf.bytes());
   }
 
-  const void* put(const void* src, size_t bytes) {
-    owned_.emplace_back(mem_, bytes);
-    mem_->from_host(owned_.back().data(), src, bytes);
-    return owned_.back().data();
-  }
-  const float* put_vec(const float* src, int64_t n) { return static_cast<const float*>(put(src, n * sizeof(float))); }
-
-  DLinear put_linear(const Linear& l) {
-    DLinear d;
-    const int64_t ne = std::max<int64_t>(1, l.experts);
-    d.p.kind = l.kind == Linear::Kind::Quant ? 0 : l.kind == Linear::Kind::DenseBF16 ? 1 : 2;
-    d.p.bits = l.bits;
-    d.p.group = l.group;
-    d.p.out = l.out;
-    d.p.in = l.in;
-    d.p.expert_words = l.out * (l.kind == Linear::Kind::Quant ? l.words_per_row() : 0);
-    d.p.expert_groups = l.out * l.groups_per_row();
-    d.p.expert_elems = l.out * l.in;
-    if (l.kind == Linear::Kind::Quant) {
-      d.codes = static_cast<const uint32_t*>(put(l.codes, ne * d.p.expert_words * 4));
-      d.scales = static_cast<const uint16_t*>(put(l.scales, ne * d.p.expert_groups * 2));
-      d.biases = static_cast<const uint16_t*>(put(l.biases, ne * d.p.expert_groups * 2));
-    } else {
-      d.dense = put(l.dense, ne * d.p.expert_elems * (l.kind == Linear::Kind::DenseBF16 ? 2 : 4));
-    }
-    return d;
-  }
-
-  void upload(const Weights& w) {
-    const int64_t H = cfg_.hidden;
-    embed_ = put_linear(w.embed);
-    lm_head_ = put_linear(w.lm_head);
-    final_norm_ = put_vec(w.final_norm, H);
-    for (int i = 0; i < cfg_.n_layers; ++i) {
-      const LayerWeights& lw = w.layers[i];
-      DLayer L;
-      L.in_norm = put_vec(lw.in_norm, H);
-      L.post_norm = put_vec(lw.post_norm, H);
-      if (lw.type == LayerType::DeltaNet) {
-        L.qkv = put_linear(lw.dn.qkv);
-        L.z = put_linear(lw.dn.z);
-        L.b = put_linear(lw.dn.b);
-        L.a = put_linear(lw.dn.a);
-        L.out = put_linear(lw.dn.out);
-        L.conv_w = put_vec(lw.dn.conv_w, static_cast<int64_t>(cfg_.conv_dim()) * cfg_.conv_kernel);
-        L.dt_bias = put_vec(lw.dn.dt_bias, cfg_.lin_v_heads);
-        L.a_log = put_vec(lw.dn.a_log, cfg_.lin_v_heads);
-        L.dn_norm = put_vec(lw.dn.norm, cfg_.lin_v_dim);
-      } else {
-        L.q = put_linear(lw.attn.q);
-        L.k = put_linear(lw.attn.k);
-        L.v = put_linear(lw.attn.v);
-        L.o = put_linear(lw.attn.o);
-        L.q_norm = put_vec(lw.attn.q_norm, cfg_.head_dim);
-        L.k_norm = put_vec(lw.attn.k_norm, cfg_.head_dim);
-      }
-      L.router = put_linear(lw.moe.router);
-      L.gate = put_linear(lw.moe.gate);
-      L.up = put_linear(lw.moe.up);
-      L.down = put_linear(lw.moe.down);
-      L.sh_gate = put_linear(lw.moe.sh_gate);
-      L.sh_up = put_linear(lw.moe.sh_up);
-      L.sh_down = put_linear(lw.moe.sh_down);
-      L.sh_expert_gate = put_linear(lw.moe.sh_expert_gate);
-      layers_.push_back(L);
-    }
-  }
-
   const Config& cfg_;
   std::shared_ptr<CudaMemory> mem_;
   cudaStream_t st_;
   bool debug_;
   int sm_count_ = 0;
-  std::vector<Buffer> owned_;  // device copies of the weights
-  DLinear embed_, lm_head_;
-  const float* final_norm_ = nullptr;
-  std::vector<DLayer> layers_;
+  cuda::DeviceWeights w_;  // device copies of the weights
 
   Scratch s_ids_, s_x_, s_h_, s_qkv_, s_u_, s_z_, s_y_, s_yb_, s_b_, s_a_, s_qg_, s_q_, s_k_, s_v_, s_ob_, s_logits_,
       s_top_idx_, s_top_w_, s_pair_row_, s_pair_id_, s_pair_w_, s_n_tiles_, s_tile_expert_, s_tile_row0_,
-      s_tile_rows_, s_act_, s_d_, s_sact_, s_shd_, s_sg_, part_, lg_, s_dn_;
+      s_tile_rows_, s_act_, s_d_, s_sact_, s_shd_, s_sg_, part_, lg_, s_deltanet_;
   int32_t* ids_ = nullptr;
   float* x_ = nullptr;                                  // [S, H] residual stream
   bf16* h_ = nullptr;                                   // [S, H] normed input of the sub-block
@@ -748,40 +748,46 @@ class CudaBackend final : public Backend {
   bf16* sact_ = nullptr;                                // [S, Is]
   float *shd_ = nullptr, *sg_ = nullptr;                // [S, H], [S]
 
-  // decode fast path (dedicated scratch, one token)
-  int decode_mode_ = 2;
+
   // Ablation switches (set_flag): defaults are the fast paths.
-  int gemv_impl_ = 3;       // decode GEMVs: 3 auto, 2 tensor cores + bulk copies, 1 tensor cores, 0 scalar
-  int pdl_ = 1;             // programmatic dependent launch between decode kernels
+  int graph_on_ = 1;        // decode steps recorded as CUDA graphs and replayed
+  int gemv_impl_ = 3;       // decode GEMVs: 3 auto, 4 rings everywhere, 2 tensor cores + bulk copies, 1 tensor cores,
+                            // 0 scalar (candidates until the A/B of dev/ab_gemv.py on the H200)
   int routing_sync_ = 0;    // prefill MoE: host-synchronised tile count instead of a device-sized grid
-  int l2_prefetch_ = 0;     // experiment: ring projections prefetch their rows into L2 before the PDL wait
-  int l2_ahead_ = 0;        // experiment: each decode kernel asks L2 for the next projection's weights (L2Ahead)
-  int attn_pipe_ = 1;       // CUDA-core attention (decode; prefill ablation): next K/V tile copied during this one
-  int attn_decode_tc_ = 1;  // decode attention on the tensor cores (attention_decode_tc.cu)
-  int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load
+  int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load (tensor cores)
   int split_k_ = 1;         // decode attention: keys split over blocks (flash-decoding)
   int expert_tile_ = 0;     // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128
-  int gemm_impl_ = 1;       // prefill GEMM: 1 tensor-core pipeline, 0 the wmma kernel
-  int attn_impl_ = 1;       // prefill attention: 1 tensor-core flash, 0 CUDA-core
-  int dn_form_ = 3;         // DeltaNet prefill: 0 old scan, 1 new scan, 2 chunked (TF32), 3 auto, 4 chunked fp32
-  bool fused_ok_ = false;
+  int deltanet_form_ = 3;   // DeltaNet prefill scan (cuda::DeltaNetScanForm)
+
+  // decode steps (dedicated scratch, one token)
+  bool fused_ok_ = false;   // the config fits the fused decode kernels
+  bool in_step_ = false, fused_ = false, capturing_ = false;
+  bool draw_argmax_ = false;  // sampler_begin: greedy without logit processing (the head's fused argmax)
+  DecodeStep step_;
+  std::vector<std::function<void()>> calls_;  // the current capture's pieces (issue)
+  std::vector<uintptr_t> key_;                // the current capture's key
+  StepGraph* replay_ = nullptr;
+  static constexpr size_t kMaxGraphs = 8;     // 2 parities x draw modes x a few states
+  std::vector<StepGraph> graphs_;
+  int64_t graph_clock_ = 0;
+  int64_t held_[2] = {-1, -1};     // step index whose logits / draw slot p holds
+  bool drew_[2] = {false, false};
+  cudaEvent_t step_done_[2] = {nullptr, nullptr};  // recorded after step slot p's work
+  cudaEvent_t in_copied_[2] = {nullptr, nullptr};  // recorded after the copy from in_host_[p]
   std::vector<Buffer> dec_bufs_;
   std::vector<std::pair<void*, size_t>> dec_poison_;
-  cuda::dec::Ctl* dctl_ = nullptr;
-  cuda::dec::Ctl* ctl_host_ = nullptr;  // pinned
+  cuda::dec::StepCtl* dctl_ = nullptr;
+  cuda::dec::StepSlot* in_host_ = nullptr;  // pinned [2]
+  int32_t* drawn_host_ = nullptr;           // pinned [2]: the token step slot p drew
+  float* lg_host_ = nullptr;                // pinned [V]
   cuda::sample::DeviceSampler sampler_;
-  float* lg_host_ = nullptr;            // pinned [V]
-  int32_t* dout_ = nullptr;
   float *dx_ = nullptr, *du_ = nullptr, *dz_ = nullptr, *dy_ = nullptr, *db_ = nullptr, *da_ = nullptr;
   float *dqg_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *drl_ = nullptr, *dtop_w_ = nullptr;
-  float *dsg_ = nullptr, *dpart_ = nullptr, *dlg_ = nullptr;
+  float *dsg_ = nullptr, *dpart_ = nullptr, *dlg_ = nullptr;  // dlg_: [2, V] logits per step slot
   bf16 *dh_ = nullptr, *dob_ = nullptr, *dact_ = nullptr, *dsact_ = nullptr;
   int32_t* dtop_idx_ = nullptr;
   unsigned long long* damax_ = nullptr;
   int64_t max_splits_ = 0, head_blocks_ = 0;
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-  std::vector<uintptr_t> key_;
   int64_t graph_nodes_ = 0, graph_kernels_ = 0, graph_captures_ = 0, step_launches_ = 0;
 };
 

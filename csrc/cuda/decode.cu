@@ -429,8 +429,8 @@ __global__ void __launch_bounds__(kScanWarps * 32)
     if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
 }
 
-// One block: the head's block maxima -> the next token; advances the control block.
-__global__ void finish_kernel(const unsigned long long* amax, int n, Ctl* ctl, int32_t* out) {
+// One block: the head's block maxima -> the next token.
+__global__ void finish_kernel(const unsigned long long* amax, int n, int32_t* token) {
   __shared__ unsigned long long red[32];
   pdl_wait();
   unsigned long long m = 0ull;
@@ -441,11 +441,7 @@ __global__ void finish_kernel(const unsigned long long* amax, int n, Ctl* ctl, i
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, red[w]);
-    const int32_t tok = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(m & 0xFFFFFFFFull));
-    ctl->token = tok;
-    if (ctl->step < ctl->n_out) out[ctl->step] = tok;
-    ctl->step += 1;
-    ctl->pos += 1;
+    *token = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(m & 0xFFFFFFFFull));
   }
 }
 
@@ -496,8 +492,8 @@ void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const
   }
 }
 
-void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out, bool pdl) {
-  launch_k(pdl, finish_kernel, dim3(1), dim3(1024), 0, st, amax, n, ctl, out);
+void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token, bool pdl) {
+  launch_k(pdl, finish_kernel, dim3(1), dim3(1024), 0, st, amax, n, token);
 }
 
 }  // namespace lily::cuda::dec

@@ -9,7 +9,7 @@
 //            of the router logits; segment slot j reads expert top_idx[j]) and block argmax (greedy head).
 //   down   : x[r] += sum_j w_j (act_j . Wdown[e_j][r]) + sigmoid(g) (sact . Wsh_down[r])  (MoE combine fused)
 //   scan   : DeltaNet recurrence for one token with the q/k l2 normalisation fused in.
-//   finish : argmax over the head's block maxima -> next token, position += 1 (device control block).
+//   finish : argmax over the head's block maxima -> the next step's token (device control block).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -21,13 +21,17 @@ constexpr int kMaxTopK = 16;
 enum XMode : int32_t { kXBf16 = 0, kXNorm = 1, kXGated = 2 };
 enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2, kOConv = 3 };
 
-// Device control block of a decode step (read by embed/attention, advanced by the finish kernel).
-struct Ctl {
-  int32_t token;  // input token of this step
+// Device control block of the decode steps: two slots alternate by step parity (DecodeStep::index & 1). Step p
+// reads its token, position and uniform from slot[p] (the host writes them, except a token the previous step drew)
+// and writes the token it draws into slot[1 - p].token, the next step's input.
+struct StepSlot {
+  int32_t token;  // input token of the step
   int32_t pos;    // its position
-  int32_t step;   // greedy: index of the next output token
-  int32_t n_out;  // greedy: capacity of the output array (0: record nothing)
-  float uniform;  // device sampling: this step's draw in [0, 1)
+  float uniform;  // device sampling: the step's draw in [0, 1)
+  int32_t pad_;
+};
+struct StepCtl {
+  StepSlot slot[2];
 };
 
 // Weights a kernel asks L2 for on behalf of a LATER kernel of the step (flag "l2_ahead"): the next projection's
@@ -145,6 +149,7 @@ void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const
              const float* dt_bias, const float* a_log, float* ssm, float* y, bool pdl);
 // Upper bound of the blocks of the greedy head over either proj path (the size of the amax array).
 int64_t head_blocks(int64_t rows);
-void finish(cudaStream_t st, const unsigned long long* amax, int n, Ctl* ctl, int32_t* out, bool pdl);
+// *token = the argmax (lowest row on ties) over the head's block maxima amax[n].
+void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token, bool pdl);
 
 }  // namespace lily::cuda::dec

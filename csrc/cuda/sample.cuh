@@ -12,6 +12,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -67,6 +68,12 @@ class DeviceSampler {
   // Uploads one generation's options (seen / counts empty: all zero) on the stream; vocab V.
   void begin(cudaStream_t st, const SampleOptions& opt, int32_t V);
   bool ready() const { return ready_; }
+  // The device buffers a recorded draw reads (a step graph is keyed by them: begin may reallocate the bias).
+  std::vector<uintptr_t> buffers() const {
+    return {reinterpret_cast<uintptr_t>(opt_), reinterpret_cast<uintptr_t>(bias_ids_),
+            reinterpret_cast<uintptr_t>(bias_vals_), reinterpret_cast<uintptr_t>(seen_),
+            reinterpret_cast<uintptr_t>(counts_), reinterpret_cast<uintptr_t>(x_), reinterpret_cast<uintptr_t>(work_)};
+  }
   // Draws from logits [V] with *uniform (device) into *token (device).
   void draw(cudaStream_t st, const float* logits, const float* uniform, int32_t* token);
 

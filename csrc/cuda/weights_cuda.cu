@@ -1,0 +1,88 @@
+// Upload of the model's weights to the device (weights_cuda.h).
+#include "cuda/weights_cuda.h"
+
+#include <algorithm>
+
+namespace lily::cuda {
+namespace {
+
+struct Uploader {
+  DeviceWeights& dw;
+  const std::shared_ptr<Memory>& mem;
+
+  const void* put(const void* src, size_t bytes) {
+    dw.owned.emplace_back(mem, bytes);
+    mem->from_host(dw.owned.back().data(), src, bytes);
+    return dw.owned.back().data();
+  }
+  const float* put_vec(const float* src, int64_t n) { return static_cast<const float*>(put(src, n * sizeof(float))); }
+
+  DLinear put_linear(const Linear& l) {
+    DLinear d;
+    const int64_t ne = std::max<int64_t>(1, l.experts);
+    d.p.kind = l.kind == Linear::Kind::Quant ? 0 : l.kind == Linear::Kind::DenseBF16 ? 1 : 2;
+    d.p.bits = l.bits;
+    d.p.group = l.group;
+    d.p.out = l.out;
+    d.p.in = l.in;
+    d.p.expert_words = l.out * (l.kind == Linear::Kind::Quant ? l.words_per_row() : 0);
+    d.p.expert_groups = l.out * l.groups_per_row();
+    d.p.expert_elems = l.out * l.in;
+    if (l.kind == Linear::Kind::Quant) {
+      d.codes = static_cast<const uint32_t*>(put(l.codes, ne * d.p.expert_words * 4));
+      d.scales = static_cast<const uint16_t*>(put(l.scales, ne * d.p.expert_groups * 2));
+      d.biases = static_cast<const uint16_t*>(put(l.biases, ne * d.p.expert_groups * 2));
+    } else {
+      d.dense = put(l.dense, ne * d.p.expert_elems * (l.kind == Linear::Kind::DenseBF16 ? 2 : 4));
+    }
+    return d;
+  }
+
+};
+
+}  // namespace
+
+DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem) {
+  DeviceWeights dw;
+  Uploader u{dw, mem};
+  const int64_t H = cfg.hidden;
+  dw.embed = u.put_linear(w.embed);
+  dw.lm_head = u.put_linear(w.lm_head);
+  dw.final_norm = u.put_vec(w.final_norm, H);
+  for (int i = 0; i < cfg.n_layers; ++i) {
+    const LayerWeights& lw = w.layers[i];
+    DeviceLayer L;
+    L.in_norm = u.put_vec(lw.in_norm, H);
+    L.post_norm = u.put_vec(lw.post_norm, H);
+    if (lw.type == LayerType::DeltaNet) {
+      L.qkv = u.put_linear(lw.dn.qkv);
+      L.z = u.put_linear(lw.dn.z);
+      L.b = u.put_linear(lw.dn.b);
+      L.a = u.put_linear(lw.dn.a);
+      L.out = u.put_linear(lw.dn.out);
+      L.conv_w = u.put_vec(lw.dn.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
+      L.dt_bias = u.put_vec(lw.dn.dt_bias, cfg.lin_v_heads);
+      L.a_log = u.put_vec(lw.dn.a_log, cfg.lin_v_heads);
+      L.deltanet_norm = u.put_vec(lw.dn.norm, cfg.lin_v_dim);
+    } else {
+      L.q = u.put_linear(lw.attn.q);
+      L.k = u.put_linear(lw.attn.k);
+      L.v = u.put_linear(lw.attn.v);
+      L.o = u.put_linear(lw.attn.o);
+      L.q_norm = u.put_vec(lw.attn.q_norm, cfg.head_dim);
+      L.k_norm = u.put_vec(lw.attn.k_norm, cfg.head_dim);
+    }
+    L.router = u.put_linear(lw.moe.router);
+    L.gate = u.put_linear(lw.moe.gate);
+    L.up = u.put_linear(lw.moe.up);
+    L.down = u.put_linear(lw.moe.down);
+    L.sh_gate = u.put_linear(lw.moe.sh_gate);
+    L.sh_up = u.put_linear(lw.moe.sh_up);
+    L.sh_down = u.put_linear(lw.moe.sh_down);
+    L.sh_expert_gate = u.put_linear(lw.moe.sh_expert_gate);
+    dw.layers.push_back(L);
+  }
+  return dw;
+}
+
+}  // namespace lily::cuda

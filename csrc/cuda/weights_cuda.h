@@ -1,0 +1,33 @@
+// The weights on the device: one upload at backend construction, device views (DLinear) per matrix.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "core/config.h"
+#include "core/memory.h"
+#include "core/weights.h"
+#include "cuda/common.cuh"
+
+namespace lily::cuda {
+
+struct DeviceLayer {
+  const float* in_norm = nullptr;
+  const float* post_norm = nullptr;
+  DLinear qkv, z, b, a, out;  // DeltaNet
+  const float *conv_w = nullptr, *dt_bias = nullptr, *a_log = nullptr, *deltanet_norm = nullptr;  // [C, K], [Hv], [Hv], [Dv]
+  DLinear q, k, v, o;  // attention
+  const float *q_norm = nullptr, *k_norm = nullptr;  // [D]
+  DLinear router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate;  // MoE
+};
+
+struct DeviceWeights {
+  std::vector<Buffer> owned;  // the device copies
+  DLinear embed, lm_head;
+  const float* final_norm = nullptr;  // [H]
+  std::vector<DeviceLayer> layers;
+};
+
+// Copies every tensor of w to device memory of mem (synchronously).
+DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem);
+
+}  // namespace lily::cuda
