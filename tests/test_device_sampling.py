@@ -11,7 +11,7 @@ import collections
 import numpy as np
 import pytest
 
-from lily.sampling import Sampler, SamplingParams, device_sample_reference
+from lily.sampling import Sampler, SamplingParams, device_sample_reference, stream_uniforms
 
 _lily = pytest.importorskip("lily._lily")
 
@@ -139,6 +139,54 @@ def test_stream_option_checks(cpu_engine):
         eng.open_stream(st, 1, 0)
     with pytest.raises(ValueError, match="out of range"):
         eng.open_stream(st, V, 4)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.4,
+                   frequency_penalty=0.2, logit_bias={1: 2.0}),
+], ids=["t1", "all"])
+def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(cpu_engine, params):
+    """Each token a device-mode stream draws is the NumPy twin's draw from that step's logits (replayed lock-step)
+    with the stream's documented uniform sequence, seen / counts following the drawn tokens."""
+    cfg, eng = cpu_engine
+    V = cfg.vocab_size
+    eng.set_backend_flag("device_draw", 1)
+    try:
+        prompt = np.arange(3, 12, dtype=np.int32)
+        st = eng.new_state()
+        first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
+        snap = st.snapshot()
+        seen0 = np.zeros(V, np.uint8)
+        seen0[prompt] = 1
+        seen0[first] = 1
+        counts0 = np.zeros(V, np.int32)
+        counts0[first] = 1
+        bias = params.logit_bias or {}
+        kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                  repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+                  frequency_penalty=params.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
+        for seed in (0, 7, 123456789):
+            st.restore(snap)
+            s = eng.open_stream(st, first, 8, device=True, seen=seen0, counts=counts0, seed=seed, **kw)
+            got = [s.next() for _ in range(8)]
+            held = s.close(logits=True)
+            assert s.device and st.position == len(prompt) + 8  # the 8th token stays pending
+            st.restore(snap)
+            lock = eng.open_stream(st, first, 8, device=False)
+            rows, tok = [], first
+            for t in got:
+                rows.append(lock.step(tok))
+                tok = t
+            lock.close()
+            np.testing.assert_array_equal(held, rows[-1])
+            seen, counts = seen0.astype(bool), counts0.copy()
+            for i, u in enumerate(stream_uniforms(seed, 8)):
+                assert got[i] == device_sample_reference(rows[i], params, seen, counts, u), (seed, i)
+                seen[got[i]] = True
+                counts[got[i]] += 1
+    finally:
+        eng.set_backend_flag("device_draw", 0)
 
 
 @pytest.fixture(scope="module")

@@ -458,6 +458,24 @@ def device_sampling_supported(params: SamplingParams, constraint: object = None)
     return constraint is None and not params.logprobs
 
 
+_M64 = (1 << 64) - 1
+
+
+def stream_uniforms(seed: int, n: int) -> list[float]:
+    """The uniform numbers of a device-mode token stream opened with `seed` (csrc/core/engine.cpp
+    TokenStream::next_uniform, splitmix64): the i-th is the draw of the stream's i-th step, 24 random bits."""
+    state = (int(seed) * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D) & _M64
+    out = []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z ^= z >> 31
+        out.append((z >> 40) / 16777216.0)
+    return out
+
+
 def device_sample_reference(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None,
                             counts: np.ndarray | None, uniform: float) -> int:
     """The NumPy twin of the device sampler (float64; csrc/cuda/sample.cuh states the semantics): same

@@ -1,13 +1,14 @@
 """Device sampling checks of lily.testing.cuda_checks (rows in its format; benchmarks/cuda_check.py prints them):
-the CUDA engine's decode_sample against the NumPy twin lily.sampling.device_sample_reference on the step's own logits, over option sets and draws;
-seen/counts carried across steps on the device; the stale-sampler and stale-logits rules; and, on the bundled
-model, greedy generation with the device sampler == with the host sampler, plus seeded reproducibility.
+device-mode token streams of the CUDA engine against the NumPy twin lily.sampling.device_sample_reference on each
+step's own logits, over option sets and seeds, seen/counts carried across steps on the device; streams parking
+each other; and, on the bundled model, greedy generation with the device sampler == with the host sampler, plus
+seeded reproducibility.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import SamplingParams, device_sample_reference
+from ..sampling import SamplingParams, device_sample_reference, stream_uniforms
 
 # The same relative tolerance as the kernel twin (benchmarks/kernels/check_sample.cu): a draw may differ from
 # the twin only where uniform lands within this of a CDF step (float32 sums on the device, float64 here).
@@ -24,7 +25,6 @@ OPTION_SETS = {
     "all": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
                           presence_penalty=0.4, frequency_penalty=0.2, logit_bias={1: 2.0}),
 }
-DRAWS = (0.0, 0.123, 0.5, 0.77, 0.999999)
 
 
 def _near_boundary(logits, params, seen, counts, u, token):
@@ -34,73 +34,86 @@ def _near_boundary(logits, params, seen, counts, u, token):
     return min(lo_tok, hi_tok) <= token <= max(lo_tok, hi_tok)
 
 
-def _begin(gpu, p, seen, counts):
+def _stream_kw(p: SamplingParams) -> dict:
     bias = p.logit_bias or {}
-    return gpu.sampler_begin(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                             p.frequency_penalty, np.fromiter(bias.keys(), np.int32, len(bias)),
-                             np.fromiter(bias.values(), np.float32, len(bias)), seen.astype(np.uint8),
-                             counts.astype(np.int32))
+    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
 
 
-def check_engine_sampling(name, cfg, gpu, toks, add):
-    """decode_sample vs the twin on the same logits, per option set and draw, and over an 8-step chain."""
+def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
+    """Device-mode token streams (the engine's token loop, drawing on the GPU) against the twin: every drawn token
+    is the twin's draw from that step's logits (the same tokens replayed lock-step) with the stream's uniform
+    sequence (lily.sampling.stream_uniforms), seen / counts following the drawn tokens; and two streams pulled
+    in turn (each parks the other) draw what each draws alone."""
     V = cfg.vocab_size
     if len(toks) < 12:
-        raise ValueError(f"check_engine_sampling: {len(toks)} tokens, expected >= 12 (a prefix, then 8 steps)")
+        raise ValueError(f"check_engine_sampling: {len(toks)} tokens, expected >= 12 (a prefix, then steps)")
     n0 = min(16, len(toks) - 10)
     st = gpu.new_state()
     gpu.forward(st, toks[:n0], logits="none")
     snap = st.snapshot()
-    ref_row = gpu.forward(st, toks[n0:n0 + 1], logits="last")[0]
+    first = int(toks[n0])
     rng = np.random.default_rng(17)
-    seen0 = np.zeros(V, bool)
-    seen0[toks[:n0 + 1]] = True
-    mism, boundary, total, row_err = [], 0, 0, 0.0
+    mism, boundary, total, row_err, not_device = [], 0, 0, 0.0, []
     for label, p in OPTION_SETS.items():
+        seen0 = np.zeros(V, np.uint8)
+        seen0[toks[:n0 + 1]] = 1
         counts0 = np.zeros(V, np.int32)
         counts0[rng.integers(0, V, 5)] += 1
-        for u in DRAWS:
+        for seed in (1, 2):
             st.restore(snap)
-            sid = _begin(gpu, p, seen0, counts0)
-            nxt = gpu.decode_sample(st, int(toks[n0]), u, sid)
-            lg = gpu.decode_logits(st)
-            row_err = max(row_err, float(np.sqrt(np.mean((lg - ref_row) ** 2) / np.mean(ref_row ** 2))))
-            want = device_sample_reference(lg, p, seen0, counts0, u)
-            total += 1
-            if nxt != want:
-                if _near_boundary(lg, p, seen0, counts0, u, nxt):
-                    boundary += 1
-                else:
-                    mism.append((label, u, nxt, want))
-    add("device sampling == twin", not mism and row_err < 2e-2, cases=total, boundary=boundary,
-        mismatches=mism[:4], logits_rel_rms_vs_forward=row_err)
+            s = gpu.open_stream(st, first, steps, device=True, seen=seen0, counts=counts0, seed=seed, **_stream_kw(p))
+            if not s.device:
+                not_device.append(label)
+                s.close()
+                continue
+            got = [s.next() for _ in range(steps)]
+            held = s.close(logits=True)
+            st.restore(snap)
+            lock = gpu.open_stream(st, first, steps, device=False)
+            rows, tok = [], first
+            for t in got:
+                rows.append(lock.step(tok))
+                tok = t
+            lock.close()
+            if held is not None:
+                row_err = max(row_err, float(np.sqrt(np.mean((held - rows[-1]) ** 2) / np.mean(rows[-1] ** 2))))
+            seen, counts = seen0.astype(bool), counts0.copy()
+            for i, u in enumerate(stream_uniforms(seed, steps)):
+                want = device_sample_reference(rows[i], p, seen, counts, u)
+                total += 1
+                if got[i] != want:
+                    if _near_boundary(rows[i], p, seen, counts, u, got[i]):
+                        boundary += 1
+                    else:
+                        mism.append((label, seed, i, got[i], want))
+                seen[got[i]] = True
+                counts[got[i]] += 1
+    add("device stream draws == twin (lock-step replayed rows)", not mism and not not_device and row_err < 2e-2,
+        cases=total, boundary=boundary, mismatches=mism[:4], not_device=not_device,
+        held_logits_rel_rms_vs_lockstep=row_err)
 
-    # A chain: the device's seen/counts must follow the drawn tokens (penalties change the next draws).
+    # Two streams on two states pulled in turn: each parks the other and resumes with its host record.
     p = OPTION_SETS["all"]
+    solo = []
+    for seed in (3, 4):
+        st.restore(snap)
+        s = gpu.open_stream(st, first, steps, device=True, seed=seed, **_stream_kw(p))
+        solo.append([s.next() for _ in range(steps)])
+        s.close()
     st.restore(snap)
-    seen, counts = seen0.copy(), np.zeros(V, np.int32)
-    sid = _begin(gpu, p, seen, counts)
-    tok, bad = int(toks[n0]), []
-    for i in range(8):
-        u = float(rng.random()) * 0.999
-        nxt = gpu.decode_sample(st, tok, u, sid)
-        want = device_sample_reference(gpu.decode_logits(st), p, seen, counts, u)
-        if nxt != want and not _near_boundary(gpu.decode_logits(st), p, seen, counts, u, nxt):
-            bad.append((i, nxt, want))
-        seen[nxt] = True
-        counts[nxt] += 1
-        tok = nxt
-    add("device sampling chain (seen/counts)", not bad and st.position == n0 + 8, steps=8, mismatches=bad)
-
-    # Another begin makes an older id stale: nothing runs. A forward step invalidates the held logits.
-    st.restore(snap)
-    old = _begin(gpu, p, seen0, counts0)
-    _begin(gpu, p, seen0, counts0)
-    stale = gpu.decode_sample(st, int(toks[n0]), 0.5, old)
-    pos_kept = st.position == n0
-    gpu.forward(st, toks[n0:n0 + 1], logits="last")
-    add("device sampling stale id / stale logits", stale == -1 and pos_kept and gpu.decode_logits(st) is None,
-        stale_return=stale)
+    st2 = snap.snapshot()
+    a = gpu.open_stream(st, first, steps, device=True, seed=3, **_stream_kw(p))
+    b = gpu.open_stream(st2, first, steps, device=True, seed=4, **_stream_kw(p))
+    inter = [[], []]
+    for _ in range(steps):
+        inter[0].append(a.next())
+        inter[1].append(b.next())
+    a.close()
+    b.close()
+    add("device streams interleaved == alone", inter == solo and st.position == st2.position == n0 + steps,
+        solo=solo, interleaved=inter)
 
 
 def check_session_sampling(results):
