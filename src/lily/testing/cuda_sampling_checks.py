@@ -144,3 +144,20 @@ def check_session_sampling(results):
     again = list(again.token_ids)
     add("session sampled: seeded run repeats", again == out[(True, "sampled")],
         decode_tok_s_device=speed[(True, "sampled")], decode_tok_s_host=speed[(False, "sampled")])
+
+    # A stop string ends a device stream after the device ran the token that completed it (one step ahead): the
+    # next turn must see exactly the state of a session that fed the same tokens lock-step, one step each.
+    probe = model.session().generate(prompt, max_tokens=12, stream=False, temperature=0.0)
+    stop = model.tokenizer.decode(probe.token_ids[3:5])
+    ran_ahead = model.session()
+    r = ran_ahead.generate(prompt, max_tokens=12, stop=stop, stream=False, temperature=0.0)
+    lock = model.session()
+    lock.device_sampling = False
+    lock.generate(prompt, max_tokens=len(r.token_ids), stream=False, temperature=0.0)
+    lock.flush()
+    a = ran_ahead.generate(" next", max_tokens=4, stream=False, temperature=0.0, logprobs=True)
+    b = lock.generate(" next", max_tokens=4, stream=False, temperature=0.0, logprobs=True)
+    same = (ran_ahead.tokens[:len(lock.tokens)] == lock.tokens and a.token_ids == b.token_ids
+            and a.logprobs == b.logprobs)
+    add("session after a stop string (run ahead) == lock-step", same and r.finish_reason == "stop",
+        finish_reason=r.finish_reason, tokens=len(r.token_ids))
