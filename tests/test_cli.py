@@ -47,8 +47,9 @@ def test_info(ckpt, capsys, monkeypatch):
     assert out.startswith("lily ") and "backend: reference" in out and "max_context:" in out
 
 
-def test_chat_loop_keeps_session(ckpt, capsys, monkeypatch):
+def test_chat_loop_keeps_session(ckpt, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.setenv("LILY_CHAT_HISTORY", str(tmp_path / "history"))
     lines = iter(["Hi", "/reset", "Again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--model", ckpt, "--backend", "reference", "-n", "4", "-t", "0", "--no-think"]) == 0
@@ -69,24 +70,33 @@ def test_errors_are_one_line_and_nonzero(capsys, tmp_path):
     assert err.startswith("error: ") and "config.json" in err
 
 
-def test_reasoning_splitter_sends_thinking_to_stderr_and_answer_to_stdout():
-    import io
+def test_generate_sends_reasoning_to_stderr_and_the_answer_to_stdout(capsys, monkeypatch):
+    """Thinking on (the default): a reply cut inside its think block (</think> banned) prints nothing on
+    stdout; with </think> allowed, stdout has the answer only, never the tag."""
+    import lily
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    think_end = lily.load().tokenizer.think_end_id
+    assert main(["generate", "Hi", "-n", "8", "-t", "0", "--logit-bias", f"{think_end}=-100", "--quiet-stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and err.strip()
+    assert main(["generate", "Hi", "-n", "12", "-t", "0", "--quiet-stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "</think>" not in out + err and not out.startswith("\n")
 
-    from lily.cli import _ReasoningSplitter
-    out, err = io.StringIO(), io.StringIO()
-    sp = _ReasoningSplitter(out, err)
-    for piece in ["Let me", " think.</th", "ink>", "\n\n", "The answer", " is 4."]:
-        sp.write(piece)
-        sp.flush()
-    sp.close()
-    assert out.getvalue() == "The answer is 4."
-    assert err.getvalue() == "Let me think."
-    out, err = io.StringIO(), io.StringIO()
-    sp = _ReasoningSplitter(out, err)
-    for piece in ["\n</think>\n\n", "Hi"]:
-        sp.write(piece)
-    sp.close()
-    assert out.getvalue() == "Hi" and err.getvalue() == ""
+
+def test_logit_bias_and_frequency_penalty_reach_the_sampler(capsys, monkeypatch):
+    import lily
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    model = lily.load()
+    first = model.generate("The engine", max_tokens=1, temperature=0.0).token_ids[0]
+    args = ["generate", "--raw", "The engine", "-n", "1", "-t", "0", "--quiet-stats"]
+    assert main(args) == 0
+    assert capsys.readouterr().out == model.detokenize([first]) + "\n"
+    assert main(args + ["--logit-bias", f"{first}=-100", "--frequency-penalty", "0.5"]) == 0
+    assert capsys.readouterr().out != model.detokenize([first]) + "\n"
+    with pytest.raises(SystemExit):
+        main(args + ["--logit-bias", "the=1"])
+    assert "TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
 def test_convert_hf_checkpoint_to_mlx_export(tmp_path):

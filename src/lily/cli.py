@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from .generation import split_reasoning
+
 NOT_YET: tuple[str, ...] = ()  # commands listed but not yet available
 
 
@@ -31,9 +33,23 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--logit-bias", type=_logit_bias_entry, action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable; -100 bans the token), e.g. 151668=-100")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-think", action="store_true", help="chat mode: thinking off (enable_thinking=false)")
+
+
+def _logit_bias_entry(text: str) -> tuple[int, float]:
+    """`ID=BIAS` (also `ID:BIAS`) -> (token id, bias)."""
+    key, sep, value = text.replace(":", "=", 1).partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(key), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 151668=-100), got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c, max_tokens=None)
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--session", default=None, metavar="FILE",
-                   help="session file: loaded at start when it exists, saved on /save and at exit")
+                   help="session file: loaded at start when it exists, saved on /save and on every exit "
+                        "(/exit, Ctrl-D, Ctrl-C at the prompt)")
+    c.add_argument("--show-reasoning", action="store_true",
+                   help="show the model's reasoning (its <think> block), dimmed, before the answer "
+                        "(default: hidden)")
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models)")
     _add_model_args(v)
@@ -99,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated browser origins allowed by CORS, or '*' (default: none, so no web page "
                         "can call this server from a browser)")
 
-    b = sub.add_parser("bench", help="prefill/decode throughput sweeps (batch 1), optional peer; JSON + PNG")
+    b = sub.add_parser("bench", help="prefill/decode throughput sweeps (batch 1), optional peer; JSON, and a "
+                                     "PNG plot when matplotlib is installed")
     _add_model_args(b)
     b.add_argument("--prefill", default="256,512,1024", help="prompt lengths, comma-separated")
     b.add_argument("--decode", default="256,1024", help="decode context lengths, comma-separated")
@@ -110,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the peer only at lengths up to this (a slow peer)")
     b.add_argument("--note", default="", help="free text stored in the JSON settings")
     b.add_argument("--out", default=None, metavar="PATH",
-                   help="write PATH.json and PATH.png (default: lily-bench-BACKEND in the current folder)")
+                   help="write PATH.json and, with matplotlib installed, PATH.png (default: lily-bench-BACKEND "
+                        "in the current folder)")
 
     i = sub.add_parser("info", help="lily install, backends and checkpoint facts")
     _add_model_args(i)
@@ -132,65 +154,28 @@ def _load(args: argparse.Namespace):
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop)
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                logit_bias=dict(args.logit_bias) if args.logit_bias else None, seed=args.seed, stop=args.stop)
 
 
-def _stream(chunks, out=None):
-    """Write chunk texts as they come; returns (text, final chunk)."""
-    out = out or sys.stdout
-    parts, last = [], None
+def _stream_split(chunks, dim: bool) -> object:
+    """Write a split stream (lily.generation.split_reasoning): the answer to stdout, the reasoning to
+    stderr (dim on a terminal), so piping keeps only the answer. Returns the final chunk."""
+    last, reasoning_open = None, False
     for c in chunks:
+        if c.reasoning:
+            if dim and not reasoning_open:
+                sys.stderr.write("\x1b[2m")
+            reasoning_open = True
+            sys.stderr.write(c.reasoning)
+            sys.stderr.flush()
         if c.text:
-            out.write(c.text)
-            out.flush()
-            parts.append(c.text)
+            sys.stdout.write(c.text)
+            sys.stdout.flush()
         last = c
-    return "".join(parts), last
-
-
-class _ReasoningSplitter:
-    """Chat output with thinking on is `reasoning</think>\n\ncontent` (the prompt opened `<think>`): the
-    reasoning goes to stderr (dim on a terminal) and only the answer to stdout, so piping keeps the answer."""
-
-    TAG = "</think>"
-
-    def __init__(self, out, err):
-        self.out, self.err, self.pending, self.in_reasoning, self.lead = out, err, "", True, True
-        self.dim = err.isatty()
-
-    def write(self, text: str) -> None:
-        if not self.in_reasoning:
-            if self.lead:  # drop the blank lines the template puts after </think>
-                text = text.lstrip("\n")
-                self.lead = not text
-            self.out.write(text)
-            return
-        self.pending += text
-        cut = self.pending.find(self.TAG)
-        if cut < 0:  # keep a possible partial tag
-            keep = max((k for k in range(1, len(self.TAG)) if self.pending.endswith(self.TAG[:k])), default=0)
-            self._reason(self.pending[:len(self.pending) - keep])
-            self.pending = self.pending[len(self.pending) - keep:]
-            return
-        self._reason(self.pending[:cut])
-        rest, self.pending, self.in_reasoning = self.pending[cut + len(self.TAG):], "", False
-        self.write(rest)
-
-    def _reason(self, text: str) -> None:
-        if text.strip() or (text and self.err_started):
-            self.err_started = True
-            self.err.write(f"\x1b[2m{text}\x1b[0m" if self.dim else text)
-            self.err.flush()
-
-    err_started = False
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def close(self) -> None:
-        """End of output: text still held back was reasoning (no </think> came)."""
-        self._reason(self.pending)
-        self.pending = ""
+    if reasoning_open:
+        sys.stderr.write("\x1b[0m\n" if dim else "\n")
+    return last
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -202,15 +187,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    [{"role": "user", "content": prompt}]
         if args.no_think:
             kwargs["enable_thinking"] = False
+        prompt_text = model.apply_chat_template(messages, **({"enable_thinking": False} if args.no_think else {}))
         stream = model.generate(messages, stream=True, **kwargs)
-        thinking = not args.no_think and model.apply_chat_template(messages).rstrip().endswith("<think>")
     else:
+        prompt_text = None
         stream = model.generate(prompt, stream=True, **kwargs)
-        thinking = False
-    splitter = _ReasoningSplitter(sys.stdout, sys.stderr) if thinking else None
-    _, last = _stream(stream, splitter)
-    if splitter is not None:
-        splitter.close()
+    if prompt_text is not None:
+        stream = split_reasoning(stream, prompt_text)
+    last = _stream_split(stream, sys.stderr.isatty())
     sys.stdout.write("\n")
     sys.stdout.flush()
     if last is not None and last.stats is not None and not args.quiet_stats:
@@ -218,95 +202,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-CHAT_HELP = ("Type a message. /reset starts over, /save [FILE] saves the session, /stats shows the cache, "
-             "/exit (or Ctrl-D) quits.")
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Multi-turn chat on one session: each turn sends the whole conversation, and the session continues
-    from the longest prefix it holds (the live state, or a snapshot of its prefix cache), so only the new
-    user turn is prefilled. The reply's exact tokens are kept, so re-rendering the conversation as text
-    does not change how it tokenizes."""
-    import os
-
-    from .prefix_cache import PrefixCache, ReplyTokens
-    from .session import Session
-
-    model = _load(args)
-    cache = PrefixCache(max_bytes=2 << 30)
-    replies = ReplyTokens()
-    session = model.session(prefix_cache=cache)
-    if args.session and os.path.exists(args.session):
-        session = Session.load(args.session, model, cache)
-        print(f"[loaded {args.session}: {session.position} tokens]", file=sys.stderr)
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    if session.metadata.get("messages"):
-        messages = list(session.metadata["messages"])
-    # the replies' exact sampled tokens travel with the session, or re-tokenizing them would end reuse there
-    replies.remember_all(session.metadata.get("replies") or [])
-    kwargs = _sampling_kwargs(args)
-    template_kwargs = {"preserve_thinking": True}  # earlier think blocks stay, so the history is a prefix
-    if args.no_think:
-        template_kwargs["enable_thinking"] = False
-    print(f"{model!r}\n{CHAT_HELP}", file=sys.stderr)
-
-    def save(path: str) -> None:
-        session.save(path, metadata={"messages": messages, "replies": replies.export()})
-        print(f"[saved {session.position} tokens to {path}]", file=sys.stderr)
-
-    while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            print(file=sys.stderr)
-            break
-        cmd = line.strip()
-        if not cmd:
-            continue
-        if cmd in ("/exit", "/quit"):
-            break
-        if cmd == "/reset":
-            session.reset()
-            messages = messages[:1] if args.system else []
-            continue
-        if cmd == "/stats":
-            print(f"[session {session.position} tokens; {cache!r}]", file=sys.stderr)
-            continue
-        if cmd.startswith("/save"):
-            path = cmd[len("/save"):].strip() or args.session
-            if not path:
-                print("[/save needs a file name (or start with --session FILE)]", file=sys.stderr)
-            else:
-                save(path)
-            continue
-        messages.append({"role": "user", "content": line})
-        text = model.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
-        ids = replies.encode(model.tokenizer, text)
-        try:
-            parts, last, sampled = [], None, []
-            for c in session.generate(ids, whole=True, stream=True, **kwargs):
-                sampled.append(c.token_id)
-                if c.text:
-                    sys.stdout.write(c.text)
-                    sys.stdout.flush()
-                    parts.append(c.text)
-                last = c
-        except KeyboardInterrupt:
-            print("\n[interrupted]", file=sys.stderr)
-            messages.pop()
-            continue
-        print()
-        reply = "".join(parts)
-        if last is not None and isinstance(last.stop_reason, int) and sampled and sampled[-1] == last.stop_reason:
-            sampled = sampled[:-1]
-            session.flush()  # the end-of-turn token joins the state now, while the user types
-        replies.remember(model.tokenizer.decode(sampled), sampled)
-        if last is not None and last.stats is not None:
-            print(f"[{last.stats.summary()}]", file=sys.stderr)
-        messages.append({"role": "assistant", "content": reply})
-    if args.session:
-        save(args.session)
-    return 0
+    from .chat_terminal import run_chat
+    return run_chat(args, _load(args), _sampling_kwargs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -65,8 +65,8 @@ class GenerationChunk:
 
     In a stream split by `split_reasoning` (chat replies), `text` is new answer text only and `reasoning`
     the new text of the `<think>` block, both without the tags; `channel` says which part of the reply
-    this token belongs to ("reasoning" for the tokens of the think block and its closing tag, then
-    "content"). Unsplit streams (raw prompts) have all their text in `text` and channel "content"."""
+    this token belongs to ("reasoning" for the tokens of the think block and its tags, then "content").
+    An unsplit stream (a raw prompt) has all its text in `text` and channel None."""
 
     text: str
     token_id: int
@@ -76,7 +76,7 @@ class GenerationChunk:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended generation
     stats: GenerationStats | None = None
     reasoning: str = ""
-    channel: str = CHANNEL_CONTENT
+    channel: str | None = None
 
 
 @dataclass
@@ -101,11 +101,15 @@ class GenerationResult:
 def split_reasoning(chunks: Iterable[GenerationChunk], in_reasoning: bool | str) -> Iterator[GenerationChunk]:
     """The chunks of a chat reply with reasoning and answer apart (see GenerationChunk), one chunk per
     token as before. in_reasoning: whether the reply starts inside `<think>`, or the prompt text, from
-    which `lily.reasoning.prompt_opens_reasoning` decides it. The same parser as `lily serve`."""
+    which `lily.reasoning.prompt_opens_reasoning` decides it. The same parser as `lily serve`. Chunks that
+    are already split pass through unchanged, so splitting twice is harmless."""
     if isinstance(in_reasoning, str):
         in_reasoning = prompt_opens_reasoning(in_reasoning)
     parser = ReasoningParser(bool(in_reasoning))
     for c in chunks:
+        if c.channel is not None:
+            yield c
+            continue
         was_reasoning = parser.in_reasoning
         pieces = parser.feed(c.text)
         if c.finish_reason is not None:
