@@ -5,7 +5,6 @@
 #include "core/backend.h"
 #ifdef LILY_HAVE_METAL
 #include "metal/backend_metal.h"
-#include "metal/device.h"
 #endif
 
 namespace lily {
@@ -26,9 +25,11 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const Config& cfg
   }
   if (name == "metal") {
 #ifdef LILY_HAVE_METAL
-    return metal::make_metal_backend(cfg, w, metal::make_apple_device(), debug);
+    // macOS: the Apple device; Linux: the emulated device for tests (options name its kernel libraries)
+    return metal::make_metal_backend(cfg, w, options, debug);
 #else
-    throw std::runtime_error("[lily] backend 'metal' is not built into this install (it is built on macOS only); "
+    throw std::runtime_error("[lily] backend 'metal' is not built into this install (macOS builds it with "
+                             "LILY_METAL=ON, Linux builds over the emulator with LILY_METAL_EMULATED=ON); "
                              "use backend='cpu'");
 #endif
   }

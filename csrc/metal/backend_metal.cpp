@@ -82,7 +82,7 @@ struct MetalBackend::Scratch {
   BufRef qg, k, v, q, o, ml, po;            // attention
   BufRef logits, sg, act, yd, ash, ysh, act_dec;
   RouteBufs r;
-  BufRef head_h, head_logits, tok, step_logits;
+  BufRef head_h, head_logits;
   int max_tiles = 0, act_stride = 0;
 
   explicit Scratch(Device& d) : dev(d) {}
@@ -146,6 +146,14 @@ MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<
     rp[2 * i + 1] = static_cast<float>(f - static_cast<double>(rp[2 * i]));
   }
   rope_ = BufRef{rb, 0};
+  auto persistent = [&](size_t bytes) {
+    DevBuffer* b = dev_->alloc(bytes);
+    wrapped_.push_back(b);
+    return BufRef{b, 0};
+  };
+  tok_ = persistent(2 * 4);
+  host_tok_ = persistent(2 * 4);
+  step_logits_ = persistent(2 * static_cast<size_t>(cfg.vocab) * 4);
 }
 
 MetalBackend::~MetalBackend() {
@@ -197,18 +205,27 @@ Encoder& MetalBackend::enc() {
   return cb_->encoder();
 }
 
-void MetalBackend::submit() {
+void MetalBackend::submit(int64_t step) {
   if (!cb_) return;
   cb_->commit();
-  inflight_.push_back(std::move(cb_));
+  inflight_.push_back(Inflight{std::move(cb_), step});
 }
 
 void MetalBackend::wait_inflight(size_t keep) {
   while (inflight_.size() > keep) {
-    std::unique_ptr<CommandBuffer> c = std::move(inflight_.front());
+    std::unique_ptr<CommandBuffer> c = std::move(inflight_.front().cb);
     inflight_.pop_front();
     c->wait();
   }
+}
+
+// Command buffers complete in commit order, so waiting for a step's one means waiting for every older one.
+void MetalBackend::wait_step(int64_t index) {
+  for (size_t i = 0; i < inflight_.size(); ++i)
+    if (inflight_[i].step == index) {
+      wait_inflight(inflight_.size() - i - 1);
+      return;
+    }
 }
 
 void MetalBackend::sync() {
@@ -249,13 +266,24 @@ void MetalBackend::reserve(int64_t S) {
   s->act_stride = static_cast<int>((std::max(I, Is) + 7) / 8 * 8);
   s->act_dec = s->make((k + 1) * s->act_stride * 4);
   s->head_h = s->make(n * H * 4);
-  s->tok = s->make(2 * 4);
-  s->step_logits = s->make(2 * static_cast<int64_t>(c.vocab) * 4);
   s->parts = sc_ ? sc_->parts : 0;
   sc_ = std::move(s);
 }
 
 void MetalBackend::embed(const int32_t* ids, int64_t S) {
+  if (in_step_) {
+    // The step's token: from the host (its own slot: the previous step, maybe still running, reads the other
+    // one) or, for -1, the token slot the previous step's draw wrote.
+    if (S != 1) throw std::logic_error("[lily] metal: embed of " + std::to_string(S) + " rows inside a decode step");
+    const int slot = static_cast<int>(step_.index & 1);
+    if (ids[0] >= 0) {
+      static_cast<int32_t*>(dev_->contents(host_tok_.buf))[slot] = ids[0];
+      embed_from(at(host_tok_, slot * 4), 1);
+    } else {
+      embed_from(at(tok_, slot * 4), 1);
+    }
+    return;
+  }
   reserve(S);
   // Chunk c uses ids slot c % 2; the chunk that used this slot before (c - 2) must have finished.
   submit();
@@ -295,16 +323,21 @@ void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
   e.barrier();
 }
 
+// The split-K partials of decode attention over `keys` keys, grown geometrically (so rarely) after a sync.
+void MetalBackend::grow_attention_parts(int64_t keys) {
+  if (!cfg_.n_attention_layers() || Ops::attn_parts(keys) <= sc_->parts) return;
+  if (in_step_) throw std::logic_error("[lily] metal: attention partials must grow before a decode step starts");
+  sync();
+  sc_->parts = std::max<int64_t>(Ops::attn_parts(keys), 2 * sc_->parts);
+  sc_->ml = sc_->make(cfg_.n_heads * sc_->parts * 2 * 4);
+  sc_->po = sc_->make(cfg_.n_heads * sc_->parts * static_cast<int64_t>(cfg_.head_dim) * 4);
+}
+
 void MetalBackend::attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) {
   const LayerW& L = layers_[layer];
   const Config& c = cfg_;
   const int n = static_cast<int>(S);
-  if (S == 1 && Ops::attn_parts(pos0 + 1) > sc_->parts) {
-    sync();  // grow the split-K partials (geometrically, so rarely)
-    sc_->parts = std::max<int64_t>(Ops::attn_parts(pos0 + 1), 2 * sc_->parts);
-    sc_->ml = sc_->make(c.n_heads * sc_->parts * 2 * 4);
-    sc_->po = sc_->make(c.n_heads * sc_->parts * static_cast<int64_t>(c.head_dim) * 4);
-  }
+  if (S == 1) grow_attention_parts(pos0 + 1);
   Scratch& s = *sc_;
   Encoder& e = enc();
   ops_.rms_norm(e, s.x, L.in_norm, s.h, n, c.hidden, c.rms_eps);
@@ -401,46 +434,66 @@ void MetalBackend::head(int64_t row0, int64_t n, float* logits) {
   std::memcpy(logits, dev_->contents(sc_->head_logits.buf), static_cast<size_t>(n) * cfg_.vocab * 4);
 }
 
-void MetalBackend::decode_greedy(State& st, int32_t first, int n, int32_t* tokens, float* logits) {
-  if (n <= 0) return;
+// ---- decode steps: one command buffer each -----------------------------------------------------------------
+
+bool MetalBackend::begin_step(State& st, const DecodeStep& d) {
+  if (in_step_) {  // the previous step threw while it was encoded: drop its half-encoded command buffer
+    cb_.reset();
+    in_step_ = false;
+  }
   reserve(1);
-  sync();
-  st.reserve(st.position + n);
-  if (Ops::attn_parts(st.position + n) > sc_->parts && cfg_.n_attention_layers()) {
-    sc_->parts = Ops::attn_parts(st.position + n);
-    sc_->ml = sc_->make(cfg_.n_heads * sc_->parts * 2 * 4);
-    sc_->po = sc_->make(cfg_.n_heads * sc_->parts * static_cast<int64_t>(cfg_.head_dim) * 4);
-  }
+  grow_attention_parts(d.position + 1);
+  submit();  // queued prefill work runs first (command buffers execute in commit order)
+  // Step d.index - 2 used this step's slots and must have finished. In the engine's token loop the host has
+  // already waited for it (it returned that step's token), so this never blocks there: at most two command
+  // buffers in flight. debug: nothing in flight, so the scratch can be poisoned.
+  wait_inflight(debug_ ? 0 : 1);
+  if (debug_) sc_->poison();
+  in_step_ = true;
+  step_ = d;
+  const int slot = static_cast<int>(d.index & 1);
+  slot_step_[slot] = d.index;
+  slot_drew_[slot] = d.draw;
+  return true;
+}
+
+void MetalBackend::head_step(const DecodeStep& d) {
   const int64_t V = cfg_.vocab;
-  auto* tok = static_cast<int32_t*>(dev_->contents(sc_->tok.buf));
-  auto* step_logits = static_cast<float*>(dev_->contents(sc_->step_logits.buf));
-  tok[0] = first;
-  // Step i reads slot i%2, writes its logits to half i%2 and its token to slot (i+1)%2. The host reads
-  // step i's results after waiting for it and before committing step i+2, which reuses both.
-  auto collect = [&](int i) {
-    tokens[i] = tok[(i + 1) % 2];
-    if (logits) std::memcpy(logits + i * V, step_logits + (i % 2) * V, V * 4);
-  };
-  for (int i = 0; i < n; ++i) {
-    embed_from(at(sc_->tok, (i % 2) * 4), 1);
-    for (int L = 0; L < cfg_.n_layers; ++L) {
-      const int slot = st.layer_slot[L];
-      if (cfg_.layer_types[L] == LayerType::Attention) attention_block(L, st.kv[slot], st.position, 1);
-      else deltanet_block(L, st.dn[slot], 1);
-      moe_block(L, 1);
-    }
-    const BufRef lg = at(sc_->step_logits, (i % 2) * V * 4);
-    head_into(0, 1, lg);
-    ops_.argmax(enc(), lg, static_cast<int>(V), sc_->tok, (i + 1) % 2);
-    submit();
-    st.position += 1;
-    if (i >= 1) {
-      wait_inflight(1);  // step i-1 done; step i may still run
-      collect(i - 1);
-    }
-  }
-  wait_inflight(0);
-  collect(n - 1);
+  const BufRef lg = at(step_logits_, static_cast<size_t>((d.index & 1) * V * 4));
+  head_into(0, 1, lg);
+  if (d.draw) ops_.argmax(enc(), lg, static_cast<int>(V), tok_, static_cast<int>((d.index + 1) & 1));
+}
+
+void MetalBackend::end_step(State& st, const DecodeStep& d, float* logits) {
+  in_step_ = false;
+  submit(d.index);
+  if (logits && !step_logits(d.index, logits))
+    throw std::logic_error("[lily] metal: end_step: step " + std::to_string(d.index) + " holds no logits");
+}
+
+bool MetalBackend::sampler_begin(const SampleOptions& opt) {
+  // The device draw is argmax (norm.metal): exactly temperature 0 without anything that changes the logits.
+  // (top-k / top-p / min-p never drop the largest logit, so they do not change a greedy draw.)
+  return opt.temperature == 0.f && opt.repetition_penalty == 1.f && opt.presence_penalty == 0.f &&
+         opt.frequency_penalty == 0.f && opt.bias_ids.empty();
+}
+
+bool MetalBackend::holds_step(int64_t index) const { return index >= 0 && slot_step_[index & 1] == index; }
+
+int32_t MetalBackend::drawn_token(int64_t index) {
+  if (!holds_step(index) || !slot_drew_[index & 1])
+    throw std::logic_error("[lily] metal: drawn_token(" + std::to_string(index) +
+                           "): not one of the last two steps, or a step that did not draw");
+  wait_step(index);
+  return static_cast<const int32_t*>(dev_->contents(tok_.buf))[(index + 1) & 1];
+}
+
+bool MetalBackend::step_logits(int64_t index, float* logits) {
+  if (!holds_step(index)) return false;
+  wait_step(index);
+  const size_t V = static_cast<size_t>(cfg_.vocab);
+  std::memcpy(logits, static_cast<const float*>(dev_->contents(step_logits_.buf)) + (index & 1) * V, V * 4);
+  return true;
 }
 
 std::unique_ptr<MetalBackend> make_metal_backend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev,

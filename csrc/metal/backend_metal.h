@@ -4,13 +4,30 @@
 // weights stay in their checkpoint format in wrapped (not copied) host memory.
 //
 // A prefill chunk is encoded into one command buffer (routing included: no host round trip inside a
-// chunk) and submitted when the next chunk starts or the host needs data. decode_greedy() is the
-// double-buffered decode loop: two token slots and two command buffers alternate, the GPU writes each
-// sampled token into the next step's slot, and the host encodes step n+1 while step n runs.
+// chunk) and submitted when the next chunk starts or the host needs data. A decode step (the engine's
+// begin_step .. end_step, core/backend.h) is one command buffer too: two token slots, two logits slots and
+// two command buffers alternate, the device writes each greedy token into the next step's slot, and the
+// engine's token loop encodes step n + 1 while step n runs (the host waits only for a token it returns).
+//
+// make_backend("metal", ..., options) takes these BackendOptions (strings; std::invalid_argument names an
+// unknown option or a bad value):
+//   kv_bf16            "1" (default): bf16 KV cache, "0": fp32
+//   emu_kernel_libs    ';'-separated emulator builds of metal/*.metal (tools/msl/mslc.py, one per file):
+//                      selects the emulated device. Required on Linux, where the backend runs only on it
+//                      (for tests); refused on macOS, which uses the Apple device.
+//   emu_schedule       "-1" (default: the three schedules rotate per dispatch), "0", "1" or "2"
+//   emu_threads        host threads the emulator runs one dispatch on (default "2")
+//   emu_max_threads    the per-pipeline thread limit to emulate (default "1024"; Apple lowers it for
+//                      register-heavy kernels, so a lower value exercises the backend's fallbacks)
+//   emu_tensor_ops     "1": the device reports Metal 4 tensor ops (tensor-op GEMMs); "0" (default): not
+//   emu_check_hazards  "1" (default): report a missing encoder barrier; "0": do not
+//   emu_drop_barrier_before  a kernel name prefix: a planted bug (tests/metal/test_planted_bugs.py), the
+//                      barrier before each such dispatch is ignored, as if the backend had left it out
 #pragma once
 #include <deque>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/backend.h"
@@ -55,9 +72,17 @@ class MetalBackend final : public Backend {
   void read_residual(int64_t S, float* out) override;
   void head(int64_t row0, int64_t n, float* logits) override;
 
-  // Greedy decode of n tokens after `first` (the token at position st.position). tokens[i] is sampled by
-  // step i on the device; logits (optional, [n, V]) are each step's output. Advances st.position by n.
-  void decode_greedy(State& st, int32_t first, int n, int32_t* tokens, float* logits);
+  // Decode steps: one command buffer each. Step i reads token slot i & 1 (device-written) or the host slot
+  // i & 1 (d.token >= 0), writes its logits to logits slot i & 1 and, with d.draw, its greedy token to
+  // token slot (i + 1) & 1, which is also what drawn_token(i) reads: step i + 2 is the next to write it,
+  // and the engine holds only the last two steps.
+  bool begin_step(State& st, const DecodeStep& d) override;
+  void head_step(const DecodeStep& d) override;
+  void end_step(State& st, const DecodeStep& d, float* logits) override;
+  // Device draws: greedy only (temperature 0, no penalties, no bias); sampling on Metal is issue 16.
+  bool sampler_begin(const SampleOptions& opt) override;
+  int32_t drawn_token(int64_t index) override;
+  bool step_logits(int64_t index, float* logits) override;
 
   Device& device() { return *dev_; }
   BufRef ref(const void* p) const;
@@ -68,8 +93,11 @@ class MetalBackend final : public Backend {
   class DeviceMemory;
 
   Encoder& enc();
-  void submit();                       // commit the command buffer being encoded, if any
+  void submit(int64_t step = -1);      // commit the command buffer being encoded, if any (step: its decode step)
   void wait_inflight(size_t keep);     // wait until at most `keep` command buffers are in flight
+  void wait_step(int64_t index);       // wait for decode step `index` (and everything committed before it)
+  bool holds_step(int64_t index) const;
+  void grow_attention_parts(int64_t keys);
   void reserve(int64_t S);
   BufRef wrap(const void* p, size_t bytes);
   DevLinear wrap_linear(const Linear& l);
@@ -90,11 +118,27 @@ class MetalBackend final : public Backend {
   std::unique_ptr<Scratch> sc_;
   bool fused_moe_decode_ = true;
   std::unique_ptr<CommandBuffer> cb_;                  // being encoded
-  std::deque<std::unique_ptr<CommandBuffer>> inflight_;  // committed, oldest first
+  struct Inflight {
+    std::unique_ptr<CommandBuffer> cb;
+    int64_t step;  // the decode step it runs, -1 for prefill work
+  };
+  std::deque<Inflight> inflight_;                      // committed, oldest first
   int64_t chunk_ = 0;                                  // chunks started (ids ring slot)
+  // Decode-step slots, outside Scratch (which a larger prefill chunk replaces and debug mode poisons): they
+  // carry tokens and logits from one step to the next and to the host.
+  BufRef tok_, host_tok_, step_logits_;                // int32 [2], int32 [2], float [2, V]
+  bool in_step_ = false;
+  DecodeStep step_;                                    // the step being encoded (embed reads its slot)
+  int64_t slot_step_[2] = {-1, -1};                    // the step whose results each slot holds
+  bool slot_drew_[2] = {false, false};                 // ... and whether it drew a token
 };
 
 std::unique_ptr<MetalBackend> make_metal_backend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev,
                                                  bool debug, bool kv_bf16 = true);
+
+// make_backend("metal"): the options above pick the device (Apple, or the emulator with its settings) and the
+// KV element type (backend_options.cpp).
+std::unique_ptr<Backend> make_metal_backend(const Config& cfg, const Weights& w, const BackendOptions& options,
+                                            bool debug);
 
 }  // namespace lily::metal

@@ -88,6 +88,9 @@ struct EmuOptions {
   // Report Metal 4 tensor ops, so the backend runs the tensor-op GEMMs (emulated by the shim's matmul2d);
   // off: the simdgroup-matrix path, as on a machine without them.
   bool tensor_ops = false;
+  // A planted bug for tests/metal/test_planted_bugs.py: the barrier right before each dispatch of a kernel
+  // whose name starts with this is ignored, as if the backend had not placed it (the check must report it).
+  std::string drop_barrier_before;
 };
 std::unique_ptr<Device> make_emulated_device(const EmuOptions& opt);
 

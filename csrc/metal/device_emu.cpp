@@ -73,10 +73,8 @@ class EmuCommandBuffer final : public CommandBuffer, public Encoder {
     ptrs_[i] = bytes_.back().data();
   }
   void dispatch(Size3 grid, Size3 tg) override;
-  void barrier() override {
-    written_.clear();
-    read_.clear();
-  }
+  // Applied at the next dispatch, so a planted bug can drop the one before a given kernel.
+  void barrier() override { barrier_pending_ = true; }
 
   // queue side
   void run();
@@ -99,7 +97,7 @@ class EmuCommandBuffer final : public CommandBuffer, public Encoder {
   std::vector<Cmd> cmds_;
   std::map<DevBuffer*, std::string> written_, read_;  // since the last barrier -> kernel name
   std::string hazards_;
-  bool committed_ = false, done_ = false;
+  bool committed_ = false, done_ = false, barrier_pending_ = false;
   std::string error_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -241,6 +239,12 @@ void EmuCommandBuffer::dispatch(Size3 grid, Size3 tg) {
     hazards_ += "kernel " + pipe_->name + ": " + std::to_string(tg.x * tg.y * tg.z) +
                 " threads per threadgroup exceed the pipeline's maximum " + std::to_string(dev_->opt().max_threads) + "\n";
   if (committed_) throw std::logic_error("[lily] metal: dispatch into a committed command buffer");
+  const std::string& drop = dev_->opt().drop_barrier_before;  // a planted bug (EmuOptions)
+  if (barrier_pending_ && (drop.empty() || pipe_->name.rfind(drop, 0) != 0)) {
+    written_.clear();
+    read_.clear();
+  }
+  barrier_pending_ = false;
   const std::string& acc = pipe_->access;
   for (size_t i = 0; i < acc.size(); ++i) {
     if (acc[i] == '-') continue;

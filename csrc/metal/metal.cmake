@@ -89,8 +89,11 @@ add_library(lily_metal STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/device_mtl.mm
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/ops_metal.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/backend_metal.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/backend_options.cpp
   ${LILY_METALLIB_ASM}
   ${LILY_TENSOR_METALLIB_ASM})
 target_include_directories(lily_metal PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
-target_compile_options(lily_metal PRIVATE $<$<COMPILE_LANGUAGE:OBJCXX>:-fobjc-arc>)
+target_compile_definitions(lily_metal PRIVATE LILY_METAL_APPLE=1)
+target_compile_options(lily_metal PRIVATE $<$<COMPILE_LANGUAGE:OBJCXX>:-fobjc-arc>
+                       $<$<COMPILE_LANGUAGE:CXX,OBJCXX>:-Werror=overloaded-virtual>)
 target_link_libraries(lily_metal PUBLIC lily_core "-framework Metal" "-framework Foundation")

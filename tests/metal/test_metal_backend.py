@@ -1,11 +1,12 @@
-"""The whole tiny model through the Metal backend (csrc/metal) on the emulated device: prefill in several
-chunks (teacher-forced logits for every row), then the double-buffered greedy decode loop; logits compared
-with the CPU backend. The backend computes in fp32, so the fp32 rows of the tolerance table apply (design.md
-§8: a fp32 backend matches a fp32 reference almost exactly). Each run happens in a forked child: a crash
-inside the emulator fails the test instead of the test process."""
+"""The whole tiny model through the Metal backend (csrc/metal) on the emulated device, driven like any other
+backend: `lily._lily.Engine(backend="metal", options={"emu_kernel_libs": ...})`, so the real Engine, its one
+layer loop, the bindings and the token loop run on emulated Metal. Prefill in several chunks (teacher-forced
+logits for every row), lock-step decode steps (logits) and device-mode greedy streams (tokens drawn on the
+device, one step ahead) are compared with the CPU backend. The backend computes in fp32, so the fp32 rows of
+the tolerance table apply (design.md §8: a fp32 backend matches a fp32 reference almost exactly). Each run
+happens in a forked child: a crash inside the emulator fails the test instead of the test process."""
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import pickle
@@ -14,18 +15,41 @@ import signal
 import numpy as np
 import pytest
 from _metrics import perplexity, rel_rms, top1_agreement
-from metal_env import emu, metal_files, mslc
+from metal_env import emu, metal_files
 from tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
 
 from lily.testing import random_weights, tiny_configs
 
 _lily = pytest.importorskip("lily._lily")
+if "metal (emulated)" not in _lily.build_info()["backends"]:
+    pytest.skip("this lily._lily was built without the emulated Metal backend (LILY_METAL_EMULATED=OFF)",
+                allow_module_level=True)
 
 TOL = tol("model_vs_reference")
-DTYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.uint32): 2, np.dtype(np.int32): 3}
+_LIBS: list[str] = []
+
+
+def kernel_libs() -> str:
+    """The emulator builds of every metal/*.metal file (tools/msl/mslc.py, cached on disk), ';'-joined."""
+    if not _LIBS:
+        _LIBS.append(";".join(emu.library(f).lib._name for f in metal_files()))
+    return _LIBS[0]
+
+
+def metal_engine(cfg, tensors, quant, max_context=256, debug=False, **options):
+    """The Metal backend on the emulated device. options: backend_metal.h's names without the emu_ prefix
+    where they are emulator settings (schedule=0, max_threads=128, tensor_ops=1, kv_bf16=1, ...). debug: scratch
+    poisoned with NaN before every chunk and step (then nothing runs ahead: begin_step waits)."""
+    opts = {"emu_kernel_libs": kernel_libs(), "kv_bf16": "0"}
+    for k, v in options.items():
+        opts[k if k == "kv_bf16" else "emu_" + k] = v if isinstance(v, str) else str(int(v))
+    os.environ["LILY_DEBUG"] = "1" if debug else "0"  # read when the engine is made (in the forked child)
+    return _lily.Engine(cfg.to_dict(), tensors, quant, threads=1, max_context=max_context, backend="metal",
+                        options=opts)
 
 
 def _in_child(fn, timeout=600):
+    kernel_libs()  # built once in the parent, so every child finds them
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -50,88 +74,43 @@ def _in_child(fn, timeout=600):
     return val
 
 
-class EmulatedMetalEngine:
-    """ctypes front of csrc/metal/emu_capi.cpp: the Metal backend on the emulated device."""
-
-    def __init__(self, cfg, tensors, quant, max_context=256, schedule=-1, debug=True, host_lib=None,
-                 max_threads=1024, kv_bf16=False, tensor_ops=False):
-        libs = ";".join(emu.library(f).lib._name for f in metal_files())
-        self.lib = lib = ctypes.CDLL(host_lib or mslc.build_host())
-        lib.lily_metal_emu_new.restype = ctypes.c_void_p
-        lib.lily_metal_emu_position.restype = ctypes.c_int64
-        lib.lily_metal_emu_position.argtypes = [ctypes.c_void_p]
-        lib.lily_metal_emu_free.argtypes = [ctypes.c_void_p]
-        d = cfg.to_dict()
-        nums = {k: float(v) for k, v in d.items() if isinstance(v, (int, float, bool))}
-        self._keep = [np.ascontiguousarray(t) for t in tensors.values()]
-        names = list(tensors)
-        shapes = np.concatenate([np.array(t.shape, np.int64) for t in self._keep])
-        cs = lambda xs: (ctypes.c_char_p * len(xs))(*[x.encode() for x in xs])  # noqa: E731
-        self.V = cfg.vocab_size
-        err = ctypes.create_string_buffer(4096)
-        self.h = lib.lily_metal_emu_new(
-            len(nums), cs(list(nums)), (ctypes.c_double * len(nums))(*nums.values()),
-            len(d["layer_types"]), cs(d["layer_types"]),
-            len(names), cs(names), (ctypes.c_void_p * len(names))(*[t.ctypes.data for t in self._keep]),
-            (ctypes.c_int * len(names))(*[DTYPES[t.dtype] for t in self._keep]),
-            (ctypes.c_int * len(names))(*[t.ndim for t in self._keep]), shapes.ctypes.data_as(ctypes.c_void_p),
-            len(quant), cs(list(quant)), (ctypes.c_int * len(quant))(*[b for b, _ in quant.values()]),
-            (ctypes.c_int * len(quant))(*[g for _, g in quant.values()]), libs.encode(), schedule, max_threads,
-            ctypes.c_int64(max_context), int(debug), int(kv_bf16), int(tensor_ops), err, len(err))
-        if not self.h:
-            raise RuntimeError(err.value.decode())
-        self._shapes = shapes
-
-    def _check(self, rc, err):
-        if rc:
-            raise RuntimeError(err.value.decode())
-
-    def forward(self, tokens, chunk):
-        toks = np.ascontiguousarray(tokens, np.int32)
-        out = np.zeros((len(toks), self.V), np.float32)
-        err = ctypes.create_string_buffer(1 << 16)
-        self._check(self.lib.lily_metal_emu_forward(ctypes.c_void_p(self.h), toks.ctypes.data_as(ctypes.c_void_p),
-                                                    ctypes.c_int64(len(toks)), 1, ctypes.c_int64(chunk),
-                                                    out.ctypes.data_as(ctypes.c_void_p), err, len(err)), err)
-        return out
-
-    def decode(self, first, n):
-        toks = np.zeros(n, np.int32)
-        logits = np.zeros((n, self.V), np.float32)
-        err = ctypes.create_string_buffer(1 << 16)
-        self._check(self.lib.lily_metal_emu_decode(ctypes.c_void_p(self.h), ctypes.c_int32(first), n,
-                                                   toks.ctypes.data_as(ctypes.c_void_p),
-                                                   logits.ctypes.data_as(ctypes.c_void_p), err, len(err)), err)
-        return toks, logits
-
-    def snapshot(self):
-        self.lib.lily_metal_emu_snapshot.restype = ctypes.c_void_p
-        return self.lib.lily_metal_emu_snapshot(ctypes.c_void_p(self.h))
-
-    def restore(self, snap):
-        self.lib.lily_metal_emu_restore(ctypes.c_void_p(self.h), ctypes.c_void_p(snap))
-
-    def free_snapshot(self, snap):
-        self.lib.lily_metal_emu_free_snapshot(ctypes.c_void_p(snap))
-
-    def close(self):
-        if self.h:
-            self.lib.lily_metal_emu_free(ctypes.c_void_p(self.h))
-            self.h = None
-
-    @property
-    def position(self):
-        return self.lib.lily_metal_emu_position(ctypes.c_void_p(self.h))
+def lock_step(eng, st, first, n):
+    """n lock-step decode steps from `first` (host argmax): tokens [n] and each step's logits [n, V]."""
+    s = eng.open_stream(st, first, n, device=False)
+    assert not s.device
+    toks, rows, tok = [], [], first
+    for _ in range(n):
+        rows.append(np.array(s.step(tok)))
+        tok = int(np.argmax(rows[-1]))
+        toks.append(tok)
+    s.close()
+    return np.array(toks, np.int32), np.stack(rows)
 
 
-def _cpu_logits(cfg, tensors, quant, seq):
-    """Teacher-forced logits of the CPU backend; the engine (and its worker threads) is gone before the next
-    test forks a child."""
+def device_stream(eng, st, first, n, stop_ids=()):
+    """A device-mode greedy stream through the engine's token loop: the tokens next() returns."""
+    s = eng.open_stream(st, first, n, stop_ids=list(stop_ids), temperature=0.0)
+    assert s.device, "the Metal backend declined the greedy device sampler"
+    out = []
+    while (t := s.next()) >= 0:
+        out.append(t)
+    s.close()
+    return np.array(out, np.int32)
+
+
+def _cpu_run(cfg, tensors, quant, seq, prompt=None, steps=0):
+    """Teacher-forced logits of the CPU backend over seq, and its greedy tokens after seq[:prompt] (steps of
+    them); the engine (and its worker threads) is gone before the next test forks a child."""
     cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
     out = cpu.forward(cpu.new_state(), seq, logits="all")
+    greedy = None
+    if steps:
+        st = cpu.new_state()
+        first = int(np.argmax(cpu.forward(st, seq[:prompt], logits="last")[-1]))
+        greedy = np.asarray(cpu.decode_greedy(st, first, steps))
     del cpu
     gc.collect()
-    return out
+    return out, greedy
 
 
 def _report(name, metal, cpu, tokens):
@@ -163,59 +142,163 @@ def _configs():
     ("tiny", 40, 16, 8, 1024), ("tiny_dk_ne_dv", 21, 8, 5, 1024), ("tiny_odd", 13, 5, 4, 1024),
     ("tiny", 9, 4, 3, 128),    # 128: pipelines limited as Apple may limit register-heavy ones (fallback paths)
     ("mid_real_heads", 10, 6, 3, 1024)])
-def test_model_prefill_chunks_then_decode_loop(name, prompt, chunk, steps, max_threads):
+def test_model_prefill_chunks_then_decode(name, prompt, chunk, steps, max_threads):
+    """Prefill in chunks and lock-step decode steps (debug: scratch poisoned) vs the CPU backend's logits;
+    then, on an engine that runs ahead, engine.decode_greedy and a device-mode token stream: the CPU's greedy
+    tokens."""
     cfg = _configs()[name]
     tensors, quant = random_weights(cfg, seed=21)
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, prompt).astype(np.int32)
 
     def run():
-        eng = EmulatedMetalEngine(cfg, tensors, quant, max_threads=max_threads)
-        pre = eng.forward(toks, chunk)
+        eng = metal_engine(cfg, tensors, quant, debug=True, max_threads=max_threads)
+        st = eng.new_state()
+        pre = np.array(eng.forward(st, toks, logits="all", chunk_size=chunk))
         first = int(np.argmax(pre[-1]))
-        gen, dec = eng.decode(first, steps)
-        pos = eng.position
-        eng.close()
-        return pre, first, gen, dec, pos
+        gen, dec = lock_step(eng, st, first, steps)
+        pos = st.position
+        del eng, st
+        fast = metal_engine(cfg, tensors, quant, max_threads=max_threads)
+        st = fast.new_state()
+        fast.forward(st, toks, logits="none", chunk_size=chunk)
+        snap = st.snapshot()
+        greedy = np.asarray(fast.decode_greedy(st, first, steps))
+        st.restore(snap)
+        streamed = device_stream(fast, st, first, steps)
+        return pre, first, gen, dec, pos, greedy, streamed
 
-    pre, first, gen, dec, pos = _in_child(run)
+    pre, first, gen, dec, pos, greedy, streamed = _in_child(run)
     assert pos == prompt + steps
-    # CPU backend, teacher-forced on the same sequence (prompt + the tokens the Metal loop fed itself)
+    # CPU backend, teacher-forced on the same sequence (prompt + the tokens the Metal steps fed)
     seq = np.concatenate([toks, [first], gen[:-1]]).astype(np.int32)
-    ref = _cpu_logits(cfg, tensors, quant, seq)
+    ref, cpu_greedy = _cpu_run(cfg, tensors, quant, seq, prompt, steps)
     tag = f"{name}" + (f" max_threads={max_threads}" if max_threads < 1024 else "")
     _report(f"{tag} prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
-    _report(f"{tag} decode loop ({steps} steps)", dec, ref[prompt:], seq[prompt:])
-    # the loop fed back its own greedy choices
-    np.testing.assert_array_equal(gen, np.argmax(dec, -1))
+    _report(f"{tag} decode steps ({steps})", dec, ref[prompt:], seq[prompt:])
     assert first == int(np.argmax(ref[prompt - 1]))
+    np.testing.assert_array_equal(gen, cpu_greedy, err_msg="lock-step greedy tokens differ from the CPU's")
+    np.testing.assert_array_equal(greedy, cpu_greedy, err_msg="engine.decode_greedy differs from the CPU's")
+    np.testing.assert_array_equal(streamed, cpu_greedy, err_msg="the device-mode stream differs from the CPU's")
 
 
-def test_chunked_equals_unchunked_and_snapshot_restore():
+def test_chunked_equals_unchunked_snapshot_restore_and_schedules():
     """Self-consistency of the backend on the emulated device: prefill in one chunk == in chunks of 3 (to
-    summation order), and decoding twice from a restored snapshot gives the same tokens and logits."""
+    summation order); decoding twice from a restored snapshot gives the same tokens and logits; and each of
+    the emulator's three schedules, held fixed for the whole run, gives the same bits."""
     cfg = tiny_configs()["tiny_dk_ne_dv"]
     tensors, quant = random_weights(cfg, seed=4)
     toks = np.random.default_rng(9).integers(0, cfg.vocab_size, 11).astype(np.int32)
 
     def run():
-        a = EmulatedMetalEngine(cfg, tensors, quant)
-        whole = a.forward(toks, 0)
-        b = EmulatedMetalEngine(cfg, tensors, quant)
-        chunked = b.forward(toks, 3)
-        snap = b.snapshot()
-        t1, l1 = b.decode(int(np.argmax(chunked[-1])), 4)
-        b.restore(snap)
-        t2, l2 = b.decode(int(np.argmax(chunked[-1])), 4)
-        b.free_snapshot(snap)
-        a.close(), b.close()
-        return whole, chunked, t1, l1, t2, l2
+        a = metal_engine(cfg, tensors, quant, debug=True)
+        whole = np.array(a.forward(a.new_state(), toks, logits="all"))
+        del a
+        b = metal_engine(cfg, tensors, quant, debug=True)
+        st = b.new_state()
+        chunked = np.array(b.forward(st, toks, logits="all", chunk_size=3))
+        snap = st.snapshot()
+        t1, l1 = lock_step(b, st, int(np.argmax(chunked[-1])), 4)
+        st.restore(snap)
+        t2, l2 = lock_step(b, st, int(np.argmax(chunked[-1])), 4)
+        del b, st, snap
+        per_schedule = []
+        for sched in (0, 1, 2):
+            e = metal_engine(cfg, tensors, quant, schedule=sched)
+            s = e.new_state()
+            lg = np.array(e.forward(s, toks, logits="all", chunk_size=4))
+            per_schedule.append((lg, np.asarray(e.decode_greedy(s, int(np.argmax(lg[-1])), 3))))
+            del e, s
+        return whole, chunked, t1, l1, t2, l2, per_schedule
 
-    whole, chunked, t1, l1, t2, l2 = _in_child(run)
+    whole, chunked, t1, l1, t2, l2, per_schedule = _in_child(run)
     err = rel_rms(chunked, whole)
     print(f"metal chunked (3) vs unchunked prefill          rel_rms {err:.3e}")
     assert err <= tol("self_consistency")["rel_rms"]
     np.testing.assert_array_equal(t1, t2)
     np.testing.assert_array_equal(l1, l2)
+    for lg, gen in per_schedule[1:]:
+        np.testing.assert_array_equal(lg, per_schedule[0][0], err_msg="prefill logits depend on the schedule")
+        np.testing.assert_array_equal(gen, per_schedule[0][1], err_msg="decoded tokens depend on the schedule")
+
+
+def test_device_stream_stops_on_a_stop_id_and_at_max_tokens():
+    """The engine's token loop on Metal: a stop id is returned and ends the stream (its step was already fed:
+    the state holds it); max_tokens ends it with the last token unfed."""
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=3)
+    toks = np.random.default_rng(2).integers(0, cfg.vocab_size, 7).astype(np.int32)
+
+    def run():
+        eng = metal_engine(cfg, tensors, quant)
+        st = eng.new_state()
+        first = int(np.argmax(eng.forward(st, toks, logits="last")[-1]))
+        snap = st.snapshot()
+        full = device_stream(eng, st, first, 8)
+        pos_full = st.position
+        st.restore(snap)
+        stop = int(full[3])
+        s = eng.open_stream(st, first, 8, stop_ids=[stop], temperature=0.0)
+        out = []
+        while (t := s.next()) >= 0:
+            out.append(t)
+        fed, returned = s.fed, s.returned
+        s.close()
+        return full, pos_full, stop, out, fed, returned, st.position
+
+    full, pos_full, stop, out, fed, returned, pos = _in_child(run)
+    assert len(full) == 8 and pos_full == 7 + 8, "max_tokens: 8 tokens returned, the last one not fed"
+    cut = list(full).index(stop)
+    assert out == list(full[:cut + 1]) and returned == cut + 1
+    assert fed == cut + 2 and pos == 7 + fed, "the stop token's step had run (first + every returned token)"
+
+
+def test_stream_closed_early_continues_as_lock_step():
+    """The host stops reading a device-mode stream after k tokens (a stop string it saw, a cancel) and closes
+    it while the device has already launched the next step. The state must be exactly that of a lock-step run
+    that fed the same tokens one by one: the logits after the last token (close(logits=True) vs the last
+    step's) and after a next turn's prefill must agree. Bitwise, not to a tolerance: both runs issue the same
+    kernels on the same inputs in the same order (the device draw only adds an argmax that writes the token
+    slot, read by the same embed kernel), the emulated kernels give the same bits under every schedule
+    (tests above and each kernel family's run3), so any difference is state the run-ahead corrupted."""
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=8)
+    rng = np.random.default_rng(4)
+    toks = rng.integers(0, cfg.vocab_size, 9).astype(np.int32)
+    turn = rng.integers(0, cfg.vocab_size, 5).astype(np.int32)
+    k = 3
+
+    def run():
+        eng = metal_engine(cfg, tensors, quant)
+        st = eng.new_state()
+        first = int(np.argmax(eng.forward(st, toks, logits="last")[-1]))
+        snap = st.snapshot()
+        s = eng.open_stream(st, first, 20, temperature=0.0)
+        got = [s.next() for _ in range(k)]
+        fed = s.fed
+        after_stream = s.close(logits=True)
+        pos_stream = st.position
+        next_stream = np.array(eng.forward(st, turn, logits="all"))
+        st.restore(snap)
+        ls = eng.open_stream(st, first, 20, device=False)
+        rows = [np.array(ls.step(t)) for t in [first, *got]]
+        ls.close()
+        pos_lock = st.position
+        next_lock = np.array(eng.forward(st, turn, logits="all"))
+        return first, got, fed, None if after_stream is None else np.array(after_stream), pos_stream, \
+            next_stream, rows, pos_lock, next_lock
+
+    first, got, fed, after_stream, pos_stream, next_stream, rows, pos_lock, next_lock = _in_child(run)
+    assert fed == k + 1 and pos_stream == pos_lock == len(toks) + k + 1
+    assert got == [int(np.argmax(r)) for r in rows[:-1]], "the stream's tokens are not the lock-step argmaxes"
+    assert after_stream is not None, "close(logits=True) returned no logits"
+    np.testing.assert_array_equal(after_stream, rows[-1])
+    np.testing.assert_array_equal(next_stream, next_lock)
+    # and both are the CPU backend's, to the fp32 bar
+    seq = np.concatenate([toks, [first], got, turn]).astype(np.int32)
+    ref, _ = _cpu_run(cfg, tensors, quant, seq)
+    p = len(toks)
+    _report("after an early-closed stream + next turn", np.concatenate([np.stack(rows), next_stream]),
+            ref[p:], seq[p:])
 
 
 @pytest.mark.parametrize("name", ["tiny", "mid_real_heads"])
@@ -227,21 +310,20 @@ def test_model_bf16_kv_cache(name):
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, 12).astype(np.int32)
 
     def run():
-        eng = EmulatedMetalEngine(cfg, tensors, quant, kv_bf16=True)
-        pre = eng.forward(toks, 5)
-        gen, dec = eng.decode(int(np.argmax(pre[-1])), 3)
-        eng.close()
+        eng = metal_engine(cfg, tensors, quant, debug=True, kv_bf16=1)
+        st = eng.new_state()
+        pre = np.array(eng.forward(st, toks, logits="all", chunk_size=5))
+        gen, dec = lock_step(eng, st, int(np.argmax(pre[-1])), 3)
         return pre, gen, dec
 
     pre, gen, dec = _in_child(run)
     seq = np.concatenate([toks, [np.argmax(pre[-1])], gen[:-1]]).astype(np.int32)
-    ref = _cpu_logits(cfg, tensors, quant, seq)
+    ref, _ = _cpu_run(cfg, tensors, quant, seq)
     metal = np.concatenate([pre, dec])
     err, t1 = rel_rms(metal, ref), top1_agreement(metal, ref)
     print(f"{name} bf16 KV vs CPU (fp32)                  top1 {t1:.4f}  rel_rms {err:.3e}")
     bar = tol("model_vs_cpu", "bf16_kv")
     assert np.all(np.isfinite(metal)) and t1 >= bar["top1"] and err <= bar["rel_rms"]
-
 
 
 class _HalfMatrix:
@@ -282,26 +364,26 @@ def test_model_tensor_op_gemms(name):
     tensor-op kernels of gemm_tensor.metal (half tiles, fp32 accumulation) through the shim's matmul2d.
     Judged against the rounding envelope of design.md §8 for that precision: lily.reference with every
     matrix product's inputs rounded to half, vs the CPU backend (fp32). The prefill must also differ from
-    the fp32-tile run of the simdgroup path (else the flag did not select the tensor-op kernels)."""
+    the fp32-tile run of the simdgroup path (else the option did not select the tensor-op kernels)."""
     cfg = _configs()[name]
     tensors, quant = random_weights(cfg, seed=21)
     toks = np.random.default_rng(5).integers(0, cfg.vocab_size, 12).astype(np.int32)
 
     def run():
-        eng = EmulatedMetalEngine(cfg, tensors, quant, tensor_ops=True)
-        pre = eng.forward(toks, 7)
-        gen, dec = eng.decode(int(np.argmax(pre[-1])), 2)
-        eng.close()
+        eng = metal_engine(cfg, tensors, quant, debug=True, tensor_ops=1)
+        st = eng.new_state()
+        pre = np.array(eng.forward(st, toks, logits="all", chunk_size=7))
+        gen, dec = lock_step(eng, st, int(np.argmax(pre[-1])), 2)
+        del eng, st
         if name != "tiny":   # the path-selection check once is enough
             return pre, gen, dec, None
-        ref_eng = EmulatedMetalEngine(cfg, tensors, quant, tensor_ops=False)
-        pre32 = ref_eng.forward(toks, 7)
-        ref_eng.close()
+        ref_eng = metal_engine(cfg, tensors, quant, debug=True, tensor_ops=0)
+        pre32 = np.array(ref_eng.forward(ref_eng.new_state(), toks, logits="all", chunk_size=7))
         return pre, gen, dec, pre32
 
     pre, gen, dec, pre32 = _in_child(run)
     seq = np.concatenate([toks, [np.argmax(pre[-1])], gen[:-1]]).astype(np.int32)
-    ref = _cpu_logits(cfg, tensors, quant, seq)
+    ref, _ = _cpu_run(cfg, tensors, quant, seq)
     env = _half_envelope(cfg, tensors, quant, seq)
     metal = np.concatenate([pre, dec])
     err, t1, ppl = rel_rms(metal, ref), top1_agreement(metal, ref), perplexity(metal, seq) / perplexity(ref, seq)
@@ -311,4 +393,21 @@ def test_model_tensor_op_gemms(name):
     assert np.all(np.isfinite(metal))
     assert t1 >= e_t1 - ENVELOPE_SLACK_TOP1 and abs(ppl - 1) <= abs(e_ppl - 1) + ENVELOPE_SLACK_PPL
     assert err <= 2 * e_err, "further from fp32 than twice the half-rounding envelope"
-    assert pre32 is None or not np.array_equal(pre, pre32), "tensor_ops=True ran the same kernels as the simdgroup path"
+    assert pre32 is None or not np.array_equal(pre, pre32), "tensor_ops=1 ran the same kernels as the simdgroup path"
+
+
+def test_options_are_checked():
+    """Unknown option names and bad values are errors that name them; without kernel libraries the Linux
+    build says the backend is the emulator and how to run it."""
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=1)
+    with pytest.raises(ValueError, match="no option 'emu_schedul'"):
+        _lily.Engine(cfg.to_dict(), tensors, quant, backend="metal",
+                     options={"emu_kernel_libs": kernel_libs(), "emu_schedul": "1"})
+    with pytest.raises(ValueError, match="emu_schedule='3'"):
+        _lily.Engine(cfg.to_dict(), tensors, quant, backend="metal",
+                     options={"emu_kernel_libs": kernel_libs(), "emu_schedule": "3"})
+    with pytest.raises(RuntimeError, match="emulated device"):
+        _lily.Engine(cfg.to_dict(), tensors, quant, backend="metal")
+    with pytest.raises(ValueError, match="takes no options"):
+        _lily.Engine(cfg.to_dict(), tensors, quant, backend="cpu", options={"emu_kernel_libs": kernel_libs()})

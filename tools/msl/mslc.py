@@ -483,30 +483,6 @@ def build(path: str, include_dirs=None, opt: str = "-O2") -> tuple[int, str, str
     return 0, out, so
 
 
-HOST_SOURCES = ["csrc/core/config.cpp", "csrc/core/weights.cpp", "csrc/core/state.cpp", "csrc/metal/device_emu.cpp",
-                "csrc/metal/ops_metal.cpp", "csrc/metal/backend_metal.cpp", "csrc/metal/emu_capi.cpp"]
-
-
-def build_host(overrides: dict | None = None) -> str:
-    """The Metal backend's host code with the emulated device (csrc/metal) as a shared library with the C
-    API of csrc/metal/emu_capi.cpp. overrides: {repo-relative source: replacement path} (planted bugs).
-    Returns its path; raises RuntimeError with the compiler output."""
-    srcs = [(overrides or {}).get(f) or os.path.join(REPO, f) for f in HOST_SOURCES]
-    hdrs = [os.path.join(d, f) for d in (os.path.join(REPO, "csrc", "core"), os.path.join(REPO, "csrc", "metal"),
-                                          os.path.join(REPO, "csrc", "kernels")) for f in sorted(os.listdir(d))
-            if f.endswith(".h")]
-    key = _key(*[open(f).read() for f in srcs + hdrs])
-    so = os.path.join(build_dir(), f"liblily_metal_emu.{key}.so")
-    if not os.path.exists(so):
-        tmp = so + f".{os.getpid()}.tmp"
-        rc, out = run(["g++", "-std=c++20", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                       "-I", os.path.join(REPO, "csrc"), *srcs, "-o", tmp, "-ldl", "-lpthread"])
-        if rc:
-            raise RuntimeError("Metal host build failed:\n" + out)
-        os.replace(tmp, so)
-    return so
-
-
 def check_all(path: str, include_dirs=None) -> list[tuple[str, int, str]]:
     """[(layer, rc, text)] for lint, check, check-as."""
     errs = lint(inline_includes(path, include_dirs)[0], path)
