@@ -71,15 +71,7 @@ void deltanet_forward(ThreadPool& pool, const kp::DeltaNetParams& p, const float
   });
 
   // 5. Gated RMSNorm per (row, value head): RMSNorm(o; w) * SiLU(z), w used as stored.
-  pool.parallel_for(S, 1, [&](int64_t t0, int64_t t1, int) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t h = 0; h < Hv; ++h) {
-        float* o = y + t * Hv * Dv + h * Dv;
-        const float* zz = z + t * Hv * Dv + h * Dv;
-        rms_norm_row(o, norm_w, p.norm_eps, Dv, o);
-        for (int64_t i = 0; i < Dv; ++i) o[i] *= silu(zz[i]);
-      }
-  });
+  gated_rms_norm(pool, y, z, norm_w, p.norm_eps, S, Hv, Dv, y);
 }
 
 }  // namespace lily::cpu

@@ -18,6 +18,11 @@ void rms_norm(ThreadPool& pool, const float* x, const float* w, float eps, int64
 // Single row, serial.
 void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y);
 
+// y[r, h, :] = rms_norm(o[r, h, :]; w) * silu(z[r, h, :])  for r < rows, h < heads: the DeltaNet output norm.
+// o, z, y: [rows, heads, n] (y may alias o), w: [n] used as stored (no +1).
+void gated_rms_norm(ThreadPool& pool, const float* o, const float* z, const float* w, float eps, int64_t rows,
+                    int64_t heads, int64_t n, float* y);
+
 // x[s, :] = E[ids[s], :]  (quantized rows are dequantized); x: [S, E.in].
 void embed(ThreadPool& pool, const Linear& E, const int32_t* ids, int64_t S, float* x);
 

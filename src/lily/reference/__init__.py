@@ -2,13 +2,15 @@
 
 The spec in code: every backend kernel family has its twin here.
 """
-from .attention import attention_mixer
-from .gdn import causal_conv, deltanet_mixer, gated_delta_recurrence
+from .attention import attention_core, attention_mixer
+from .gdn import (causal_conv, deltanet_core, deltanet_mixer, deltanet_scan, gated_delta_recurrence,
+                  gated_rms_norm)
 from .linear import Bf16Matrix, Weights
-from .model import ReferenceEngine, ReferenceState, forward_hidden
+from .model import ReferenceEngine, ReferenceState, SubBlock, forward_hidden, subblock_references
 from .moe import moe_ffn, route
 from .ops import rms_norm, rope, sigmoid, silu, softmax, softplus
 
-__all__ = ["Bf16Matrix", "ReferenceEngine", "ReferenceState", "Weights", "forward_hidden", "attention_mixer",
-           "deltanet_mixer", "causal_conv", "gated_delta_recurrence", "moe_ffn", "route", "rms_norm",
+__all__ = ["Bf16Matrix", "ReferenceEngine", "ReferenceState", "SubBlock", "Weights", "forward_hidden",
+           "subblock_references", "attention_core", "attention_mixer", "deltanet_core", "deltanet_mixer",
+           "deltanet_scan", "gated_rms_norm", "causal_conv", "gated_delta_recurrence", "moe_ffn", "route", "rms_norm",
            "rope", "sigmoid", "silu", "softmax", "softplus"]

@@ -6,26 +6,24 @@ import numpy as np
 from .ops import rms_norm, rope, sigmoid, softmax
 
 
-def attention_mixer(h: np.ndarray, w, layer: int, cfg, k_cache: np.ndarray, v_cache: np.ndarray,
-                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One attention layer on normalised rows.
+def attention_core(qg: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray,
+                   k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray, n_heads: int, rotary_dim: int,
+                   rope_theta: float, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The mixer between its projections (the attention kernels' boundary): q/k norm, RoPE, causal GQA, gate.
 
-    Shapes: h [S, hidden]; k_cache, v_cache [P, Hkv, D] (past, post-RoPE); positions int [S] = P..P+S-1.
-    Returns (out [S, hidden], k_cache' [P+S, Hkv, D], v_cache' [P+S, Hkv, D]).
+    Shapes: qg [S, Hq*2D] per head [query | gate]; k, v [S, Hkv*D]; q_norm, k_norm [D];
+    k_cache, v_cache [P, Hkv, D] (past, post-RoPE); positions int [S] = P..P+S-1.
+    Returns (o [S, Hq*D] gated, k_cache' [P+S, Hkv, D], v_cache' [P+S, Hkv, D]).
     """
-    p = f"model.layers.{layer}.self_attn"
-    S = h.shape[0]
-    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = (h @ w.linear(p + ".q_proj").T).reshape(S, H, 2 * D)
+    S = qg.shape[0]
+    H, Hkv, D = n_heads, k_cache.shape[1], k_cache.shape[2]
+    qg = qg.reshape(S, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(S, H * D)  # per-head [query | gate], not flat halves
-    k = (h @ w.linear(p + ".k_proj").T).reshape(S, Hkv, D)
-    v = (h @ w.linear(p + ".v_proj").T).reshape(S, Hkv, D)
-    q = rms_norm(q, w.vec(p + ".q_norm.weight"), cfg.rms_norm_eps)
-    k = rms_norm(k, w.vec(p + ".k_norm.weight"), cfg.rms_norm_eps)
-    q = rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
-    k = rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
+    k = rms_norm(k.reshape(S, Hkv, D), k_norm, eps)
+    q = rope(rms_norm(q, q_norm, eps), positions, rotary_dim, rope_theta)
+    k = rope(k, positions, rotary_dim, rope_theta)
     K = np.concatenate([k_cache, k], axis=0)  # [T, Hkv, D]
-    V = np.concatenate([v_cache, v], axis=0)
+    V = np.concatenate([v_cache, v.reshape(S, Hkv, D)], axis=0)
     T = K.shape[0]
     group = H // Hkv
     o = np.empty((S, H, D), dtype=np.float32)
@@ -35,5 +33,20 @@ def attention_mixer(h: np.ndarray, w, layer: int, cfg, k_cache: np.ndarray, v_ca
         scores = (q[:, hq, :] @ K[:, kh, :].T) * (D ** -0.5)  # [S, T]
         scores = np.where(key_pos[None, :] <= positions[:, None], scores, -np.inf)
         o[:, hq, :] = softmax(scores, axis=-1) @ V[:, kh, :]
-    out = (o.reshape(S, H * D) * sigmoid(gate)) @ w.linear(p + ".o_proj").T
+    return o.reshape(S, H * D) * sigmoid(gate), K, V
+
+
+def attention_mixer(h: np.ndarray, w, layer: int, cfg, k_cache: np.ndarray, v_cache: np.ndarray,
+                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One attention layer on normalised rows.
+
+    Shapes: h [S, hidden]; k_cache, v_cache [P, Hkv, D] (past, post-RoPE); positions int [S] = P..P+S-1.
+    Returns (out [S, hidden], k_cache' [P+S, Hkv, D], v_cache' [P+S, Hkv, D]).
+    """
+    p = f"model.layers.{layer}.self_attn"
+    o, K, V = attention_core(h @ w.linear(p + ".q_proj").T, h @ w.linear(p + ".k_proj").T,
+                             h @ w.linear(p + ".v_proj").T, w.vec(p + ".q_norm.weight"), w.vec(p + ".k_norm.weight"),
+                             k_cache, v_cache, positions, cfg.num_attention_heads, cfg.rotary_dim, cfg.rope_theta,
+                             cfg.rms_norm_eps)
+    out = o @ w.linear(p + ".o_proj").T
     return out.astype(np.float32), K, V

@@ -38,29 +38,56 @@ def gated_delta_recurrence(q, k, v, g, beta, state):
     return o, state
 
 
-def deltanet_mixer(h: np.ndarray, w, layer: int, cfg, conv_state: np.ndarray, rec_state: np.ndarray):
-    """h [S, hidden] normalised rows -> (out [S, hidden], conv_state', rec_state')."""
-    p = f"model.layers.{layer}.linear_attn"
-    S = h.shape[0]
-    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = h @ w.linear(p + ".in_proj_qkv").T                  # [S, C], segments q | k | v
-    z = (h @ w.linear(p + ".in_proj_z").T).reshape(S, Hv, Dv)
-    b = h @ w.linear(p + ".in_proj_b").T                      # [S, Hv]
-    a = h @ w.linear(p + ".in_proj_a").T                      # [S, Hv]
-    conv_w = w.vec(p + ".conv1d.weight").reshape(qkv.shape[1], -1)  # [C, K]
-    conv, conv_state = causal_conv(qkv, conv_state, conv_w)
-    u = silu(conv)
-    kd = Hk * Dk
-    q = u[:, :kd].reshape(S, Hk, Dk)
-    k = u[:, kd:2 * kd].reshape(S, Hk, Dk)
+def deltanet_scan(u: np.ndarray, b: np.ndarray, a: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray,
+                  state: np.ndarray, k_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """The recurrence kernels' boundary: q/k l2 normalisation, the gates, the recurrence.
+
+    Shapes: u [S, C] post-conv SiLU rows, channels q [Hk*Dk] | k [Hk*Dk] | v [Hv*Dv]; b, a [S, Hv];
+    a_log, dt_bias [Hv]; state [Hv, Dv, Dk]. Returns (o [S, Hv, Dv], state' [Hv, Dv, Dk]).
+    """
+    S = u.shape[0]
+    Hv, Dv, Dk = state.shape
+    kd = k_heads * Dk
+    q = u[:, :kd].reshape(S, k_heads, Dk)
+    k = u[:, kd:2 * kd].reshape(S, k_heads, Dk)
     v = u[:, 2 * kd:].reshape(S, Hv, Dv)
     q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6) * (Dk ** -0.5)
     k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
     beta = sigmoid(b)
-    A = np.exp(w.vec(p + ".A_log"))
-    g = np.exp(-A[None, :] * softplus(a + w.vec(p + ".dt_bias")[None, :]))
-    o, rec_state = gated_delta_recurrence(q, k, v, g, beta, rec_state)
-    y = rms_norm(o, w.vec(p + ".norm.weight"), cfg.rms_norm_eps) * silu(z)  # norm weight used as stored
-    out = y.reshape(S, Hv * Dv) @ w.linear(p + ".out_proj").T
+    g = np.exp(-np.exp(a_log)[None, :] * softplus(a + dt_bias[None, :]))
+    return gated_delta_recurrence(q, k, v, g, beta, state)
+
+
+def gated_rms_norm(o: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """o, z [S, Hv, Dv], weight [Dv] (used as stored) -> RMSNorm(o; weight) * SiLU(z) [S, Hv, Dv]."""
+    return rms_norm(o, weight, eps) * silu(z)
+
+
+def deltanet_core(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, conv_w: np.ndarray,
+                  dt_bias: np.ndarray, a_log: np.ndarray, norm_w: np.ndarray, conv_state: np.ndarray,
+                  rec_state: np.ndarray, k_heads: int, eps: float):
+    """The mixer between its projections (the CPU kernel's boundary): conv + SiLU, scan, gated norm.
+
+    Shapes: qkv [S, C]; z [S, Hv*Dv]; b, a [S, Hv]; conv_w [C, K]; dt_bias, a_log [Hv]; norm_w [Dv];
+    conv_state [K-1, C]; rec_state [Hv, Dv, Dk]. Returns (y [S, Hv*Dv], conv_state', rec_state').
+    """
+    conv, conv_state = causal_conv(qkv, conv_state, conv_w)
+    o, rec_state = deltanet_scan(silu(conv), b, a, a_log, dt_bias, rec_state, k_heads)
+    S, Hv, Dv = o.shape
+    y = gated_rms_norm(o, z.reshape(S, Hv, Dv), norm_w, eps)
+    return y.reshape(S, Hv * Dv), conv_state, rec_state
+
+
+def deltanet_mixer(h: np.ndarray, w, layer: int, cfg, conv_state: np.ndarray, rec_state: np.ndarray):
+    """h [S, hidden] normalised rows -> (out [S, hidden], conv_state', rec_state')."""
+    p = f"model.layers.{layer}.linear_attn"
+    qkv = h @ w.linear(p + ".in_proj_qkv").T                  # [S, C], segments q | k | v
+    z = h @ w.linear(p + ".in_proj_z").T                      # [S, Hv*Dv]
+    b = h @ w.linear(p + ".in_proj_b").T                      # [S, Hv]
+    a = h @ w.linear(p + ".in_proj_a").T                      # [S, Hv]
+    conv_w = w.vec(p + ".conv1d.weight").reshape(qkv.shape[1], -1)  # [C, K]
+    y, conv_state, rec_state = deltanet_core(qkv, z, b, a, conv_w, w.vec(p + ".dt_bias"), w.vec(p + ".A_log"),
+                                             w.vec(p + ".norm.weight"), conv_state, rec_state,
+                                             cfg.linear_num_key_heads, cfg.rms_norm_eps)
+    out = y @ w.linear(p + ".out_proj").T
     return out.astype(np.float32), conv_state, rec_state

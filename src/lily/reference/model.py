@@ -4,6 +4,8 @@ Slow and obvious on purpose: it is the executable spec every backend is tested a
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..config import ModelConfig
@@ -72,12 +74,12 @@ class ReferenceState:
             sum(c.nbytes for c in self.conv.values()) + sum(r.nbytes for r in self.rec.values())
 
 
-def forward_hidden(w: Weights, cfg: ModelConfig, state: ReferenceState, tokens: np.ndarray,
-                   trace: dict | None = None) -> np.ndarray:
-    """tokens int [S] -> final-normed hidden [S, hidden]; updates state. trace collects named intermediates."""
-    S = tokens.shape[0]
-    positions = np.arange(state.position, state.position + S)
-    x = w.embed_rows(tokens)
+def _layer_loop(w: Weights, cfg: ModelConfig, state: ReferenceState, x: np.ndarray, positions: np.ndarray,
+                after=None) -> np.ndarray:
+    """The reference's one layer loop: x [S, hidden] embedded rows -> the residual after the last layer; updates
+    state's KV / conv / recurrent arrays (not its position). after(kind, layer, out, residual) is called after each
+    sub-block (kind "mixer" or "moe", out its output [S, hidden], residual = x + out) and returns the residual
+    the next sub-block reads."""
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
         h = rms_norm(x, w.vec(p + ".input_layernorm.weight"), cfg.rms_norm_eps)
@@ -87,17 +89,66 @@ def forward_hidden(w: Weights, cfg: ModelConfig, state: ReferenceState, tokens: 
             state.kv[i] = (k, v)
         else:
             out, state.conv[i], state.rec[i] = deltanet_mixer(h, w, i, cfg, state.conv[i], state.rec[i])
-        x = x + out
-        if trace is not None:
-            trace[f"mixer_out.{i}"] = out
+        x = after("mixer", i, out, x + out) if after else x + out
         h = rms_norm(x, w.vec(p + ".post_attention_layernorm.weight"), cfg.rms_norm_eps)
         moe = moe_ffn(h, w, i, cfg)
-        x = x + moe
-        if trace is not None:
-            trace[f"moe_out.{i}"] = moe
-            trace[f"residual.{i}"] = x
+        x = after("moe", i, moe, x + moe) if after else x + moe
+    return x
+
+
+def forward_hidden(w: Weights, cfg: ModelConfig, state: ReferenceState, tokens: np.ndarray,
+                   trace: dict | None = None) -> np.ndarray:
+    """tokens int [S] -> final-normed hidden [S, hidden]; updates state. trace collects named intermediates."""
+    S = tokens.shape[0]
+    positions = np.arange(state.position, state.position + S)
+
+    def record(kind, i, out, residual):
+        trace[f"{kind}_out.{i}"] = out
+        if kind == "moe":
+            trace[f"residual.{i}"] = residual
+        return residual
+
+    x = _layer_loop(w, cfg, state, w.embed_rows(tokens), positions, record if trace is not None else None)
     state.position += S
     return rms_norm(x, w.vec("model.norm.weight"), cfg.rms_norm_eps)
+
+
+class SubBlock(NamedTuple):
+    """One sub-block of a backend's traced run beside the reference's output on the backend's own input.
+    out and reference [S, n]; residual: the residual row out was read back from (out = residual - the residual
+    before), None where out is the backend's output itself (embedding, head)."""
+    name: str
+    out: np.ndarray
+    reference: np.ndarray
+    residual: np.ndarray | None
+
+
+def subblock_references(w: Weights, cfg: ModelConfig, state: ReferenceState, trace: dict,
+                        tokens: np.ndarray) -> list[SubBlock]:
+    """Each sub-block of the reference fed the backend's residual from just before it, so an error is pinned to
+    one sub-block of one layer instead of compounding through the model.
+
+    trace: the backend's run of tokens int [S] from state (Engine.forward_trace: "embed", "mixer.L", "moe.L"
+    residuals [S, hidden], "logits" [S, vocab]); state advances by S (the reference's KV / recurrent state
+    follows the reference's own outputs). -> the embedding, every mixer and MoE, and the head, in model order.
+    """
+    S = tokens.shape[0]
+    positions = np.arange(state.position, state.position + S)
+    blocks = [SubBlock("embed", trace["embed"], w.embed_rows(tokens), None)]
+    prev = [trace["embed"]]
+
+    def compare(kind, i, out, residual):
+        got = trace[f"{kind}.{i}"]
+        name = kind if kind == "moe" else ("attention" if cfg.is_attention(i) else "deltanet")
+        blocks.append(SubBlock(f"layer {i} {name}", got - prev[0], out, got))
+        prev[0] = got
+        return got
+
+    x = _layer_loop(w, cfg, state, trace["embed"], positions, compare)
+    state.position += S
+    head = rms_norm(x, w.vec("model.norm.weight"), cfg.rms_norm_eps) @ w.linear("lm_head").T
+    blocks.append(SubBlock("head", trace["logits"], head, None))
+    return blocks
 
 
 class ReferenceTokenStream:
