@@ -27,6 +27,7 @@ HELP = ("Type a message (end a line with \\ to go on, or wrap lines in \"\"\"). 
         "/save [FILE] saves the session, /stats shows the cache, /help this text; /exit, Ctrl-D or Ctrl-C quits "
         "(saving --session). Ctrl-C during a reply stops it.")
 HISTORY_ENV = "LILY_CHAT_HISTORY"
+NEWLINE_IN_HISTORY = "\x1e"  # the history file holds one entry a line: a message's newlines as RS
 DIM, RESET, CLEAR_LINE = "\x1b[2m", "\x1b[0m", "\r\x1b[K"
 
 
@@ -54,6 +55,7 @@ class LineReader:
             return
         self.readline = readline
         readline.set_history_length(2000)
+        readline.set_auto_history(False)  # read() adds whole messages, continuation lines joined
         # a multi-line paste becomes one edit buffer (GNU readline >= 8.1 has it on by default)
         readline.parse_and_bind("set enable-bracketed-paste on")
         if history is not None and history.exists():
@@ -61,6 +63,7 @@ class LineReader:
                 readline.read_history_file(str(history))
             except OSError as e:
                 print(f"[chat history {history} not read: {e}]", file=sys.stderr)
+            self._map_history(NEWLINE_IN_HISTORY, "\n")
 
     def read(self) -> str:
         """One message. Raises EOFError (Ctrl-D) and KeyboardInterrupt (Ctrl-C)."""
@@ -69,18 +72,29 @@ class LineReader:
             lines = []
             while (line := self.read_line("... ")).strip() != '"""':
                 lines.append(line)
-            return "\n".join(lines)
-        lines = [first]
-        while lines[-1].endswith("\\"):
-            lines[-1] = lines[-1][:-1]
-            lines.append(self.read_line("... "))
-        return "\n".join(lines)
+        else:
+            lines = [first]
+            while lines[-1].endswith("\\"):
+                lines[-1] = lines[-1][:-1]
+                lines.append(self.read_line("... "))
+        message = "\n".join(lines)
+        if self.readline is not None and message.strip():
+            self.readline.add_history(message)
+        return message
+
+    def _map_history(self, old: str, new: str) -> None:
+        rl = self.readline
+        for i in range(rl.get_current_history_length()):
+            item = rl.get_history_item(i + 1)  # 1-based, while replace_history_item is 0-based
+            if item and old in item:
+                rl.replace_history_item(i, item.replace(old, new))
 
     def save_history(self) -> None:
         if self.readline is None or self.history is None:
             return
         try:
             self.history.parent.mkdir(parents=True, exist_ok=True)
+            self._map_history("\n", NEWLINE_IN_HISTORY)
             self.readline.write_history_file(str(self.history))
         except OSError as e:
             print(f"[chat history not saved to {self.history}: {e}]", file=sys.stderr)
@@ -174,18 +188,19 @@ def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
 
     def turn(text: str) -> None:
         messages.append({"role": "user", "content": text})
-        prompt = model.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
-        printer = ReplyPrinter(prompt_opens_reasoning(prompt), args.show_reasoning, sys.stdout, sys.stderr)
-        raw, sampled, last = [], [], None
-        stream = session.generate(replies.encode(model.tokenizer, prompt), whole=True, stream=True, **sampling)
-        try:
+        raw, sampled, last, printer, stream = [], [], None, None, None
+        try:  # from the first step on: Ctrl-C may come during the prompt's tokenizing or prefill too
+            prompt = model.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
+            printer = ReplyPrinter(prompt_opens_reasoning(prompt), args.show_reasoning, sys.stdout, sys.stderr)
+            stream = session.generate(replies.encode(model.tokenizer, prompt), whole=True, stream=True, **sampling)
             for c in stream:
                 sampled.append(c.token_id)
                 raw.append(c.text)
                 printer.feed(c.text)
                 last = c
         except KeyboardInterrupt:
-            printer.finish()
+            if printer is not None:
+                printer.finish()
             print("[interrupted: the turn is dropped]", file=sys.stderr)
             messages.pop()
             return
