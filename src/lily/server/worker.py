@@ -27,9 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import numpy as np
 
-from ..errors import LilyError
+from ..errors import LilyError, NonFiniteLogitsError
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,8 +45,8 @@ class RequestTimeout(LilyError):
     """The request ran (queued + prefill + decode) longer than the server's --request-timeout."""
 
 
-class NonFiniteLogits(LilyError):
-    """The model produced NaN/inf logits: the weights or the engine are broken; sampling would be noise."""
+# The model produced NaN/inf logits (Session.generate raises it; prompt scoring too): a 500 non_finite_logits.
+NonFiniteLogits = NonFiniteLogitsError
 
 
 class QueueFull(LilyError):
@@ -315,13 +314,6 @@ class EngineWorker:
             return
         job.decoding = True
         job.steps += 1
-        logits = getattr(job.session, "_last_logits", None)  # the host row when the session kept one
-        if logits is not None and not np.isfinite(logits).all():
-            self._end(job, NonFiniteLogits(
-                "the model produced non-finite logits (NaN or inf) at position "
-                f"{job.session.position}: the weights or the engine are broken, so sampling would be noise; "
-                "generation stopped"))
-            return
         job.emit("chunk", chunk)
         if self._step_delay:
             time.sleep(self._step_delay)
