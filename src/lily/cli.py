@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--session-dir", default=None, metavar="DIR",
                    help="keep the prefix cache on disk: loaded at start, saved at shutdown and on "
                         "POST /v1/sessions/save")
+    v.add_argument("--save-interval", type=float, default=300.0, metavar="SECONDS",
+                   help="with --session-dir: also save every SECONDS when a request finished since the last "
+                        "save, so a kill loses at most that much (default 300; 0 = only at shutdown)")
     v.add_argument("--cache-gib", type=float, default=4.0, help="prefix-cache budget in GiB (default 4)")
     v.add_argument("--snapshot-interval", type=int, default=4096,
                    help="also snapshot every N tokens of a long prefill (0 = turn boundaries only)")
@@ -240,7 +243,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           reasoning_field=args.reasoning_field, max_tokens=args.max_tokens,
                           parallel=args.parallel, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), prefill_slice=args.prefill_slice,
-                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
+                          cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+                          save_interval_s=args.save_interval)
     print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0

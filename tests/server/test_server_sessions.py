@@ -43,6 +43,36 @@ def test_session_survives_a_restart(tiny_ckpt, tmp_path):
         srv.stop()
 
 
+def test_periodic_save_survives_a_kill(tiny_ckpt, tmp_path):
+    """--save-interval: what ran before a kill -9 is on disk, and the restarted server reuses it."""
+    import time
+    sessions = tmp_path / "sessions"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    srv = LiveServer(tiny_ckpt, tmp_path / "a.log", "--session-dir", str(sessions), "--save-interval", "0.3")
+    try:
+        assert srv.health()["limits"]["save_interval_s"] == 0.3
+        r1 = srv.client().chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                                  extra_body=KW)
+        deadline = time.time() + 20
+        while not list(sessions.glob("*" + SESSION_SUFFIX)) and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # let a save in progress finish before the kill
+    finally:
+        srv.proc.kill()  # no graceful shutdown: only the periodic save can have written the files
+        srv.proc.wait()
+        srv.stop()
+    assert list(sessions.glob("*" + SESSION_SUFFIX))
+    srv = LiveServer(tiny_ckpt, tmp_path / "b.log", "--session-dir", str(sessions))
+    try:
+        msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
+                        {"role": "user", "content": "Another?"}]
+        r2 = srv.client().chat.completions.create(model="tiny", messages=msgs2, max_tokens=2, temperature=0,
+                                                  extra_body=KW)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    finally:
+        srv.stop()
+
+
 def test_session_from_another_model_is_refused(tiny_ckpt, tmp_path):
     """A session dir written by another model's weights is skipped (with a warning), not loaded."""
     from lily.testing import write_synthetic_checkpoint

@@ -63,6 +63,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20          # request body limit (413 beyond)
     prefill_slice: int = 512               # prefill tokens between decode rounds of the other requests
     cors_origins: tuple[str, ...] = ()     # browser origins allowed (CORS); empty: none
+    save_interval_s: float = 300.0         # with session_dir: save sessions this often when requests ran; 0: off
 
 
 class LilyServer:
@@ -114,7 +115,8 @@ class LilyServer:
         return {"max_tokens": c.max_tokens, "parallel": c.parallel, "max_queue": c.max_queue,
                 "request_timeout_s": c.request_timeout_s or None, "max_body_bytes": c.max_body_bytes,
                 "max_context": self.model.max_context, "prefill_slice": c.prefill_slice,
-                "cors_origins": list(c.cors_origins)}
+                "cors_origins": list(c.cors_origins),
+                "save_interval_s": (c.save_interval_s or None) if c.session_dir else None}
 
     # ---- request preparation (runs in a thread pool: parsing, template rendering and tokenizing) ----------
     def check_model(self, name: str | None) -> None:
@@ -297,10 +299,29 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     srv = LilyServer(model, config)
 
+    async def save_periodically() -> None:
+        """What ran since the last save survives a kill: sessions are saved every save_interval_s seconds
+        (on the worker thread, between steps) when a generation finished since the last save."""
+        saved_at = srv.metrics.tokens["generated"]
+        while True:
+            await asyncio.sleep(config.save_interval_s)
+            done = srv.metrics.tokens["generated"]
+            if done == saved_at:
+                continue
+            try:
+                await asyncio.wrap_future(srv.worker.call(srv.save_sessions))
+                saved_at = done
+            except Exception as e:  # report and keep serving; the next interval tries again
+                print(f"[lily serve] periodic save to {config.session_dir} failed: {e}")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         srv.startup()
+        saver = (asyncio.create_task(save_periodically())
+                 if config.session_dir and config.save_interval_s > 0 else None)
         yield
+        if saver is not None:
+            saver.cancel()
         await run_in_threadpool(srv.shutdown)
 
     app = FastAPI(title="lily", lifespan=lifespan,
