@@ -106,23 +106,26 @@ def split_reasoning(chunks: Iterable[GenerationChunk], in_reasoning: bool | str)
     if isinstance(in_reasoning, str):
         in_reasoning = prompt_opens_reasoning(in_reasoning)
     parser = ReasoningParser(bool(in_reasoning))
-    for c in chunks:
-        if c.channel is not None:
-            yield c
-            continue
-        was_reasoning = parser.in_reasoning
-        pieces = parser.feed(c.text)
-        if c.finish_reason is not None:
-            pieces += parser.finish()
-        content = "".join(t for kind, t in pieces if kind == CHANNEL_CONTENT)
-        reasoning = "".join(t for kind, t in pieces if kind == CHANNEL_REASONING)
-        if content:
-            channel = CHANNEL_CONTENT
-        elif reasoning or was_reasoning or parser.in_reasoning:  # a tag token (<think>, </think>) joins its block
-            channel = CHANNEL_REASONING
-        else:
-            channel = CHANNEL_CONTENT
-        yield dataclasses.replace(c, text=content, reasoning=reasoning, channel=channel)
+    try:
+        for c in chunks:
+            if c.channel is not None:
+                yield c
+                continue
+            was_reasoning = parser.in_reasoning
+            pieces = parser.feed(c.text)
+            if c.finish_reason is not None:
+                pieces += parser.finish()
+            content = "".join(t for kind, t in pieces if kind == CHANNEL_CONTENT)
+            reasoning = "".join(t for kind, t in pieces if kind == CHANNEL_REASONING)
+            if content:
+                channel = CHANNEL_CONTENT
+            elif reasoning or was_reasoning or parser.in_reasoning:  # a tag token (<think>, </think>) joins its block
+                channel = CHANNEL_REASONING
+            else:
+                channel = CHANNEL_CONTENT
+            yield dataclasses.replace(c, text=content, reasoning=reasoning, channel=channel)
+    finally:  # closing this stream early closes the session's, which settles the tokens it ran
+        getattr(chunks, "close", lambda: None)()
 
 
 def collect(chunks: Iterable[GenerationChunk], in_reasoning: bool | str | None = None) -> GenerationResult:
