@@ -15,22 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..generation import GenerationStats
 from ..sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError, resolve_sampling
-
-
-class APIError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+from .api_error import APIError, bad_request  # noqa: F401 (re-exported: the handlers import them from here)
+from .validation import check_message_content, check_unicode
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -96,7 +82,6 @@ class DetokenizeRequest(BaseModel):
 
 def parse_request(cls: type[BaseModel], raw: bytes) -> Any:
     """Body bytes -> request model, or a 400 naming the problem (also for text no tokenizer can take)."""
-    from .validation import check_unicode
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -221,7 +206,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def normalize_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages -> what the chat template reads: `developer` is a system message, text parts are
     kept (other parts are refused), tool-call arguments given as JSON strings become objects."""
-    from .validation import check_message_content
     if not messages:
         raise bad_request("messages is empty: expected at least one message", param="messages")
     out = []
