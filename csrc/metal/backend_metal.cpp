@@ -171,6 +171,17 @@ BufRef MetalBackend::ref(const void* p) const { return mem_->ref(p); }
 std::shared_ptr<Memory> MetalBackend::memory() const { return mem_; }
 
 BufRef MetalBackend::wrap(const void* p, size_t bytes) {
+  // The kernels load weights as 16-byte vectors, but a safetensors file only aligns tensors to 8 bytes: such a
+  // tensor is copied into an aligned device buffer (counted by flag "copied_weight_bytes"), not wrapped.
+  // (The emulator faults on the misaligned load; on Apple GPUs it is undefined.)
+  if (reinterpret_cast<uintptr_t>(p) % 16) {
+    DevBuffer* b = dev_->alloc(bytes);
+    std::memcpy(dev_->contents(b), p, bytes);
+    wrapped_.push_back(b);
+    copied_weight_bytes_ += static_cast<int64_t>(bytes);
+    mem_->add(p, bytes, BufRef{b, 0});
+    return BufRef{b, 0};
+  }
   BufRef r = dev_->wrap(p, bytes);
   wrapped_.push_back(r.buf);
   mem_->add(p, bytes, r);
@@ -474,8 +485,23 @@ void MetalBackend::end_step(State& st, const DecodeStep& d, float* logits) {
 bool MetalBackend::sampler_begin(const SampleOptions& opt) {
   // The device draw is argmax (norm.metal): exactly temperature 0 without anything that changes the logits.
   // (top-k / top-p / min-p never drop the largest logit, so they do not change a greedy draw.)
-  return opt.temperature == 0.f && opt.repetition_penalty == 1.f && opt.presence_penalty == 0.f &&
-         opt.frequency_penalty == 0.f && opt.bias_ids.empty();
+  const bool greedy = device_draw_ && opt.temperature == 0.f && opt.repetition_penalty == 1.f &&
+                      opt.presence_penalty == 0.f && opt.frequency_penalty == 0.f && opt.bias_ids.empty();
+  sampler_begins_ += greedy;
+  return greedy;
+}
+
+void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {
+  if (flag_name != "device_draw") return Backend::set_flag(flag_name, value);
+  if (value != 0 && value != 1)
+    throw std::invalid_argument("[lily] backend flag 'device_draw' must be 0 or 1, got " + std::to_string(value));
+  device_draw_ = value != 0;
+}
+
+int64_t MetalBackend::flag(const std::string& flag_name) const {
+  if (flag_name == "copied_weight_bytes") return copied_weight_bytes_;  // counter (see wrap)
+  if (flag_name == "sampler_begins") return sampler_begins_;            // counter: device generations begun
+  return flag_name == "device_draw" ? int64_t{device_draw_} : Backend::flag(flag_name);
 }
 
 bool MetalBackend::holds_step(int64_t index) const { return index >= 0 && slot_step_[index & 1] == index; }

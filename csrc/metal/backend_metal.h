@@ -83,6 +83,11 @@ class MetalBackend final : public Backend {
   bool sampler_begin(const SampleOptions& opt) override;
   int32_t drawn_token(int64_t index) override;
   bool step_logits(int64_t index, float* logits) override;
+  // "device_draw" 1 (default) | 0: decline every sampler, so token streams run lock-step (tests compare both).
+  // Counters: "sampler_begins" (device-mode streams begun or resumed), "copied_weight_bytes" (weight bytes
+  // copied, not wrapped, for want of 16-byte alignment).
+  void set_flag(const std::string& flag_name, int64_t value) override;
+  int64_t flag(const std::string& flag_name) const override;
 
   Device& device() { return *dev_; }
   BufRef ref(const void* p) const;
@@ -117,6 +122,9 @@ class MetalBackend final : public Backend {
   std::vector<LayerW> layers_;
   std::unique_ptr<Scratch> sc_;
   bool fused_moe_decode_ = true;
+  bool device_draw_ = true;
+  int64_t sampler_begins_ = 0;       // samplers accepted (device-mode streams begun or resumed)
+  int64_t copied_weight_bytes_ = 0;  // weights copied because they were not 16-byte aligned (wrap)
   std::unique_ptr<CommandBuffer> cb_;                  // being encoded
   struct Inflight {
     std::unique_ptr<CommandBuffer> cb;

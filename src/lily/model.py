@@ -25,7 +25,7 @@ DEFAULT_MAX_CONTEXT = 32768
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default"
 
 
-def _engine_factory(backend: str):
+def _engine_factory(backend: str, backend_options: Mapping[str, str] | None = None):
     """backend name -> (engine class/factory, resolved backend name). Fails fast, before weights load."""
     if backend not in BACKENDS:
         raise BackendUnavailableError(f"[lily.load] backend={backend!r} is not known: expected one of "
@@ -41,6 +41,12 @@ def _engine_factory(backend: str):
             f"install ({e}); reinstall lily from source (pip install .) to build it, or pass "
             f"backend='reference' for the slow NumPy engine") from None
     built = _built_backends(_lily)
+    if backend_options:
+        # only Metal takes construction options; on Linux they select the emulated device, for tests
+        if backend != "metal":
+            raise ValueError(f"[lily.load] backend_options are for backend='metal', got backend={backend!r}")
+        if "metal (emulated)" in built and backend_options.get("emu_kernel_libs"):
+            built = [*built, "metal"]
     if backend == "auto":
         # design.md §1: metal on a Mac, cuda where a device is visible, else cpu
         if "metal" in built:
@@ -63,7 +69,7 @@ def _engine_factory(backend: str):
 
     def make(*args, **kwargs):
         try:
-            return _lily.Engine(*args, backend=backend, **kwargs)
+            return _lily.Engine(*args, backend=backend, options=dict(backend_options or {}), **kwargs)
         except TypeError as e:
             raise BackendUnavailableError(f"[lily.load] backend {backend!r} is built but lily._lily.Engine did "
                                           f"not accept backend={backend!r}: {e}") from None
@@ -246,15 +252,17 @@ class Model:
 
 
 def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_context: int | None = None,
-         threads: int = 0, chunk_size: int = 0) -> Model:
+         threads: int = 0, chunk_size: int = 0, backend_options: Mapping[str, str] | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face repo id) onto a backend.
 
     path_or_repo_id=None loads the small model bundled with the package (lily/models/default).
     backend: "auto" (= "cpu" for now), "cpu", "cuda", "metal", or "reference" (NumPy, slow, exact).
     max_context: context window in tokens (default min(32768, the model's max_position_embeddings)).
     threads: CPU threads (0 = all cores). chunk_size: prefill chunk rows (0 = backend default).
+    backend_options: construction options of the backend (str -> str, csrc/metal/backend_metal.h); on Linux,
+    backend="metal" with {"emu_kernel_libs": ...} runs the emulated Metal device (tests only).
     """
-    factory, backend_name = _engine_factory(backend)
+    factory, backend_name = _engine_factory(backend, backend_options)
     if path_or_repo_id is None:
         if not (BUNDLED_MODEL_DIR / "config.json").is_file():
             raise CheckpointError(
