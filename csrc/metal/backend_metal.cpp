@@ -458,7 +458,9 @@ bool MetalBackend::begin_step(State& st, const DecodeStep& d) {
   // Step d.index - 2 used this step's slots and must have finished. In the engine's token loop the host has
   // already waited for it (it returned that step's token), so this never blocks there: at most two command
   // buffers in flight. debug: nothing in flight, so the scratch can be poisoned.
-  wait_inflight(debug_ ? 0 : 1);
+  const size_t keep = debug_ ? 0 : 1;
+  step_waits_ += inflight_.size() > keep;
+  wait_inflight(keep);
   if (debug_) sc_->poison();
   in_step_ = true;
   step_ = d;
@@ -478,6 +480,7 @@ void MetalBackend::head_step(const DecodeStep& d) {
 void MetalBackend::end_step(State& st, const DecodeStep& d, float* logits) {
   in_step_ = false;
   submit(d.index);
+  max_inflight_ = std::max<int64_t>(max_inflight_, static_cast<int64_t>(inflight_.size()));
   if (logits && !step_logits(d.index, logits))
     throw std::logic_error("[lily] metal: end_step: step " + std::to_string(d.index) + " holds no logits");
 }
@@ -501,6 +504,8 @@ void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {
 int64_t MetalBackend::flag(const std::string& flag_name) const {
   if (flag_name == "copied_weight_bytes") return copied_weight_bytes_;  // counter (see wrap)
   if (flag_name == "sampler_begins") return sampler_begins_;            // counter: device generations begun
+  if (flag_name == "step_waits") return step_waits_;                    // counter: see backend_metal.h
+  if (flag_name == "max_inflight") return max_inflight_;
   return flag_name == "device_draw" ? int64_t{device_draw_} : Backend::flag(flag_name);
 }
 

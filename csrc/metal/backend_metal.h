@@ -85,7 +85,9 @@ class MetalBackend final : public Backend {
   bool step_logits(int64_t index, float* logits) override;
   // "device_draw" 1 (default) | 0: decline every sampler, so token streams run lock-step (tests compare both).
   // Counters: "sampler_begins" (device-mode streams begun or resumed), "copied_weight_bytes" (weight bytes
-  // copied, not wrapped, for want of 16-byte alignment).
+  // copied, not wrapped, for want of 16-byte alignment), "step_waits" (begin_step had to wait for an older
+  // command buffer: never in a device stream unless debug), "max_inflight" (most command buffers committed and
+  // not yet waited for after a step's commit: 2 when the token loop ran ahead).
   void set_flag(const std::string& flag_name, int64_t value) override;
   int64_t flag(const std::string& flag_name) const override;
 
@@ -123,6 +125,7 @@ class MetalBackend final : public Backend {
   std::unique_ptr<Scratch> sc_;
   bool fused_moe_decode_ = true;
   bool device_draw_ = true;
+  int64_t step_waits_ = 0, max_inflight_ = 0;
   int64_t sampler_begins_ = 0;       // samplers accepted (device-mode streams begun or resumed)
   int64_t copied_weight_bytes_ = 0;  // weights copied because they were not 16-byte aligned (wrap)
   std::unique_ptr<CommandBuffer> cb_;                  // being encoded
