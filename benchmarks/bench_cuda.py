@@ -323,7 +323,7 @@ def main(argv=None):
                     add(lily.name + ("-sample-device" if device else "-sample-host"), "decode", L,
                         lily.decode_sampled(st, tok, device), args.decode_steps,
                         method="T 0.7, top-p 0.9, top-k 50: " + ("Engine.open_stream (drawn on the device)"
-                                                                 if device else "forward + host Sampler"))
+                                                                 if device else "lock-step stream + host Sampler"))
                 except Exception as e:  # noqa: BLE001
                     checks[f"decode_sampled_device={device}@{L}"] = repr(e)[:200]
         if L == args.profile_length and time.time() < deadline:

@@ -22,33 +22,20 @@ class Ablation:
 
 
 ABLATIONS = (
-    Ablation("CUDA graph", "cuda_decode", (1,), (4096, 32768), (), "2 fused+graph (default), 1 fused no graph"),
-    Ablation("fused decode kernels", "cuda_decode", (0,), (4096,), (), "0 legacy sub-block path (one kernel per op)"),
+    Ablation("CUDA graph", "cuda_graph", (0,), (4096, 32768), (),
+             "1 the decode step recorded once and replayed (default), 0 its fused kernels launched one by one"),
     # prefill only: decode routes inside the experts' projection kernel, with no host-synced variant
     Ablation("GPU-resident routing", "routing_sync", (1,), (), (4096,), "0 device-resident (default), 1 host-synced"),
-    Ablation("GQA packing (decode attention)", "gqa_pack", (0,), (4096, 32768), (),
-             "1 on (default), 0 off: one query head per block on the CUDA-core kernel (the tensor-core kernel "
-             "packs the 8 heads by construction, so its own ablation row is attn_decode_tc)"),
+    Ablation("GQA packing (decode attention)", "gqa_pack", (0,), (4096, 32768, 131072), (),
+             "1 on (default: the tensor-core decode kernel, the 8 query heads of a KV head as the mma N), 0 off: "
+             "one query head per block on the CUDA-core kernel"),
     Ablation("split-K", "split_k", (0,), (4096, 32768, 131072), (), "1 on (default), 0 off"),
-    Ablation("DeltaNet scan form", "dn_form", (0, 1, 2, 4), (), (512, 4096, 16384),
-             "3 auto (default), 0 old sequential, 1 new sequential, 2 chunked (TF32), 4 chunked (fp32)"),
+    Ablation("DeltaNet scan form", "dn_form", (1, 2), (), (512, 4096, 16384),
+             "0 auto (default: chunked from 128 rows), 1 sequential, 2 chunked (TF32 tensor cores)"),
     Ablation("expert tile size", "expert_tile", (16, 32, 64, 128), (), (4096,), "0 auto (default), else rows"),
-    Ablation("GEMM implementation", "gemm_impl", (0,), (), (4096,), "1 new (default), 0 legacy wmma"),
-    Ablation("attention implementation", "attn_impl", (0,), (), (4096,), "1 new (default), 0 legacy (prefill only)"),
-    Ablation("programmatic dependent launch", "pdl", (0,), (4096, 32768), (), "1 on (default), 0 off"),
-    # an experiment switched ON (default off until measured): see dev/exp_stage_chain.cu
-    Ablation("L2 prefetch of the ring projections' rows", "l2_prefetch", (1,), (4096, 131072), (),
-             "0 off (default), 1 each ring-projection warp prefetches all its rows into L2 before the PDL wait"),
-    Ablation("L2 prefetch of the next kernels' weights", "l2_ahead", (1,), (4096, 32768, 131072), (),
-             "0 off (default), 1 each decode kernel asks L2 for the next projection's weights (the MoE gate/up for "
-             "the chosen experts' down rows) before its wait"),
-    Ablation("decode attention K/V pipeline", "attn_pipe", (0,), (4096, 32768, 131072), (),
-             "1 on (default: the next K/V tile is copied while this one is scored), 0 each tile waited for"),
-    Ablation("decode attention on the tensor cores", "attn_decode_tc", (0,), (4096, 32768, 131072), (),
-             "1 tensor-core decode kernel (default; the 8 heads of a KV head as the mma N), 0 CUDA-core attn_kernel"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
              "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
-             "2 bulk-copy, 4 per-warp cp.async rings everywhere"),
+             "2 bulk-copy, 4 per-warp cp.async rings everywhere (candidates until dev/ab_gemv.py settles it)"),
 )
 
 

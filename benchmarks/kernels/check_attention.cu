@@ -1,8 +1,9 @@
 // build: csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/attention_decode_tc.cu
-// Prefill attention (csrc/cuda/attention.cu dispatch -> attention_mma.cu tensor-core flash attention; impl 0 =
-// the CUDA-core attn_kernel) against an fp64 host reference, then timing new vs old at the real shapes.
+// Attention (csrc/cuda/attention.cu dispatch: prefill on attention_mma.cu's tensor-core flash attention, one row on
+// the CUDA-core attn_kernel or with tc_decode the tensor-core decode kernel) against an fp64 host reference, then
+// timing at the real shapes.
 //
-// Reference: the same bf16 K/V cache, q rounded to bf16 (what the mma kernel consumes; the old kernel reads
+// Reference: the same bf16 K/V cache, q rounded to bf16 (what the mma kernel consumes; attn_kernel reads
 // fp32 q, which differs from this reference by far less than the tolerance), exact softmax and sigmoid gate
 // in fp64. Tolerance rel_rms <= 5e-3: the output is rounded to bf16 (~1.1e-3 relative RMS) and P is rounded
 // to bf16 before P V (~1e-3); a single key wrongly in or out of the causal window moves o, an average of n
@@ -172,9 +173,8 @@ static void reference_rows(const Shape& s, const HostInputs& h, int64_t t, int g
 struct Case {
   std::string name;
   Shape s;
-  int impl, plan_impl;
+  bool tc_decode;          // attention(..., tensor_core_decode): one row on the tensor-core decode kernel
   int sample;              // rows checked (0 = all)
-  bool pipelined = true;   // CUDA-core kernel: next K/V tile copied while this one is scored (false: the ablation)
 };
 
 static int g_sm_count = 0;
@@ -189,7 +189,7 @@ static bool run_case(const Case& c, uint64_t seed) {
   in.alloc(s, 37);
   in.randomize(seed);
   const kp::AttentionParams p = make_params(s);
-  const kp::AttnSplitParams sp = lily::cuda::attention_plan(p, g_sm_count, c.plan_impl);
+  const kp::AttnSplitParams sp = lily::cuda::attention_plan(p, g_sm_count);
   float* part = nullptr;
   bf16* o = nullptr;
   const size_t no = s.S * s.Hq * s.D;
@@ -197,7 +197,7 @@ static bool run_case(const Case& c, uint64_t seed) {
   CK(cudaMalloc(&o, no * sizeof(bf16)));
   CK(cudaMemset(part, 0xFF, std::max<size_t>(part_floats(s, sp), 1) * sizeof(float)));
   CK(cudaMemset(o, 0xFF, no * sizeof(bf16)));
-  lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, c.impl, c.pipelined);
+  lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, c.tc_decode);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> out(no);
@@ -245,7 +245,7 @@ static bool run_case(const Case& c, uint64_t seed) {
   const bool ok = finite && rel <= kTol;
   std::printf("%s %s rel_rms=%.3e max_abs=%.3e (D=%d Hq=%d Hkv=%d S=%lld pos0=%lld impl=%d splits=%d rows=%zu)\n",
               ok ? "PASS" : "FAIL", c.name.c_str(), rel, max_abs, s.D, s.Hq, s.Hkv, static_cast<long long>(s.S),
-              static_cast<long long>(s.pos0), c.impl, sp.n_splits, rows.size());
+              static_cast<long long>(s.pos0), c.tc_decode ? 2 : 1, sp.n_splits, rows.size());
   std::fflush(stdout);
   CK(cudaFree(part));
   CK(cudaFree(o));
@@ -253,11 +253,11 @@ static bool run_case(const Case& c, uint64_t seed) {
   return ok;
 }
 
-// Median time (ms) of `impl` over rotating input sets; reps adapt so the slow old kernel stays in budget.
-static double time_impl(std::vector<Inputs>& sets, int impl, double budget_ms, bool pipelined = true) {
+// Median time (ms) over rotating input sets (tc_decode: one row on the tensor-core decode kernel).
+static double time_impl(std::vector<Inputs>& sets, bool tc_decode, double budget_ms) {
   const Shape& s = sets[0].s;
   const kp::AttentionParams p = make_params(s);
-  const kp::AttnSplitParams sp = lily::cuda::attention_plan(p, g_sm_count, impl);
+  const kp::AttnSplitParams sp = lily::cuda::attention_plan(p, g_sm_count);
   float* part = nullptr;
   bf16* o = nullptr;
   CK(cudaMalloc(&part, std::max<size_t>(part_floats(s, sp), 1) * sizeof(float)));
@@ -267,7 +267,7 @@ static double time_impl(std::vector<Inputs>& sets, int impl, double budget_ms, b
   CK(cudaEventCreate(&e1));
   auto once = [&](const Inputs& in) {
     CK(cudaEventRecord(e0));
-    lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, impl, pipelined);
+    lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, tc_decode);
     CK(cudaGetLastError());
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
@@ -295,30 +295,26 @@ static void time_shape(const Shape& s, uint64_t seed) {
   // Causal FLOPs: QK^T and PV, 2 FLOP per multiply-add each, over sum_t (pos0 + t + 1) keys.
   const double keys = static_cast<double>(s.S) * s.pos0 + 0.5 * s.S * (s.S + 1.0);
   const double flops = 4.0 * s.D * s.Hq * keys;
-  const double t_new = time_impl(sets, 1, 1500.0);
-  const double t_old = time_impl(sets, 0, 2500.0);
-  std::printf("TIME attention D=%d Hq=%d Hkv=%d S=%lld pos0=%lld: new %.3f ms %.1f TFLOP/s (%.1f%% of 790) | "
-              "old %.3f ms %.2f TFLOP/s | speedup %.1fx\n",
-              s.D, s.Hq, s.Hkv, static_cast<long long>(s.S), static_cast<long long>(s.pos0), t_new,
-              flops / t_new * 1e-9, 100.0 * flops / t_new * 1e-9 / 790.0, t_old, flops / t_old * 1e-9, t_old / t_new);
+  const double t = time_impl(sets, false, 1500.0);
+  std::printf("TIME attention D=%d Hq=%d Hkv=%d S=%lld pos0=%lld: %.3f ms %.1f TFLOP/s (%.1f%% of 790)\n", s.D, s.Hq,
+              s.Hkv, static_cast<long long>(s.S), static_cast<long long>(s.pos0), t, flops / t * 1e-9,
+              100.0 * flops / t * 1e-9 / 790.0);
   std::fflush(stdout);
   for (auto& in : sets) in.release();
 }
 
 // One decode step's attention (S = 1) at a long context: a stream of the K/V cache, so reported as bandwidth;
-// the K/V tile pipeline on and off (split-K plan as the decode graph uses it).
+// the CUDA-core kernel (gqa_pack=0's path) and the tensor-core decode kernel (split-K plan as the decode step uses).
 static void time_decode(const Shape& s, uint64_t seed) {
   std::vector<Inputs> sets(3);
   for (size_t i = 0; i < sets.size(); ++i) sets[i].alloc(s, 0), sets[i].randomize(seed + 100 * i);
   CK(cudaDeviceSynchronize());
   const double bytes = static_cast<double>(s.pos0 + 1) * s.Hkv * s.D * 2.0 * 2.0;  // K and V, bf16
-  const double t_pipe = time_impl(sets, 1, 300.0, true), t_plain = time_impl(sets, 1, 300.0, false);
-  const double t_tc = time_impl(sets, 2, 300.0);
-  std::printf("TIME decode attention D=%d Hq=%d Hkv=%d keys=%lld: pipelined %.1f us %.2f TB/s | each tile waited "
-              "%.1f us %.2f TB/s | speedup %.2fx | tensor cores %.1f us %.2f TB/s (%.2fx the pipelined)\n",
-              s.D, s.Hq, s.Hkv, static_cast<long long>(s.pos0 + 1), t_pipe * 1e3, bytes / t_pipe * 1e-9,
-              t_plain * 1e3, bytes / t_plain * 1e-9, t_plain / t_pipe, t_tc * 1e3, bytes / t_tc * 1e-9,
-              t_pipe / t_tc);
+  const double t_cc = time_impl(sets, false, 300.0), t_tc = time_impl(sets, true, 300.0);
+  std::printf("TIME decode attention D=%d Hq=%d Hkv=%d keys=%lld: CUDA cores %.1f us %.2f TB/s | tensor cores %.1f us "
+              "%.2f TB/s (%.2fx)\n",
+              s.D, s.Hq, s.Hkv, static_cast<long long>(s.pos0 + 1), t_cc * 1e3, bytes / t_cc * 1e-9, t_tc * 1e3,
+              bytes / t_tc * 1e-9, t_cc / t_tc);
   std::fflush(stdout);
   for (auto& in : sets) in.release();
 }
@@ -334,45 +330,38 @@ int main() {
 
   const std::vector<Case> cases = {
       // real shapes (sampled rows: the fp64 reference of a 128K row costs ~1 GFLOP per KV head)
-      {"real_S2048_pos0", {256, 16, 2, 2048, 0}, 1, 1, 64},
-      {"real_S2048_pos14336", {256, 16, 2, 2048, 14336}, 1, 1, 24},
-      {"real_S2048_pos129024", {256, 16, 2, 2048, 129024}, 1, 1, 8},
-      {"real_S5_pos129024_split", {256, 16, 2, 5, 129024}, 1, 1, 0},
-      {"real_S64_pos4000_split", {256, 16, 2, 64, 4000}, 1, 1, 0},
+      {"real_S2048_pos0", {256, 16, 2, 2048, 0}, false, 64},
+      {"real_S2048_pos14336", {256, 16, 2, 2048, 14336}, false, 24},
+      {"real_S2048_pos129024", {256, 16, 2, 2048, 129024}, false, 8},
+      {"real_S5_pos129024_split", {256, 16, 2, 5, 129024}, false, 0},
+      {"real_S64_pos4000_split", {256, 16, 2, 64, 4000}, false, 0},
       // awkward shapes
-      {"S1_pos0_decodepath", {256, 16, 2, 1, 0}, 1, 1, 0},
-      {"S1_pos777_decodepath", {256, 16, 2, 1, 777}, 1, 1, 0},
-      {"S1_pos131071_decodepath", {256, 16, 2, 1, 131071}, 1, 1, 0},
-      {"S1_pos4100_decodepath_unpipelined", {256, 16, 2, 1, 4100}, 1, 1, 0, false},
-      {"S1_pos33_D64_decodepath", {64, 6, 2, 1, 33}, 1, 1, 0},
-      // the tensor-core decode kernel (impl 2; shapes it does not take fall back to attn_kernel)
-      {"tc_S1_pos0", {256, 16, 2, 1, 0}, 2, 1, 0},
-      {"tc_S1_pos63", {256, 16, 2, 1, 63}, 2, 1, 0},
-      {"tc_S1_pos64", {256, 16, 2, 1, 64}, 2, 1, 0},
-      {"tc_S1_pos777", {256, 16, 2, 1, 777}, 2, 1, 0},
-      {"tc_S1_pos4100", {256, 16, 2, 1, 4100}, 2, 1, 0},
-      {"tc_S1_pos131071", {256, 16, 2, 1, 131071}, 2, 1, 0},
-      {"tc_D128_S1_pos1000", {128, 16, 2, 1, 1000}, 2, 1, 0},
-      {"tc_D256_Hkv1_S1_pos5000", {256, 8, 1, 1, 5000}, 2, 1, 0},
-      {"tc_fallback_D64_G3_S1_pos40", {64, 6, 2, 1, 40}, 2, 1, 0},
-      {"S2_pos0", {256, 16, 2, 2, 0}, 1, 1, 0},
-      {"S37_pos0", {256, 16, 2, 37, 0}, 1, 1, 0},
-      {"S300_pos129", {256, 16, 2, 300, 129}, 1, 1, 0},
-      {"S17_pos3000_split", {256, 16, 2, 17, 3000}, 1, 1, 0},
-      {"D256_G1_S77", {256, 2, 2, 77, 0}, 1, 1, 0},
-      {"D256_G8_S333_pos5000", {256, 8, 1, 333, 5000}, 1, 1, 0},
-      {"D128_G1_S129_pos64", {128, 8, 8, 129, 64}, 1, 1, 0},
-      {"D128_G1_S1000", {128, 4, 4, 1000, 0}, 1, 1, 0},
-      {"D128_G8_S200", {128, 16, 2, 200, 0}, 1, 1, 0},
-      {"D128_S37_pos100_oldplan", {128, 16, 2, 37, 100}, 1, 0, 0},
-      {"D64_G2_S300_pos1000", {64, 4, 2, 300, 1000}, 1, 1, 0},
-      {"D64_G2_S65_pos31", {64, 2, 1, 65, 31}, 1, 1, 0},
-      {"D32_G4_S50_pos10", {32, 4, 1, 50, 10}, 1, 1, 0},
-      // the old kernel against the same reference (validates the reference, and the ablation path)
-      {"old_S37_pos0", {256, 16, 2, 37, 0}, 0, 0, 0},
-      {"old_D64_S300_pos1000", {64, 4, 2, 300, 1000}, 0, 0, 0},
-      {"old_S64_pos4000_newplan", {256, 16, 2, 64, 4000}, 0, 1, 0},
-      {"old_D128_S45_pos70_unpipelined", {128, 8, 2, 45, 70}, 0, 0, 0, false},
+      {"S1_pos0_decodepath", {256, 16, 2, 1, 0}, false, 0},
+      {"S1_pos777_decodepath", {256, 16, 2, 1, 777}, false, 0},
+      {"S1_pos131071_decodepath", {256, 16, 2, 1, 131071}, false, 0},
+      {"S1_pos33_D64_decodepath", {64, 6, 2, 1, 33}, false, 0},
+      // the tensor-core decode kernel (shapes it does not take fall back to attn_kernel)
+      {"tc_S1_pos0", {256, 16, 2, 1, 0}, true, 0},
+      {"tc_S1_pos63", {256, 16, 2, 1, 63}, true, 0},
+      {"tc_S1_pos64", {256, 16, 2, 1, 64}, true, 0},
+      {"tc_S1_pos777", {256, 16, 2, 1, 777}, true, 0},
+      {"tc_S1_pos4100", {256, 16, 2, 1, 4100}, true, 0},
+      {"tc_S1_pos131071", {256, 16, 2, 1, 131071}, true, 0},
+      {"tc_D128_S1_pos1000", {128, 16, 2, 1, 1000}, true, 0},
+      {"tc_D256_Hkv1_S1_pos5000", {256, 8, 1, 1, 5000}, true, 0},
+      {"tc_fallback_D64_G3_S1_pos40", {64, 6, 2, 1, 40}, true, 0},
+      {"S2_pos0", {256, 16, 2, 2, 0}, false, 0},
+      {"S37_pos0", {256, 16, 2, 37, 0}, false, 0},
+      {"S300_pos129", {256, 16, 2, 300, 129}, false, 0},
+      {"S17_pos3000_split", {256, 16, 2, 17, 3000}, false, 0},
+      {"D256_G1_S77", {256, 2, 2, 77, 0}, false, 0},
+      {"D256_G8_S333_pos5000", {256, 8, 1, 333, 5000}, false, 0},
+      {"D128_G1_S129_pos64", {128, 8, 8, 129, 64}, false, 0},
+      {"D128_G1_S1000", {128, 4, 4, 1000, 0}, false, 0},
+      {"D128_G8_S200", {128, 16, 2, 200, 0}, false, 0},
+      {"D64_G2_S300_pos1000", {64, 4, 2, 300, 1000}, false, 0},
+      {"D64_G2_S65_pos31", {64, 2, 1, 65, 31}, false, 0},
+      {"D32_G4_S50_pos10", {32, 4, 1, 50, 10}, false, 0},
   };
   int passed = 0, total = 0;
   for (size_t i = 0; i < cases.size(); ++i) {

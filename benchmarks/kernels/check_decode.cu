@@ -140,7 +140,7 @@ static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_
     g.y = ys[s];
     g.yb = reinterpret_cast<bf16*>(ybs[s]);
   }
-  proj(0, a, impl, false);
+  proj(0, a, impl);
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
   for (int s = 0; s < a.nseg; ++s) {
     std::vector<double> ref(outs[s]), got(outs[s]);
@@ -190,7 +190,7 @@ static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
   float* dx = dnew(x0);
   a.x = dx;
   a.k = k;
-  moe_down(0, a, impl, false);
+  moe_down(0, a, impl);
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
   auto y = dget(dx, H);
   std::vector<double> ref(H), got(H);
@@ -232,26 +232,24 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
       if (c == 0) bytes += (mode == kODual ? 2.0 : 1.0) * outs[s] * in * (0.5 + 4.0 / 64);
     }
   }
-  double t_ms[5][2];
-  for (int impl = 0; impl < 5; ++impl)
-    for (int pdl = 0; pdl < 2; ++pdl) {
-      for (int i = 0; i < 3; ++i) proj(0, args[i % copies], impl, pdl);
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      const int reps = 60;
-      cudaEventRecord(e0);
-      for (int i = 0; i < reps; ++i) proj(0, args[i % copies], impl, pdl);
-      cudaEventRecord(e1);
-      LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      cudaEventElapsedTime(&ms, e0, e1);
-      t_ms[impl][pdl] = ms / reps;
-    }
+  double t_ms[5];  // every decode launch carries the PDL attribute (as in the step)
+  for (int impl = 0; impl < 5; ++impl) {
+    for (int i = 0; i < 3; ++i) proj(0, args[i % copies], impl);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    const int reps = 60;
+    cudaEventRecord(e0);
+    for (int i = 0; i < reps; ++i) proj(0, args[i % copies], impl);
+    cudaEventRecord(e1);
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    t_ms[impl] = ms / reps;
+  }
   std::printf("TIME proj %-26s %6.1f MB |", tag, bytes / 1e6);
-  for (int impl : {0, 1, 2, 4})
-    std::printf(" %s %6.2f us %.2f TB/s (pdl %6.2f) |", kImpl[impl], t_ms[impl][0] * 1e3, bytes / t_ms[impl][0] / 1e9,
-                t_ms[impl][1] * 1e3);
+  for (int impl : {0, 1, 2, 3, 4})
+    std::printf(" %s %6.2f us %.2f TB/s |", kImpl[impl], t_ms[impl] * 1e3, bytes / t_ms[impl] / 1e9);
   std::printf("\n");
 }
 
@@ -320,13 +318,13 @@ static void time_down() {
   const double bytes = (k + 1) * H * I * (0.5 + 4.0 / 64);
   std::printf("TIME down 8+1 experts              %6.1f MB |", bytes / 1e6);
   for (int impl = 0; impl < 3; ++impl) {
-    for (int i = 0; i < 3; ++i) moe_down(0, args[i % copies], impl, true);
+    for (int i = 0; i < 3; ++i) moe_down(0, args[i % copies], impl);
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     const int reps = 60;
     cudaEventRecord(e0);
-    for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies], impl, true);
+    for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies], impl);
     cudaEventRecord(e1);
     LILY_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;

@@ -1,5 +1,6 @@
 // build: csrc/cuda/gemm_mma.cu csrc/cuda/linear.cu
-// Prefill GEMM family (linear.cuh): the mma.sync GEMM of gemm_mma.cu (impl 1) and the old wmma GEMM (impl 0)
+// Prefill GEMM family (linear.cuh): the mma.sync GEMM of gemm_mma.cu (impl 1) and the wmma fallback (impl 0,
+// forced by cuda::force_gemm_fallback; linear.cu takes it for weights the mma GEMM does not serve)
 // against an fp64 host reference on real and awkward shapes, plain and grouped (MoE), then both timed at the
 // model's real sizes. Usage: check_gemm [seed]   (a fresh seed each run unless given).
 //
@@ -275,9 +276,11 @@ void run_plain(Rng& r, const PlainCase& c) {
       cuda::GemmMmaArgs a{w0, w1, gp, cuda::GroupMap{}, dA, dy, dyb};
       cuda::gemm_mma(nullptr, a, dual, cuda::gemm_mma_plain_rows(c.M, c.N, dual));
     } else if (dual) {
-      cuda::linear_silu_mul(nullptr, w0, w1, dA, lda, c.M, dyb, ldy, impl);
+      cuda::force_gemm_fallback(impl == 0);
+      cuda::linear_silu_mul(nullptr, w0, w1, dA, lda, c.M, dyb, ldy);
     } else {
-      cuda::linear(nullptr, w0, dA, lda, c.M, dy, ldy, c.mode == kAcc, impl);
+      cuda::force_gemm_fallback(impl == 0);
+      cuda::linear(nullptr, w0, dA, lda, c.M, dy, ldy, c.mode == kAcc);
     }
     sync_check();
     Stats s;
@@ -438,8 +441,9 @@ void run_grouped(Rng& r, const std::string& name, const Routing& R, int bits, in
       DeviceMap m = upload_map(R.counts, tile, da, dyr, dsc);
       CK(cudaMemset(dact, 0xFF, P * I * 2));
       CK(cudaMemset(dd, 0xFF, P * D * 4));
-      cuda::grouped_gate_up(nullptr, W0.dl(), W1.dl(), m.g, dh, H, dact, tile, impl);
-      cuda::grouped_down(nullptr, W2.dl(), m.g, dact_in, dd, tile, impl);
+      cuda::force_gemm_fallback(impl == 0);
+      cuda::grouped_gate_up(nullptr, W0.dl(), W1.dl(), m.g, dh, H, dact, tile);
+      cuda::grouped_down(nullptr, W2.dl(), m.g, dact_in, dd, tile);
       sync_check();
       const std::vector<uint16_t> act = ddownload(reinterpret_cast<uint16_t*>(dact), P * I);
       const std::vector<float> d = ddownload(dd, P * D);
@@ -552,13 +556,16 @@ void time_plain(const std::string& name, int bits, int64_t M, int64_t N, int64_t
   bf16* yb = dalloc<bf16>(M * N);
   CK(cudaMemset(y, 0, M * N * 4));
   double ms[2];
-  for (int impl = 0; impl < 2; ++impl)
+  for (int impl = 0; impl < 2; ++impl) {
+    cuda::force_gemm_fallback(impl == 0);
     ms[impl] = median_ms(
         [&](int s) {
-          if (dual) cuda::linear_silu_mul(nullptr, w0[s].d, w1[s].d, A[s], K, M, yb, N, impl);
-          else cuda::linear(nullptr, w0[s].d, A[s], K, M, y, N, mode == kAcc, impl);
+          if (dual) cuda::linear_silu_mul(nullptr, w0[s].d, w1[s].d, A[s], K, M, yb, N);
+          else cuda::linear(nullptr, w0[s].d, A[s], K, M, y, N, mode == kAcc);
         },
         kSets);
+  }
+  cuda::force_gemm_fallback(false);
   const double flop = 2.0 * M * N * K * (dual ? 2 : 1);
   char nm[160];
   std::snprintf(nm, sizeof nm, "%s q%d %s %lldx%lldx%lld", name.c_str(), bits, kModeName[mode], (long long)M,
@@ -603,9 +610,10 @@ void time_grouped(Rng& r, int64_t S) {
     for (int impl = 0; impl < 2; ++impl) {
       if (impl == 0 && tile != cuda::kGemmBM) continue;
       DeviceMap m = upload_map(R.counts, tile, da, dyr, dsc);
+      cuda::force_gemm_fallback(impl == 0);
       const double gu = median_ms(
-          [&](int s) { cuda::grouped_gate_up(nullptr, wg[s].d, wu[s].d, m.g, h[s], H, act, tile, impl); }, kSets);
-      const double dn = median_ms([&](int s) { cuda::grouped_down(nullptr, wd[s].d, m.g, act_in[s], d, tile, impl); },
+          [&](int s) { cuda::grouped_gate_up(nullptr, wg[s].d, wu[s].d, m.g, h[s], H, act, tile); }, kSets);
+      const double dn = median_ms([&](int s) { cuda::grouped_down(nullptr, wd[s].d, m.g, act_in[s], d, tile); },
                                   kSets);
       if (impl == 0) old_gu = gu, old_dn = dn;
       const std::string tag = std::string(impl ? "mma/" : "wmma/") + "moe_%s q4 tile=" + std::to_string(tile) +

@@ -1,12 +1,12 @@
 // build: csrc/cuda/misc.cu csrc/cuda/routing.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/attention_decode_tc.cu csrc/cuda/decode.cu csrc/cuda/decode_tc.cu csrc/cuda/decode_bulk.cu csrc/cuda/decode_ring.cu
 // The small CUDA kernel families (kernels.cuh: misc.cu, routing.cu, deltanet.cu conv / gated norm, attention.cu
-// prep; decode.cuh: dec::dn_scan) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
+// prep; decode.cuh: dec::deltanet_scan) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes
 // and awkward ones, every output poisoned with 0xFF bytes (NaN / -1) before the launch so unwritten elements fail,
 // one line per case, then "SUMMARY small <pass>/<total>"; exit code 1 on any failure.
 //
 // Tolerances (rel RMS vs the fp64 twin; bf16 outputs also element-wise):
-//   fp32 outputs (embed, route weights, combine, conv+l2norm, prep q, dn_scan y and state): 1e-5. Each output is a
+//   fp32 outputs (embed, route weights, combine, conv+l2norm, prep q, decode scan y and state): 1e-5. Each output is a
 //     short fp32 chain (a fma, a few-term sum, a <= 2048-term dot, expf / sqrtf within a few ulp) on the same fp32
 //     inputs, so the expected error is ~1e-7..1e-6; 1e-5 leaves headroom without hiding an indexing/formula bug.
 //   bf16 outputs (rms_norm, gated norm, k cache): rel RMS <= 2^-8 and every element within 2^-8 |ref| + 1e-5 rms(ref):
@@ -450,11 +450,11 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
          true);
 }
 
-// ---------------------------------------------------------------- decode.cu: dec::dn_scan
+// ---------------------------------------------------------------- decode.cu: dec::deltanet_scan (decode)
 // One token: l2 norm of q (times Dk^-0.5), k fused in, then the gated delta rule (model.md 4.3):
 // S *= g; delta = beta (v - S k); S += delta k^T; o = S q. u = silu(N(0, 1.5)) (post-conv, q/k not normalised),
 // b in [-4, 4], a in [-3, 0.5], dt_bias in [-1, 0.5], A_log in [-1.5, 0]; state ~ U(-0.5, 0.5) or zero.
-static void check_dn_scan(int Hk, int Hv, int Dk, int Dv, bool zero_state) {
+static void check_deltanet_decode_scan(int Hk, int Hv, int Dk, int Dv, bool zero_state) {
   Dev dv;
   const kp::DeltaNetParams p = dn_params(Hk, Hv, Dk, Dv, 4, 1);
   const int64_t C = p.conv_dim, key_dim = int64_t(Hk) * Dk, ns = int64_t(Hv) * Dv * Dk;
@@ -466,7 +466,7 @@ static void check_dn_scan(int Hk, int Hv, int Dk, int Dv, bool zero_state) {
   const float *du = dv.put(u), *db = dv.put(b), *da = dv.put(a), *ddt = dv.put(dtb), *dal = dv.put(alog);
   float* dssm = dv.put(ssm0);
   float* dy = dv.alloc<float>(int64_t(Hv) * Dv);
-  lc::dec::dn_scan(0, p, du, db, da, ddt, dal, dssm, dy, false);
+  lc::dec::deltanet_scan(0, p, du, db, da, ddt, dal, dssm, dy);
   after_launch();
   std::vector<double> ry(int64_t(Hv) * Dv), rs(ns), q(Dk), k(Dk), st(Dk);
   for (int h = 0; h < Hv; ++h) {
@@ -491,8 +491,8 @@ static void check_dn_scan(int Hk, int Hv, int Dk, int Dv, bool zero_state) {
     }
   }
   const std::string tag = fmt("Hk=%d Hv=%d Dk=%d Dv=%d%s", Hk, Hv, Dk, Dv, zero_state ? " zero-state" : "");
-  report("dn_scan y " + tag, ry, to_d(get(dy, int64_t(Hv) * Dv)), 1e-5);
-  report("dn_scan state " + tag, rs, to_d(get(dssm, ns)), 1e-5);
+  report("deltanet_decode_scan y " + tag, ry, to_d(get(dy, int64_t(Hv) * Dv)), 1e-5);
+  report("deltanet_decode_scan state " + tag, rs, to_d(get(dssm, ns)), 1e-5);
 }
 
 // ---------------------------------------------------------------- attention.cu: attention_prep
@@ -637,13 +637,13 @@ int main(int argc, char** argv) {
   C("dn_gated_norm", [] { check_dn_gated_norm(1, 40, 3); });
   C("dn_gated_norm", [] { check_dn_gated_norm(5, 200, 2); });
 
-  // dn_scan (decode): real heads, zero and nonzero state; Dk != Dv; Dk not a multiple of 32; odd head counts.
-  C("dn_scan", [] { check_dn_scan(16, 32, 128, 128, false); });
-  C("dn_scan", [] { check_dn_scan(16, 32, 128, 128, true); });
-  C("dn_scan", [] { check_dn_scan(3, 6, 64, 96, false); });
-  C("dn_scan", [] { check_dn_scan(1, 5, 96, 64, false); });
-  C("dn_scan", [] { check_dn_scan(2, 4, 100, 40, false); });
-  C("dn_scan", [] { check_dn_scan(2, 2, 32, 17, false); });
+  // deltanet_scan (decode): real heads, zero and nonzero state; Dk != Dv; Dk not a multiple of 32; odd head counts.
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, true); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(3, 6, 64, 96, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(1, 5, 96, 64, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 4, 100, 40, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 2, 32, 17, false); });
 
   // attention_prep: real (Hq 16, Hkv 2, D 256, rotary 64, theta 1e7) prefill / decode / long position / device
   // position; awkward head counts, D, rotary dims (full rotary, rotary not a multiple of 64).

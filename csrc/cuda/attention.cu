@@ -55,14 +55,14 @@ __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float*
 // Block = (tile of R query rows, KV head g, key split s); one warp per (row, query head of g's group), so
 // the G heads of a KV head share every K/V tile load (GQA packing). Scores: one key per lane against q in
 // shared memory; online softmax per warp; output dims lane + 32 i per lane. Writes (m, l, o[D]) partials.
-// K/V tiles arrive by 16-byte cp.async into two buffers: with `pipelined`, tile i+1 is in flight while tile i
-// is scored (the decode step at long context is a stream of the cache; one synchronous load round trip per tile
-// left the H200 ~4x under its bandwidth there); without, each tile is waited for before it is used (ablation).
+// K/V tiles arrive by 16-byte cp.async into two buffers: tile i+1 is in flight while tile i is scored (the decode
+// step at long context is a stream of the cache; one synchronous load round trip per tile left the H200 ~4x under
+// its bandwidth there).
 using mma::cp_async16;  // mma_bf16.cuh
 
 template <int D>
 __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* q, const bf16* kc,
-                            const bf16* vc, float* part, const int32_t* dpos, bool pipelined) {
+                            const bf16* vc, float* part, const int32_t* dpos) {
   if (dpos) {  // decode graphs: position on the device, n_splits fixed, split length from the key count
     p.pos0 = *dpos;
     const int64_t keys = p.pos0 + p.S;
@@ -118,11 +118,10 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
   if (n_tiles > 0) issue(0);
   for (int it = 0; it < n_tiles; ++it) {
     const int64_t k0 = split0 + static_cast<int64_t>(it) * kKeyTile;
-    if (pipelined && it + 1 < n_tiles) {
+    if (it + 1 < n_tiles) {
       issue(it + 1);  // its buffer was released by the barrier that ended tile it - 1
       asm volatile("cp.async.wait_group 1;" ::: "memory");
     } else {
-      if (!pipelined && it > 0) issue(it);  // the ablation: copy this tile only now (tile 0 went out above)
       asm volatile("cp.async.wait_group 0;" ::: "memory");
     }
     __syncthreads();  // tile it has landed for every thread (and q is staged, on the first pass)
@@ -209,7 +208,7 @@ int rows_per_block(const kp::AttentionParams& p) {
 
 template <int D>
 void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-                 const bf16* kc, const bf16* vc, float* part, const int32_t* dpos, bool pipelined) {
+                 const bf16* kc, const bf16* vc, float* part, const int32_t* dpos) {
   const int G = p.n_heads / p.n_kv_heads, GB = sp.heads_per_block > 0 ? sp.heads_per_block : G;
   if (G % GB != 0) throw std::invalid_argument("[lily] cuda attention: heads_per_block must divide the GQA group");
   const int warps = sp.rows_per_block * GB;
@@ -219,7 +218,7 @@ void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSp
                                          static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block),
                   static_cast<unsigned>(p.n_kv_heads * (G / GB)), sp.n_splits);
-  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos, pipelined);
+  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos);
   LILY_LAUNCH_CHECK();
 }
 
@@ -234,8 +233,8 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
   LILY_LAUNCH_CHECK();
 }
 
-kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, int impl) {
-  if (impl == 1 && p.S > 1 && attention_mma_supported(p)) return attention_mma_plan(p, sm_count);
+kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
+  if (p.S > 1 && attention_mma_supported(p)) return attention_mma_plan(p, sm_count);
   kp::AttnSplitParams sp{};
   sp.rows_per_block = rows_per_block(p);
   const int64_t keys = p.pos0 + p.S;
@@ -250,18 +249,18 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, i
 
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, const int32_t* dpos,
-               int impl, bool pipelined) {
-  if (impl == 1 && p.S > 1 && dpos == nullptr && attention_mma_supported(p)) {
+               bool tensor_core_decode) {
+  if (p.S > 1 && dpos == nullptr && attention_mma_supported(p)) {
     attention_mma(st, p, sp, q, qg, k_cache, v_cache, part, o);
     if (sp.n_splits == 1) return;  // o written, gate applied
-  } else if (impl == 2 && attention_decode_tc_supported(p)) {
+  } else if (tensor_core_decode && attention_decode_tc_supported(p)) {
     attention_decode_tc(st, p, sp, q, k_cache, v_cache, part, dpos);
   } else {
     switch (p.head_dim) {
-      case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
-      case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
-      case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
-      case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos, pipelined); break;
+      case 32: launch_attn<32>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 64: launch_attn<64>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 128: launch_attn<128>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
+      case 256: launch_attn<256>(st, p, sp, q, k_cache, v_cache, part, dpos); break;
       default: throw std::invalid_argument("[lily] cuda attention: head_dim must be 32, 64, 128 or 256");
     }
   }

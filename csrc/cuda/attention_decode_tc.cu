@@ -10,7 +10,7 @@
 // garbage there, and 0 * NaN would poison the PV product). Online softmax per head: every thread owns heads 2t and
 // 2t+1 (t = lane % 4) in both products, so the running max, its correction and the partial sums need no shuffles
 // between heads; tile maxima meet in shared memory. Writes the (m, l, o) partials of attn_kernel, merged by
-// attn_combine_kernel. Flag "attn_decode_tc" (default on; 0 selects attn_kernel). H200: 90 vs 209 us at 128K keys.
+// attn_combine_kernel. The decode default; flag gqa_pack=0 selects attn_kernel. H200: 90 vs 209 us at 128K keys.
 #include "cuda/kernels.cuh"
 #include "cuda/mma_bf16.cuh"
 

@@ -129,7 +129,7 @@ class CudaBackend final : public Backend {
       step_launches_ += 1;
       if (!d.draw) return;
       int32_t* next = &dctl_->slot[1 - p].token;
-      if (draw_argmax_) cuda::dec::finish(st_, damax_, static_cast<int>(nb), next, true);
+      if (draw_argmax_) cuda::dec::finish(st_, damax_, static_cast<int>(nb), next);
       else sampler_.draw(st_, lg, &dctl_->slot[p].uniform, next);
       LILY_CUDA_CHECK(cudaMemcpyAsync(&drawn_host_[p], next, sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
       step_launches_ += draw_argmax_ ? 1 : 3;
@@ -198,7 +198,7 @@ class CudaBackend final : public Backend {
   std::vector<Switch> switches() {
     return {{"cuda_graph", &graph_on_, 0, 1},     {"gemv_impl", &gemv_impl_, 0, 4},
             {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1},
-            {"split_k", &split_k_, 0, 1},          {"dn_form", &deltanet_form_, 0, 4},
+            {"split_k", &split_k_, 0, 1},          {"dn_form", &deltanet_form_, 0, 2},
             {"expert_tile", &expert_tile_, 0, 128}};
   }
 
@@ -261,8 +261,7 @@ class CudaBackend final : public Backend {
     const kp::DeltaNetParams p = deltanet_params(S);
     cuda::deltanet_conv(st_, p, qkv_, L.conv_w, st.conv.as<float>(), u_);
     const int form = cuda::deltanet_scan_pick(p, deltanet_form_);
-    const size_t scratch = form == cuda::kScanChunked || form == cuda::kScanChunkedFp32
-                               ? cuda::deltanet_chunk_scratch_bytes(p) : 0;  // chunked forms' W, U, P, decays
+    const size_t scratch = form == cuda::kScanChunked ? cuda::deltanet_chunk_scratch_bytes(p) : 0;  // W, U, P, decays
     float* ws = scratch ? s_deltanet_.get<float>(mem_, static_cast<int64_t>((scratch + 3) / 4)) : nullptr;
     cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_, form, ws, scratch);
     cuda::deltanet_gated_norm(st_, p, y_, z_, L.deltanet_norm, yb_);
@@ -549,7 +548,7 @@ class CudaBackend final : public Backend {
     return g;
   }
 
-  unsigned run_proj(const cuda::dec::ProjArgs& a) { return cuda::dec::proj(st_, a, gemv_impl_, true); }
+  unsigned run_proj(const cuda::dec::ProjArgs& a) { return cuda::dec::proj(st_, a, gemv_impl_); }
 
   cuda::dec::ProjArgs norm_args(const float* w) const {
     cuda::dec::ProjArgs a;
@@ -576,7 +575,7 @@ class CudaBackend final : public Backend {
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
     run_proj(a);
-    d::dn_scan(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, true);
+    d::deltanet_scan(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_);
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXGated;
@@ -612,7 +611,7 @@ class CudaBackend final : public Backend {
     if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block (the CUDA-core kernel)
     if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
     cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos,
-                    gqa_pack_ ? 2 : 1);  // the tensor-core kernel always packs 8 heads
+                    /*tensor_core_decode=*/gqa_pack_ != 0);  // the tensor-core kernel always packs 8 heads
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXBf16;
@@ -664,7 +663,7 @@ class CudaBackend final : public Backend {
     dn.sgate = dsg_;
     dn.x = dx_;
     dn.k = k;
-    d::moe_down(st_, dn, gemv_impl_, true);
+    d::moe_down(st_, dn, gemv_impl_);
     step_launches_ += 3;
   }
 
@@ -757,7 +756,7 @@ class CudaBackend final : public Backend {
   int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load (tensor cores)
   int split_k_ = 1;         // decode attention: keys split over blocks (flash-decoding)
   int expert_tile_ = 0;     // prefill MoE rows per expert tile: 0 auto, else 16/32/64/128
-  int deltanet_form_ = 3;   // DeltaNet prefill scan (cuda::DeltaNetScanForm)
+  int deltanet_form_ = 0;   // DeltaNet prefill scan: 0 auto, 1 sequential, 2 chunked (cuda::DeltaNetScanForm)
 
   // decode steps (dedicated scratch, one token)
   bool fused_ok_ = false;   // the config fits the fused decode kernels

@@ -190,14 +190,11 @@ __global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant
     r4.setup(sg.w0, sg.w1, dual, 0, row0);
     r4.load(0, lane);
   }
-  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;
-  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
   stage_x(a, xs, red, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
-  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
 
   float acc[NR];
 #pragma unroll
@@ -317,7 +314,6 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const __grid_constant__ 
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * NR;
   const bool active = row0 < H;
   const bool flat = a.wd.p.kind == 0 && a.ws.p.kind == 0;
-  l2_ahead(a.ahead, nullptr, 0, blockIdx.x * kThreads + tid, gridDim.x * kThreads);
   pdl_trigger();
   pdl_wait();  // the routing and the activations come from the previous kernel
 
@@ -447,7 +443,7 @@ __global__ void finish_kernel(const unsigned long long* amax, int n, int32_t* to
 
 }  // namespace
 
-unsigned proj_scalar(cudaStream_t st, const ProjArgs& in, bool pdl) {
+unsigned proj_scalar(cudaStream_t st, const ProjArgs& in) {
   ProjArgs a = in;
   int64_t rows = 0;
   for (int s = 0; s < a.nseg; ++s) {
@@ -466,34 +462,34 @@ unsigned proj_scalar(cudaStream_t st, const ProjArgs& in, bool pdl) {
   }
   const unsigned blocks = static_cast<unsigned>((w + kWarps - 1) / kWarps);
   const size_t smem = (static_cast<size_t>(a.in) * sizeof(bf16) + 15) / 16 * 16;
-  if (nr == 4) launch_k(pdl, proj_kernel<4>, blocks, kThreads, smem, st, a);
-  else launch_k(pdl, proj_kernel<2>, blocks, kThreads, smem, st, a);
+  if (nr == 4) launch_pdl(proj_kernel<4>, blocks, kThreads, smem, st, a);
+  else launch_pdl(proj_kernel<2>, blocks, kThreads, smem, st, a);
   return blocks;
 }
 
-void moe_down_scalar(cudaStream_t st, const DownArgs& a, bool pdl) {
+void moe_down_scalar(cudaStream_t st, const DownArgs& a) {
   constexpr int NR = 2, U = 4;
   const int64_t H = a.wd.p.out;
   const unsigned blocks = static_cast<unsigned>(((H + NR - 1) / NR + kWarps - 1) / kWarps);
   const size_t smem = ((a.k * a.wd.p.in + a.ws.p.in) * sizeof(bf16) + 15) / 16 * 16;
-  launch_k(pdl, down_kernel<NR, U>, blocks, kThreads, smem, st, a);
+  launch_pdl(down_kernel<NR, U>, blocks, kThreads, smem, st, a);
 }
 
-void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-             const float* dt_bias, const float* a_log, float* ssm, float* y, bool pdl) {
+void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y) {
   const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
   const dim3 block(kScanWarps * 32);
   switch ((p.k_dim + 31) / 32) {
-    case 1: launch_k(pdl, scan_dec_kernel<1>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 2: launch_k(pdl, scan_dec_kernel<2>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 3: launch_k(pdl, scan_dec_kernel<3>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 4: launch_k(pdl, scan_dec_kernel<4>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 1: launch_pdl(scan_dec_kernel<1>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 2: launch_pdl(scan_dec_kernel<2>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 3: launch_pdl(scan_dec_kernel<3>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 4: launch_pdl(scan_dec_kernel<4>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
     default: throw std::invalid_argument("[lily] cuda decode scan: linear_key_head_dim > 128 is not supported");
   }
 }
 
-void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token, bool pdl) {
-  launch_k(pdl, finish_kernel, dim3(1), dim3(1024), 0, st, amax, n, token);
+void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token) {
+  launch_pdl(finish_kernel, dim3(1), dim3(1024), 0, st, amax, n, token);
 }
 
 }  // namespace lily::cuda::dec

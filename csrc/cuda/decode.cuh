@@ -34,39 +34,6 @@ struct StepCtl {
   StepSlot slot[2];
 };
 
-// Weights a kernel asks L2 for on behalf of a LATER kernel of the step (flag "l2_ahead"): the next projection's
-// weights never depend on this kernel's output, so their DRAM reads can overlap this kernel's work and the next
-// kernel then streams from L2 instead of paying DRAM latency at its start. Ranges are dealt over all threads of
-// the grid in 4 KB pieces (cp.async.bulk.prefetch.L2: a hint, it changes no value). `routed` (stacked experts,
-// codes == nullptr for none): the rows of the experts this kernel's routing prologue chose (the MoE down weights
-// asked for by the experts' gate/up launch).
-constexpr int kMaxAhead = 16;
-struct L2Ahead {
-  const void* p[kMaxAhead] = {};
-  int64_t bytes[kMaxAhead] = {};
-  int32_t n = 0;
-  int32_t pad_ = 0;
-  DLinear routed;
-};
-
-// Host: appends w (an unstacked weight; of a stacked one, expert 0) to h's ranges.
-inline void ahead_add(L2Ahead& h, const DLinear& w) {
-  auto add = [&h](const void* p, int64_t bytes) {
-    if (p == nullptr || bytes <= 0) return;
-    if (h.n == kMaxAhead) throw std::logic_error("[lily] cuda decode: more than kMaxAhead L2 prefetch ranges");
-    h.p[h.n] = p;
-    h.bytes[h.n] = bytes;
-    ++h.n;
-  };
-  if (w.p.kind == 0) {
-    add(w.codes, w.p.expert_words * 4);
-    add(w.scales, w.p.expert_groups * 2);
-    add(w.biases, w.p.expert_groups * 2);
-  } else {
-    add(w.dense, w.p.expert_elems * (w.p.kind == 1 ? 2 : 4));
-  }
-}
-
 struct Seg {
   DLinear w0, w1;        // w1: the up projection of a DUAL segment (same shape and format as w0)
   float* y = nullptr;    // fp32 output (store / accumulate)
@@ -105,10 +72,6 @@ struct ProjArgs {
   int32_t conv_dim = 0, conv_k = 0;
   // greedy head: per-block max key of (logit, -row) written to amax[blockIdx.x]
   unsigned long long* amax = nullptr;
-  // 1: before waiting on its predecessor, each warp of the ring kernel asks L2 for all of its weight rows
-  // (cp.async.bulk.prefetch.L2), not just its ring's first chunks (experiment; flag "l2_prefetch", default off)
-  int32_t l2_prefetch = 0;
-  L2Ahead ahead;  // weights of later kernels (flag "l2_ahead"; n == 0 and no routed: none)
 };
 
 struct DownArgs {
@@ -120,36 +83,35 @@ struct DownArgs {
   const float* sgate = nullptr;  // [1] shared expert gate logit
   float* x = nullptr;            // [H] residual, accumulated
   int32_t k = 0;
-  L2Ahead ahead;                 // weights of later kernels (the next layer's first projection)
 };
 
-// Launchers (stream-ordered, no synchronisation). pdl: launch with programmatic stream serialisation (the
-// kernel may start while its predecessor finishes; every decode kernel waits before reading its inputs).
+// Launchers (stream-ordered, no synchronisation), all with programmatic dependent launch (PDL): a kernel may start
+// while its predecessor finishes; every decode kernel waits before reading its inputs.
 //   proj: 4-bit segments on the tensor cores in 16-row blocks (other formats on scalar lanes within the same
 //   launch), or everything on scalar lanes. Returns the number of blocks launched: the length of the amax array the greedy head writes.
 //   impl: 0 scalar lanes (decode.cu), 1 tensor cores with register loads (decode_tc.cu), 2 tensor cores fed by
 //   the bulk copy engine (decode_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
 //   measured per kernel (rings for the projections but the routed experts on scalar lanes, bulk MoE down),
 //   4 per-warp cp.async rings (decode_ring.cu) for every projection and the bulk MoE down.
-unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl);
-unsigned proj_scalar(cudaStream_t st, const ProjArgs& a, bool pdl);
-unsigned proj_tc(cudaStream_t st, const ProjArgs& a, bool pdl);
-unsigned proj_bulk(cudaStream_t st, const ProjArgs& a, bool pdl);
-unsigned proj_ring(cudaStream_t st, const ProjArgs& a, bool pdl);
+unsigned proj(cudaStream_t st, const ProjArgs& a, int impl);
+unsigned proj_scalar(cudaStream_t st, const ProjArgs& a);
+unsigned proj_tc(cudaStream_t st, const ProjArgs& a);
+unsigned proj_bulk(cudaStream_t st, const ProjArgs& a);
+unsigned proj_ring(cudaStream_t st, const ProjArgs& a);
 bool ring_launch_ok(const ProjArgs& a);
 bool bulk_launch_ok(const ProjArgs& a);
-void moe_down(cudaStream_t st, const DownArgs& a, int impl, bool pdl);
-void moe_down_scalar(cudaStream_t st, const DownArgs& a, bool pdl);
-void moe_down_bulk(cudaStream_t st, const DownArgs& a, bool pdl);
+void moe_down(cudaStream_t st, const DownArgs& a, int impl);
+void moe_down_scalar(cudaStream_t st, const DownArgs& a);
+void moe_down_bulk(cudaStream_t st, const DownArgs& a);
 bool bulk_down_ok(const DownArgs& a);
 // Whether the tensor-core path takes this weight: MLX 4-bit, group 64.
 bool tc_format(const DLinear& w);
 // DeltaNet decode scan: u [C] post-conv (q, k not yet l2-normalised), b/a [Hv], ssm updated, y [Hv*Dv].
-void dn_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-             const float* dt_bias, const float* a_log, float* ssm, float* y, bool pdl);
+void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y);
 // Upper bound of the blocks of the greedy head over either proj path (the size of the amax array).
 int64_t head_blocks(int64_t rows);
 // *token = the argmax (lowest row on ties) over the head's block maxima amax[n].
-void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token, bool pdl);
+void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token);
 
 }  // namespace lily::cuda::dec

@@ -201,15 +201,12 @@ __global__ void __launch_bounds__(kBulkThreads, 1) proj_bulk_kernel(const __grid
     return;
   }
 
-  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;  // compute threads only
-  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();
   stage_x<true>(a, xs, nred, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   compute_sync<true>();
   if (a.route) route_arrive();
-  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
   permute_x(xs, xp, gs, n, warp, lane);
   compute_sync<true>();
 
@@ -292,7 +289,6 @@ __global__ void __launch_bounds__(kBulkThreads, 1) down_bulk_kernel(const __grid
     return;
   }
 
-  l2_ahead(a.ahead, nullptr, 0, blockIdx.x * kThreads + tid, gridDim.x * kThreads);  // compute threads only
   pdl_trigger();
   pdl_wait();
   {
@@ -359,7 +355,7 @@ bool bulk_launch_ok(const ProjArgs& a) {
   return any && a.in % kGroup == 0 && (!a.route || a.top_k <= kMaxTopK);
 }
 
-unsigned proj_bulk(cudaStream_t st, const ProjArgs& in, bool pdl) {
+unsigned proj_bulk(cudaStream_t st, const ProjArgs& in) {
   ProjArgs a = in;
   const int64_t tasks = number_row_block_tasks(a);
   const int stage = stage_bytes_for(a.in);
@@ -367,7 +363,7 @@ unsigned proj_bulk(cudaStream_t st, const ProjArgs& in, bool pdl) {
   if (ns < 2) throw std::invalid_argument("[lily] cuda decode proj: input too long for the bulk GEMV");
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, sm_count_bulk()));
   const size_t smem = static_cast<size_t>(stage) * ns + act_bytes(a.in);
-  launch_k(pdl, proj_bulk_kernel, dim3(blocks), dim3(kBulkThreads), smem, st, a, static_cast<int>(tasks), stage, ns);
+  launch_pdl(proj_bulk_kernel, dim3(blocks), dim3(kBulkThreads), smem, st, a, static_cast<int>(tasks), stage, ns);
   return blocks;
 }
 
@@ -376,14 +372,14 @@ bool bulk_down_ok(const DownArgs& a) {
          a.k <= kMaxTopK;
 }
 
-void moe_down_bulk(cudaStream_t st, const DownArgs& a, bool pdl) {
+void moe_down_bulk(cudaStream_t st, const DownArgs& a) {
   const int64_t H = a.wd.p.out, tasks = (H + kRowBlock - 1) / kRowBlock, n = a.k * a.wd.p.in + a.ws.p.in;
   const int stage = std::max(stage_bytes_for(a.wd.p.in), stage_bytes_for(a.ws.p.in));
   const int ns = std::min<int>(kMaxStages, (kRingBudget - static_cast<int>(act_bytes(n))) / stage);
   if (ns < 2) throw std::invalid_argument("[lily] cuda decode down: expert rows too long for the bulk GEMV");
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, sm_count_bulk()));
   const size_t smem = static_cast<size_t>(stage) * ns + act_bytes(n);
-  launch_k(pdl, down_bulk_kernel, dim3(blocks), dim3(kBulkThreads), smem, st, a, static_cast<int>(tasks), stage, ns);
+  launch_pdl(down_bulk_kernel, dim3(blocks), dim3(kBulkThreads), smem, st, a, static_cast<int>(tasks), stage, ns);
 }
 
 }  // namespace lily::cuda::dec

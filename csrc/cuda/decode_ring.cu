@@ -134,30 +134,6 @@ __device__ __forceinline__ void stream_issue(const ProjArgs& a, const Stream& s,
   cp_commit();  // empty groups keep the wait count uniform at the end of the stream
 }
 
-// Lane 0 of each warp asks L2 for every weight row the warp (warp-owned) or its share of the block's tasks
-// (block-owned) will stream: a 16-row block's codes, scales and biases are each one contiguous range. Only for
-// launches without routing (the expert is known only after the wait).
-template <bool kBlockOwned>
-__device__ void prefetch_tasks(const ProjArgs& a, int n_tasks, int warp, int lane) {
-  if (lane != 0) return;
-  const int first = kBlockOwned ? blockIdx.x : blockIdx.x * kWarps + warp;
-  const int step = kBlockOwned ? gridDim.x : gridDim.x * kWarps;
-  int k = 0;
-  for (int t = first; t < n_tasks; t += step, ++k) {
-    if (kBlockOwned && k % kWarps != warp) continue;  // the block's tasks dealt round the warps
-    const Seg& sg = a.seg[find_seg_r(a, t)];
-    if (!ring_ok(sg.w0.p)) continue;
-    const int64_t row0 = static_cast<int64_t>((t - sg.warp0) % sg.warps_per_slot) * kRowBlock;
-    for (int set = 0; set < sets_of(sg); ++set) {
-      const DLinear& W = set ? sg.w1 : sg.w0;
-      const int64_t rows = min64(int64_t{kRowBlock}, W.p.out - row0), rcb = W.p.in / 2, rsb = W.p.in / 32;
-      prefetch_l2(reinterpret_cast<const unsigned char*>(W.codes) + row0 * rcb, rows * rcb);
-      prefetch_l2(reinterpret_cast<const unsigned char*>(W.scales) + row0 * rsb, rows * rsb);
-      prefetch_l2(reinterpret_cast<const unsigned char*>(W.biases) + row0 * rsb, rows * rsb);
-    }
-  }
-}
-
 template <bool kBlockOwned>
 __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_constant__ ProjArgs a, int n_tasks) {
   extern __shared__ __align__(128) unsigned char ring_smem[];
@@ -186,15 +162,11 @@ __global__ void __launch_bounds__(kThreads, 1) proj_ring_kernel(const __grid_con
       stream_next<kBlockOwned>(a, is, n_tasks, step, warp);
     }
   }
-  if (a.l2_prefetch && !a.route) prefetch_tasks<kBlockOwned>(a, n_tasks, warp, lane);
-  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;
-  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();
   stage_x(a, xs, nred, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
-  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
   permute_x(xs, xp, gs, n, warp, lane);
   __syncthreads();
   for (; issued < kDepth - 1; ++issued) {
@@ -311,7 +283,7 @@ bool ring_launch_ok(const ProjArgs& a) {
   return true;
 }
 
-unsigned proj_ring(cudaStream_t st, const ProjArgs& in, bool pdl) {
+unsigned proj_ring(cudaStream_t st, const ProjArgs& in) {
   ProjArgs a = in;
   const int64_t tasks = number_row_block_tasks(a);
   bool all_ring = true;
@@ -324,9 +296,9 @@ unsigned proj_ring(cudaStream_t st, const ProjArgs& in, bool pdl) {
   const size_t smem = kRingBytes + 2 * static_cast<size_t>((a.in + 7) / 8 * 8) * sizeof(bf16) +
                       (a.in / kGroup) * sizeof(float);
   if (warp_owned)
-    launch_k(pdl, proj_ring_kernel<false>, dim3(blocks), dim3(kThreads), smem, st, a, static_cast<int>(tasks));
+    launch_pdl(proj_ring_kernel<false>, dim3(blocks), dim3(kThreads), smem, st, a, static_cast<int>(tasks));
   else
-    launch_k(pdl, proj_ring_kernel<true>, dim3(blocks), dim3(kThreads), smem, st, a, static_cast<int>(tasks));
+    launch_pdl(proj_ring_kernel<true>, dim3(blocks), dim3(kThreads), smem, st, a, static_cast<int>(tasks));
   return blocks;
 }
 

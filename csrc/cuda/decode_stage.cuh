@@ -17,53 +17,9 @@ constexpr int kThreads = kWarps * 32;
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
-// L2 bulk prefetch of [p, p + bytes) when both are 16-byte multiples (the instruction's contract).
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-  if ((reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(bytes)) & 15u || bytes <= 0) return;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-}
-
-// One range of an L2Ahead list: [p, p + bytes) shrunk to 16-byte bounds, cut into 4 KB pieces; piece j (counted
-// from `base` over the whole list) goes to worker (base + j) % n_workers. `base` advances past the range.
-__device__ __forceinline__ void ahead_range(const void* p, int64_t bytes, int worker, int n_workers, int64_t& base) {
-  constexpr int64_t kPiece = 4096;
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + 15u) & ~uintptr_t{15};
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes > 0 ? bytes : 0)) & ~uintptr_t{15};
-  if (p == nullptr || e <= b) return;
-  const int64_t len = static_cast<int64_t>(e - b), pieces = (len + kPiece - 1) / kPiece;
-  int64_t j = (worker - base % n_workers + n_workers) % n_workers;
-  for (; j < pieces; j += n_workers)
-    prefetch_l2(reinterpret_cast<const void*>(b + j * kPiece), min64(kPiece, len - j * kPiece));
-  base += pieces;
-}
-
-// Expert e's codes, scales and biases of a stacked weight (e = 0: the whole of an unstacked one).
-__device__ __forceinline__ void ahead_linear(const DLinear& w, int64_t e, int worker, int n_workers, int64_t& base) {
-  const kp::LinearParams& p = w.p;
-  if (p.kind == 0) {
-    ahead_range(w.codes + e * p.expert_words, p.expert_words * 4, worker, n_workers, base);
-    ahead_range(w.scales + e * p.expert_groups, p.expert_groups * 2, worker, n_workers, base);
-    ahead_range(w.biases + e * p.expert_groups, p.expert_groups * 2, worker, n_workers, base);
-  } else {  // dense bf16 (kind 1) or f32 (kind 2)
-    const int64_t es = p.kind == 1 ? 2 : 4;
-    ahead_range(static_cast<const unsigned char*>(w.dense) + e * p.expert_elems * es, p.expert_elems * es, worker,
-                n_workers, base);
-  }
-}
-
-// Every thread of the grid (worker = its index among n_workers) asks L2 for its pieces of the list; `s_idx`
-// (k experts, nullptr for none) selects the rows of h.routed.
-__device__ __forceinline__ void l2_ahead(const L2Ahead& h, const int32_t* s_idx, int k, int worker, int n_workers) {
-  int64_t base = 0;
-  for (int i = 0; i < h.n; ++i) ahead_range(h.p[i], h.bytes[i], worker, n_workers, base);
-  if (s_idx != nullptr && h.routed.codes != nullptr)
-    for (int j = 0; j < k; ++j) ahead_linear(h.routed, s_idx[j], worker, n_workers, base);
-}
-
-// Launch with or without the PDL attribute (cudaLaunchKernelEx; stream-ordered, capturable in graphs).
+// Launch with the PDL attribute (cudaLaunchKernelEx; stream-ordered, capturable in graphs).
 template <class... KArgs, class... Args>
-void launch_k(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-              Args&&... args) {
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -72,8 +28,8 @@ void launch_k(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t 
   cudaLaunchAttribute at[1];
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl ? at : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
   check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
 }
 

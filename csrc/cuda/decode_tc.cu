@@ -104,15 +104,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) proj_tc_kernel(const _
   __shared__ int32_t s_idx[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, q = lane >> 2, c = lane & 3;
-  const int worker = blockIdx.x * kThreads + tid, n_workers = gridDim.x * kThreads;
 
-  if (!a.route) l2_ahead(a.ahead, nullptr, 0, worker, n_workers);
   pdl_trigger();
   pdl_wait();
   stage_x(a, xs, nred, tid, warp, lane);
   if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
   __syncthreads();
-  if (a.route) l2_ahead(a.ahead, s_idx, a.top_k, worker, n_workers);
   permute_x(xs, xp, gs, n, warp, lane);
   __syncthreads();
 
@@ -187,7 +184,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_tc_kernel(const _
   __shared__ int32_t eid[kMaxTopK + 1];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, q = lane >> 2, c = lane & 3;
 
-  l2_ahead(a.ahead, nullptr, 0, blockIdx.x * kThreads + tid, gridDim.x * kThreads);
   pdl_trigger();
   pdl_wait();  // routing and activations come from the previous kernels
   {
@@ -245,11 +241,11 @@ int64_t head_blocks(int64_t rows) {
   return std::max(scalar, tc);
 }
 
-unsigned proj_tc(cudaStream_t st, const ProjArgs& in, bool pdl) {
+unsigned proj_tc(cudaStream_t st, const ProjArgs& in) {
   ProjArgs a = in;
   const int64_t tasks = number_row_block_tasks(a);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * device_sm_count()));
-  launch_k(pdl, proj_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(a.in), st, a, static_cast<int>(tasks));
+  launch_pdl(proj_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(a.in), st, a, static_cast<int>(tasks));
   return blocks;
 }
 
@@ -257,20 +253,20 @@ unsigned proj_tc(cudaStream_t st, const ProjArgs& in, bool pdl) {
 // PDL, 2026-11-30): per-warp rings for the projections (lm_head 122 vs 170 us on scalar lanes, the others equal
 // or slightly faster), scalar lanes for the routed experts' gate/up (6.8 vs 8.2 us: their weight loads go out
 // before the routing, which the ring cannot do), the bulk-copy MoE down (7.4 vs 15.3 us).
-unsigned proj(cudaStream_t st, const ProjArgs& a, int impl, bool pdl) {
-  if ((impl == 4 || (impl == 3 && !a.route)) && ring_launch_ok(a)) return proj_ring(st, a, pdl);
-  if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a, pdl);
-  return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a, pdl) : proj_scalar(st, a, pdl);
+unsigned proj(cudaStream_t st, const ProjArgs& a, int impl) {
+  if ((impl == 4 || (impl == 3 && !a.route)) && ring_launch_ok(a)) return proj_ring(st, a);
+  if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a);
+  return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a) : proj_scalar(st, a);
 }
 
-void moe_down(cudaStream_t st, const DownArgs& a, int impl, bool pdl) {
-  if (impl >= 2 && bulk_down_ok(a)) return moe_down_bulk(st, a, pdl);
+void moe_down(cudaStream_t st, const DownArgs& a, int impl) {
+  if (impl >= 2 && bulk_down_ok(a)) return moe_down_bulk(st, a);
   const bool ok = impl >= 1 && tc_ok(a.wd.p) && tc_ok(a.ws.p) && a.k <= kMaxTopK;
-  if (!ok) return moe_down_scalar(st, a, pdl);
+  if (!ok) return moe_down_scalar(st, a);
   const int64_t H = a.wd.p.out, tasks = (H + kRowBlock - 1) / kRowBlock;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * device_sm_count()));
   const int64_t n = a.k * a.wd.p.in + a.ws.p.in;
-  launch_k(pdl, down_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(n), st, a, static_cast<int>(tasks));
+  launch_pdl(down_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(n), st, a, static_cast<int>(tasks));
 }
 
 }  // namespace lily::cuda::dec

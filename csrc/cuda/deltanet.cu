@@ -4,7 +4,6 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kConvRows = 32;   // rows per thread of the conv (channels x row-blocks in the grid)
-constexpr int kScanWarps = 4;   // state rows (dv) per block of the scan
 
 // Row i of X = [conv_state (K-1 rows); qkv (S rows)] at channel c.
 __device__ __forceinline__ float conv_x(const float* cs, const float* qkv, int64_t i, int64_t c, int64_t C, int K) {
@@ -67,57 +66,6 @@ __global__ void l2norm_kernel(kp::DeltaNetParams p, float* u) {
   for (int i = lane; i < p.k_dim; i += 32) x[i] *= inv;
 }
 
-// One warp per state row (h, dv): lanes hold S[h, dv, lane + 32 i] for i < NK in registers for all S tokens;
-// both dot products are warp reductions. Same update order as the CPU twin: decay, delta rule, read-out.
-template <int NK>
-__global__ void __launch_bounds__(kScanWarps * 32)
-    scan_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,
-                const float* a_log, float* ssm, float* y) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = blockIdx.y, dv = blockIdx.x * kScanWarps + warp;
-  if (dv >= p.v_dim) return;
-  const int Dk = p.k_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
-  const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
-  float st[NK];
-#pragma unroll
-  for (int i = 0; i < NK; ++i) st[i] = lane + 32 * i < Dk ? sp[lane + 32 * i] : 0.f;
-  const float A = expf(a_log[h]), dtb = dt_bias[h];
-  const float* qp = u + static_cast<int64_t>(kh) * Dk;
-  const float* kp_ = u + key_dim + static_cast<int64_t>(kh) * Dk;
-  const float* vp = u + 2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv;
-  for (int64_t t = 0; t < p.S; ++t) {
-    float q[NK], k[NK];
-#pragma unroll
-    for (int i = 0; i < NK; ++i) {
-      const bool in = lane + 32 * i < Dk;
-      q[i] = in ? qp[t * C + lane + 32 * i] : 0.f;
-      k[i] = in ? kp_[t * C + lane + 32 * i] : 0.f;
-    }
-    const float v = vp[t * C];
-    const float beta = 1.f / (1.f + expf(-b[t * Hv + h]));
-    const float g = expf(-A * softplusf_(a[t * Hv + h] + dtb));
-    float kst = 0.f;
-#pragma unroll
-    for (int i = 0; i < NK; ++i) {
-      st[i] *= g;
-      kst += st[i] * k[i];
-    }
-    const float delta = beta * (v - warp_sum(kst));
-    float o = 0.f;
-#pragma unroll
-    for (int i = 0; i < NK; ++i) {
-      st[i] += delta * k[i];
-      o += st[i] * q[i];
-    }
-    o = warp_sum(o);
-    if (lane == 0) y[t * Hv * p.v_dim + static_cast<int64_t>(h) * p.v_dim + dv] = o;
-  }
-#pragma unroll
-  for (int i = 0; i < NK; ++i)
-    if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
-}
-
 // One warp per (row, value head): RMSNorm(y; w) * silu(z) -> bf16 (the out_proj input).
 __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const float* z, const float* w, bf16* out) {
   const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -155,35 +103,18 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
   LILY_LAUNCH_CHECK();
 }
 
-void deltanet_scan_old(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                       const float* dt_bias, const float* a_log, float* ssm, float* y) {
-  if (p.S <= 0) return;
-  const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
-  switch ((p.k_dim + 31) / 32) {
-    case 1: scan_kernel<1><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 2: scan_kernel<2><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 3: scan_kernel<3><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 4: scan_kernel<4><<<grid, kScanWarps * 32, 0, st>>>(p, u, b, a, dt_bias, a_log, ssm, y); break;
-    default: throw std::invalid_argument("[lily] cuda deltanet_scan: linear_key_head_dim > 128 is not supported");
-  }
-  LILY_LAUNCH_CHECK();
-}
-
 int deltanet_scan_pick(const kp::DeltaNetParams& p, int form) {
-  if (form == kScanAuto) return p.S >= kScanChunkMinRows ? kScanChunked : kScanSeq;
-  if (form < kScanOld || form > kScanChunkedFp32) throw std::invalid_argument("[lily] cuda deltanet_scan: form is 0..4");
+  if (form == kScanAuto) return p.S >= kScanChunkMinRows ? kScanChunked : kScanSequential;
+  if (form != kScanSequential && form != kScanChunked)
+    throw std::invalid_argument("[lily] cuda deltanet_scan: form is 0 (auto), 1 (sequential) or 2 (chunked)");
   return form;
 }
 
 void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                    const float* dt_bias, const float* a_log, float* ssm, float* y, int form, float* scratch,
                    size_t scratch_bytes) {
-  form = deltanet_scan_pick(p, form);
-  switch (form) {
-    case kScanOld: return deltanet_scan_old(st, p, u, b, a, dt_bias, a_log, ssm, y);
-    case kScanSeq: return deltanet_scan_seq(st, p, u, b, a, dt_bias, a_log, ssm, y, 8);
-    default: break;
-  }
+  if (deltanet_scan_pick(p, form) == kScanSequential)
+    return deltanet_scan_seq(st, p, u, b, a, dt_bias, a_log, ssm, y, 8);
   const size_t need = deltanet_chunk_scratch_bytes(p);
   if (scratch == nullptr || scratch_bytes < need) {
     // Fallback buffer, grown on demand. cudaMalloc/cudaFree synchronise, so callers that capture graphs or
@@ -199,7 +130,7 @@ void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u,
     }
     scratch = own;
   }
-  deltanet_scan_chunked(st, p, u, b, a, dt_bias, a_log, ssm, y, scratch, form == kScanChunked);
+  deltanet_scan_chunked(st, p, u, b, a, dt_bias, a_log, ssm, y, scratch);
 }
 
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,

@@ -1,12 +1,11 @@
-// Fast Gated DeltaNet prefill scans (model.md §4.3 step 7), two forms:
-//   form 1 (seq_scan_kernel): the exact per-token fp32 recurrence with 8 lanes per state row (3 shuffle steps
+// Gated DeltaNet prefill scans (model.md §4.3 step 7), two forms:
+//   sequential (seq_scan_kernel): the exact per-token fp32 recurrence with 8 lanes per state row (3 shuffle steps
 //          per reduction, 4 rows per warp) and the token inputs staged into shared memory 32 tokens ahead with
 //          cp.async, so no global load sits on the per-token critical path.
-//   form 2 (chunk_prep_kernel<TC> + chunk_state_mma_kernel): the chunked WY/UT form (Gated DeltaNet paper;
-//          fla chunk_gated_delta_rule), chunk C = 64, its matrix products on TF32 mma.sync;
-//   form 4 (chunk_prep_kernel<fp32> + chunk_state_kernel): the same chunked form in fp32 FFMA (ablation /
-//          exactness reference).
-// The dispatcher deltanet_scan (form 0 old, 1, 2, 3 auto, 4) lives in deltanet.cu.
+//   chunked (chunk_prep_kernel + chunk_state_mma_kernel): the chunked WY/UT form (Gated DeltaNet paper;
+//          fla chunk_gated_delta_rule), chunk C = 64, its matrix products on TF32 mma.sync.
+// The dispatcher deltanet_scan (auto, sequential, chunked) lives in deltanet.cu; benchmarks/kernels/check_deltanet.cu
+// compares both forms with an fp64 host recurrence.
 //
 // Chunked math (MLX layout: state S[dv, dk], read m = S k). Inside a chunk with incoming state S0, token i
 // (0-based) has lg_i = sum_{j<=i} log g_j and gamma_i = exp(lg_i). Unrolling the recurrence gives
@@ -58,10 +57,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
-  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
 }
 
 // dst[c * dst_ld + d] = src[c * src_ld + d] for c < kChunk, d < COLS; zero where c >= rows or d >= cols.
@@ -276,7 +271,7 @@ struct ChunkPrepArgs {
   int n_chunks;
 };
 
-template <int DKP, bool TC>
+template <int DKP>
 __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args) {
   using L = PrepLayout<DKP>;
   extern __shared__ float4 smem_f4[];
@@ -318,8 +313,8 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args
     sAt[j * kChunk + i] = j < i ? sBeta[i] * ratio * kk : 0.f;
     pm[i * kChunk + j] = ratio * qk;
   };
-  if constexpr (TC) {
-    // TF32 mma: warp w owns rows i = 16 (w / 2) .. +15 and columns j = 32 (w % 2) .. +31 of K K^T and Q K^T.
+  {  // TF32 mma
+    // warp w owns rows i = 16 (w / 2) .. +15 and columns j = 32 (w % 2) .. +31 of K K^T and Q K^T.
     const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4, mi = warp / 2, nj0 = 4 * (warp % 2);
     float kk[4][4] = {}, qk[4][4] = {};
 #pragma unroll 2
@@ -339,31 +334,6 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) store_a_p(16 * mi + g + 8 * (e / 2), 8 * (nj0 + j) + 2 * t + e % 2, kk[j][e], qk[j][e]);
-  } else {
-    // fp32 FFMA: each thread a 4x4 tile, rows i = ti + 16 r, columns j = tj + 16 s (consecutive rows per lane:
-    // conflict-free float4 reads with the padded stride).
-    const int ti = tid / 16, tj = tid % 16;
-    float kk[4][4] = {}, qk[4][4] = {};
-    for (int d = 0; d < DKP; d += 4) {
-      float4 ki[4], qi[4], kj[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        ki[r] = *reinterpret_cast<const float4*>(sK + (ti + 16 * r) * L::kStride + d);
-        qi[r] = *reinterpret_cast<const float4*>(sQ + (ti + 16 * r) * L::kStride + d);
-        kj[r] = *reinterpret_cast<const float4*>(sK + (tj + 16 * r) * L::kStride + d);
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          kk[r][s] = dot4(ki[r], kj[s], kk[r][s]);
-          qk[r][s] = dot4(qi[r], kj[s], qk[r][s]);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-      for (int s = 0; s < 4; ++s) store_a_p(ti + 16 * r, tj + 16 * s, kk[r][s], qk[r][s]);
   }
   if (tid < kChunk) args.x.lg[hn * kChunk + tid] = sLg[tid];
   __syncthreads();
@@ -394,135 +364,14 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args
   }
 }
 
-// Form 4, kernel 2 (fp32 FFMA): one block per (32 state rows, value head) walks the chunks in order.
-template <int DKP>
-struct StateLayout {
-  static constexpr int kStride = DKP + 4;
-  static constexpr int kKPerWarp = DKP / 8;  // state columns owned by each warp in the state update
-  static constexpr int kW = 0, kQ = kChunk * kStride, kK = 2 * kChunk * kStride, kS = 3 * kChunk * kStride;
-  static constexpr int kP = kS + kStateRows * kStride, kU = kP + kChunk * kChunk, kD = kU + kChunk * kStateRows;
-  static constexpr int kDd = kD + kChunk * kStateRows, kLg = kDd + kChunk * kStateRows;
-  static constexpr size_t kSmemBytes = (kLg + kChunk) * sizeof(float);
-};
-
 struct ChunkStateArgs {
   ScanArgs s;
   ChunkScratch x;
   int n_chunks;
 };
 
-template <int DKP>
-__global__ void __launch_bounds__(kThreads) chunk_state_kernel(ChunkStateArgs args) {
-  using L = StateLayout<DKP>;
-  extern __shared__ float4 smem_f4[];
-  float* smem = reinterpret_cast<float*>(smem_f4);
-  const kp::DeltaNetParams& p = args.s.p;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int h = blockIdx.y, dv0 = blockIdx.x * kStateRows, dv = dv0 + lane;
-  const int Dk = p.k_dim, Dv = p.v_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
-  const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-  float* sW = smem + L::kW;
-  float* sQ = smem + L::kQ;
-  float* sK = smem + L::kK;
-  float* sS = smem + L::kS;    // [32][kStride] state slice, row = lane
-  float* sP = smem + L::kP;    // [C][C]
-  float* sU = smem + L::kU;    // [C][32]
-  float* sD = smem + L::kD;    // [C][32] Delta
-  float* sDd = smem + L::kDd;  // [C][32] Delta * gamma_last / gamma_j
-  float* sLg = smem + L::kLg;
-
-  // This thread's share of the state: S[dv, warp*kKPerWarp + kk], also mirrored in sS for the row reads.
-  float sreg[L::kKPerWarp];
-  float* sp = args.s.ssm + (static_cast<int64_t>(h) * Dv + dv) * Dk;
-#pragma unroll
-  for (int kk = 0; kk < L::kKPerWarp; ++kk) {
-    const int d = warp * L::kKPerWarp + kk;
-    sreg[kk] = dv < Dv && d < Dk ? sp[d] : 0.f;
-    sS[lane * L::kStride + d] = sreg[kk];
-  }
-  float* yp = args.s.y + static_cast<int64_t>(h) * Dv + dv;
-  const int64_t y_stride = static_cast<int64_t>(Hv) * Dv;
-
-  for (int n = 0; n < args.n_chunks; ++n) {
-    const int64_t t0 = static_cast<int64_t>(n) * kChunk, hn = static_cast<int64_t>(h) * args.n_chunks + n;
-    const int len = static_cast<int>(min64(kChunk, p.S - t0));
-    __syncthreads();  // the previous chunk is done with every buffer
-    const bool vec4 = args.s.vec4;
-    const float* qg = args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk;
-    load_tile<DKP>(sW, L::kStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
-    load_tile<DKP>(sQ, L::kStride, qg, C, len, Dk, vec4);
-    load_tile<DKP>(sK, L::kStride, qg + key_dim, C, len, Dk, vec4);
-    load_tile<kChunk>(sP, kChunk, args.x.pm + hn * kChunk * kChunk, kChunk, kChunk, kChunk, vec4);
-    load_tile<kStateRows>(sU, kStateRows, args.x.uu + hn * kChunk * Dv + dv0, Dv, kChunk, Dv - dv0, vec4);
-    if (tid < kChunk) sLg[tid] = args.x.lg[hn * kChunk + tid];
-    __syncthreads();
-
-    // Delta[c, dv] = U - W[c] . S[dv] and qs[c, dv] = Q[c] . S[dv] for this warp's 8 rows c = 8 warp + r.
-    const int c0 = warp * 8;
-    float dacc[8] = {}, qacc[8] = {};
-#pragma unroll 2
-    for (int d = 0; d < DKP; d += 4) {
-      const float4 s4 = *reinterpret_cast<const float4*>(sS + lane * L::kStride + d);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        dacc[r] = dot4(*reinterpret_cast<const float4*>(sW + (c0 + r) * L::kStride + d), s4, dacc[r]);
-        qacc[r] = dot4(*reinterpret_cast<const float4*>(sQ + (c0 + r) * L::kStride + d), s4, qacc[r]);
-      }
-    }
-    const float lg_last = sLg[kChunk - 1];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const int c = c0 + r;
-      const float delta = sU[c * kStateRows + lane] - dacc[r];
-      sD[c * kStateRows + lane] = delta;
-      sDd[c * kStateRows + lane] = delta * expf(lg_last - sLg[c]);
-    }
-    __syncthreads();
-
-    // O[c] = gamma_c qs[c] + sum_{j <= c} P[c, j] Delta[j]  (P is zero above the diagonal).
-    float oacc[8];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) oacc[r] = expf(sLg[c0 + r]) * qacc[r];
-    for (int j = 0; j < c0 + 8; ++j) {
-      const float dj = sD[j * kStateRows + lane];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) oacc[r] = fmaf(sP[(c0 + r) * kChunk + j], dj, oacc[r]);
-    }
-    if (dv < Dv) {
-#pragma unroll
-      for (int r = 0; r < 8; ++r)
-        if (c0 + r < len) yp[(t0 + c0 + r) * y_stride] = oacc[r];
-    }
-
-    // S[dv, d] = gamma_last S[dv, d] + sum_c Dd[c, dv] K[c, d] for this warp's columns.
-    const float gl = expf(lg_last);
-#pragma unroll
-    for (int kk = 0; kk < L::kKPerWarp; ++kk) sreg[kk] *= gl;
-    for (int c = 0; c < kChunk; ++c) {
-      const float dd = sDd[c * kStateRows + lane];
-#pragma unroll
-      for (int kk = 0; kk < L::kKPerWarp; kk += 4) {
-        const float4 k4 = *reinterpret_cast<const float4*>(sK + c * L::kStride + warp * L::kKPerWarp + kk);
-        sreg[kk] = fmaf(dd, k4.x, sreg[kk]);
-        sreg[kk + 1] = fmaf(dd, k4.y, sreg[kk + 1]);
-        sreg[kk + 2] = fmaf(dd, k4.z, sreg[kk + 2]);
-        sreg[kk + 3] = fmaf(dd, k4.w, sreg[kk + 3]);
-      }
-    }
-    // sS was last read before the previous barrier, so the slice can be refreshed now.
-#pragma unroll
-    for (int kk = 0; kk < L::kKPerWarp; ++kk) sS[lane * L::kStride + warp * L::kKPerWarp + kk] = sreg[kk];
-  }
-  if (dv < Dv) {
-#pragma unroll
-    for (int kk = 0; kk < L::kKPerWarp; ++kk) {
-      const int d = warp * L::kKPerWarp + kk;
-      if (d < Dk) sp[d] = sreg[kk];
-    }
-  }
-}
-
-// Form 2 (tensor cores), kernel 2: chunk_state_kernel with the three products on mma.sync m16n8k8 TF32
+// Kernel 2 of the chunked form: one block per (32 state rows, value head) walks the chunks in order, the three
+// products on mma.sync m16n8k8 TF32
 // (fp32 accumulate). Operands are rounded to TF32 (10-bit mantissa, cvt.rna): each product carries ~2^-11
 // relative rounding, sums of 64..128 products with fp32 accumulation land near 3e-4 rel RMS on Delta and O,
 // and the per-chunk state rounding is contracted by later decays instead of accumulating, so y and the state
@@ -704,25 +553,14 @@ void launch_seq(cudaStream_t st, const ScanArgs& args) {
 }
 
 template <int DKP>
-void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, int n_chunks, bool tensor_cores) {
+void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, int n_chunks) {
   const dim3 prep_grid(n_chunks, s.p.v_heads);
-  if (tensor_cores) {
-    set_smem(chunk_prep_kernel<DKP, true>, PrepLayout<DKP>::kSmemBytes);
-    chunk_prep_kernel<DKP, true><<<prep_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(ChunkPrepArgs{s, x, n_chunks});
-  } else {
-    set_smem(chunk_prep_kernel<DKP, false>, PrepLayout<DKP>::kSmemBytes);
-    chunk_prep_kernel<DKP, false><<<prep_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(ChunkPrepArgs{s, x, n_chunks});
-  }
+  set_smem(chunk_prep_kernel<DKP>, PrepLayout<DKP>::kSmemBytes);
+  chunk_prep_kernel<DKP><<<prep_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(ChunkPrepArgs{s, x, n_chunks});
   LILY_LAUNCH_CHECK();
   const dim3 grid(static_cast<unsigned>((s.p.v_dim + kStateRows - 1) / kStateRows), s.p.v_heads);
-  if (tensor_cores) {
-    set_smem(chunk_state_mma_kernel<DKP>, MmaStateLayout<DKP>::kSmemBytes);
-    chunk_state_mma_kernel<DKP><<<grid, kThreads, MmaStateLayout<DKP>::kSmemBytes, st>>>(
-        ChunkStateArgs{s, x, n_chunks});
-  } else {
-    set_smem(chunk_state_kernel<DKP>, StateLayout<DKP>::kSmemBytes);
-    chunk_state_kernel<DKP><<<grid, kThreads, StateLayout<DKP>::kSmemBytes, st>>>(ChunkStateArgs{s, x, n_chunks});
-  }
+  set_smem(chunk_state_mma_kernel<DKP>, MmaStateLayout<DKP>::kSmemBytes);
+  chunk_state_mma_kernel<DKP><<<grid, kThreads, MmaStateLayout<DKP>::kSmemBytes, st>>>(ChunkStateArgs{s, x, n_chunks});
   LILY_LAUNCH_CHECK();
 }
 
@@ -765,7 +603,7 @@ size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
 
 void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
                            const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
-                           float* scratch, bool tensor_cores) {
+                           float* scratch) {
   check_shape(p, "deltanet_scan_chunked");
   if (p.S <= 0) return;
   const int n_chunks = static_cast<int>((p.S + kChunk - 1) / kChunk);
@@ -779,10 +617,10 @@ void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const f
                     reinterpret_cast<uintptr_t>(u) % 16 == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0;
   const ScanArgs args{p, u, b, a, dt_bias, a_log, ssm, y, vec4};
   switch ((p.k_dim + 31) / 32) {
-    case 1: return launch_chunked<32>(st, args, x, n_chunks, tensor_cores);
-    case 2: return launch_chunked<64>(st, args, x, n_chunks, tensor_cores);
-    case 3: return launch_chunked<96>(st, args, x, n_chunks, tensor_cores);
-    default: return launch_chunked<128>(st, args, x, n_chunks, tensor_cores);
+    case 1: return launch_chunked<32>(st, args, x, n_chunks);
+    case 2: return launch_chunked<64>(st, args, x, n_chunks);
+    case 3: return launch_chunked<96>(st, args, x, n_chunks);
+    default: return launch_chunked<128>(st, args, x, n_chunks);
   }
 }
 

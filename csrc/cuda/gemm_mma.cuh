@@ -1,7 +1,7 @@
 // Tensor-core prefill GEMM for MLX affine-quantized weights (4- or 8-bit codes, group 64): mma.sync m16n8k16
 // bf16 -> fp32, a 4-stage cp.async pipeline that copies raw codes + scales/biases (not dequantized bf16),
 // and dequantization from shared memory straight into the B fragment registers.
-// linear.cu dispatches here (impl kGemmImplMma) and keeps the wmma GEMM as the fallback and ablation path.
+// linear.cu dispatches here wherever gemm_mma_supported and keeps the wmma GEMM as the fallback for the rest.
 #pragma once
 #include "cuda/linear.cuh"
 

@@ -34,16 +34,14 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
                    float* conv_state, float* u);
 // Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
 // written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
-// norm). `form` selects the implementation (ablations):
-//   kScanOld          the original one-warp-per-row scan (deltanet.cu);
-//   kScanSeq          exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_chunk.cu);
-//   kScanChunked      chunked WY form (chunk 64), Gram/state products on TF32 tensor cores (~5e-4 rel error,
-//                     below the bf16 rounding of y that follows);
-//   kScanAuto         kScanChunked when S >= kScanChunkMinRows, else kScanSeq (the default);
-//   kScanChunkedFp32  the chunked form with every product in fp32 FFMA (exactness reference for ablations).
-// The chunked forms need deltanet_chunk_scratch_bytes(p) bytes of device scratch: pass it (required under
+// norm). `form` selects the implementation (flag dn_form):
+//   kScanSequential  exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_chunk.cu);
+//   kScanChunked     chunked WY form (chunk 64), Gram/state products on TF32 tensor cores (~5e-4 rel error,
+//                    below the bf16 rounding of y that follows);
+//   kScanAuto        kScanChunked when S >= kScanChunkMinRows, else kScanSequential (the default).
+// The chunked form needs deltanet_chunk_scratch_bytes(p) bytes of device scratch: pass it (required under
 // graph capture); otherwise a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
-enum DeltaNetScanForm : int { kScanOld = 0, kScanSeq = 1, kScanChunked = 2, kScanAuto = 3, kScanChunkedFp32 = 4 };
+enum DeltaNetScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };
 // Auto threshold, predicted (chunked ~= 2 launches + ceil(S/64) chunk steps of ~2.5 us vs ~0.125 us per token
 // sequential); benchmarks/kernels/check_deltanet.cu prints the measured crossover.
 constexpr int64_t kScanChunkMinRows = 128;
@@ -52,20 +50,16 @@ void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u,
                    float* scratch = nullptr, size_t scratch_bytes = 0);
 // The form deltanet_scan runs for `form` at p.S (resolves kScanAuto).
 int deltanet_scan_pick(const kp::DeltaNetParams& p, int form);
-// Form 0 (deltanet.cu): one warp per state row, inputs read from global memory every token.
-void deltanet_scan_old(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                       const float* dt_bias, const float* a_log, float* ssm, float* y);
-
 // deltanet_chunk.cu. Same arguments as deltanet_scan. Dk <= 128, Hv a multiple of Hk.
-// Form 1: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
+// Sequential: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
 void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                        const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row = 8);
-// Forms 2 (tensor_cores) and 4 (fp32 FFMA): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
+// Chunked (TF32 tensor cores): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
 // (Hv * ceil(S/64) * 64 * (Dk + Dv + 65) floats).
 size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
 void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
                            const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
-                           float* scratch, bool tensor_cores = true);
+                           float* scratch);
 // out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out);
@@ -78,23 +72,21 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
                     const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache,
                     const int32_t* dpos = nullptr);
 // Split plan for S rows at pos0: how many key splits keep the GPU busy; partials hold
-// S * Hq * n_splits * (D + 2) floats.
-// impl: 1 (default) plans for attention_mma when S > 1, 0 for attn_kernel; S == 1 always plans for attn_kernel.
-// Either plan is valid for either kernel; part must hold what the plan used says.
-kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count, int impl = 1);
+// S * Hq * n_splits * (D + 2) floats. S > 1 plans for attention_mma, S == 1 for the decode kernels (attn_kernel's
+// plan, which the tensor-core decode kernel also takes). part must hold what the plan says.
+kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count);
 // Causal GQA attention over the cache (keys 0..pos0+t for row t), then o = bf16(softmax(qK^T) V * sigmoid(gate)).
 // part: fp32 scratch [S, Hq, n_splits, D + 2]; o: bf16 [S, Hq*D].
 // dpos (prep and attention): when set, pos0 is read from the device (decode graphs) and the split length is
 // derived there from the key count over the fixed sp.n_splits (empty splits write m = -inf, l = 0).
-// impl: 1 (default) = tensor-core flash attention (attention_mma.cu) for prefill chunks (S > 1, dpos null);
-// 0 = the CUDA-core attn_kernel (used for S == 1 / decode; kept for ablation); 2 = for S == 1 with 8 query heads
-// per KV head, the tensor-core decode kernel (attention_decode_tc.cu), else as 1. pipelined: attn_kernel's next
-// K/V tile copied while this one is scored (false: the ablation).
+// Kernels: prefill chunks (S > 1, dpos null) the tensor-core flash attention (attention_mma.cu); one row with
+// tensor_core_decode and 8 query heads per KV head (head_dim 128 / 256) the tensor-core decode kernel
+// (attention_decode_tc.cu); anything else the CUDA-core attn_kernel (its sp.heads_per_block: the GQA packing).
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o,
-               const int32_t* dpos = nullptr, int impl = 1, bool pipelined = true);
+               const int32_t* dpos = nullptr, bool tensor_core_decode = false);
 
-// attention_decode_tc.cu (called by attention() with impl 2): one query row on the tensor cores, 8 query heads
+// attention_decode_tc.cu (called by attention() with tensor_core_decode): one query row on the tensor cores, 8 query heads
 // per KV head, head_dim 128 or 256; writes the split partials for attn_combine_kernel (any n_splits).
 bool attention_decode_tc_supported(const kp::AttentionParams& p);
 void attention_decode_tc(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,

@@ -300,7 +300,16 @@ void check_wmma_tile(int tile_rows) {
   if (tile_rows > kGemmBM) throw std::invalid_argument("[lily] cuda grouped GEMM: the wmma path holds <= 64 rows per tile");
 }
 
+bool force_wmma = false;  // check programs only (force_gemm_fallback)
+
+// The mma GEMM takes the product unless its format or alignment needs the wmma fallback.
+bool mma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda) {
+  return !force_wmma && gemm_mma_supported(W0, W1, A, lda);
+}
+
 }  // namespace
+
+void force_gemm_fallback(bool on) { force_wmma = on; }
 
 int pick_expert_tile(int64_t pairs, int n_experts) {
   // Average pairs per expert; routing is uneven, so round down (a half-empty big tile wastes more than the
@@ -317,19 +326,19 @@ int64_t grouped_max_tiles(int64_t pairs, int n_experts, int tile_rows) {
 }
 
 void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
-            bool accumulate, int impl) {
+            bool accumulate) {
   if (S == 1) return launch_gemv<false>(st, W, W, x, 0, nullptr, 1, y, nullptr, 0, nullptr, accumulate);
   kp::GemmParams gp{S, ldx, ldy, 0, accumulate ? 1 : 0};
-  if (impl == kGemmImplMma && gemm_mma_supported(W, nullptr, x, ldx))
+  if (mma_takes(W, nullptr, x, ldx))
     return gemm_mma(st, GemmMmaArgs{W, W, gp, GroupMap{}, x, y, nullptr}, false, gemm_mma_plain_rows(S, W.p.out, false));
   launch_gemm<false>(st, W, W, gp, GroupMap{}, x, y, nullptr);
 }
 
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
-                     bf16* y, int64_t ldy, int impl) {
+                     bf16* y, int64_t ldy) {
   if (S == 1) return launch_gemv<true>(st, W0, W1, x, 0, nullptr, 1, nullptr, y, 0, nullptr, false);
   kp::GemmParams gp{S, ldx, ldy, 0, 0};
-  if (impl == kGemmImplMma && gemm_mma_supported(W0, &W1, x, ldx))
+  if (mma_takes(W0, &W1, x, ldx))
     return gemm_mma(st, GemmMmaArgs{W0, W1, gp, GroupMap{}, x, nullptr, y}, true, gemm_mma_plain_rows(S, W0.p.out, true));
   launch_gemm<true>(st, W0, W1, gp, GroupMap{}, x, nullptr, y);
 }
@@ -345,23 +354,23 @@ void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const 
 }
 
 void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
-                     int64_t ldh, bf16* act, int tile_rows, int impl) {
+                     int64_t ldh, bf16* act, int tile_rows) {
   GroupMap m = g;
   m.y_rows = nullptr;
   m.scale = nullptr;
   kp::GemmParams gp{0, ldh, W0.p.out, 1, 0};
-  if (impl == kGemmImplMma && gemm_mma_supported(W0, &W1, h, ldh))
+  if (mma_takes(W0, &W1, h, ldh))
     return gemm_mma(st, GemmMmaArgs{W0, W1, gp, m, h, nullptr, act}, true, expert_tile_bm(tile_rows));
   check_wmma_tile(tile_rows);
   launch_gemm<true>(st, W0, W1, gp, m, h, nullptr, act);
 }
 
-void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d, int tile_rows,
-                  int impl) {
+void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d,
+                  int tile_rows) {
   GroupMap m = g;
   m.a_rows = nullptr;
   kp::GemmParams gp{0, W2.p.in, W2.p.out, 1, 0};
-  if (impl == kGemmImplMma && gemm_mma_supported(W2, nullptr, act, W2.p.in))
+  if (mma_takes(W2, nullptr, act, W2.p.in))
     return gemm_mma(st, GemmMmaArgs{W2, W2, gp, m, act, d, nullptr}, false, expert_tile_bm(tile_rows));
   check_wmma_tile(tile_rows);
   launch_gemm<false>(st, W2, W2, gp, m, act, d, nullptr);

@@ -1,7 +1,8 @@
 // Linear layers on the GPU: y = x W^T with bf16 activations, weights dequantized on the fly, fp32 accumulate.
-// Decode (one row) takes the warp-per-row GEMV; prefill a tensor-core GEMM: by default the mma.sync one of
-// gemm_mma.cu (raw codes pipelined, dequantized in registers), or the wmma one that dequantizes each weight
-// tile into shared memory. Both also run the MoE experts (expert ids read on the device).
+// One row (outside the fused decode step) takes the warp-per-row GEMV; prefill a tensor-core GEMM: the mma.sync one
+// of gemm_mma.cu (raw codes pipelined, dequantized in registers) where gemm_mma_supported, else the wmma one that
+// dequantizes each weight tile into shared memory (dense weights, other groups). Both also run the MoE experts
+// (expert ids read on the device).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -19,7 +20,8 @@ struct GroupMap {
   int64_t max_tiles = 0;                 // grid bound
 };
 
-// Default rows per expert tile, and the most the wmma GEMM (kGemmImplWmma) holds per tile.
+// Rows per tile of the wmma GEMM (the fallback for weights the mma GEMM does not take: dense, other groups); also
+// the most rows per expert tile it holds.
 constexpr int kGemmBM = 64;
 
 // Rows of GEMM block tile blockIdx.x: plain tiles cover rows [t*bm, +bm) of M; grouped tiles read their expert,
@@ -40,10 +42,9 @@ __device__ __forceinline__ bool gemm_tile_rows(const kp::GemmParams& gp, const G
   return true;
 }
 
-// Prefill GEMM implementation (S > 1; S == 1 always takes the GEMV). kGemmImplMma needs quantized weights
-// (4/8-bit, group 64) and 16-byte aligned A rows, and falls back to the wmma GEMM otherwise.
-constexpr int kGemmImplWmma = 0;  // wmma 16x16x16, weights dequantized into shared memory (old path)
-constexpr int kGemmImplMma = 1;   // mma.sync m16n8k16 + cp.async pipeline of raw codes (gemm_mma.cu)
+// Check programs only: every GEMM of this process takes the wmma fallback (true) or the normal dispatch (false),
+// so benchmarks/kernels/check_gemm.cu can compare the fallback with the reference on the same quantized weights.
+void force_gemm_fallback(bool on);
 
 // Rows per expert tile (16, 32, 64 or 128) for `pairs` routed pairs over n_experts: the same value must go to
 // moe_sort and to grouped_gate_up / grouped_down.
@@ -53,10 +54,10 @@ int64_t grouped_max_tiles(int64_t pairs, int n_experts, int tile_rows);
 
 // y[s*ldy + r] (=|+=) sum_i x[s*ldx + i] W[r, i] for s < S, r < W.out. x: bf16 [S, ldx], y: fp32 [S, ldy].
 void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
-            bool accumulate = false, int impl = kGemmImplMma);
+            bool accumulate = false);
 // y[s, r] = bf16(silu(x W0^T) * (x W1^T)) for s < S; y: bf16 [S, ldy] (gate/up pair of an FFN).
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
-                     bf16* y, int64_t ldy, int impl = kGemmImplMma);
+                     bf16* y, int64_t ldy);
 
 // Decode MoE, one token: for slot j < k, expert e = ids[j]:
 //   act[j, :] = bf16(silu(x W0[e]^T) * (x W1[e]^T))           x: bf16 [H], act: bf16 [k, I]
@@ -67,12 +68,12 @@ void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const 
                   float* d);
 
 // Prefill MoE over sorted (token, expert) pairs and the tile map of `g`, built by moe_sort with tile_rows
-// (16, 32, 64 or 128; kGemmImplWmma takes at most kGemmBM):
+// (16, 32, 64 or 128; the wmma fallback takes at most kGemmBM):
 //   gate/up: act[p, :] = bf16(silu(h[a_rows[p]] W0[e]^T) * (h[a_rows[p]] W1[e]^T))   act: bf16 [pairs, I]
 void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
-                     int64_t ldh, bf16* act, int tile_rows = kGemmBM, int impl = kGemmImplMma);
+                     int64_t ldh, bf16* act, int tile_rows = kGemmBM);
 //   down: d[y_rows[p], :] = scale[p] * (act[p] W2[e]^T)                                d: fp32 [pairs, H]
 void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d,
-                  int tile_rows = kGemmBM, int impl = kGemmImplMma);
+                  int tile_rows = kGemmBM);
 
 }  // namespace lily::cuda
