@@ -240,6 +240,11 @@ def test_generation_config_supplies_defaults(tmp_path):
     assert m.generate(PROMPT, max_tokens=5).token_ids == m.generate(PROMPT, max_tokens=5, temperature=0).token_ids
 
 
+def test_bytes_prompt_is_refused_not_read_as_token_ids(model):
+    with pytest.raises(TypeError, match="bytes"):
+        model.generate(b"Hello", max_tokens=2)
+
+
 def test_bad_prompts(model):
     with pytest.raises(TypeError, match="prompt must be"):
         model.generate(3.5, max_tokens=1)

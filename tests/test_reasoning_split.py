@@ -95,8 +95,6 @@ def test_raw_prompt_stream_is_not_split_and_splitting_twice_is_harmless(model):
     assert [(c.text, c.reasoning, c.channel) for c in again] == [(c.text, c.reasoning, c.channel) for c in split]
 
 
-@pytest.mark.xfail(strict=True, reason="needs Session.generate to split chat replies: "
-                                       "split_reasoning(chunks, prompt_text) for message prompts")
 def test_model_generate_on_messages_returns_the_split(model):
     result = model.generate(MESSAGES, **GREEDY)
     assert "</think>" not in result.text and result.text == result.text.lstrip()

@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import ContextLengthError, LilyError, NonFiniteLogitsError
 from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
-                         StopStringMatcher, collect)
+                         StopStringMatcher, collect, split_reasoning)
 from .sampling import (Sampler, SamplingParams, device_sampling_supported, resolve_sampling, split_sampling_options,
                        takes_sampling_options)
 from .session_file import load_session_file, read_session_user_metadata, save_session_file
@@ -110,27 +110,34 @@ class Session:
         self._last_logits = None if snap.last_logits is None else snap.last_logits.copy()
 
     # ---- prompts ----------------------------------------------------------------------------------
-    def _new_tokens(self, prompt: Any, template_kwargs: Mapping[str, Any], whole: bool = False) -> list[int]:
-        """The tokens this prompt adds to the session. Chat messages (and any prompt with whole=True) are
-        the whole context: the session keeps the longest prefix of it that it can, see `_reuse`."""
-        ids, is_chat = self._prompt_ids(prompt, **template_kwargs)
-        if not (is_chat or whole):
-            return ids
-        return self._reuse(ids)
+    def _new_tokens(self, prompt: Any, template_kwargs: Mapping[str, Any], whole: bool = False
+                    ) -> tuple[list[int], str | None]:
+        """The tokens this prompt adds to the session, and the rendered text when it is chat messages. Chat
+        messages (and any prompt with whole=True) are the whole context: the session keeps the longest prefix
+        of it that it can, see `_reuse`."""
+        ids, chat_text = self._prompt_ids(prompt, **template_kwargs)
+        if chat_text is None and not whole:
+            return ids, None
+        return self._reuse(ids), chat_text
 
-    def _prompt_ids(self, prompt: Any, **template_kwargs: Any) -> tuple[list[int], bool]:
-        """prompt -> (token ids, is_chat). str: raw text; ints: token ids; dicts: chat messages."""
+    def _prompt_ids(self, prompt: Any, **template_kwargs: Any) -> tuple[list[int], str | None]:
+        """prompt -> (token ids, the rendered chat text or None). str: raw text; ints: token ids; dicts: chat
+        messages."""
         model = self.model
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError("[generate] the prompt is bytes: pass text (prompt.decode('utf-8')) or a list of "
+                            "token ids")
         if isinstance(prompt, str):
             if template_kwargs:
                 raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
                                 f"but the prompt is a string (pass a list of {{'role', 'content'}} messages)")
-            return model.tokenizer.encode(prompt), False
+            return model.tokenizer.encode(prompt), None
         if isinstance(prompt, np.ndarray):
             prompt = prompt.reshape(-1).tolist()
         if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             kw = {"add_generation_prompt": True, **template_kwargs}
-            return model.tokenizer.encode(model.chat_template.render(prompt, **kw)), True
+            text = model.chat_template.render(prompt, **kw)
+            return model.tokenizer.encode(text), text
         if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                                 for t in prompt):
             ids = [int(t) for t in prompt]
@@ -140,7 +147,7 @@ class Session:
             if template_kwargs:
                 raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
                                 f"but the prompt is token ids")
-            return ids, False
+            return ids, None
         raise TypeError(f"[generate] prompt must be a string, a list of token ids or a list of chat message "
                         f"dicts, got {type(prompt).__name__}")
 
@@ -249,7 +256,7 @@ class Session:
         defaulting to True) and reuses the session's state (or its prefix cache) for the longest prefix held.
         whole=True treats text / token ids the same way (the prompt is the whole context)."""
         t0 = time.perf_counter()
-        new = self._new_tokens(prompt, template_kwargs, whole)
+        new, _ = self._new_tokens(prompt, template_kwargs, whole)
         cached = len(self._tokens)
         self._check_room(len(new), 0)
         self._feed_prompt(new, progress)
@@ -308,11 +315,13 @@ class Session:
         if sampling is None:
             sampling = resolve_sampling(self.model.generation_config, **options)
         t0 = time.perf_counter()
-        new = [] if prompt is None else self._new_tokens(prompt, template_kwargs, whole)
+        new, chat_text = ([], None) if prompt is None else self._new_tokens(prompt, template_kwargs, whole)
         budget = self._check_room(len(new), sampling.max_tokens)
         if not new and not self._pending and self._last_logits is None:
             raise LilyError("[generate] the session is empty: pass a prompt or prefill() one first")
         chunks = self._decode_loop(new, sampling, budget, time.perf_counter() - t0, progress, constraint)
+        if chat_text is not None:  # a chat reply: reasoning and answer apart (GenerationChunk.channel)
+            chunks = split_reasoning(chunks, chat_text)
         return chunks if stream else collect(chunks)
 
     def _decode_loop(self, new: list[int], params: SamplingParams, budget: int, prep_s: float,
