@@ -57,10 +57,16 @@ lily::ConfigDict to_config_dict(const nb::dict& d) {
 
 struct PyState {
   std::shared_ptr<lily::State> st;
+  std::weak_ptr<lily::Engine> engine;  // the state's engine: its launched steps finish before a copy of st
+
+  void settle() const {
+    if (auto e = engine.lock()) e->sync();
+  }
 
   // Host copies of the whole state, by name: "position" (int64 scalar), "kv.i.k"/"kv.i.v" [position, Hkv*D],
   // "dn.i.ssm" [Hv*Dv*Dk], "dn.i.conv" [(K-1)*C] (i = slot among layers of that kind). For Session.save.
   nb::dict export_arrays() const {
+    settle();
     nb::module_ np = nb::module_::import_("numpy");
     auto arr = [&](int64_t n, auto&& fill) {
       nb::object a = np.attr("empty")(n, "dtype"_a = np.attr("float32"));
@@ -84,6 +90,7 @@ struct PyState {
 
   // Inverse of export_arrays; every array must be present with the size this model's state has.
   void import_arrays(nb::dict d) {
+    settle();
     nb::module_ np = nb::module_::import_("numpy");
     auto get = [&](const std::string& name, int64_t n) {
       if (!d.contains(name.c_str())) throw std::invalid_argument("[lily] State.import_arrays: missing array '" + name + "'");
@@ -124,7 +131,7 @@ struct PyState {
 
 struct PyEngine {
   std::vector<Array> keep;  // borrowed weight arrays, alive as long as the engine
-  std::unique_ptr<lily::Engine> eng;
+  std::shared_ptr<lily::Engine> eng;  // shared: states hold a weak reference (PyState::settle)
 
   PyEngine(nb::dict config, nb::dict tensors, nb::dict quant, int threads, int64_t max_context,
            const std::string& backend, nb::dict options) {
@@ -163,10 +170,10 @@ struct PyEngine {
     lily::BackendOptions opts;
     for (auto [k, v] : options) opts[nb::cast<std::string>(nb::str(k))] = nb::cast<std::string>(nb::str(v));
     nb::gil_scoped_release rel;
-    eng = std::make_unique<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug, backend, opts);
+    eng = std::make_shared<lily::Engine>(cfg, tmap, qmap, threads, max_context, debug, backend, opts);
   }
 
-  PyState new_state() const { return PyState{std::shared_ptr<lily::State>(eng->new_state())}; }
+  PyState new_state() const { return PyState{std::shared_ptr<lily::State>(eng->new_state()), eng}; }
 
   // tokens (any 1-D integer array-like) -> int32 ids, range-checked against the vocabulary.
   std::vector<int32_t> parse_tokens(nb::handle tokens) const {
@@ -673,9 +680,15 @@ NB_MODULE(_lily, m) {
       .def_prop_ro("position", [](const PyState& s) { return s.st->position; }, "tokens seen")
       .def_prop_ro("nbytes", [](const PyState& s) { return s.st->nbytes(); },
                    "bytes held: KV in use + fixed recurrent/conv state")
-      .def("snapshot", [](const PyState& s) { return PyState{std::make_shared<lily::State>(s.st->snapshot())}; },
+      .def("snapshot", [](const PyState& s) {
+             s.settle();
+             return PyState{std::make_shared<lily::State>(s.st->snapshot()), s.engine};
+           },
            "deep, independent copy (KV up to position, DeltaNet + conv state)")
-      .def("restore", [](PyState& s, const PyState& snap) { s.st->restore(*snap.st); }, "snap"_a,
+      .def("restore", [](PyState& s, const PyState& snap) {
+             s.settle();
+             s.st->restore(*snap.st);
+           }, "snap"_a,
            "make this state equal to snap (snap stays usable)")
       .def("export_arrays", &PyState::export_arrays, "host copies of the state by name (for saving)")
       .def("import_arrays", &PyState::import_arrays, "arrays"_a, "inverse of export_arrays")

@@ -178,6 +178,11 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
   s->close();
 }
 
+void Engine::sync() {
+  std::lock_guard<std::mutex> lk(mu_);
+  backend_->sync();
+}
+
 void Engine::set_backend_flag(const std::string& name, int64_t value) {
   std::lock_guard<std::mutex> lk(mu_);
   park_active(nullptr);

@@ -120,6 +120,10 @@ class Engine {
   // out[i] = argmax (lowest index on ties) after feeding token (i = 0) or out[i-1]. Advances st.position by n_steps.
   void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
 
+  // Waits until the device has finished every launched step (an open stream's run-ahead included), so a state's
+  // arrays can be copied (snapshot, export) while a stream is open.
+  void sync();
+
   // Backend switches (ablations) and counters; std::invalid_argument for a name the backend does not know.
   void set_backend_flag(const std::string& name, int64_t value);
   int64_t backend_flag(const std::string& name);
