@@ -256,7 +256,8 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     """Load a checkpoint (local folder or Hugging Face repo id) onto a backend.
 
     path_or_repo_id=None loads the small model bundled with the package (lily/models/default).
-    backend: "auto" (= "cpu" for now), "cpu", "cuda", "metal", or "reference" (NumPy, slow, exact).
+    backend: "auto" (metal on a Mac, cuda where a device is visible, else cpu), "cpu", "cuda", "metal", or
+    "reference" (NumPy, slow, exact).
     max_context: context window in tokens (default min(32768, the model's max_position_embeddings)).
     threads: CPU threads (0 = all cores). chunk_size: prefill chunk rows (0 = backend default).
     backend_options: construction options of the backend (str -> str, csrc/metal/backend_metal.h); on Linux,
