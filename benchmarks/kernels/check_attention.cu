@@ -1,5 +1,5 @@
-// build: csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/attention_decode_tc.cu
-// Attention (csrc/cuda/attention.cu dispatch: prefill on attention_mma.cu's tensor-core flash attention, one row on
+// build: csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu
+// Attention (csrc/cuda/attention.cu dispatch: prefill on attention_prefill.cu's tensor-core flash attention, one row on
 // the CUDA-core attn_kernel or with tc_decode the tensor-core decode kernel) against an fp64 host reference, then
 // timing at the real shapes.
 //
@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/kernels.cuh"
+#include "cuda/attention.cuh"
 
 using lily::cuda::bf16;
 namespace kp = lily::kp;

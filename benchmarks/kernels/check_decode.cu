@@ -1,5 +1,5 @@
-// build: csrc/cuda/decode.cu csrc/cuda/decode_tc.cu csrc/cuda/decode_bulk.cu csrc/cuda/decode_ring.cu
-// Decode GEMV kernels (csrc/cuda/decode_tc.cu tensor-core path, decode.cu scalar path) against an fp64 host
+// build: csrc/cuda/gemv.cu csrc/cuda/gemv_tc.cu csrc/cuda/gemv_bulk.cu csrc/cuda/gemv_ring.cu
+// Decode GEMV kernels (csrc/cuda/gemv.cuh: the scalar, tensor-core, bulk-copy and ring implementations) against an fp64 host
 // twin: random MLX 4-bit weights (group 64), fresh seed per run, outputs poisoned with NaN first; real and
 // awkward shapes; then the time per launch of both paths at the real decode shapes (weights rotated over
 // several copies so the 60 MB L2 does not hold them), as TB/s of weight bytes.
@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/decode.cuh"
+#include "cuda/gemv.cuh"
 
 using namespace lily;
 using namespace lily::cuda;
@@ -112,7 +112,7 @@ static void report(const char* name, const std::vector<double>& ref, const std::
 
 // Store / accumulate / dual on one or several segments, bf16 input (x staged as is).
 static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_t> outs, int mode) {
-  using namespace lily::cuda::dec;
+  using namespace lily::cuda::gemv;
   ProjArgs a;
   a.in = static_cast<int32_t>(in);
   a.xmode = kXBf16;
@@ -167,7 +167,7 @@ static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_
 
 // Routed experts' down + shared down + combine into the residual.
 static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
-  using namespace lily::cuda::dec;
+  using namespace lily::cuda::gemv;
   QW wd(E, H, I), ws(1, H, I);
   auto act = rand_x(k * I), sact = rand_x(I);
   std::vector<int32_t> idx(k);
@@ -210,7 +210,7 @@ static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
 
 // Time per launch (median of 30) of proj over `copies` weight copies of shape outs x in, both paths.
 static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies) {
-  using namespace lily::cuda::dec;
+  using namespace lily::cuda::gemv;
   std::vector<ProjArgs> args(copies);
   auto x = rand_x(in);
   bf16* dx = reinterpret_cast<bf16*>(dnew(x));
@@ -297,7 +297,7 @@ static void time_read(int64_t bytes) {
 
 // Time per launch of the MoE down (8 routed experts of 256 + shared) over rotated expert ids, three paths.
 static void time_down() {
-  using namespace lily::cuda::dec;
+  using namespace lily::cuda::gemv;
   const int64_t H = 2048, I = 512;
   const int k = 8, E = 256, copies = 8;
   QW wd(E, H, I), ws(1, H, I);
@@ -335,7 +335,7 @@ static void time_down() {
 }
 
 int main() {
-  using namespace lily::cuda::dec;
+  using namespace lily::cuda::gemv;
   int dev = 0;
   cudaDeviceProp prop;
   LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));

@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/kernels.cuh"
+#include "cuda/deltanet.cuh"
 
 namespace kp = lily::kp;
 namespace lc = lily::cuda;

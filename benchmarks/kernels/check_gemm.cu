@@ -1,6 +1,6 @@
-// build: csrc/cuda/gemm_mma.cu csrc/cuda/linear.cu
-// Prefill GEMM family (linear.cuh): the mma.sync GEMM of gemm_mma.cu (impl 1) and the wmma fallback (impl 0,
-// forced by cuda::force_gemm_fallback; linear.cu takes it for weights the mma GEMM does not serve)
+// build: csrc/cuda/gemm.cu
+// Prefill GEMM family (gemm.cuh): the mma.sync GEMM (impl 1) and the wmma fallback (impl 0,
+// forced by cuda::force_gemm_fallback; gemm.cu takes it for weights the mma GEMM does not serve)
 // against an fp64 host reference on real and awkward shapes, plain and grouped (MoE), then both timed at the
 // model's real sizes. Usage: check_gemm [seed]   (a fresh seed each run unless given).
 //
@@ -20,8 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/gemm_mma.cuh"
-#include "cuda/linear.cuh"
+#include "cuda/gemm.cuh"
 
 using namespace lily;
 using cuda::bf16;

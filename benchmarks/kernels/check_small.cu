@@ -1,6 +1,6 @@
-// build: csrc/cuda/misc.cu csrc/cuda/routing.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_mma.cu csrc/cuda/attention_decode_tc.cu csrc/cuda/decode.cu csrc/cuda/decode_tc.cu csrc/cuda/decode_bulk.cu csrc/cuda/decode_ring.cu
-// The small CUDA kernel families (kernels.cuh: misc.cu, routing.cu, deltanet.cu conv / gated norm, attention.cu
-// prep; decode.cuh: dec::deltanet_scan) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
+// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu csrc/cuda/gemv_tc.cu csrc/cuda/gemv_bulk.cu csrc/cuda/gemv_ring.cu
+// The small CUDA kernel families (embed_norm.cu, moe.cu, deltanet.cu conv / gated norm, attention.cu
+// prep; deltanet.cuh: deltanet_step) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes
 // and awkward ones, every output poisoned with 0xFF bytes (NaN / -1) before the launch so unwritten elements fail,
 // one line per case, then "SUMMARY small <pass>/<total>"; exit code 1 on any failure.
@@ -29,8 +29,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda/decode.cuh"
-#include "cuda/kernels.cuh"
+#include "cuda/attention.cuh"
+#include "cuda/deltanet.cuh"
+#include "cuda/embed_norm.cuh"
+#include "cuda/gemv.cuh"
+#include "cuda/moe.cuh"
 
 #define CHECK_FAMILY "small"
 #include "check_util.cuh"
@@ -139,7 +142,7 @@ static double silu_d(double x) { return x / (1.0 + std::exp(-x)); }
 static double sigmoid_d(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 static double softplus_d(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
 
-// ---------------------------------------------------------------- misc.cu: embed
+// ---------------------------------------------------------------- embed_norm.cu: embed
 // E: MLX affine [V, in] (group 64), codes u32 [V, in*bits/32], scales/biases bf16 [V, in/64]; w = s*q + b.
 // Scales ~ 0.01-0.03, biases ~ -2^(bits-1) s (zero-mean rows, as MLX quantisation of an embedding gives).
 static void check_embed(int64_t V, int64_t in, int bits, int64_t S) {
@@ -191,7 +194,7 @@ static void check_embed(int64_t V, int64_t in, int bits, int64_t S) {
          1e-5);
 }
 
-// ---------------------------------------------------------------- misc.cu: rms_norm (fp32 -> bf16)
+// ---------------------------------------------------------------- embed_norm.cu: rms_norm (fp32 -> bf16)
 static void check_rms_norm(int64_t rows, int64_t n) {
   Dev dv;
   auto x = randn(rows * n, 1.f);
@@ -216,7 +219,7 @@ static void check_rms_norm(int64_t rows, int64_t n) {
          true);
 }
 
-// ---------------------------------------------------------------- routing.cu: moe_route
+// ---------------------------------------------------------------- moe.cu: moe_route
 // Logits ~ N(0, 2) quantised to multiples of 1/64: distinct logits differ by >= 1/64 (1.6% in probability, far above
 // fp32 rounding) and equal logits give bit-equal fp32 probabilities, so the top-k set and order are exact in both
 // the kernel and the fp64 twin; ties (frequent at this quantisation; whole tied rows added) must go to the lower index.
@@ -294,7 +297,7 @@ static void check_route_nonfinite(int E, int k) {
               bad ? "FAIL" : "PASS", E, k, bad);
 }
 
-// ---------------------------------------------------------------- routing.cu: moe_sort
+// ---------------------------------------------------------------- moe.cu: moe_sort
 // top_idx: k distinct experts per row (as routing gives); skew sends ~70% of picks to 4 experts (several tiles per
 // expert, most experts empty). Checks: n_tiles == sum_e ceil(count_e / tile_rows); each tile 1..tile_rows rows inside
 // [0, P); tiles cover every sorted position exactly once; every position's pair belongs to its tile's expert;
@@ -359,7 +362,7 @@ static void check_sort(int64_t S, int E, int k, int tile_rows, bool skew) {
                ref, got);
 }
 
-// ---------------------------------------------------------------- routing.cu: moe_combine
+// ---------------------------------------------------------------- moe.cu: moe_combine
 // x is read-modify-write, so it starts from random values rather than poison; every element's added term is
 // nonzero, so an unwritten element fails.
 static void check_combine(int64_t S, int64_t H, int k) {
@@ -450,7 +453,7 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
          true);
 }
 
-// ---------------------------------------------------------------- decode.cu: dec::deltanet_scan (decode)
+// ---------------------------------------------------------------- deltanet.cu: deltanet_step (decode)
 // One token: l2 norm of q (times Dk^-0.5), k fused in, then the gated delta rule (model.md 4.3):
 // S *= g; delta = beta (v - S k); S += delta k^T; o = S q. u = silu(N(0, 1.5)) (post-conv, q/k not normalised),
 // b in [-4, 4], a in [-3, 0.5], dt_bias in [-1, 0.5], A_log in [-1.5, 0]; state ~ U(-0.5, 0.5) or zero.
@@ -466,7 +469,7 @@ static void check_deltanet_decode_scan(int Hk, int Hv, int Dk, int Dv, bool zero
   const float *du = dv.put(u), *db = dv.put(b), *da = dv.put(a), *ddt = dv.put(dtb), *dal = dv.put(alog);
   float* dssm = dv.put(ssm0);
   float* dy = dv.alloc<float>(int64_t(Hv) * Dv);
-  lc::dec::deltanet_scan(0, p, du, db, da, ddt, dal, dssm, dy);
+  lc::deltanet_step(0, p, du, db, da, ddt, dal, dssm, dy);
   after_launch();
   std::vector<double> ry(int64_t(Hv) * Dv), rs(ns), q(Dk), k(Dk), st(Dk);
   for (int h = 0; h < Hv; ++h) {

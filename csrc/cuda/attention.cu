@@ -1,4 +1,4 @@
-#include "cuda/kernels.cuh"
+#include "cuda/attention.cuh"
 #include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {

@@ -4,7 +4,7 @@
 // logits or drawn token.
 //
 // Sub-blocks (core/backend.h) run the prefill kernels for any S, except S == 1 inside a step bracket
-// (begin_step .. end_step): there they run the fused decode kernels (gemv.cu: norms folded into the projections,
+// (begin_step .. end_step): there they run the fused decode kernels (gemv.cuh: norms folded into the projections,
 // projections that read the same row in one launch, conv into the in-projection, MoE combine into the down
 // projection) on dedicated scratch, with the token and position in a device control block, so the whole step
 // (embed -> layers -> head -> draw) is one CUDA graph, recorded once per key (step_key) and replayed.
@@ -21,10 +21,12 @@
 
 #include "core/backend.h"
 #include "cuda/cuda_memory.h"
-#include "cuda/decode.cuh"
-#include "cuda/kernels.cuh"
-#include "cuda/gemm_mma.cuh"
-#include "cuda/linear.cuh"
+#include "cuda/attention.cuh"
+#include "cuda/deltanet.cuh"
+#include "cuda/embed_norm.cuh"
+#include "cuda/gemm.cuh"
+#include "cuda/gemv.cuh"
+#include "cuda/moe.cuh"
 #include "cuda/runtime.h"
 #include "cuda/sample.cuh"
 #include "cuda/weights_cuda.h"
@@ -36,6 +38,19 @@ using cuda::bf16;
 using cuda::DLinear;
 
 using DLayer = cuda::DeviceLayer;
+
+// Device control block of the decode steps: two slots alternate by step parity (DecodeStep::index & 1). Step p
+// reads its token, position and uniform from slot[p] (the host writes them, except a token the previous step drew)
+// and writes the token it draws into slot[1 - p].token, the next step's input.
+struct StepSlot {
+  int32_t token;  // input token of the step
+  int32_t pos;    // its position
+  float uniform;  // device sampling: the step's draw in [0, 1)
+  int32_t pad_;
+};
+struct StepCtl {
+  StepSlot slot[2];
+};
 
 // A device scratch buffer that only grows.
 struct Scratch {
@@ -62,12 +77,12 @@ class CudaBackend final : public Backend {
     check_supported();
     LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, 0));
     w_ = cuda::upload_weights(cfg_, w, mem_);
-    fused_ok_ = fused_supported();
+    fused_ok_ = cuda::fused_decode_fits(cfg_, w_);
     alloc_decode();
   }
 
   ~CudaBackend() override {
-    cudaStreamSynchronize(st_);
+    cudaStreamSynchronize(st_);  // recorded steps may still run
     drop_graphs();
     for (cudaEvent_t e : {step_done_[0], step_done_[1], in_copied_[0], in_copied_[1]})
       if (e) cudaEventDestroy(e);
@@ -120,16 +135,16 @@ class CudaBackend final : public Backend {
         cuda::linear(st_, w_.lm_head, h_, cfg_.hidden, 1, lg, cfg_.vocab, false);
         return;
       }
-      cuda::dec::ProjArgs h = norm_args(w_.final_norm);
+      cuda::gemv::ProjArgs h = norm_args(w_.final_norm);
       h.nseg = 1;
-      h.seg[0] = seg(w_.lm_head, cuda::dec::kOStore, lg);
+      h.seg[0] = seg(w_.lm_head, cuda::gemv::kOStore, lg);
       h.amax = damax_;  // always: the head kernel is then the same whether the step draws or not
       const unsigned nb = run_proj(h);
       if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
       step_launches_ += 1;
       if (!d.draw) return;
       int32_t* next = &dctl_->slot[1 - p].token;
-      if (draw_argmax_) cuda::dec::finish(st_, damax_, static_cast<int>(nb), next);
+      if (draw_argmax_) cuda::sample::argmax_from_block_keys(st_, damax_, static_cast<int>(nb), next);
       else sampler_.draw(st_, lg, &dctl_->slot[p].uniform, next);
       LILY_CUDA_CHECK(cudaMemcpyAsync(&drawn_host_[p], next, sizeof(int32_t), cudaMemcpyDeviceToHost, st_));
       step_launches_ += draw_argmax_ ? 1 : 3;
@@ -190,11 +205,7 @@ class CudaBackend final : public Backend {
 
   // ---- switches --------------------------------------------------------------------------------------------
   // Ablations (Engine.set_backend_flag); each names the technique it turns off or the alternative it picks.
-  struct Switch {
-    const char* name;
-    int* field;
-    int lo, hi;
-  };
+  struct Switch { const char* name; int* field; int lo, hi; };
   std::vector<Switch> switches() {
     return {{"cuda_graph", &graph_on_, 0, 1},     {"gemv_impl", &gemv_impl_, 0, 4},
             {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1},
@@ -364,13 +375,13 @@ class CudaBackend final : public Backend {
   void write_inputs(const DecodeStep& d) {
     const int p = static_cast<int>(d.index & 1);
     LILY_CUDA_CHECK(cudaEventSynchronize(in_copied_[p]));
-    cuda::dec::StepSlot& h = in_host_[p];
+    StepSlot& h = in_host_[p];
     h.token = d.token;
     h.pos = static_cast<int32_t>(d.position);
     h.uniform = d.uniform;
     // slot layout {token, pos, uniform}: copy from the token on, or from pos on
-    const size_t off = d.token >= 0 ? 0 : offsetof(cuda::dec::StepSlot, pos);
-    const size_t bytes = offsetof(cuda::dec::StepSlot, uniform) + sizeof(float) - off;
+    const size_t off = d.token >= 0 ? 0 : offsetof(StepSlot, pos);
+    const size_t bytes = offsetof(StepSlot, uniform) + sizeof(float) - off;
     LILY_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(&dctl_->slot[p]) + off,
                                     reinterpret_cast<const char*>(&h) + off, bytes, cudaMemcpyHostToDevice, st_));
     LILY_CUDA_CHECK(cudaEventRecord(in_copied_[p], st_));
@@ -483,19 +494,6 @@ class CudaBackend final : public Backend {
     std::memcpy(logits, lg_host_, bytes);
   }
 
-  static bool same_format(const DLinear& a, const DLinear& b) {
-    return a.p.kind == b.p.kind && a.p.bits == b.p.bits && a.p.group == b.p.group && a.p.out == b.p.out &&
-           a.p.in == b.p.in && a.p.expert_words == b.p.expert_words && a.p.expert_groups == b.p.expert_groups &&
-           a.p.expert_elems == b.p.expert_elems;
-  }
-
-  bool fused_supported() const {
-    if (cfg_.top_k > cuda::dec::kMaxTopK || cfg_.n_experts > 256) return false;
-    for (const DLayer& L : w_.layers)
-      if (!same_format(L.gate, L.up) || !same_format(L.sh_gate, L.sh_up)) return false;
-    return true;
-  }
-
   template <class T>
   T* dalloc(int64_t n, bool poison) {
     dec_bufs_.emplace_back(mem_, static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T));
@@ -506,11 +504,11 @@ class CudaBackend final : public Backend {
   // Dedicated decode scratch: fixed pointers for the lifetime of the backend (a recorded step holds them).
   void alloc_decode() {
     const int64_t H = cfg_.hidden, D = cfg_.head_dim, Hq = cfg_.n_heads, Hkv = cfg_.n_kv_heads;
-    dctl_ = dalloc<cuda::dec::StepCtl>(1, false);
+    dctl_ = dalloc<StepCtl>(1, false);
     dlg_ = dalloc<float>(2 * cfg_.vocab, false);  // one logits row per step slot (debug: poisoned per slot)
     for (cudaEvent_t* e : {&step_done_[0], &step_done_[1], &in_copied_[0], &in_copied_[1]})
       LILY_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&in_host_), 2 * sizeof(cuda::dec::StepSlot)));
+    LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&in_host_), 2 * sizeof(StepSlot)));
     LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&drawn_host_), 2 * sizeof(int32_t)));
     LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&lg_host_), cfg_.vocab * sizeof(float)));
     if (!fused_ok_) return;
@@ -534,25 +532,24 @@ class CudaBackend final : public Backend {
     dsg_ = dalloc<float>(1, true);
     max_splits_ = std::max<int64_t>(1, (2 * sm_count_ + std::max(Hkv, int64_t{1}) - 1) / std::max(Hkv, int64_t{1}));
     dpart_ = dalloc<float>(Hq * max_splits_ * (D + 2), true);
-    head_blocks_ = cuda::dec::head_blocks(cfg_.vocab);
+    head_blocks_ = cuda::gemv::head_blocks(cfg_.vocab);
     damax_ = dalloc<unsigned long long>(head_blocks_, false);
   }
 
-  cuda::dec::Seg seg(const DLinear& w, int mode, float* y, bf16* yb = nullptr) const {
-    cuda::dec::Seg g;
-    g.w0 = w;
-    g.w1 = w;
+  cuda::gemv::Seg seg(const DLinear& w, int mode, float* y, bf16* yb = nullptr) const {
+    cuda::gemv::Seg g;
+    g.w0 = g.w1 = w;
     g.mode = mode;
     g.y = y;
     g.yb = yb;
     return g;
   }
 
-  unsigned run_proj(const cuda::dec::ProjArgs& a) { return cuda::dec::proj(st_, a, gemv_impl_); }
+  unsigned run_proj(const cuda::gemv::ProjArgs& a) { return cuda::gemv::proj(st_, a, gemv_impl_); }
 
-  cuda::dec::ProjArgs norm_args(const float* w) const {
-    cuda::dec::ProjArgs a;
-    a.xmode = cuda::dec::kXNorm;
+  cuda::gemv::ProjArgs norm_args(const float* w) const {
+    cuda::gemv::ProjArgs a;
+    a.xmode = cuda::gemv::kXNorm;
     a.in = cfg_.hidden;
     a.eps = cfg_.rms_eps;
     a.xf = dx_;
@@ -562,7 +559,7 @@ class CudaBackend final : public Backend {
 
   // x += DeltaNet(RMSNorm(x)) for one token: [norm + qkv/z/b/a + conv] -> scan -> [gated norm + out + residual].
   void fused_deltanet(const DLayer& L, DeltaNetState& s) {
-    namespace d = cuda::dec;
+    namespace d = cuda::gemv;
     d::ProjArgs a = norm_args(L.in_norm);
     a.nseg = 4;
     a.seg[0] = seg(L.qkv, d::kOConv, nullptr);
@@ -575,7 +572,7 @@ class CudaBackend final : public Backend {
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
     run_proj(a);
-    d::deltanet_scan(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_);
+    cuda::deltanet_step(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_);
     d::ProjArgs o;
     o.nseg = 1;
     o.xmode = d::kXGated;
@@ -593,7 +590,7 @@ class CudaBackend final : public Backend {
   // x += Attention(RMSNorm(x)) for one token at the control block's position: [norm + q/k/v] -> prep (q/k norm,
   // RoPE, cache append) -> attention (+ split combine) -> [o + residual].
   void fused_attention(const DLayer& L, KVCache& kv) {
-    namespace d = cuda::dec;
+    namespace d = cuda::gemv;
     d::ProjArgs a = norm_args(L.in_norm);
     a.nseg = 3;
     a.seg[0] = seg(L.q, d::kOStore, dqg_);
@@ -625,7 +622,7 @@ class CudaBackend final : public Backend {
   // x += MoE(RMSNorm(x)) for one token: [norm + router + shared gate/up + shared gate] -> [routing + experts'
   // gate/up] -> [experts' down + shared down + combine + residual].
   void fused_moe(const DLayer& L) {
-    namespace d = cuda::dec;
+    namespace d = cuda::gemv;
     const int k = cfg_.top_k;
     d::ProjArgs a = norm_args(L.post_norm);
     a.h_out = dh_;
@@ -750,8 +747,7 @@ class CudaBackend final : public Backend {
 
   // Ablation switches (set_flag): defaults are the fast paths.
   int graph_on_ = 1;        // decode steps recorded as CUDA graphs and replayed
-  int gemv_impl_ = 3;       // decode GEMVs: 3 auto, 4 rings everywhere, 2 tensor cores + bulk copies, 1 tensor cores,
-                            // 0 scalar (candidates until the A/B of dev/ab_gemv.py on the H200)
+  int gemv_impl_ = 3;       // decode GEMVs (gemv.cuh; candidates until the A/B of dev/ab_gemv.py on the H200)
   int routing_sync_ = 0;    // prefill MoE: host-synchronised tile count instead of a device-sized grid
   int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load (tensor cores)
   int split_k_ = 1;         // decode attention: keys split over blocks (flash-decoding)
@@ -775,8 +771,8 @@ class CudaBackend final : public Backend {
   cudaEvent_t in_copied_[2] = {nullptr, nullptr};  // recorded after the copy from in_host_[p]
   std::vector<Buffer> dec_bufs_;
   std::vector<std::pair<void*, size_t>> dec_poison_;
-  cuda::dec::StepCtl* dctl_ = nullptr;
-  cuda::dec::StepSlot* in_host_ = nullptr;  // pinned [2]
+  StepCtl* dctl_ = nullptr;
+  StepSlot* in_host_ = nullptr;  // pinned [2]
   int32_t* drawn_host_ = nullptr;           // pinned [2]: the token step slot p drew
   float* lg_host_ = nullptr;                // pinned [V]
   cuda::sample::DeviceSampler sampler_;

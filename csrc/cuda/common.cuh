@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/params.h"
 
@@ -141,6 +142,30 @@ __device__ __forceinline__ void load_w8(const DLinear& W, int64_t e, int64_t row
 #pragma unroll
     for (int j = 0; j < 8; ++j) out[j] = k0 + j < p.in ? d[k0 + j] : 0.f;
   }
+}
+
+// PDL: a kernel launched with programmatic stream serialisation may start while its predecessor is still
+// running. It must not read the predecessor's outputs (nor write anything the predecessor reads) before
+// pdl_wait(), which returns once the predecessor grid has completed and its memory is visible; without the
+// launch attribute both are no-ops. Every decode kernel calls pdl_wait() on every path, so completion stays
+// transitive along the chain. pdl_trigger() lets the next kernel be scheduled as soon as all our blocks run.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+// Launch with the PDL attribute (cudaLaunchKernelEx; stream-ordered, capturable in graphs).
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
 }
 
 }  // namespace lily::cuda

@@ -1,9 +1,13 @@
-#include "cuda/kernels.cuh"
+// The Gated DeltaNet family (model.md §4.3), in the order a layer runs it: the causal conv (+ SiLU, q/k l2 norm),
+// the recurrence (prefill: deltanet_scan, whose forms live in deltanet_chunk.cu; one token: deltanet_step, with the
+// l2 norm fused in), the gated RMSNorm.
+#include "cuda/deltanet.cuh"
 
 namespace lily::cuda {
 namespace {
 
 constexpr int kConvRows = 32;   // rows per thread of the conv (channels x row-blocks in the grid)
+constexpr int kStepWarps = 4;   // state rows (dv) per block of the one-token scan
 
 // Row i of X = [conv_state (K-1 rows); qkv (S rows)] at channel c.
 __device__ __forceinline__ float conv_x(const float* cs, const float* qkv, int64_t i, int64_t c, int64_t C, int K) {
@@ -83,6 +87,61 @@ __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const fl
   }
 }
 
+// DeltaNet recurrence for one token: one warp per state row (h, dv), q/k l2 normalisation fused in (the
+// arithmetic of l2norm_kernel and scan_kernel at S = 1).
+template <int NK>
+__global__ void __launch_bounds__(kStepWarps * 32)
+    deltanet_step_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,
+                    const float* a_log, float* ssm, float* y) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = blockIdx.y, dv = blockIdx.x * kStepWarps + warp;
+  pdl_trigger();
+  pdl_wait();
+  if (dv >= p.v_dim) return;
+  const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
+  const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
+  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
+  float st[NK], q[NK], k[NK];
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const bool in = lane + 32 * i < Dk;
+    st[i] = in ? sp[lane + 32 * i] : 0.f;
+    q[i] = in ? u[static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+    k[i] = in ? u[key_dim + static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+  }
+  const float v = u[2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv];
+  float sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int i = 0; i < NK; ++i) sq += q[i] * q[i], sk += k[i] * k[i];
+  sq = warp_sum(sq);
+  sk = warp_sum(sk);
+  const float iq = 1.f / sqrtf(sq + p.qk_eps) * rsqrtf(static_cast<float>(Dk));
+  const float ik = 1.f / sqrtf(sk + p.qk_eps);
+#pragma unroll
+  for (int i = 0; i < NK; ++i) q[i] *= iq, k[i] *= ik;
+  const float A = expf(a_log[h]), dtb = dt_bias[h];
+  const float beta = 1.f / (1.f + expf(-b[h]));
+  const float g = expf(-A * softplusf_(a[h] + dtb));
+  float kst = 0.f;
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    st[i] *= g;
+    kst += st[i] * k[i];
+  }
+  const float delta = beta * (v - warp_sum(kst));
+  float o = 0.f;
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    st[i] += delta * k[i];
+    o += st[i] * q[i];
+  }
+  o = warp_sum(o);
+  if (lane == 0) y[static_cast<int64_t>(h) * p.v_dim + dv] = o;
+#pragma unroll
+  for (int i = 0; i < NK; ++i)
+    if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
+}
+
 }  // namespace
 
 void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
@@ -138,6 +197,19 @@ void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const flo
   const int64_t threads = p.S * p.v_heads * 32;
   gated_norm_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, y, z, w, out);
   LILY_LAUNCH_CHECK();
+}
+
+void deltanet_step(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y) {
+  const dim3 grid(static_cast<unsigned>((p.v_dim + kStepWarps - 1) / kStepWarps), p.v_heads);
+  const dim3 block(kStepWarps * 32);
+  switch ((p.k_dim + 31) / 32) {
+    case 1: launch_pdl(deltanet_step_kernel<1>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 2: launch_pdl(deltanet_step_kernel<2>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 3: launch_pdl(deltanet_step_kernel<3>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 4: launch_pdl(deltanet_step_kernel<4>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    default: throw std::invalid_argument("[lily] cuda deltanet_step: linear_key_head_dim > 128 is not supported");
+  }
 }
 
 }  // namespace lily::cuda

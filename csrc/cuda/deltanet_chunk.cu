@@ -18,7 +18,7 @@
 // instead of producing 0/0. The prep kernel (all chunks in parallel) forms A, solves for W and U by forward
 // substitution in registers, and writes W, U, P, lg to scratch; the state kernel walks the chunks in order,
 // one block per (value head, 32 state rows), with its state slice in shared memory.
-#include "cuda/kernels.cuh"
+#include "cuda/deltanet.cuh"
 #include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {

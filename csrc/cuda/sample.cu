@@ -469,6 +469,22 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
   }
 }
 
+// One block: the head's block keys (gemv's argmax_key: order-preserving logit, then -row) -> the next token.
+__global__ void argmax_kernel(const unsigned long long* amax, int n, int32_t* token) {
+  __shared__ unsigned long long red[32];
+  pdl_wait();
+  unsigned long long m = 0ull;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, amax[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, red[w]);
+    *token = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(m & 0xFFFFFFFFull));
+  }
+}
+
 }  // namespace
 
 size_t workspace_floats(int V) {
@@ -564,6 +580,10 @@ void DeviceSampler::draw(cudaStream_t st, const float* logits, const float* unif
   a.token = token;
   a.vocab = V_;
   launch(st, a);
+}
+
+void argmax_from_block_keys(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token) {
+  launch_pdl(argmax_kernel, dim3(1), dim3(1024), 0, st, amax, n, token);
 }
 
 }  // namespace lily::cuda::sample

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "cuda/gemv.cuh"
+
 namespace lily::cuda {
 namespace {
 
@@ -83,6 +85,21 @@ DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::sha
     dw.layers.push_back(L);
   }
   return dw;
+}
+
+namespace {
+bool same_format(const DLinear& a, const DLinear& b) {
+  return a.p.kind == b.p.kind && a.p.bits == b.p.bits && a.p.group == b.p.group && a.p.out == b.p.out &&
+         a.p.in == b.p.in && a.p.expert_words == b.p.expert_words && a.p.expert_groups == b.p.expert_groups &&
+         a.p.expert_elems == b.p.expert_elems;
+}
+}  // namespace
+
+bool fused_decode_fits(const Config& cfg, const DeviceWeights& w) {
+  if (cfg.top_k > gemv::kMaxTopK || cfg.n_experts > 256) return false;
+  for (const DeviceLayer& L : w.layers)
+    if (!same_format(L.gate, L.up) || !same_format(L.sh_gate, L.sh_up)) return false;
+  return true;
 }
 
 }  // namespace lily::cuda

@@ -1,12 +1,12 @@
 // Decode GEMVs with the weights streamed into shared memory by the bulk copy engine (cp.async.bulk + mbarrier):
 // one producer warp keeps a ring of weight stages in flight while 8 compute warps run the tensor-core dot
-// products of decode_tc.cu on them (same fragment layout and arithmetic, see its header comment).
+// products of gemv_tc.cu on them (same fragment layout and arithmetic, see its header comment).
 //
 // Why: register-loading GEMVs stall on DRAM latency (each warp has one batch of loads in flight, then computes,
 // then reduces). Here the copies for later stages are in flight while a stage is computed, without registers,
 // and since weights never depend on the activations the producer starts before the kernel waits for its
 // predecessor (programmatic dependent launch).
-// Measured on the H200 (benchmarks/kernels/check_decode.cu, 2026-11-30): the MoE down (9 experts' 16-row parts,
+// Measured on the H200 (benchmarks/kernels/check_gemv.cu, 2026-11-30): the MoE down (9 experts' 16-row parts,
 // split over the warps) takes 7.4 us against 15.4 us on scalar lanes, so it is the default there; for the
 // projections it is no faster than scalar lanes (lm_head 1.74 vs 1.65 TB/s, mid-size matrices slower). With the
 // compute switched off this ring streamed only 2.33 TB/s where plain 16-byte loads from 1,024 threads per SM
@@ -17,9 +17,9 @@
 // partial sums added in a fixed order. Layout as in global memory: codes [16][kc/2 B], scales [16][kc/32 B],
 // biases [16][kc/32 B]. Requires 4-bit group-64 weights with in % (512 x chunks) == 0 (16-byte copy sizes):
 // every projection of the real model. Other segments of a launch (the 8-bit router) run on scalar lanes.
-#include "cuda/decode_tc.cuh"
+#include "cuda/gemv_tc.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 namespace {
 
 constexpr int kMaxStages = 32;
@@ -382,4 +382,4 @@ void moe_down_bulk(cudaStream_t st, const DownArgs& a) {
   launch_pdl(down_bulk_kernel, dim3(blocks), dim3(kBulkThreads), smem, st, a, static_cast<int>(tasks), stage, ns);
 }
 
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

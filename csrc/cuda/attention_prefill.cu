@@ -10,7 +10,7 @@
 // are zero-filled in shared memory (the cache rows there may hold garbage, even NaN).
 // With one split the kernel applies the sigmoid gate and writes bf16 o; with several it writes the same
 // (m, l, o) partials as attn_kernel, merged by attn_combine_kernel in attention.cu.
-#include "cuda/kernels.cuh"
+#include "cuda/attention.cuh"
 #include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {

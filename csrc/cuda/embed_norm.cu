@@ -1,4 +1,4 @@
-#include "cuda/kernels.cuh"
+#include "cuda/embed_norm.cuh"
 
 namespace lily::cuda {
 namespace {

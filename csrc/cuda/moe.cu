@@ -1,4 +1,4 @@
-#include "cuda/kernels.cuh"
+#include "cuda/moe.cuh"
 
 namespace lily::cuda {
 namespace {

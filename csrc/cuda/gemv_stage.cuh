@@ -1,40 +1,16 @@
-// Device helpers shared by the fused decode kernels (decode.cu: scalar GEMV rows; decode_tc.cu: tensor-core
-// GEMV rows): the staging prologue (input row into shared memory with the producer's normalisation), the
-// routing prologue, the argmax key, and programmatic dependent launch (PDL) controls.
+// Device helpers shared by the decode GEMVs (gemv.cu: scalar GEMV rows; gemv_tc.cu / gemv_ring.cu / gemv_bulk.cu:
+// tensor-core GEMV rows): the staging prologue (input row into shared memory with the producer's normalisation), the
+// routing prologue and the argmax key (PDL controls: common.cuh).
 #pragma once
-#include "cuda/decode.cuh"
+#include "cuda/gemv.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 
 constexpr int kWarps = 8;  // warps per block of the proj / down kernels
 constexpr int kThreads = kWarps * 32;
 
-// PDL: a kernel launched with programmatic stream serialisation may start while its predecessor is still
-// running. It must not read the predecessor's outputs (nor write anything the predecessor reads) before
-// pdl_wait(), which returns once the predecessor grid has completed and its memory is visible; without the
-// launch attribute both are no-ops. Every decode kernel calls pdl_wait() on every path, so completion stays
-// transitive along the chain. pdl_trigger() lets the next kernel be scheduled as soon as all our blocks run.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
-
-// Launch with the PDL attribute (cudaLaunchKernelEx; stream-ordered, capturable in graphs).
-template <class... KArgs, class... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
-  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
-}
-
 // Barrier over the kThreads compute threads: the whole block, or named barrier 1 when the block also has a
-// producer warp that runs its own loop (decode_bulk.cu).
+// producer warp that runs its own loop (gemv_bulk.cu).
 template <bool kNamed>
 __device__ __forceinline__ void compute_sync() {
   if constexpr (kNamed) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
@@ -132,4 +108,4 @@ __device__ __forceinline__ void seg_epilogue(const ProjArgs& a, const Seg& sg, i
   }
 }
 
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

@@ -1,5 +1,6 @@
-// Fused decode (one token) kernels of the CUDA backend: fewer launches per step and no host work inside a
-// step, so the whole step can be captured as one CUDA graph (backend_cuda.cu).
+// The decode GEMVs (one token): fused projections of the CUDA backend's decode step, fewer launches per step and
+// no host work inside it, so the whole step can be captured as one CUDA graph (backend_cuda.cu). Entry points:
+// proj and moe_down (gemv.cu), which pick an implementation by `impl` (flag gemv_impl).
 //
 //   proj   : y = x W^T over up to kMaxSegs weight matrices that read the same input row ("segments", row
 //            ranges of one launch), with the input staged in shared memory by a prologue that also does the
@@ -8,31 +9,18 @@
 //            DeltaNet causal conv + SiLU with its state update. Optional routing prologue (softmax top-k
 //            of the router logits; segment slot j reads expert top_idx[j]) and block argmax (greedy head).
 //   down   : x[r] += sum_j w_j (act_j . Wdown[e_j][r]) + sigmoid(g) (sact . Wsh_down[r])  (MoE combine fused)
-//   scan   : DeltaNet recurrence for one token with the q/k l2 normalisation fused in.
-//   finish : argmax over the head's block maxima -> the next step's token (device control block).
+// (The one-token DeltaNet scan is deltanet.cu's deltanet_step; the greedy head's argmax sample.cu's
+// argmax_from_block_keys.)
 #pragma once
 #include "cuda/common.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 
 constexpr int kMaxSegs = 4;
 constexpr int kMaxTopK = 16;
 
 enum XMode : int32_t { kXBf16 = 0, kXNorm = 1, kXGated = 2 };
 enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2, kOConv = 3 };
-
-// Device control block of the decode steps: two slots alternate by step parity (DecodeStep::index & 1). Step p
-// reads its token, position and uniform from slot[p] (the host writes them, except a token the previous step drew)
-// and writes the token it draws into slot[1 - p].token, the next step's input.
-struct StepSlot {
-  int32_t token;  // input token of the step
-  int32_t pos;    // its position
-  float uniform;  // device sampling: the step's draw in [0, 1)
-  int32_t pad_;
-};
-struct StepCtl {
-  StepSlot slot[2];
-};
 
 struct Seg {
   DLinear w0, w1;        // w1: the up projection of a DUAL segment (same shape and format as w0)
@@ -89,10 +77,10 @@ struct DownArgs {
 // while its predecessor finishes; every decode kernel waits before reading its inputs.
 //   proj: 4-bit segments on the tensor cores in 16-row blocks (other formats on scalar lanes within the same
 //   launch), or everything on scalar lanes. Returns the number of blocks launched: the length of the amax array the greedy head writes.
-//   impl: 0 scalar lanes (decode.cu), 1 tensor cores with register loads (decode_tc.cu), 2 tensor cores fed by
-//   the bulk copy engine (decode_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
+//   impl: 0 scalar lanes (gemv.cu), 1 tensor cores with register loads (gemv_tc.cu), 2 tensor cores fed by
+//   the bulk copy engine (gemv_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
 //   measured per kernel (rings for the projections but the routed experts on scalar lanes, bulk MoE down),
-//   4 per-warp cp.async rings (decode_ring.cu) for every projection and the bulk MoE down.
+//   4 per-warp cp.async rings (gemv_ring.cu) for every projection and the bulk MoE down.
 unsigned proj(cudaStream_t st, const ProjArgs& a, int impl);
 unsigned proj_scalar(cudaStream_t st, const ProjArgs& a);
 unsigned proj_tc(cudaStream_t st, const ProjArgs& a);
@@ -103,15 +91,10 @@ bool bulk_launch_ok(const ProjArgs& a);
 void moe_down(cudaStream_t st, const DownArgs& a, int impl);
 void moe_down_scalar(cudaStream_t st, const DownArgs& a);
 void moe_down_bulk(cudaStream_t st, const DownArgs& a);
+void moe_down_tc(cudaStream_t st, const DownArgs& a);
 bool bulk_down_ok(const DownArgs& a);
 // Whether the tensor-core path takes this weight: MLX 4-bit, group 64.
 bool tc_format(const DLinear& w);
-// DeltaNet decode scan: u [C] post-conv (q, k not yet l2-normalised), b/a [Hv], ssm updated, y [Hv*Dv].
-void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                   const float* dt_bias, const float* a_log, float* ssm, float* y);
 // Upper bound of the blocks of the greedy head over either proj path (the size of the amax array).
 int64_t head_blocks(int64_t rows);
-// *token = the argmax (lowest row on ties) over the head's block maxima amax[n].
-void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token);
-
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

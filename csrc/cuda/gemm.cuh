@@ -1,6 +1,6 @@
 // Linear layers on the GPU: y = x W^T with bf16 activations, weights dequantized on the fly, fp32 accumulate.
 // One row (outside the fused decode step) takes the warp-per-row GEMV; prefill a tensor-core GEMM: the mma.sync one
-// of gemm_mma.cu (raw codes pipelined, dequantized in registers) where gemm_mma_supported, else the wmma one that
+// of gemm.cu (raw codes pipelined, dequantized in registers) where gemm_mma_supported, else the wmma one that
 // dequantizes each weight tile into shared memory (dense weights, other groups). Both also run the MoE experts
 // (expert ids read on the device).
 #pragma once
@@ -75,5 +75,33 @@ void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, cons
 //   down: d[y_rows[p], :] = scale[p] * (act[p] W2[e]^T)                                d: fp32 [pairs, H]
 void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d,
                   int tile_rows = kGemmBM);
+
+// ---- the mma.sync GEMM (the prefill default) ----
+// Tensor-core prefill GEMM for MLX affine-quantized weights (4- or 8-bit codes, group 64): mma.sync m16n8k16
+// bf16 -> fp32, a 4-stage cp.async pipeline that copies raw codes + scales/biases (not dequantized bf16),
+// and dequantization from shared memory straight into the B fragment registers.
+// linear() and grouped_*() (gemm.cu) dispatch here wherever gemm_mma_supported and keeps the wmma GEMM as the fallback for the rest.
+// Arguments of gemm_mma_kernel. Plain or grouped rows per gp/g exactly as the wmma GEMM:
+//   y[orow, n] (=|+=) scale * (A[arow] . W0[e, n])     fp32 epilogue (store / accumulate)
+//   yb[orow, n] = bf16(silu(A[arow] . W0[e, n]) * (A[arow] . W1[e, n]))   dual epilogue (FFN gate/up)
+struct GemmMmaArgs {
+  DLinear W0;                // [E?, out, in] quantized, in % 64 == 0
+  DLinear W1;                // dual only: same shape and format as W0
+  kp::GemmParams gp;
+  GroupMap g;                // grouped only
+  const bf16* A = nullptr;   // [rows, lda] bf16, lda % 8 == 0, 16-byte aligned
+  float* y = nullptr;        // [rows, ldy] fp32 (store / accumulate)
+  bf16* yb = nullptr;        // [rows, ldy] bf16 (dual)
+};
+
+// True when the mma path runs this product: kind 0, 4 or 8 bits, group 64, in % 64 == 0, 16-byte aligned
+// codes and A rows; W1 (dual, may be nullptr) must match W0. Otherwise callers use the wmma GEMM.
+bool gemm_mma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda);
+
+// Rows per block tile (16/32/64/128) of a plain GEMM with M rows and `cols` output columns.
+int gemm_mma_plain_rows(int64_t M, int64_t cols, bool dual);
+
+// Launches the kernel with `bm` rows per tile (16, 32, 64 or 128). Grouped tiles must hold <= bm rows.
+void gemm_mma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int bm);
 
 }  // namespace lily::cuda

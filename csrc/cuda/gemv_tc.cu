@@ -1,7 +1,7 @@
 // Decode GEMVs on the tensor cores: the one-token projections (proj) and the MoE down + combine (down) with
 // 4-bit weights read as mma.sync A fragments and the activation row as the B operand.
 //
-// Why: the scalar GEMV (decode.cu) spends ~3.6 instructions per weight (shift, mask, FMA, plus the activation
+// Why: the scalar GEMV (gemv.cu) spends ~3.6 instructions per weight (shift, mask, FMA, plus the activation
 // unpacking), about as long as the H200 takes to stream the bytes, and its load and compute phases do not
 // overlap. Here a warp turns 8 codes into 4 bf16x2 A elements with one LOP3 each ((q & 0xF) | 0x4300 is the
 // bf16 128 + q, exact), and one m16n8k16 MMA does 256 multiply-adds: ~0.7 instructions per weight.
@@ -20,9 +20,9 @@
 // Work split: a block task is a 16-row block of one segment (dual: 16 gate + 16 up rows, sharing B); the 8
 // warps of the block split the row's groups and a shared-memory reduction adds their partials in a fixed
 // order (deterministic). The grid is persistent (2 blocks per SM): the staging prologue runs once per block.
-#include "cuda/decode_tc.cuh"
+#include "cuda/gemv_tc.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 namespace {
 
 constexpr int kBlocksPerSm = 2;
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) proj_tc_kernel(const _
   }
 }
 
-// x[r] += sum_j w_j (act_j . Wd[e_j][r]) + sigmoid(g) (sact . Ws[r]), as down_kernel in decode.cu: the
+// x[r] += sum_j w_j (act_j . Wd[e_j][r]) + sigmoid(g) (sact . Ws[r]), as down_kernel in gemv.cu: the
 // routed and shared parts are one K-concatenated row; each warp takes a contiguous range of its groups.
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) down_tc_kernel(const __grid_constant__ DownArgs a,
                                                                           int n_tasks) {
@@ -249,24 +249,11 @@ unsigned proj_tc(cudaStream_t st, const ProjArgs& in) {
   return blocks;
 }
 
-// impl 3 (auto) takes what measured fastest per kernel on the H200 (benchmarks/kernels/check_decode.cu, with
-// PDL, 2026-11-30): per-warp rings for the projections (lm_head 122 vs 170 us on scalar lanes, the others equal
-// or slightly faster), scalar lanes for the routed experts' gate/up (6.8 vs 8.2 us: their weight loads go out
-// before the routing, which the ring cannot do), the bulk-copy MoE down (7.4 vs 15.3 us).
-unsigned proj(cudaStream_t st, const ProjArgs& a, int impl) {
-  if ((impl == 4 || (impl == 3 && !a.route)) && ring_launch_ok(a)) return proj_ring(st, a);
-  if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a);
-  return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a) : proj_scalar(st, a);
-}
-
-void moe_down(cudaStream_t st, const DownArgs& a, int impl) {
-  if (impl >= 2 && bulk_down_ok(a)) return moe_down_bulk(st, a);
-  const bool ok = impl >= 1 && tc_ok(a.wd.p) && tc_ok(a.ws.p) && a.k <= kMaxTopK;
-  if (!ok) return moe_down_scalar(st, a);
+void moe_down_tc(cudaStream_t st, const DownArgs& a) {
   const int64_t H = a.wd.p.out, tasks = (H + kRowBlock - 1) / kRowBlock;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tasks, int64_t{kBlocksPerSm} * device_sm_count()));
   const int64_t n = a.k * a.wd.p.in + a.ws.p.in;
   launch_pdl(down_tc_kernel, dim3(blocks), dim3(kThreads), tc_smem_bytes(n), st, a, static_cast<int>(tasks));
 }
 
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

@@ -1,11 +1,11 @@
-// Device helpers of the tensor-core decode GEMVs (decode_tc.cu: register loads; decode_bulk.cu: weights
+// Device helpers of the tensor-core decode GEMVs (gemv_tc.cu: register loads; gemv_ring.cu / gemv_bulk.cu: weights
 // streamed into shared memory by the bulk copy engine). The fragment layout and the arithmetic are explained
-// at the top of decode_tc.cu.
+// at the top of gemv_tc.cu.
 #pragma once
-#include "cuda/decode_stage.cuh"
+#include "cuda/gemv_stage.cuh"
 #include "cuda/mma_bf16.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 
 // Multiprocessors of the current device (read once).
 inline int device_sm_count() {
@@ -81,4 +81,4 @@ __device__ __forceinline__ float scalar_rows(const DLinear& W, int64_t e, int64_
   return acc + __shfl_xor_sync(0xffffffffu, acc, 1);
 }
 
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

@@ -1,17 +1,18 @@
-#include "cuda/decode.cuh"
-#include "cuda/decode_stage.cuh"
+// The decode GEMVs' entry points (proj, moe_down) and their scalar-lane kernels: any weight format, one warp per
+// few rows; the tensor-core implementations are gemv_tc.cu, gemv_ring.cu and gemv_bulk.cu.
+#include "cuda/gemv.cuh"
+#include "cuda/gemv_stage.cuh"
+#include "cuda/gemv_tc.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 namespace {
-
-constexpr int kScanWarps = 4;
 
 static_assert(sizeof(ProjArgs) <= 4000, "ProjArgs must fit the kernel parameter space");
 static_assert(sizeof(DownArgs) <= 4000, "DownArgs must fit the kernel parameter space");
 
 // ---- one 16-byte chunk of quantized codes against the staged activations -------------------------------
 // Codes become floats without I2F: (code << shift) | 0x3F800000 is the float 1 + code/2^bits, and
-//   sum_i (s q_i + b) x_i = s 2^bits sum_i (1 + q_i/2^bits) x_i + (b - s 2^bits) sum_i x_i   (as linear.cu).
+//   sum_i (s q_i + b) x_i = s 2^bits sum_i (1 + q_i/2^bits) x_i + (b - s 2^bits) sum_i x_i   (as gemm.cu).
 template <int BITS>
 __device__ __forceinline__ float chunk_x(const bf16* xs, float* x) {  // x[128 / BITS]; returns sum x
   constexpr int VPC = 128 / BITS;
@@ -370,77 +371,6 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const __grid_constant__ 
   }
 }
 
-// DeltaNet recurrence for one token: one warp per state row (h, dv), q/k l2 normalisation fused in (the
-// arithmetic of l2norm_kernel and scan_kernel at S = 1).
-template <int NK>
-__global__ void __launch_bounds__(kScanWarps * 32)
-    scan_dec_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,
-                    const float* a_log, float* ssm, float* y) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = blockIdx.y, dv = blockIdx.x * kScanWarps + warp;
-  pdl_trigger();
-  pdl_wait();
-  if (dv >= p.v_dim) return;
-  const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
-  const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
-  float st[NK], q[NK], k[NK];
-#pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    const bool in = lane + 32 * i < Dk;
-    st[i] = in ? sp[lane + 32 * i] : 0.f;
-    q[i] = in ? u[static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
-    k[i] = in ? u[key_dim + static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
-  }
-  const float v = u[2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv];
-  float sq = 0.f, sk = 0.f;
-#pragma unroll
-  for (int i = 0; i < NK; ++i) sq += q[i] * q[i], sk += k[i] * k[i];
-  sq = warp_sum(sq);
-  sk = warp_sum(sk);
-  const float iq = 1.f / sqrtf(sq + p.qk_eps) * rsqrtf(static_cast<float>(Dk));
-  const float ik = 1.f / sqrtf(sk + p.qk_eps);
-#pragma unroll
-  for (int i = 0; i < NK; ++i) q[i] *= iq, k[i] *= ik;
-  const float A = expf(a_log[h]), dtb = dt_bias[h];
-  const float beta = 1.f / (1.f + expf(-b[h]));
-  const float g = expf(-A * softplusf_(a[h] + dtb));
-  float kst = 0.f;
-#pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    st[i] *= g;
-    kst += st[i] * k[i];
-  }
-  const float delta = beta * (v - warp_sum(kst));
-  float o = 0.f;
-#pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    st[i] += delta * k[i];
-    o += st[i] * q[i];
-  }
-  o = warp_sum(o);
-  if (lane == 0) y[static_cast<int64_t>(h) * p.v_dim + dv] = o;
-#pragma unroll
-  for (int i = 0; i < NK; ++i)
-    if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
-}
-
-// One block: the head's block maxima -> the next token.
-__global__ void finish_kernel(const unsigned long long* amax, int n, int32_t* token) {
-  __shared__ unsigned long long red[32];
-  pdl_wait();
-  unsigned long long m = 0ull;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, amax[i]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = max(m, red[w]);
-    *token = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(m & 0xFFFFFFFFull));
-  }
-}
-
 }  // namespace
 
 unsigned proj_scalar(cudaStream_t st, const ProjArgs& in) {
@@ -475,21 +405,21 @@ void moe_down_scalar(cudaStream_t st, const DownArgs& a) {
   launch_pdl(down_kernel<NR, U>, blocks, kThreads, smem, st, a);
 }
 
-void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                   const float* dt_bias, const float* a_log, float* ssm, float* y) {
-  const dim3 grid(static_cast<unsigned>((p.v_dim + kScanWarps - 1) / kScanWarps), p.v_heads);
-  const dim3 block(kScanWarps * 32);
-  switch ((p.k_dim + 31) / 32) {
-    case 1: launch_pdl(scan_dec_kernel<1>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 2: launch_pdl(scan_dec_kernel<2>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 3: launch_pdl(scan_dec_kernel<3>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 4: launch_pdl(scan_dec_kernel<4>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    default: throw std::invalid_argument("[lily] cuda decode scan: linear_key_head_dim > 128 is not supported");
-  }
+// impl 3 (auto) takes what measured fastest per kernel on the H200 (benchmarks/kernels/check_decode.cu, with
+// PDL, 2026-11-30): per-warp rings for the projections (lm_head 122 vs 170 us on scalar lanes, the others equal
+// or slightly faster), scalar lanes for the routed experts' gate/up (6.8 vs 8.2 us: their weight loads go out
+// before the routing, which the ring cannot do), the bulk-copy MoE down (7.4 vs 15.3 us).
+unsigned proj(cudaStream_t st, const ProjArgs& a, int impl) {
+  if ((impl == 4 || (impl == 3 && !a.route)) && ring_launch_ok(a)) return proj_ring(st, a);
+  if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a);
+  return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a) : proj_scalar(st, a);
 }
 
-void finish(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token) {
-  launch_pdl(finish_kernel, dim3(1), dim3(1024), 0, st, amax, n, token);
+void moe_down(cudaStream_t st, const DownArgs& a, int impl) {
+  if (impl >= 2 && bulk_down_ok(a)) return moe_down_bulk(st, a);
+  const bool ok = impl >= 1 && tc_ok(a.wd.p) && tc_ok(a.ws.p) && a.k <= kMaxTopK;
+  if (!ok) return moe_down_scalar(st, a);
+  moe_down_tc(st, a);
 }
 
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

@@ -1,10 +1,10 @@
 // Decode projections with per-warp cp.async rings: every compute warp streams its own weight chunks into a
 // 4-deep ring in shared memory (16-byte cp.async, 3 chunks in flight while one is computed) and runs the
-// tensor-core dot products of decode_tc.cu on them (same fragment layout and arithmetic, see its header).
+// tensor-core dot products of gemv_tc.cu on them (same fragment layout and arithmetic, see its header).
 //
 // Why: the H200 reaches 4.4 TB/s with plain 16-byte loads from ~1,000 threads per SM (~128 KB in flight per
 // SM), while the register-loading GEMVs keep ~32-64 KB in flight and the single-producer bulk ring of
-// decode_bulk.cu streamed at most 2.33 TB/s. Here 8 warps x 3 chunks x 4.6 KB ~ 110 KB per SM are in flight
+// gemv_bulk.cu streamed at most 2.33 TB/s. Here 8 warps x 3 chunks x 4.6 KB ~ 110 KB per SM are in flight
 // without registers, each warp issuing its own copies, and the first chunks go out before the PDL wait.
 //
 // A chunk is 16 rows x 512 values (8 groups) of one weight set: codes [16][256 B + 32 B pad] (the pad spreads
@@ -15,9 +15,9 @@
 //   block-owned: a block takes a 16-row block and its 8 warps split its chunks, then add their partial sums in a
 //               fixed order -- few row blocks (out-projections, experts, shared expert, router launches).
 // Segments that are not 4-bit group-64 with in % 512 == 0 (the 8-bit router) run on scalar lanes, block-owned.
-#include "cuda/decode_tc.cuh"
+#include "cuda/gemv_tc.cuh"
 
-namespace lily::cuda::dec {
+namespace lily::cuda::gemv {
 namespace {
 
 constexpr int kDepth = 4;                        // ring stages per warp
@@ -302,4 +302,4 @@ unsigned proj_ring(cudaStream_t st, const ProjArgs& in) {
   return blocks;
 }
 
-}  // namespace lily::cuda::dec
+}  // namespace lily::cuda::gemv

@@ -1,0 +1,50 @@
+// The Gated DeltaNet family (deltanet.cu, deltanet_chunk.cu): conv, recurrence (prefill forms, one-token step),
+// gated norm. Device pointers, stream-ordered.
+#pragma once
+#include "cuda/common.cuh"
+#include "kernels/params.h"
+
+namespace lily::cuda {
+
+// Causal depthwise conv over [conv_state; qkv] + SiLU, then per-head l2 norm of q (times Dk^-0.5) and k.
+// qkv: fp32 [S, C] -> u fp32 [S, C]; conv_w fp32 [C, K]; conv_state fp32 [K-1, C] updated.
+void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
+                   float* conv_state, float* u);
+// Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
+// written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
+// norm). `form` selects the implementation (flag dn_form):
+//   kScanSequential  exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_chunk.cu);
+//   kScanChunked     chunked WY form (chunk 64), Gram/state products on TF32 tensor cores (~5e-4 rel error,
+//                    below the bf16 rounding of y that follows);
+//   kScanAuto        kScanChunked when S >= kScanChunkMinRows, else kScanSequential (the default).
+// The chunked form needs deltanet_chunk_scratch_bytes(p) bytes of device scratch: pass it (required under
+// graph capture); otherwise a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
+enum DeltaNetScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };
+// Auto threshold, predicted (chunked ~= 2 launches + ceil(S/64) chunk steps of ~2.5 us vs ~0.125 us per token
+// sequential); benchmarks/kernels/check_deltanet.cu prints the measured crossover.
+constexpr int64_t kScanChunkMinRows = 128;
+void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y, int form = kScanAuto,
+                   float* scratch = nullptr, size_t scratch_bytes = 0);
+// The form deltanet_scan runs for `form` at p.S (resolves kScanAuto).
+int deltanet_scan_pick(const kp::DeltaNetParams& p, int form);
+// deltanet_chunk.cu (the prefill forms). Same arguments as deltanet_scan. Dk <= 128, Hv a multiple of Hk.
+// Sequential: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
+void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                       const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row = 8);
+// Chunked (TF32 tensor cores): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
+// (Hv * ceil(S/64) * 64 * (Dk + Dv + 65) floats).
+size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
+void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
+                           const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
+                           float* scratch);
+// out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
+void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
+                         const float* w, bf16* out);
+
+// One token (the decode step; deltanet.cu): the recurrence with the q/k l2 normalisation fused in. u [C] post-conv
+// (q, k not yet l2-normalised), b/a [Hv] raw, ssm [Hv, Dv, Dk] updated, y [Hv*Dv]. PDL launch.
+void deltanet_step(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                   const float* dt_bias, const float* a_log, float* ssm, float* y);
+
+}  // namespace lily::cuda
