@@ -277,7 +277,7 @@ void MetalBackend::reserve(int64_t S) {
   s->act_stride = static_cast<int>((std::max(I, Is) + 7) / 8 * 8);
   s->act_dec = s->make((k + 1) * s->act_stride * 4);
   s->head_h = s->make(n * H * 4);
-  s->parts = sc_ ? sc_->parts : 0;
+  s->parts = 0;  // the decode partials (ml, po) went with the old scratch: grow_attention_parts makes new ones
   sc_ = std::move(s);
 }
 

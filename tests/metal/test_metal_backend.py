@@ -414,3 +414,29 @@ def test_options_are_checked():
         _lily.Engine(cfg.to_dict(), tensors, quant, backend="metal")
     with pytest.raises(ValueError, match="takes no options"):
         _lily.Engine(cfg.to_dict(), tensors, quant, backend="cpu", options={"emu_kernel_libs": kernel_libs()})
+
+
+def test_decode_after_a_larger_prefill_chunk():
+    """A prefill chunk larger than any before re-makes the per-chunk scratch; the decode attention's split-K
+    partials must come back with it (they once went with the old scratch: the next decode step crashed)."""
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=4)
+    seq = np.random.default_rng(4).integers(0, cfg.vocab_size, 60).astype(np.int32)
+
+    def run():
+        eng = metal_engine(cfg, tensors, quant)
+        st = eng.new_state()
+        tok = int(np.argmax(eng.forward(st, seq[:8], logits="last")[-1]))
+        eng.forward(st, np.array([tok], np.int32), logits="last")  # a decode step: partials sized
+        st2 = eng.new_state()
+        eng.forward(st2, seq[:40], logits="last")  # a larger chunk: the scratch grows
+        rows = [eng.forward(st, np.array([t], np.int32), logits="last")[0] for t in seq[9:13]]
+        return np.stack(rows)
+
+    metal = _in_child(run)
+    cpu = _lily.Engine(cfg.to_dict(), tensors, quant, threads=2, max_context=256)
+    st = cpu.new_state()
+    tok = int(np.argmax(cpu.forward(st, seq[:8], logits="last")[-1]))
+    cpu.forward(st, np.array([tok], np.int32), logits="last")
+    want = np.stack([cpu.forward(st, np.array([t], np.int32), logits="last")[0] for t in seq[9:13]])
+    assert rel_rms(metal, want) <= TOL["rel_rms"]
