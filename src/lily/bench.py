@@ -116,6 +116,10 @@ class _LilyRunner:
                                  chunk_size=self.model.chunk_size)
         return int(np.argmax(np.asarray(lg)[-1]))
 
+    def steps(self, token: int, n: int) -> int:
+        """n greedy steps through the engine's token loop (the device draws where it can, one step ahead)."""
+        return int(self.engine.decode_greedy(self.state, token, n)[-1])
+
 
 class _MlxLmRunner:
     """mlx-lm on the same checkpoint folder (its default device: the GPU on a Mac, else the CPU)."""
@@ -179,11 +183,12 @@ def _time(fn: Callable[[], Any]) -> float:
 
 def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), decode_contexts: Sequence[int] = (256, 1024),
               repeats: int = 3, peer: str | None = None, *, decode_steps: int = 16, peer_max_tokens: int | None = None,
-              seed: int = 0, note: str = "", out: str | os.PathLike | None = None,
+              seed: int = 0, note: str = "", out: str | os.PathLike | None = None, cooldown_s: float = 0.0,
               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Prefill and decode sweeps on `model` (a `lily.Model`), optionally against `peer` ("mlx-lm").
 
     peer_max_tokens: the peer runs only at lengths up to this (a slow peer, e.g. mlx-lm on a CPU).
+    cooldown_s: idle seconds before every timed run (laptop chips throttle: M-series Macs in particular).
     out: path stem; writes OUT.json and OUT.png (the PNG only when matplotlib is installed).
     log: progress lines (default: print to stderr). Returns the result dict (see the module docstring).
     """
@@ -223,6 +228,7 @@ def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), dec
         for rnd in range(repeats):
             for r in order(rnd):
                 if allowed(r, L):
+                    time.sleep(cooldown_s)
                     dt = _time(lambda: r.prefill(ids[:L]))
                     samples.setdefault((r.name, "prefill", L), []).append(dt)
                     log(f"[bench] prefill {L:6d} {r.name:10s} round {rnd}: {L / dt:10.1f} tok/s")
@@ -241,9 +247,13 @@ def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), dec
                 snap = getattr(r, "state", None)
                 snap = snap.snapshot() if hasattr(snap, "snapshot") else None
                 t = tok[r.name]
+                time.sleep(cooldown_s)
                 t0 = time.perf_counter()
-                for _ in range(decode_steps):
-                    t = r.step(t)
+                if hasattr(r, "steps"):  # lily: the engine's own token loop
+                    t = r.steps(t, decode_steps)
+                else:
+                    for _ in range(decode_steps):
+                        t = r.step(t)
                 dt = time.perf_counter() - t0
                 if snap is not None:  # lily: back to context C + 2, so every repeat is at the same context
                     r.state.restore(snap)
@@ -273,8 +283,10 @@ def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), dec
         "prefill_lengths": prefill_lengths, "decode_contexts": decode_contexts, "repeats": repeats,
         "decode_steps": decode_steps, "seed": seed, "tokens": "random valid token ids (numpy default_rng(seed))",
         "method": ("one request at a time; prefill from a fresh state, last-row logits; decode = greedy "
-                   "single-token steps after an untimed prefill to the context and two untimed steps; one "
-                   "untimed warm-up per engine; median of repeats"),
+                   "single-token steps after an untimed prefill to the context and two untimed steps (lily: "
+                   "Engine.decode_greedy, the engine's token loop; a peer: its own step + argmax); one untimed "
+                   "warm-up per engine; median of repeats"),
+        "cooldown_s": cooldown_s,
         "engines": names}
     if peer:
         pr = runners[1]

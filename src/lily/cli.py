@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer", default=None, choices=["mlx-lm"], help="also run a peer engine on the same checkpoint")
     b.add_argument("--peer-max", type=int, default=None, metavar="TOKENS",
                    help="run the peer only at lengths up to this (a slow peer)")
+    b.add_argument("--cooldown", type=float, default=0.0, metavar="SECONDS",
+                   help="idle seconds before every timed run (laptops throttle: 10-30 on an M-series Mac)")
     b.add_argument("--note", default="", help="free text stored in the JSON settings")
     b.add_argument("--out", default=None, metavar="PATH",
                    help="write PATH.json and, with matplotlib installed, PATH.png (default: lily-bench-BACKEND "
@@ -270,7 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"[lily bench] {model!r}", file=sys.stderr, flush=True)
     try:
         result = run_bench(model, prefill, decode, args.repeats, peer=args.peer, decode_steps=args.decode_steps,
-                           peer_max_tokens=args.peer_max, note=args.note,
+                           peer_max_tokens=args.peer_max, note=args.note, cooldown_s=args.cooldown,
                            out=args.out or f"lily-bench-{model.backend}")
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
