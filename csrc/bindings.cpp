@@ -376,19 +376,21 @@ namespace kp = lily::kp;
 
 using F32 = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 using I32 = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
-using OptArray = std::optional<Array>;
+using CArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;  // weights in any dtype, made contiguous
+using OptArray = std::optional<CArray>;
 
 // Two threads, so the kernels' work split (row ranges per thread) is exercised as in the engine.
-lily::ThreadPool& pool() {
-  static lily::ThreadPool p(2);
-  return p;
-}
+lily::ThreadPool& pool() { static lily::ThreadPool p(2); return p; }
 
 template <class A>
 std::vector<int64_t> shape_of(const A& a) {
   std::vector<int64_t> s;
   for (size_t i = 0; i < a.ndim(); ++i) s.push_back(static_cast<int64_t>(a.shape(i)));
   return s;
+}
+
+void require(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string("[ops.") + op + "] " + what);
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -403,14 +405,8 @@ std::vector<int64_t> check_shape(const char* op, const char* name, const A& a, s
   std::vector<int64_t> s = shape_of(a);
   bool ok = s.size() == dims.size();
   for (size_t i = 0; ok && i < dims.size(); ++i) ok = dims[i] < 0 || dims[i] == s[i];
-  if (!ok)
-    throw std::invalid_argument(std::string("[ops.") + op + "] " + name + " must be " + shape_str(dims) +
-                                ", got " + shape_str(s));
+  require(ok, op, std::string(name) + " must be " + shape_str(dims) + ", got " + shape_str(s));
   return s;
-}
-
-void require(bool ok, const char* op, const std::string& what) {
-  if (!ok) throw std::invalid_argument(std::string("[ops.") + op + "] " + what);
 }
 
 // A float32 numpy array of `shape` filled with NaN (or a copy of `from`, whose shape it then has).
@@ -426,20 +422,12 @@ std::pair<nb::object, float*> new_array(const std::vector<int64_t>& shape, const
 
 // A Linear over checkpoint-format arrays (lily.quant): bits 4/8 -> weight u32 [E?, out, in*bits/32] with
 // scales/biases bf16 [E?, out, in/group]; bits 0 -> weight bf16 (uint16) or float32 [E?, out, in].
-lily::Linear make_linear(const char* op, const std::string& name, const Array& weight, const OptArray& scales,
+lily::Linear make_linear(const char* op, const std::string& name, const CArray& weight, const OptArray& scales,
                          const OptArray& biases, int bits, int group, bool stacked) {
   const std::string what = "weight '" + name + "'";
   std::vector<int64_t> s = shape_of(weight);
   require(s.size() == (stacked ? 3u : 2u), op,
           what + " must be " + (stacked ? "[E, out, cols]" : "[out, cols]") + ", got " + shape_str(s));
-  for (const Array* a : {&weight, scales ? &*scales : nullptr, biases ? &*biases : nullptr}) {
-    if (!a) continue;
-    int64_t expect = 1;
-    for (int i = static_cast<int>(a->ndim()) - 1; i >= 0; --i) {
-      require(a->shape(i) == 1 || a->stride(i) == expect, op, what + ": arrays must be C-contiguous");
-      expect *= static_cast<int64_t>(a->shape(i));
-    }
-  }
   lily::Linear l;
   l.experts = stacked ? s[0] : 0;
   l.out = s[s.size() - 2];
@@ -457,11 +445,10 @@ lily::Linear make_linear(const char* op, const std::string& name, const Array& w
     require(l.in % group == 0, op, what + ": in " + std::to_string(l.in) + " is not a multiple of group");
     std::vector<int64_t> want = {l.out, l.in / group};
     if (stacked) want.insert(want.begin(), l.experts);
-    for (const Array* a : {&*scales, &*biases}) {
+    for (const CArray* a : {&*scales, &*biases})
       require(shape_of(*a) == want && to_dtype(a->dtype()) == lily::DType::U16, op,
               what + ": scales and biases must be bf16 (uint16) " + shape_str(want) + ", got " +
                   shape_str(shape_of(*a)));
-    }
     l.codes = static_cast<const uint32_t*>(weight.data());
     l.scales = static_cast<const uint16_t*>(scales->data());
     l.biases = static_cast<const uint16_t*>(biases->data());
@@ -480,7 +467,7 @@ lily::Linear make_linear(const char* op, const std::string& name, const Array& w
 lily::Linear dict_linear(const char* op, nb::dict tensors, nb::dict quant, const std::string& mod, bool stacked) {
   auto get = [&](const std::string& key) {
     require(tensors.contains(key.c_str()), op, "missing tensor '" + key + "'");
-    return nb::cast<Array>(tensors[key.c_str()]);
+    return nb::cast<CArray>(tensors[key.c_str()]);
   };
   if (!quant.contains(mod.c_str())) return make_linear(op, mod, get(mod + ".weight"), {}, {}, 0, 0, stacked);
   auto q = nb::cast<nb::tuple>(quant[mod.c_str()]);
@@ -508,7 +495,7 @@ nb::object gated_rms_norm(const F32& o, const F32& z, const F32& w, double eps) 
   return y;
 }
 
-nb::object linear(const F32& x, const Array& weight, const OptArray& scales, const OptArray& biases, int bits,
+nb::object linear(const F32& x, const CArray& weight, const OptArray& scales, const OptArray& biases, int bits,
                   int group) {
   const lily::Linear W = make_linear("linear", "weight", weight, scales, biases, bits, group, false);
   const int64_t S = check_shape("linear", "x", x, {-1, W.in})[0];
@@ -518,7 +505,7 @@ nb::object linear(const F32& x, const Array& weight, const OptArray& scales, con
   return y;
 }
 
-nb::object embed(const I32& ids, const Array& weight, const OptArray& scales, const OptArray& biases, int bits,
+nb::object embed(const I32& ids, const CArray& weight, const OptArray& scales, const OptArray& biases, int bits,
                  int group) {
   const lily::Linear W = make_linear("embed", "weight", weight, scales, biases, bits, group, false);
   const int64_t S = check_shape("embed", "ids", ids, {-1})[0];
@@ -622,9 +609,8 @@ nb::object moe(const F32& h, nb::dict tensors, nb::dict quant, const std::string
   w.sh_down = dict_linear(op, tensors, quant, prefix + "shared_expert.down_proj", false);
   w.sh_expert_gate = dict_linear(op, tensors, quant, prefix + "shared_expert_gate", false);
   const int64_t H = w.router.in, E = w.router.out, I = w.gate.out, Is = w.sh_gate.out;
-  auto is = [](const lily::Linear& l, int64_t e, int64_t out, int64_t in) {
-    return l.experts == e && l.out == out && l.in == in;
-  };
+  auto is = [](const lily::Linear& l, int64_t e, int64_t o, int64_t i) {
+    return l.experts == e && l.out == o && l.in == i; };
   require(is(w.gate, E, I, H) && is(w.up, E, I, H) && is(w.down, E, H, I) && is(w.sh_up, 0, Is, H) &&
               is(w.sh_down, 0, H, Is) && is(w.sh_expert_gate, 0, 1, H),
           op, "module shapes disagree: router [E, H], experts gate/up [E, I, H], down [E, H, I], shared gate/up "

@@ -1,62 +1,23 @@
-"""numpy-in / numpy-out wrappers of lily's Metal kernels on the emulator (three schedules each), plus
-weight builders in the engine-contract formats. Grid and threadgroup shapes are chosen here the way the
-host backend chooses them, so the tests exercise the same launch geometry."""
+"""The Metal op table of the kernel suite: numpy-in / numpy-out wrappers of lily's Metal kernels on the emulator
+(three schedules each). Grid and threadgroup shapes are chosen here the way the host backend chooses them, so
+the tests exercise the same launch geometry. The kernel-level wrappers (gemv, gemm, route, gdn_scan, ...) come
+first; the family entry points shared with ops_cpu.py (same names, arguments and shapes) close the file."""
 from __future__ import annotations
 
 import numpy as np
 from metal_env import emu, lib
 
-from lily.quant import bf16_to_f32, dequantize, f32_to_bf16, quantize
+from kernel_inputs import Weight
+
+NAME = "metal"
 
 FMT = {"q4": 0, "q8": 1, "bf16": 2, "f32": 3}
 GEMV_ROWS, GEMV_NSG = 4, 2
 
 
-class Weight:
-    """One linear weight [E?, out, in] in a checkpoint format, with its dequantized float32 twin `dense`."""
-
-    def __init__(self, rng, out: int, inp: int, fmt: str, group: int = 64, experts: int = 0, scale: float = 1.0):
-        shape = (experts, out, inp) if experts else (out, inp)
-        w = (rng.standard_normal(shape) * scale * inp ** -0.5).astype(np.float32)
-        self.fmt, self.out, self.inp, self.group, self.experts = fmt, out, inp, group, experts
-        if fmt in ("q4", "q8"):
-            bits = 4 if fmt == "q4" else 8
-            self.codes, self.scales, self.biases = quantize(w, bits, group)
-            self.dense = dequantize(self.codes, self.scales, self.biases, bits, group)
-            self.bufs = [self.codes, self.scales, self.biases]
-        elif fmt == "bf16":
-            self.codes = f32_to_bf16(w)
-            self.dense = bf16_to_f32(self.codes)
-            self.bufs = [self.codes, self.codes, self.codes]  # scales/biases unused: bound to the weight
-        else:
-            self.codes = w
-            self.dense = w
-            self.bufs = [w, w, w]
-
-    @classmethod
-    def from_tensors(cls, tensors: dict, quant: dict, module: str) -> "Weight":
-        """A weight of the engine contract (tensors + quant dicts of lily.testing.random_weights)."""
-        self = cls.__new__(cls)
-        codes = tensors[module + ".weight"]
-        if module in quant:
-            bits, self.group = quant[module]
-            self.fmt = "q4" if bits == 4 else "q8"
-            self.scales, self.biases = tensors[module + ".scales"], tensors[module + ".biases"]
-            self.inp = codes.shape[-1] * 32 // bits
-            self.dense = dequantize(codes, self.scales, self.biases, bits, self.group)
-            self.bufs = [codes, self.scales, self.biases]
-        else:
-            self.fmt, self.group = ("bf16" if codes.dtype == np.uint16 else "f32"), 0
-            self.inp = codes.shape[-1]
-            self.dense = bf16_to_f32(codes) if codes.dtype == np.uint16 else codes
-            self.bufs = [codes, codes, codes]
-        self.codes, self.out = codes, codes.shape[-2]
-        self.experts = codes.shape[0] if codes.ndim == 3 else 0
-        return self
-
-    def args(self):
-        return emu.params("LinearArgs", fmt=FMT[self.fmt], in_dim=self.inp, out_dim=self.out,
-                          group=self.group if self.fmt in ("q4", "q8") else 0)
+def linear_args(w: Weight):
+    return emu.params("LinearArgs", fmt=FMT[w.fmt], in_dim=w.inp, out_dim=w.out,
+                      group=w.group if w.fmt in ("q4", "q8") else 0)
 
 
 def gemv(w: Weight, x: np.ndarray, y0: np.ndarray | None = None) -> np.ndarray:
@@ -67,7 +28,7 @@ def gemv(w: Weight, x: np.ndarray, y0: np.ndarray | None = None) -> np.ndarray:
     ga = emu.params("GemvArgs", x_stride=x.shape[1], y_stride=w.out, accumulate=int(acc))
     grid = (-(-w.out // (GEMV_ROWS * GEMV_NSG)), S, 1)
     out, = emu.run3(lib("gemv"), f"gemv_{w.fmt}", grid, (32 * GEMV_NSG, 1, 1),
-                    [*w.bufs, np.ascontiguousarray(x, np.float32), y, w.args(), ga], outputs=[4], poison=not acc)
+                    [*w.bufs, np.ascontiguousarray(x, np.float32), y, linear_args(w), ga], outputs=[4], poison=not acc)
     return out
 
 
@@ -98,7 +59,7 @@ def gemm(w: Weight, a: np.ndarray, *, t: str = "f32", bm: int = 32, y0: np.ndarr
     name = f"gemm_{'tensor_' if tensor else ''}{'glu_' if up else ''}{w.fmt}_{t}_bm{bm}"
     w2 = up.bufs if up else w.bufs
     out, = emu.run3(lib("gemm_tensor" if tensor else "gemm"), name, (-(-n_out // GEMM_BN), tiles, 1), (128, 1, 1),
-                    [np.ascontiguousarray(a, np.float32), *w.bufs, *w2, y, w.args(), ga, *maps],
+                    [np.ascontiguousarray(a, np.float32), *w.bufs, *w2, y, linear_args(w), ga, *maps],
                     outputs=[7], poison=y0 is None)
     return out
 
@@ -159,21 +120,11 @@ def moe_decode(x: np.ndarray, h: np.ndarray, W: dict, k: int, norm: bool = True)
     rows = GEMV_ROWS * GEMV_NSG
     act, = emu.run3(lib("moe"), f"moe_gate_up_decode_{fmt}", (-(-max(I, Is) // rows), k + 1, 1), (32 * GEMV_NSG, 1, 1),
                     [h, ids, *W["gate"].bufs, *W["up"].bufs, *W["sh_gate"].bufs, *W["sh_up"].bufs,
-                     np.zeros((k + 1, stride), np.float32), W["gate"].args(), W["sh_gate"].args(), ma], outputs=[14])
+                     np.zeros((k + 1, stride), np.float32), linear_args(W["gate"]), linear_args(W["sh_gate"]), ma], outputs=[14])
     out, = emu.run3(lib("moe"), f"moe_down_decode_{W['down'].fmt}", (-(-H // rows), 1, 1), (32 * GEMV_NSG, 1, 1),
-                    [act, ids, wts, sgl[0], *W["down"].bufs, *W["sh_down"].bufs, x[0].copy(), W["down"].args(),
-                     W["sh_down"].args(), ma], outputs=[10], poison=False)
+                    [act, ids, wts, sgl[0], *W["down"].bufs, *W["sh_down"].bufs, x[0].copy(), linear_args(W["down"]),
+                     linear_args(W["sh_down"]), ma], outputs=[10], poison=False)
     return out[None, :]
-
-
-MOE_MODULES = {"router": "gate", "gate": "switch_mlp.gate_proj", "up": "switch_mlp.up_proj",
-               "down": "switch_mlp.down_proj", "sh_gate": "shared_expert.gate_proj", "sh_up": "shared_expert.up_proj",
-               "sh_down": "shared_expert.down_proj", "sh_expert_gate": "shared_expert_gate"}
-
-
-def moe_weights(tensors: dict, quant: dict, layer: int) -> dict:
-    p = f"model.layers.{layer}.mlp."
-    return {k: Weight.from_tensors(tensors, quant, p + m) for k, m in MOE_MODULES.items()}
 
 
 def _nk(dk: int) -> int:
@@ -277,8 +228,10 @@ def attn_decode(q, qg, k_cache, v_cache, p, split_len=32, nsg=2):
     return out
 
 
-def rms_norm(x, w, eps=1e-6, nt=64):
+def rms_norm(x, w, eps=1e-6, nt=None):
+    """x [S, n], w [n] -> [S, n]; nt threads per row (None: the host's choice, a thread per 8 values)."""
     S, n = x.shape
+    nt = nt or min(1024, max(32, -(-n // 8) // 32 * 32))
     na = emu.params("NormArgs", dim=n, eps=eps, x_stride=n, y_stride=n)
     y, = emu.run3(lib("norm"), "rms_norm", (S, 1, 1), (nt, 1, 1), [x, w, np.zeros_like(x), na], outputs=[2])
     return y
@@ -287,8 +240,18 @@ def rms_norm(x, w, eps=1e-6, nt=64):
 def embed(w: Weight, ids):
     ids = np.asarray(ids, np.int32)
     x, = emu.run3(lib("norm"), f"embed_{w.fmt}", (len(ids), 1, 1), (64, 1, 1),
-                  [*w.bufs, ids, np.zeros((len(ids), w.inp), np.float32), w.args()], outputs=[4])
+                  [*w.bufs, ids, np.zeros((len(ids), w.inp), np.float32), linear_args(w)], outputs=[4])
     return x
+
+
+# The Metal backend draws greedy only (sampling on Metal is issue 16): sample_draw of temperature 0.
+SAMPLER = "greedy"
+
+
+def sample_draw(logits, uniform, temperature=1.0, **options):
+    if temperature != 0 or any(options.values()):
+        raise NotImplementedError("the Metal backend draws greedy only (temperature 0, no penalties or bias)")
+    return argmax(np.ascontiguousarray(logits, np.float32))
 
 
 def argmax(logits, slot=1, nt=256):
@@ -296,3 +259,63 @@ def argmax(logits, slot=1, nt=256):
     tok, = emu.run3(lib("norm"), "argmax", (1, 1, 1), (nt, 1, 1), [logits, np.full(2, -1, np.int32), na],
                     outputs=[1], poison=False)
     return int(tok[slot])
+
+
+# ---- the family entry points shared with ops_cpu.py: the kernel chain the host backend runs for them ----
+GEMV_MAX_ROWS = 4     # Ops::kGemvMaxRows: up to 4 rows the host runs the GEMV, above it the GEMM
+ATTN_SPLIT_LEN = 256  # Ops::kSplitLen: keys per split-K part of decode attention
+
+
+def gated_rms_norm(o, z, w, eps):
+    """o, z [S, Hv*Dv], w [Dv] -> rms_norm(o per head; w) * silu(z) [S, Hv*Dv]."""
+    Dv = w.shape[0]
+    p = dn_params(1, o.shape[1] // Dv, Dv, Dv, 1, o.shape[0], eps)
+    return gdn_gated_norm(np.ascontiguousarray(o, np.float32), np.ascontiguousarray(z, np.float32), w, p)
+
+
+def linear(w: Weight, x):
+    """x [S, in] -> x W^T [S, out]."""
+    x = np.ascontiguousarray(x, np.float32)
+    return gemv(w, x) if x.shape[0] <= GEMV_MAX_ROWS else gemm(w, x)
+
+
+def attention(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, rotary_dim,
+              rope_theta, eps):
+    """S rows at positions pos0.. against caches [cap, Hkv*D] -> (o [S, Hq*D], k_cache', v_cache')."""
+    S = qg.shape[0]
+    p = attn_params(n_heads, n_kv_heads, head_dim, rotary_dim, rope_theta, pos0, S, eps)
+    q, kc, vc = attn_prep(qg, k, v, q_norm, k_norm, rope_table(rotary_dim, rope_theta), k_cache.copy(),
+                          v_cache.copy(), p)
+    if S == 1:
+        return attn_decode(q, qg, kc, vc, p, split_len=ATTN_SPLIT_LEN), kc, vc
+    return attn_prefill(q, qg, kc, vc, p), kc, vc
+
+
+def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_heads, norm_eps):
+    """The DeltaNet core of S rows -> (y [S, Hv*Dv], conv_state' [K-1, C], ssm' [Hv, Dv, Dk])."""
+    Hv, Dv, Dk = ssm.shape
+    p = dn_params(k_heads, Hv, Dk, Dv, conv_w.shape[1], qkv.shape[0], norm_eps)
+    u, conv1 = gdn_conv(qkv, conv_w, conv_state, p)
+    y, rec1 = gdn_scan(u, b, a, a_log, dt_bias, ssm, p, z=z, norm_w=norm_w, fuse=True)
+    return y, conv1, rec1
+
+
+def moe_route(logits, top_k, norm_topk_prob):
+    """Router logits [S, E] -> (ids int32 [S, k], weights [S, k]) through the device routing chain."""
+    r = route(np.ascontiguousarray(logits, np.float32), top_k, norm_topk_prob)
+    return r["ids"], r["wts"]
+
+
+# Expert (and shared-expert) weight formats with MoE kernels: gemm.metal's GLU and moe.metal's decode chains
+MOE_EXPERT_FORMATS = ("q4", "bf16")
+
+
+def moe(h, W: dict, top_k, norm_topk_prob):
+    """MoE(h) [S, H]: the fused decode chains for one row, else the prefill chain with the host's tile rows."""
+    S, H = h.shape
+    x = np.zeros((S, H), np.float32)  # the kernels add the residual; zero leaves the MoE output itself
+    if S == 1:
+        return moe_decode(x, h, W, top_k, norm_topk_prob)
+    E, pairs = W["router"].out, S * top_k
+    small = pairs < 24 * E and W["gate"].fmt in ("q4", "bf16") and W["down"].fmt in ("q4", "bf16")
+    return moe_prefill(x, h, W, top_k, norm_topk_prob, bm=16 if small else 32)

@@ -1,21 +1,53 @@
-"""metal/attention.metal: q/k prep (norms, partial RoPE, KV append), causal prefill attention, split-K decode
-attention, and the whole attention mixer against lily.reference.attention."""
+"""Attention family: the core between the projections (q/k norm, partial RoPE, KV append, causal GQA, sigmoid
+gate) for S rows against a KV cache (S = 1: the decode step) on every backend against
+lily.reference.attention.attention_core, at contexts off the tile sizes and odd head counts; then the Metal kernels
+one by one: q/k prep, causal prefill attention, split-K decode attention (fp32 and bf16 caches), the mixer."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from _metrics import assert_close
-from metal_ops import Weight, attn_decode, attn_params, attn_prefill, attn_prep, gemm, gemv, rope_table
+from kernel_inputs import Weight
+from ops_metal import attn_decode, attn_params, attn_prefill, attn_prep, gemm, gemv, rope_table
 from tolerances import tol
 
 from lily.quant import bf16_to_f32, f32_to_bf16, round_bf16
-from lily.reference.attention import attention_mixer
+from lily.reference.attention import attention_core, attention_mixer
 from lily.reference.linear import Weights
 from lily.reference.ops import rms_norm, rope, sigmoid, softmax
 from lily.testing import random_weights, tiny_configs
 
 TOL = tol("op_vs_reference")["rel_rms"]
 THETA = 1e7
+
+CORE_SHAPES = [  # S, Hq, Hkv, D, pos0: decode rows (S = 1) and prefill rows around 64, contexts off the tiles
+    (1, 4, 2, 64, 0), (1, 3, 1, 64, 300), (1, 16, 2, 256, 1000), (2, 5, 1, 32, 17), (63, 4, 2, 64, 0),
+    (64, 3, 1, 32, 37), (65, 2, 1, 64, 100), (2, 16, 2, 256, 100)]
+
+
+@pytest.mark.parametrize("S,Hq,Hkv,D,pos0", CORE_SHAPES)
+def test_attention_core(backend, rng, S, Hq, Hkv, D, pos0):
+    rd = D // 4
+    qg = rng.standard_normal((S, Hq * 2 * D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv * D)).astype(np.float32)
+    qn, kn = (1 + 0.1 * rng.standard_normal((2, D))).astype(np.float32)
+    cap = pos0 + S + 3  # rows past the new ones must stay as they were
+    kc0 = rng.standard_normal((cap, Hkv * D)).astype(np.float32)
+    vc0 = rng.standard_normal((cap, Hkv * D)).astype(np.float32)
+    o, kc, vc = backend.attention(qg, k, v, qn, kn, kc0, vc0, pos0, Hq, Hkv, D, rd, THETA, 1e-6)
+    ref_o, ref_k, _ = attention_core(qg, k, v, qn, kn, kc0[:pos0].reshape(pos0, Hkv, D),
+                                     vc0[:pos0].reshape(pos0, Hkv, D), np.arange(pos0, pos0 + S), Hq, rd, THETA, 1e-6)
+    name = f"{backend.NAME} attention S={S} Hq={Hq} Hkv={Hkv} D={D} pos0={pos0}"
+    assert_close(name, o, ref_o, TOL)
+    assert_close(name + " k cache", kc[pos0:pos0 + S], ref_k[pos0:].reshape(S, -1), TOL)
+    np.testing.assert_array_equal(vc[pos0:pos0 + S], v)
+    untouched = np.r_[0:pos0, pos0 + S:cap]
+    np.testing.assert_array_equal(kc[untouched], kc0[untouched])
+    np.testing.assert_array_equal(vc[untouched], vc0[untouched])
+
+
+# ---- Metal: prep, prefill and split-K decode kernels one by one, and the mixer ----
 
 
 @pytest.mark.parametrize("S,Hq,Hkv,D,pos0,kv", [(3, 4, 2, 64, 0, "f32"), (1, 3, 1, 64, 300, "f32"),

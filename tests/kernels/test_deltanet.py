@@ -1,19 +1,70 @@
-"""metal/deltanet.metal: causal conv, the register-resident recurrence (plain and with the fused gated
-RMSNorm), the gated norm, and the whole DeltaNet mixer against lily.reference.gdn. Dk != Dv throughout."""
+"""DeltaNet family: the core between the projections (conv + SiLU, q/k l2 norm, gates, recurrence, gated norm)
+for S rows with its conv and recurrent state in and out, on every backend against lily.reference.gdn.deltanet_core,
+and run in two chunks against one; then the Metal kernels one by one: causal conv, the register-resident
+recurrence (plain and with the fused gated RMSNorm), the gated norm, and the whole mixer. Dk != Dv throughout
+but once (a transposed state would pass with Dk == Dv)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from _metrics import assert_close
-from metal_ops import Weight, dn_params, gdn_conv, gdn_gated_norm, gdn_scan, gemm
+from kernel_inputs import Weight
+from ops_metal import dn_params, gdn_conv, gdn_gated_norm, gdn_scan, gemm
 from tolerances import tol
 
-from lily.reference.gdn import causal_conv, deltanet_mixer, gated_delta_recurrence
+from lily.reference.gdn import causal_conv, deltanet_core, deltanet_mixer, deltanet_scan
 from lily.reference.linear import Weights
-from lily.reference.ops import rms_norm, sigmoid, silu, softplus
+from lily.reference.ops import rms_norm, silu
 from lily.testing import random_weights, tiny_configs
 
 TOL = tol("op_vs_reference")["rel_rms"]
+SELF_TOL = tol("self_consistency")["rel_rms"]
+
+
+def _core_inputs(rng, S, K, Hk, Hv, Dk, Dv):
+    """(qkv [S, C], z [S, Hv*Dv], b, a [S, Hv], conv_w [C, K], dt_bias, a_log [Hv], norm_w [Dv],
+    conv_state [K-1, C], ssm [Hv, Dv, Dk])."""
+    C = 2 * Hk * Dk + Hv * Dv
+    f = np.float32
+    return (rng.standard_normal((S, C)).astype(f), rng.standard_normal((S, Hv * Dv)).astype(f),
+            rng.standard_normal((S, Hv)).astype(f), rng.standard_normal((S, Hv)).astype(f),
+            (rng.uniform(-1, 1, (C, K)) * K ** -0.5).astype(f), rng.uniform(-1, 1, Hv).astype(f),
+            np.log(rng.uniform(0.5, 8.0, Hv)).astype(f), (1 + 0.1 * rng.standard_normal(Dv)).astype(f),
+            rng.standard_normal((K - 1, C)).astype(f), (rng.standard_normal((Hv, Dv, Dk)) * 0.1).astype(f))
+
+
+CORE_SHAPES = [  # S, K, Hk, Hv, Dk, Dv: one row (decode), prefill rows around 64, odd head counts, Dk != Dv
+    (1, 4, 2, 4, 32, 48), (2, 4, 2, 6, 48, 32), (63, 3, 1, 5, 16, 40), (64, 4, 1, 3, 64, 32),
+    (65, 4, 2, 4, 32, 48), (2, 4, 1, 2, 128, 128)]
+
+
+@pytest.mark.parametrize("S,K,Hk,Hv,Dk,Dv", CORE_SHAPES)
+def test_deltanet_core(backend, rng, S, K, Hk, Hv, Dk, Dv):
+    args = _core_inputs(rng, S, K, Hk, Hv, Dk, Dv)
+    y, conv1, ssm1 = backend.deltanet(*args, Hk, 1e-6)
+    ref_y, ref_conv, ref_ssm = deltanet_core(*args, Hk, 1e-6)
+    name = f"{backend.NAME} deltanet S={S} K={K} Hv={Hv} Dk={Dk} Dv={Dv}"
+    assert_close(name, y, ref_y, TOL)
+    assert_close(name + " state", ssm1, ref_ssm, TOL)
+    np.testing.assert_array_equal(conv1, ref_conv)  # the last K-1 input rows, copied
+
+
+@pytest.mark.parametrize("S,split", [(65, 64), (9, 1)])
+def test_deltanet_chunks_carry_the_state(backend, rng, S, split):
+    """Rows [0, split) then [split, S) with the state carried between them == all S rows at once."""
+    qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv0, ssm0 = _core_inputs(rng, S, 4, 2, 4, 32, 48)
+    whole = backend.deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv0, ssm0, 2, 1e-6)
+    rows = [slice(0, split), slice(split, S)]
+    y0, conv1, ssm1 = backend.deltanet(*(t[rows[0]] for t in (qkv, z, b, a)), conv_w, dt_bias, a_log, norm_w,
+                                       conv0, ssm0, 2, 1e-6)
+    y1, conv2, ssm2 = backend.deltanet(*(t[rows[1]] for t in (qkv, z, b, a)), conv_w, dt_bias, a_log, norm_w,
+                                       conv1, ssm1, 2, 1e-6)
+    assert_close(f"{backend.NAME} deltanet {split}+{S - split} rows", np.concatenate([y0, y1]), whole[0], SELF_TOL)
+    assert_close(f"{backend.NAME} deltanet {split}+{S - split} state", ssm2, whole[2], SELF_TOL)
+    np.testing.assert_array_equal(conv2, whole[1])
+
+
+# ---- Metal: conv, scan (unfused + gated norm, and fused), and the mixer, kernel by kernel ----
 
 
 @pytest.mark.parametrize("S,K,Hk,Hv,Dk,Dv", [(1, 4, 2, 4, 32, 32), (2, 4, 2, 6, 48, 32), (7, 3, 1, 5, 16, 32)])
@@ -39,18 +90,6 @@ def _scan_inputs(rng, S, Hk, Hv, Dk, Dv):
     return u, b, a, a_log, dt_bias, state
 
 
-def _scan_ref(u, b, a, a_log, dt_bias, state, Hk, Dk):
-    S, Hv, Dv = u.shape[0], state.shape[0], state.shape[1]
-    kd = Hk * Dk
-    q = u[:, :kd].reshape(S, Hk, Dk)
-    k = u[:, kd:2 * kd].reshape(S, Hk, Dk)
-    v = u[:, 2 * kd:].reshape(S, Hv, Dv)
-    q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + 1e-6) * (Dk ** -0.5)
-    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
-    g = np.exp(-np.exp(a_log)[None, :] * softplus(a + dt_bias[None, :]))
-    return gated_delta_recurrence(q, k, v, g, sigmoid(b), state)
-
-
 SHAPES = [(1, 2, 4, 32, 32), (5, 2, 6, 48, 32), (3, 1, 5, 16, 32), (2, 1, 2, 128, 40)]
 
 
@@ -59,7 +98,7 @@ def test_scan(rng, S, Hk, Hv, Dk, Dv):
     u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
     p = dn_params(Hk, Hv, Dk, Dv, 4, S)
     o, st = gdn_scan(u, b, a, a_log, dt_bias, state, p)
-    ref_o, ref_st = _scan_ref(u, b, a, a_log, dt_bias, state, Hk, Dk)
+    ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
     assert_close(f"gdn_scan S={S} Hv={Hv} Dk={Dk} Dv={Dv}", o, ref_o.reshape(S, -1), TOL)
     assert_close(f"gdn_scan state Dk={Dk} Dv={Dv}", st, ref_st, TOL)
     # the unfused gated norm on the scan output
@@ -76,7 +115,7 @@ def test_scan_fused_norm(rng, S, Hk, Hv, Dk, Dv):
     z = rng.standard_normal((S, Hv * Dv)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(Dv)).astype(np.float32)
     y, st = gdn_scan(u, b, a, a_log, dt_bias, state, dn_params(Hk, Hv, Dk, Dv, 4, S), z=z, norm_w=w, fuse=True)
-    ref_o, ref_st = _scan_ref(u, b, a, a_log, dt_bias, state, Hk, Dk)
+    ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
     ref_y = rms_norm(ref_o, w, 1e-6) * silu(z.reshape(S, Hv, Dv))
     assert_close(f"gdn_scan_norm S={S} Dk={Dk} Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
     assert_close(f"gdn_scan_norm state Dk={Dk} Dv={Dv}", st, ref_st, TOL)

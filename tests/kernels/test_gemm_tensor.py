@@ -1,4 +1,4 @@
-"""metal/gemm_tensor.metal: the Metal 4 tensor-op prefill GEMM (MetalPerformancePrimitives matmul2d on
+"""Metal only (no twin on the other backends): metal/gemm_tensor.metal, the Metal 4 tensor-op prefill GEMM (MetalPerformancePrimitives matmul2d on
 half / bfloat threadgroup tiles, fp32 cooperative accumulator), run in the emulator through the shim's
 matmul2d (tools/msl/include/MetalPerformancePrimitives) against x @ dequantize(W).T: plain, accumulate, GLU,
 grouped experts over the block map (gather and pair order), awkward shapes, three schedules per dispatch.
@@ -13,9 +13,9 @@ import numpy as np
 from tolerances import tol
 import pytest
 from _metrics import assert_close
+from kernel_inputs import Weight, block_map
 from metal_env import METAL_DIR, mslc
-from metal_ops import Weight, gemm
-from test_metal_linear import _block_map
+from ops_metal import gemm
 
 PATH = os.path.join(METAL_DIR, "gemm_tensor.metal")
 TOL = {"f16": tol("op_vs_reference", "f16_tiles")["rel_rms"], "bf16": tol("op_vs_reference", "bf16_tiles")["rel_rms"]}
@@ -59,7 +59,7 @@ def test_gemm_tensor_grouped_experts(rng, bm):
     a = rng.standard_normal((S, inp)).astype(np.float32)
     row_index = rng.integers(0, S, M).astype(np.int32)
     expert_of_pair = np.repeat(np.arange(E), counts)
-    bmap = _block_map(counts, bm, max_tiles=M // bm + E + 2)
+    bmap = block_map(counts, bm, max_tiles=M // bm + E + 2)
     got = gemm(w, a, t="f16", bm=bm, block_map=bmap, row_index=row_index, M=M, tensor=True)
     ref = np.stack([w.dense[expert_of_pair[p]] @ a[row_index[p]] for p in range(M)])
     assert_close(f"gemm_tensor_q4 grouped bm{bm} (gather)", got, ref, TOL["f16"])

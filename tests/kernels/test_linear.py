@@ -1,14 +1,29 @@
-"""metal/gemv.metal (decode GEMV) and metal/gemm.metal (prefill GEMM on simdgroup matrices) against
-x @ dequantize(W).T, for every weight format, on awkward shapes (one row, odd row counts, tails)."""
+"""Linear family: y = x W^T on every backend against x @ dequantize(W).T, for every weight format, on awkward
+shapes (one row, odd row counts, tails); then the Metal kernels one by one: metal/gemv.metal (decode GEMV) and
+metal/gemm.metal (prefill GEMM on simdgroup matrices: accumulate, GLU, grouped experts over the block map)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from _metrics import assert_close
-from metal_ops import Weight, gemm, gemv
+from kernel_inputs import Weight, block_map
+from ops_metal import gemm, gemv
 from tolerances import tol
 
 TOL = tol("op_vs_reference")["rel_rms"]
+
+
+@pytest.mark.parametrize("S", [1, 2, 63, 64, 65])
+@pytest.mark.parametrize("fmt,group", [("q4", 32), ("q4", 64), ("q8", 64), ("bf16", 0), ("f32", 0)])
+def test_linear(backend, rng, fmt, group, S):
+    # 37 outputs: no multiple of any row tile; 192 inputs: three groups of 64, six of 32
+    w = Weight(rng, 37, 192, fmt, group or 64)
+    x = rng.standard_normal((S, 192)).astype(np.float32)
+    assert_close(f"{backend.NAME} linear_{fmt} g{group} 37x192 S={S}", backend.linear(w, x),
+                 x.astype(np.float64) @ w.dense.T, TOL)
+
+
+# ---- Metal: the GEMV and the GEMM kernels one by one, with their epilogues and tile rows ----
 
 
 @pytest.mark.parametrize("fmt,out,inp,group,S", [
@@ -55,17 +70,6 @@ def test_gemm_glu(rng, fmt, t):
                  TOL if t == "f32" else tol("op_vs_reference", "f16_tiles")["rel_rms"])
 
 
-def _block_map(counts, bm, max_tiles):
-    te, tr0, trn, start = [], [], [], 0
-    for e, c in enumerate(counts):
-        for r in range(0, c, bm):
-            te.append(e); tr0.append(start + r); trn.append(min(bm, c - r))
-        start += c
-    n = len(te)
-    pad = max_tiles - n
-    return te + [-1] * pad, tr0 + [-1] * pad, trn + [-1] * pad, n, max_tiles
-
-
 @pytest.mark.parametrize("bm", [16, 32])
 def test_gemm_grouped_experts(rng, bm):
     # 5 experts: one empty, one with a single row, one with more than a tile of rows
@@ -76,7 +80,7 @@ def test_gemm_grouped_experts(rng, bm):
     a = rng.standard_normal((S, inp)).astype(np.float32)
     row_index = rng.integers(0, S, M).astype(np.int32)
     expert_of_pair = np.repeat(np.arange(E), counts)
-    bmap = _block_map(counts, bm, max_tiles=M // bm + E + 2)
+    bmap = block_map(counts, bm, max_tiles=M // bm + E + 2)
     got = gemm(w, a, bm=bm, block_map=bmap, row_index=row_index, M=M)
     ref = np.stack([w.dense[expert_of_pair[p]] @ a[row_index[p]] for p in range(M)])
     assert_close(f"gemm_q4 grouped bm{bm} (gather)", got, ref, TOL)

@@ -1,11 +1,16 @@
-"""metal/moe.metal: routing on the device (top-k, histogram, offsets, block map, stable scatter), the
-prefill chain (grouped GEMMs + combine) and the fused decode chains, against lily.reference.moe."""
+"""MoE family: routing (softmax, top-k, renormalisation, ties to the lower id) and the whole MoE FFN (routing,
+experts, shared expert, combine) on every backend against lily.reference.moe, with experts that get no rows and
+all rows sent to one expert; then the Metal kernels one by one: the device routing chain (top-k, histogram,
+offsets, block map, stable scatter), the prefill chain (grouped GEMMs + combine), the fused decode chains."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from _metrics import assert_close
-from metal_ops import moe_decode, moe_prefill, moe_weights, route
+from kernel_inputs import Weight, moe_tensors, moe_weights
+from ops_metal import moe_decode, moe_prefill, route
 from tolerances import tol
 
 from lily.reference.linear import Weights
@@ -15,6 +20,75 @@ from lily.testing import random_weights, tiny_configs
 
 TOL = tol("op_vs_reference")["rel_rms"]
 CONFIGS = tiny_configs()
+
+
+@pytest.mark.parametrize("S,E,k", [(1, 5, 3), (2, 8, 2), (63, 256, 8), (64, 8, 1), (65, 64, 8)])
+def test_moe_route(backend, rng, S, E, k):
+    logits = rng.standard_normal((S, E)).astype(np.float32) * 2
+    for norm in (True, False):
+        ids, wts = backend.moe_route(logits, k, norm)
+        ref_ids, ref_wts = ref_route(logits, k, norm)
+        np.testing.assert_array_equal(ids, ref_ids)
+        assert_close(f"{backend.NAME} route S={S} E={E} k={k} norm={norm}", wts, ref_wts, TOL)
+
+
+def test_moe_route_all_rows_to_one_expert_and_ties(backend):
+    logits = np.zeros((65, 8), np.float32)
+    logits[:, 5] = 4.0          # every row's first choice is expert 5; the rest tie -> lowest ids (0, 1)
+    ids, _ = backend.moe_route(logits, 3, True)
+    np.testing.assert_array_equal(ids, np.tile([5, 0, 1], (65, 1)))
+
+
+def _moe_layer(rng, E, H, I, Is, fmt, router_fmt, mode):
+    """MoE weights {router, gate, ...: Weight} and rows h [.., H] routed as `mode` says: "spread" (random),
+    "one_expert" (every row's first choice is expert E-1), "dead_experts" (the first half never chosen)."""
+    g = 32 if fmt in ("q4", "q8") else 64
+    r = (rng.standard_normal((E, H)) * H ** -0.5).astype(np.float32)
+    # feature 0 of h is a large constant (see _moe_rows); its router column decides the mode
+    r[:, 0] = 0.0
+    if mode == "one_expert":
+        r[E - 1, 0] = 2.0
+    elif mode == "dead_experts":
+        r[:E // 2, 0] = -2.0
+    return {"router": Weight(rng, E, H, router_fmt, 32, w=r), "gate": Weight(rng, I, H, fmt, g, experts=E),
+            "up": Weight(rng, I, H, fmt, g, experts=E), "down": Weight(rng, H, I, fmt, g, experts=E),
+            "sh_gate": Weight(rng, Is, H, fmt, g), "sh_up": Weight(rng, Is, H, fmt, g),
+            "sh_down": Weight(rng, H, Is, fmt, g), "sh_expert_gate": Weight(rng, 1, H, router_fmt, 32)}
+
+
+MOE_CASES = [  # S, E, k, fmt (experts and shared expert), router fmt, mode
+    (1, 8, 2, "q4", "q8", "spread"), (2, 64, 2, "q4", "q8", "spread"), (63, 8, 2, "bf16", "q8", "spread"),
+    (64, 16, 4, "bf16", "f32", "dead_experts"), (65, 8, 3, "q4", "q8", "one_expert"),
+    (1, 16, 8, "bf16", "bf16", "one_expert"), (5, 256, 8, "q4", "q8", "dead_experts"),
+    (63, 8, 2, "q8", "bf16", "spread"), (2, 16, 8, "f32", "bf16", "one_expert")]
+
+
+@pytest.mark.parametrize("S,E,k,fmt,router_fmt,mode", MOE_CASES)
+def test_moe(backend, rng, S, E, k, fmt, router_fmt, mode):
+    if fmt not in backend.MOE_EXPERT_FORMATS:
+        pytest.skip(f"the {backend.NAME} backend has no MoE kernels for {fmt} experts")
+    H, I, Is = 128, 96, 64
+    W = _moe_layer(rng, E, H, I, Is, fmt, router_fmt, mode)
+    h = rng.standard_normal((S, H)).astype(np.float32)
+    h[:, 0] = 8.0
+    ids, _ = ref_route(h @ W["router"].dense.T, k, True)
+    assert mode != "one_expert" or np.all(ids[:, 0] == E - 1)   # the routing is the one the case names
+    assert mode != "dead_experts" or np.all(ids >= E // 2)
+    tensors, quant = moe_tensors(W)
+    ref = moe_ffn(h, Weights(tensors, quant), 0, SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True))
+    assert_close(f"{backend.NAME} moe S={S} E={E} k={k} {fmt}/{router_fmt} {mode}", backend.moe(h, W, k, True),
+                 ref, TOL)
+
+
+@pytest.mark.parametrize("name,S", [("tiny", 1), ("tiny_dk_ne_dv", 40), ("tiny_odd", 19)])
+def test_moe_tiny_configs(backend, rng, name, S):
+    cfg, ref_w, W = _layer(name)
+    h = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
+    assert_close(f"{backend.NAME} moe {name} S={S}", backend.moe(h, W, cfg.num_experts_per_tok, cfg.norm_topk_prob),
+                 moe_ffn(h, ref_w, 0, cfg), TOL)
+
+
+# ---- Metal: the device routing chain, the prefill and the fused decode chains, kernel by kernel ----
 
 
 def _check_route(r, logits, k, bm):

@@ -6,15 +6,20 @@ from __future__ import annotations
 import os
 import shutil
 
+import sys
+
 import numpy as np
 import pytest
-import test_metal_attention as t_attn
-import test_metal_deltanet as t_dn
-import test_metal_gemm_tensor as t_gt
-import test_metal_linear as t_lin
-import test_metal_moe as t_moe
-import test_metal_norm as t_norm
 from metal_env import METAL_DIR, OVERRIDE, emu, mslc
+
+# the per-kernel runs against the reference are the kernel suite's Metal cases (tests/kernels)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+import test_attention as t_attn  # noqa: E402
+import test_deltanet as t_dn  # noqa: E402
+import test_gemm_tensor as t_gt  # noqa: E402
+import test_linear as t_lin  # noqa: E402
+import test_moe as t_moe  # noqa: E402
+import test_norm as t_norm  # noqa: E402
 
 
 def _rng():

@@ -1,0 +1,57 @@
+"""Sample family: the device sampler's draw on every backend against its NumPy twin
+(lily.sampling.device_sample_reference): greedy (temperature 0, ties to the lower index) everywhere, every
+sampling option where the backend draws them (Metal draws greedy only: issue 16); then the Metal argmax kernel."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ops_metal import argmax
+
+from lily.sampling import SamplingParams, device_sample_reference
+
+
+@pytest.mark.parametrize("V", [1, 2, 63, 64, 65, 5003])
+def test_greedy_draw(backend, rng, V):
+    logits = rng.standard_normal(V).astype(np.float32)
+    assert backend.sample_draw(logits, 0.5, temperature=0.0) == int(np.argmax(logits))
+    if V > 2:
+        logits[[1, V - 1]] = 100.0   # tie: the lower index wins, as np.argmax
+        assert backend.sample_draw(logits, 0.5, temperature=0.0) == 1
+
+
+def _draw_kw(p: SamplingParams) -> dict:
+    bias = p.logit_bias or {}
+    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6, top_k=7),
+    SamplingParams(temperature=1.3, top_p=0.7),
+    SamplingParams(min_p=0.08),
+    SamplingParams(temperature=0.9, top_k=30, top_p=0.85, min_p=0.01, logit_bias={4: 3.0, 0: -50.0},
+                   repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+], ids=["t1", "topk", "topp", "minp", "all"])
+@pytest.mark.parametrize("V", [5, 63, 65, 301])
+def test_sampled_draw(backend, rng, V, params):
+    if backend.SAMPLER != "full":
+        pytest.skip(f"the {backend.NAME} backend draws greedy only")
+    x = (rng.standard_normal(V) * 2.5).astype(np.float32)
+    x[rng.integers(0, V, 3)] = x.max()  # ties at the top
+    seen = (rng.random(V) < 0.1).astype(np.uint8)
+    counts = (rng.random(V) < 0.05).astype(np.int32) * rng.integers(1, 4, V).astype(np.int32)
+    for u in rng.random(40).astype(np.float32):
+        want = device_sample_reference(x, params, seen, counts, float(u))
+        assert backend.sample_draw(x, float(u), seen=seen, counts=counts, **_draw_kw(params)) == want, u
+
+
+# ---- Metal: the argmax kernel, both output slots ----
+
+def test_argmax(rng):
+    V = 5003
+    logits = rng.standard_normal(V).astype(np.float32)
+    assert argmax(logits) == int(np.argmax(logits))
+    logits[[7, 4000]] = 100.0   # tie: the lower index wins, as np.argmax
+    assert argmax(logits, slot=0) == 7
