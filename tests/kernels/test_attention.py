@@ -47,6 +47,22 @@ def test_attention_core(backend, rng, S, Hq, Hkv, D, pos0):
     np.testing.assert_array_equal(vc[untouched], vc0[untouched])
 
 
+@pytest.mark.parametrize("S,Hq,Hkv,D", [(64, 4, 2, 64), (300, 16, 2, 256)])
+def test_decode_row_equals_the_prefill_row(backend, rng, S, Hq, Hkv, D):
+    """Prefill S rows then decode row S (the decode kernels on the prefill's cache) == the S+1 rows prefilled."""
+    qg = rng.standard_normal((S + 1, Hq * 2 * D)).astype(np.float32)
+    k = rng.standard_normal((S + 1, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((S + 1, Hkv * D)).astype(np.float32)
+    qn, kn = (1 + 0.1 * rng.standard_normal((2, D))).astype(np.float32)
+    cache = np.zeros((S + 1, Hkv * D), np.float32)
+    args = (Hq, Hkv, D, D // 4, THETA, 1e-6)
+    whole, _, _ = backend.attention(qg, k, v, qn, kn, cache, cache, 0, *args)
+    _, kc, vc = backend.attention(qg[:S], k[:S], v[:S], qn, kn, cache, cache, 0, *args)
+    last, _, _ = backend.attention(qg[S:], k[S:], v[S:], qn, kn, kc, vc, S, *args)
+    assert_close(f"{backend.NAME} attention decode row {S} vs prefill D={D}", last, whole[S:],
+                 tol("self_consistency")["rel_rms"])
+
+
 # ---- Metal: prep, prefill and split-K decode kernels one by one, and the mixer ----
 
 
