@@ -1,5 +1,5 @@
 """Sampling on the device: the NumPy twin (lily.sampling.device_sample_reference) against the host Sampler's
-distribution; its C++ twin (lily._lily.sample_draw) against it; the token stream's input checks; and the
+distribution (its C++ twin against it: tests/kernels/test_sample.py); the token stream's input checks; and the
 session's device-mode token loop on the CPU backend's device twin (Engine flag "device_draw"; the CUDA kernel is
 checked against the twin on the GPU by lily.testing.cuda_sampling_checks, run by benchmarks/cuda_check.py, and
 by benchmarks/kernels/check_sample.cu).
@@ -72,37 +72,6 @@ def test_twin_draw_is_vocab_order_cdf():
     p = SamplingParams()
     assert [device_sample_reference(x, p, None, None, u) for u in (0.0, 0.0999, 0.1001, 0.2999, 0.3001, 0.6, 0.9999)] \
         == [0, 0, 1, 1, 2, 3, 3]
-
-
-# ---- the C++ twin of the device sampler (the CPU backend's device_draw) against the NumPy twin ----------------
-
-def _draw_kw(p: SamplingParams) -> dict:
-    bias = p.logit_bias or {}
-    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.6, top_k=7),
-    SamplingParams(temperature=1.3, top_p=0.7),
-    SamplingParams(min_p=0.08),
-    SamplingParams(temperature=0.9, top_k=30, top_p=0.85, min_p=0.01, logit_bias={4: 3.0, 9: -50.0},
-                   repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
-], ids=["greedy", "t1", "topk", "topp", "minp", "all"])
-def test_cpp_twin_equals_numpy_twin(params):
-    rng = np.random.default_rng(5)
-    for trial in range(3):
-        x = (rng.standard_normal(301) * 2.5).astype(np.float32)
-        x[rng.integers(0, 301, 6)] = x.max()  # ties at the top
-        seen = (rng.random(301) < 0.1).astype(np.uint8)
-        counts = (rng.random(301) < 0.05).astype(np.int32) * rng.integers(1, 4, 301).astype(np.int32)
-        for u in rng.random(40):
-            want = device_sample_reference(x, params, seen, counts, float(np.float32(u)))
-            got = _lily.sample_draw(x, float(np.float32(u)), seen=seen, counts=counts, **_draw_kw(params))
-            assert got == want, (trial, u)
 
 
 # ---- the engine's token streams: input checks, and the device mode on the CPU backend's twin ----------------
