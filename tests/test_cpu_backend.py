@@ -258,4 +258,4 @@ def test_decode_greedy_matches_forward_argmax(model):
     with pytest.raises(ValueError, match="max_context"):
         eng.decode_greedy(st, 0, MAX_CTX)
     with pytest.raises(ValueError, match="has no flag"):
-        eng.set_backend_flag("cuda_decode", 1)
+        eng.set_backend_flag("cuda_graph", 1)

@@ -115,17 +115,14 @@ def check_config(name, cfg, T, results):
     add("decode == prefill (cuda)", np.all(np.isfinite(dec)) and d_rms <= max(SELF_REL_RMS, env_rms)
         and d_top1 >= env_top1 - ENVELOPE_SLACK_TOP1, tokens=T, top1=d_top1, rel_rms=d_rms)
 
-    # L2 prefetch hints (own rows; the next kernels' weights) change no value: the same decode, bit for bit, and
-    # no fault from a wrong range (memcheck runs this too).
-    for flag in ("l2_prefetch", "l2_ahead"):
-        gpu.set_backend_flag(flag, 1)
+    # The same decode without the CUDA graph (kernels launched one by one): bit for bit the graph's.
+    gpu.set_backend_flag("cuda_graph", 0)
     try:
-        dec_pf, _ = forward_decode(gpu, toks[:48], 32)
+        dec_ng, _ = forward_decode(gpu, toks[:48], 32)
     finally:
-        for flag in ("l2_prefetch", "l2_ahead"):
-            gpu.set_backend_flag(flag, 0)
-    add("decode with L2 prefetch == without", bool(np.array_equal(dec_pf, dec[:48])), tokens=len(dec_pf),
-        max_abs=float(np.max(np.abs(dec_pf - dec[:48]))))
+        gpu.set_backend_flag("cuda_graph", 1)
+    add("decode without the CUDA graph == with", bool(np.array_equal(dec_ng, dec[:48])), tokens=len(dec_ng),
+        max_abs=float(np.max(np.abs(dec_ng - dec[:48]))))
 
     # DeltaNet prefill forms: the chunked TF32 form (its tiles pipelined over chunks) against the sequential fp32
     # scan on the same prompt, forced on every length (the default picks by length, so short runs never chunk).
@@ -137,7 +134,7 @@ def check_config(name, cfg, T, results):
                 gpu.set_backend_flag("dn_form", form)
                 by_form[form] = gpu.forward(gpu.new_state(), ft, logits="all")
         finally:
-            gpu.set_backend_flag("dn_form", 3)
+            gpu.set_backend_flag("dn_form", 0)  # auto
         f_rms = rel_rms(by_form[2], by_form[1])
         add("DeltaNet chunked == sequential", np.all(np.isfinite(by_form[2])) and f_rms <= max(SELF_REL_RMS, env_rms),
             tokens=FORMS_TOKENS, rel_rms=f_rms, limit=max(SELF_REL_RMS, env_rms))

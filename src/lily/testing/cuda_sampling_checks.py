@@ -115,6 +115,17 @@ def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
     add("device streams interleaved == alone", inter == solo and st.position == st2.position == n0 + steps,
         solo=solo, interleaved=inter)
 
+    # The same stream with its steps' kernels launched one by one (no CUDA graph) draws the same tokens.
+    gpu.set_backend_flag("cuda_graph", 0)
+    try:
+        st.restore(snap)
+        s = gpu.open_stream(st, first, steps, device=True, seed=3, **_stream_kw(p))
+        no_graph = [s.next() for _ in range(steps)]
+        s.close()
+    finally:
+        gpu.set_backend_flag("cuda_graph", 1)
+    add("device stream without the CUDA graph == with", no_graph == solo[0], graph=solo[0], no_graph=no_graph)
+
 
 def check_session_sampling(results):
     """The bundled model on CUDA: greedy generation with the device sampler == with the host sampler; a seeded
