@@ -12,6 +12,11 @@ namespace {
 uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 BufRef at(BufRef r, size_t bytes) { return BufRef{r.buf, r.offset + bytes}; }
 
+kp::DeltaNetParams dn_params(const Config& c, int64_t S) {
+  return kp::DeltaNetParams{c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim, c.conv_kernel, c.conv_dim(),
+                            c.rms_eps, 1e-6f, S};
+}
+
 }  // namespace
 
 BufRef BufferTable::ref(const void* p) const {
@@ -79,6 +84,7 @@ struct MetalBackend::Scratch {
   int64_t rows = 0, parts = 0, logit_rows = 0;
   BufRef ids[2], x, h;
   BufRef qkv, z, b, a, u, y;                // DeltaNet
+  BufRef dn_chunk;                          // DeltaNet chunked form: Ops::gdn_chunk_scratch_bytes
   BufRef qg, k, v, q, o, ml, po;            // attention
   BufRef logits, sg, act, yd, ash, ysh, act_dec;
   RouteBufs r;
@@ -257,6 +263,7 @@ void MetalBackend::reserve(int64_t S) {
     s->qkv = s->make(n * c.conv_dim() * 4), s->u = s->make(n * c.conv_dim() * 4);
     s->z = s->make(n * c.value_dim() * 4), s->y = s->make(n * c.value_dim() * 4);
     s->b = s->make(n * c.lin_v_heads * 4), s->a = s->make(n * c.lin_v_heads * 4);
+    s->dn_chunk = s->make(Ops::gdn_chunk_scratch_bytes(dn_params(c, n)));
   }
   if (c.n_attention_layers()) {
     const int64_t D = c.head_dim;
@@ -324,11 +331,14 @@ void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
   ops_.linear(e, L.b, s.h, s.b, n, false);
   ops_.linear(e, L.a, s.h, s.a, n, false);
   e.barrier();
-  const kp::DeltaNetParams p{c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim, c.conv_kernel, c.conv_dim(),
-                             c.rms_eps, 1e-6f, S};
+  const kp::DeltaNetParams p = dn_params(c, S);
   ops_.gdn_conv(e, p, s.qkv, L.conv_w, ref(st.conv.data()), s.u);
   e.barrier();
-  ops_.gdn_scan(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y);
+  if (Ops::scan_pick(p, dn_form_) == Ops::kScanChunked)  // by chunk length, as on CUDA (Ops::kScanChunkMinRows)
+    ops_.gdn_scan_chunked(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y,
+                          s.dn_chunk);
+  else
+    ops_.gdn_scan(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y);
   e.barrier();
   ops_.linear(e, L.out, s.y, s.x, n, true);
   e.barrier();
@@ -495,6 +505,13 @@ bool MetalBackend::sampler_begin(const SampleOptions& opt) {
 }
 
 void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {
+  if (flag_name == "dn_form") {
+    if (value < Ops::kScanAuto || value > Ops::kScanChunked)
+      throw std::invalid_argument("[lily] backend flag 'dn_form' must be 0 (auto), 1 (sequential) or 2 (chunked), got " +
+                                  std::to_string(value));
+    dn_form_ = static_cast<int>(value);
+    return;
+  }
   if (flag_name != "device_draw") return Backend::set_flag(flag_name, value);
   if (value != 0 && value != 1)
     throw std::invalid_argument("[lily] backend flag 'device_draw' must be 0 or 1, got " + std::to_string(value));
@@ -506,6 +523,7 @@ int64_t MetalBackend::flag(const std::string& flag_name) const {
   if (flag_name == "sampler_begins") return sampler_begins_;            // counter: device generations begun
   if (flag_name == "step_waits") return step_waits_;                    // counter: see backend_metal.h
   if (flag_name == "max_inflight") return max_inflight_;
+  if (flag_name == "dn_form") return dn_form_;
   return flag_name == "device_draw" ? int64_t{device_draw_} : Backend::flag(flag_name);
 }
 

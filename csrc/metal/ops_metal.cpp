@@ -159,6 +159,62 @@ void Ops::gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, 
   go(e, "gdn_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
 }
 
+namespace {
+constexpr int64_t kChunk = 64;             // tokens per chunk of deltanet_chunk.metal (kChunk there)
+constexpr uint32_t kChunkThreads = 256;     // both chunked kernels: 8 simdgroups
+constexpr uint32_t kChunkStateRows = 32;    // state rows per threadgroup of gdn_chunk_state
+
+// Float offsets of the scratch regions of the chunked form (deltanet_chunk.metal's header), in binding order:
+// W, U, P, Qg, Kd, LG, and the total.
+struct ChunkScratchLayout {
+  int64_t at[7];
+  explicit ChunkScratchLayout(const kp::DeltaNetParams& p) {
+    const int64_t hn = p.v_heads * ((p.S + kChunk - 1) / kChunk), dkp = 32 * nk_for(p.k_dim);
+    const int64_t rows[6] = {dkp, p.v_dim, kChunk, dkp, dkp, 1};  // floats per chunk row of each region
+    at[0] = 0;
+    for (int i = 0; i < 6; ++i) at[i + 1] = at[i] + hn * kChunk * rows[i];
+  }
+};
+}  // namespace
+
+int Ops::scan_pick(const kp::DeltaNetParams& p, int form) {
+  if (form == kScanAuto) return p.S >= kScanChunkMinRows ? kScanChunked : kScanSequential;
+  if (form != kScanSequential && form != kScanChunked)
+    throw std::invalid_argument("[lily] metal: dn_form is 0 (auto), 1 (sequential) or 2 (chunked), got " +
+                                std::to_string(form));
+  return form;
+}
+
+size_t Ops::gdn_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
+  return static_cast<size_t>(ChunkScratchLayout(p).at[6]) * 4;
+}
+
+void Ops::gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+                           BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y, BufRef scratch) {
+  const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
+  const ChunkScratchLayout L(p);
+  BufRef region[6];
+  for (int i = 0; i < 6; ++i) region[i] = BufRef{scratch.buf, scratch.offset + static_cast<size_t>(L.at[i]) * 4};
+  const uint32_t n_chunks = cdiv(p.S, kChunk), heads = static_cast<uint32_t>(p.v_heads);
+  BufRef prep_in[] = {u, b, a, a_log, dt_bias};
+  for (int i = 0; i < 5; ++i) e.set_buffer(i, prep_in[i]);
+  for (int i = 0; i < 6; ++i) e.set_buffer(5 + i, region[i]);
+  bytes(e, 11, p);
+  go(e, "gdn_chunk_prep_" + nk, {n_chunks, heads, 1}, {kChunkThreads, 1, 1});
+  e.barrier();
+  for (int i = 0; i < 6; ++i) e.set_buffer(i, region[i]);
+  e.set_buffer(6, state);
+  e.set_buffer(7, y);
+  bytes(e, 8, p);
+  go(e, "gdn_chunk_state_" + nk, {cdiv(p.v_dim, kChunkStateRows), heads, 1}, {kChunkThreads, 1, 1});
+  e.barrier();
+  e.set_buffer(0, y);
+  e.set_buffer(1, z);
+  e.set_buffer(2, norm_w);
+  bytes(e, 3, p);
+  go(e, "gdn_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
+}
+
 void Ops::attn_prep(Encoder& e, const kp::AttentionParams& p, BufRef qg, BufRef k, BufRef v, BufRef q_norm,
                     BufRef k_norm, BufRef rope, BufRef q, BufRef k_cache, BufRef v_cache) {
   BufRef in[] = {qg, k, v, q_norm, k_norm, rope, q, k_cache, v_cache};

@@ -3,6 +3,7 @@
 // the indices of the kernel signature, fills the params.h struct and chooses grid and threadgroup sizes.
 // The same code drives the Apple device and the emulated one.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -54,6 +55,21 @@ class Ops {
   // Fused gated RMSNorm when the head fits one threadgroup (Dv <= 128); else scan + gdn_gated_norm.
   void gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                 BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y);
+
+  // The DeltaNet recurrence in its chunked form (deltanet_chunk.metal: WY/UT, chunk 64, simdgroup matrices;
+  // gdn_chunk_prep + gdn_chunk_state, then gdn_gated_norm). Same state and outputs as gdn_scan; scratch holds
+  // gdn_chunk_scratch_bytes(p) bytes (W, U, P, Qg, Kd, LG per value head and chunk).
+  void gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+                        BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y, BufRef scratch);
+  static size_t gdn_chunk_scratch_bytes(const kp::DeltaNetParams& p);
+  // Which form runs a chunk of p.S rows (backend flag dn_form, as CUDA's): 0 auto (chunked from
+  // kScanChunkMinRows rows), 1 sequential (gdn_scan), 2 chunked (gdn_scan_chunked).
+  enum ScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };
+  // The crossover cannot be measured without a Mac, so it is CUDA's (csrc/cuda/deltanet.cuh), whose reasoning
+  // carries over: the chunked form costs two dispatches plus ceil(S / 64) dependent chunk steps, the sequential
+  // one a dependent step per token. Measure it on Apple hardware (benchmarks/bench_metal.py) and set it here.
+  static constexpr int64_t kScanChunkMinRows = 128;
+  static int scan_pick(const kp::DeltaNetParams& p, int form);
 
   void attn_prep(Encoder& e, const kp::AttentionParams& p, BufRef qg, BufRef k, BufRef v, BufRef q_norm,
                  BufRef k_norm, BufRef rope, BufRef q, BufRef k_cache, BufRef v_cache);
