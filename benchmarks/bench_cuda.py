@@ -198,6 +198,17 @@ class LilyRunner:
         run(self.n, tok)
         return time.perf_counter() - t0
 
+    def generate_stream(self, model, L):
+        """End to end: Model.session().generate(stream=True), greedy, after an untimed prefill of L tokens; the
+        decode seconds of its GenerationStats (first token to last) and the tokens after the first."""
+        s = model.session()
+        s.prefill([int(t) for t in self.toks[:L]])
+        n = 0
+        for c in s.generate(max_tokens=self.n + 1, temperature=0.0, stream=True):
+            n += 1
+            stats = c.stats
+        return stats.decode_s, n - 1
+
     def decode_greedy(self, st, tok):
         self.eng.decode_greedy(st, tok, 3)
         t0 = time.perf_counter()
@@ -257,6 +268,11 @@ def main(argv=None):
           f"{load_info['engine_s']:.1f}s; weight bytes/token {cost.weight_bytes / 1e9:.3f} GB", flush=True)
     toks = np.random.default_rng(0).integers(0, cfg.vocab_size, args.max_context).astype(np.int32)
     lily = LilyRunner(eng, toks, args.decode_steps)
+    model = None  # lily.Model over the same engine, for the end-to-end rows (needs the checkpoint's tokenizer)
+    if folder and (Path(folder) / "tokenizer.json").is_file() and args.backend == "cuda":
+        from lily import Model
+        from lily.tokenizer import Tokenizer
+        model = Model(eng, Tokenizer(Path(folder) / "tokenizer.json"), cfg, path=folder)
     st, _, _ = lily.prefill(min(512, args.lengths[0]))  # warm-up: allocations, module load, graph capture
     lily.decode(st, 1, 2)
     del st
@@ -317,6 +333,14 @@ def main(argv=None):
                     method="Engine.decode_greedy: argmax on the device, no logits copies")
             except Exception as e:  # noqa: BLE001
                 checks[f"decode_greedy@{L}"] = repr(e)[:200]
+            if model is not None:
+                try:
+                    sec, n = lily.generate_stream(model, L)
+                    add(lily.name + "-generate", "decode", L, sec, n,
+                        method="Model.session().generate(stream=True), greedy: the Python API end to end (the "
+                               "engine's token loop, detokenizing, stop checks), beside the raw step rate")
+                except Exception as e:  # noqa: BLE001
+                    checks[f"generate_stream@{L}"] = repr(e)[:200]
             for device in (False, True):
                 try:
                     st.restore(snap)
