@@ -1,0 +1,90 @@
+"""Before/after on the H200 in one call (issue 17's "no slower than before, within 3 %"): two builds of lily, each a
+folder with its `lily` package and `_lily*.so`, timed in alternating rounds (round r: the first build first when r
+is even), each run in its own process on the same in-memory full-size weights (lily.testing.fast_synthetic,
+seed 0): prefill of L random tokens (last-row logits) and greedy decode after it (Engine.decode_greedy: the
+engine's loop on the device; 3 untimed steps, then --steps timed). Only API both builds have is used. Prints a
+table (median per build, after/before ratio) and writes JSON.
+
+    python3 dev/compare_builds.py --builds before=/tmp/before/src,after=src --rounds 3 --out $OUT/compare.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, sys, time
+import numpy as np
+from lily import _lily
+from lily.config import ModelConfig
+from lily.testing.fast_synthetic import conditioned_weights
+from lily.testing.synthetic import config_dict
+lengths, steps = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2])
+cfg = ModelConfig.from_dict(config_dict("full"))
+tensors, quant = conditioned_weights(cfg)
+eng = _lily.Engine(cfg.to_dict(), tensors, quant, threads=0, max_context=max(lengths) + steps + 16, backend="cuda")
+toks = np.random.default_rng(0).integers(0, cfg.vocab_size, max(lengths)).astype(np.int32)
+warm = eng.new_state(); eng.forward(warm, toks[:512], logits="last"); eng.decode_greedy(warm, 1, 4); del warm
+out = {}
+for L in lengths:
+    st = eng.new_state()
+    t0 = time.perf_counter(); lg = eng.forward(st, toks[:L], logits="last"); pf = time.perf_counter() - t0
+    tok = int(np.argmax(lg[-1]))
+    eng.decode_greedy(st, tok, 3)
+    t0 = time.perf_counter(); eng.decode_greedy(st, tok, steps); dec = time.perf_counter() - t0
+    out[L] = {"prefill_tok_s": L / pf, "decode_tok_s": steps / dec}
+    del st
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def run(path: str, lengths: str, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, "-c", CHILD, lengths, str(steps)], env=env, capture_output=True, text=True,
+                       timeout=900)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"build at {path} failed (rc {r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+    return {int(k): v for k, v in json.loads(line[7:]).items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--builds", required=True, help="name=PYTHONPATH,name=PYTHONPATH (two builds)")
+    ap.add_argument("--lengths", default="512,4096,32768,131072")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="compare_builds.json")
+    args = ap.parse_args()
+    builds = [tuple(b.split("=", 1)) for b in args.builds.split(",")]
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    for rnd in range(args.rounds):
+        for name, path in (builds if rnd % 2 == 0 else builds[::-1]):
+            t0 = time.time()
+            res = run(path, args.lengths, args.steps)
+            for L, v in res.items():
+                for k, x in v.items():
+                    samples.setdefault((name, L, k), []).append(x)
+            print(f"round {rnd} {name}: {time.time() - t0:.0f} s " +
+                  " ".join(f"{L}:{v['prefill_tok_s']:.0f}/{v['decode_tok_s']:.1f}" for L, v in res.items()), flush=True)
+    (a, _), (b, _) = builds
+    rows = []
+    print(f"\n| L | metric | {a} | {b} | {b}/{a} |\n|---:|---|---:|---:|---:|")
+    for L in [int(x) for x in args.lengths.split(",")]:
+        for k in ("prefill_tok_s", "decode_tok_s"):
+            ma, mb = statistics.median(samples[(a, L, k)]), statistics.median(samples[(b, L, k)])
+            rows.append({"tokens": L, "metric": k, a: samples[(a, L, k)], b: samples[(b, L, k)], "ratio": mb / ma})
+            print(f"| {L} | {k} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} |")
+    from lily.bench import git_sha, hardware
+    json.dump({"benchmark": "compare_builds", "git_sha": git_sha(), "hardware": hardware(), "settings": vars(args),
+               "rows": rows}, open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
