@@ -13,6 +13,8 @@
 #include <memory>
 #include <string>
 
+#include "metal/kernel_sources.h"
+
 namespace lily::metal {
 
 struct DevBuffer;   // opaque, owned by the Device
@@ -71,6 +73,10 @@ class Device {
   // Metal 4 tensor operations (MetalPerformancePrimitives) are available and their kernels
   // (metal/gemm_tensor.metal) loaded: gates the tensor-op GEMM path of the prefill matrices.
   virtual bool has_tensor_ops() const = 0;
+  // For `lily info` and the tests: the GPU family ("Apple9, Metal3", "emulated"), and how the kernels
+  // were obtained (compiled from the embedded sources at run time, a build-time metallib, cache hit).
+  virtual std::string family() const = 0;
+  virtual LibraryReport library() const = 0;
 };
 
 // Options of the emulated device (Linux). kernel_libs: ';'-separated paths of kernel libraries built by
@@ -91,10 +97,36 @@ struct EmuOptions {
   // A planted bug for tests/metal/test_planted_bugs.py: the barrier right before each dispatch of a kernel
   // whose name starts with this is ignored, as if the backend had not placed it (the check must report it).
   std::string drop_barrier_before;
+  // How kernel_libs were obtained (compile_embedded_for_emulator, or given by the caller).
+  LibraryReport library;
 };
 std::unique_ptr<Device> make_emulated_device(const EmuOptions& opt);
 
-// Apple: the default Metal device and lily's embedded metallib (device_mtl.mm).
-std::unique_ptr<Device> make_apple_device();
+// The emulated device's runtime compile (library_emu.cpp): the embedded kernel texts built by
+// tools/msl/mslc.py into kernel libraries under cache_dir (kernel_sources.h: cache_dir()), validated.
+// Throws MetalUnavailable naming each kernel file that failed, with the compiler's diagnostics.
+struct EmuCompileOptions {
+  std::string cache_dir;      // "" = the default cache folder
+  std::string toolchain;      // path of tools/msl/mslc.py ("" = $LILY_MSLC, else this source tree's)
+  std::string python;         // interpreter ("" = $LILY_PYTHON, else this process if Python, else python3)
+  std::string planted_error;  // kernel_sources(planted_error)
+  int jobs = 2;               // compilers in parallel
+};
+struct EmuLibraries {
+  std::string kernel_libs;  // for EmuOptions::kernel_libs
+  LibraryReport report;
+};
+EmuLibraries compile_embedded_for_emulator(const EmuCompileOptions& opt);
+
+// Apple: the default Metal device; kernels from a build-time lily.metallib when the extension carries one,
+// else compiled at first use from the embedded sources (newLibraryWithSource), pipelines cached in an
+// MTLBinaryArchive under cache_dir keyed by source hash, OS version and GPU (device_mtl.mm).
+struct AppleOptions {
+  std::string cache_dir;      // "" = the default cache folder
+  std::string planted_error;  // kernel_sources(planted_error); forces the runtime compile
+  bool use_metallib = true;   // false: ignore a build-time metallib, compile the embedded sources
+  bool pipeline_cache = true; // false: no binary archive
+};
+std::unique_ptr<Device> make_apple_device(const AppleOptions& opt);
 
 }  // namespace lily::metal

@@ -172,6 +172,13 @@ class EmuDevice final : public Device {
   uint32_t max_threads(Pipeline*) override { return opt_.max_threads; }
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(this); }
   bool has_tensor_ops() const override { return opt_.tensor_ops; }
+  std::string family() const override { return "emulated (CPU emulator of Metal compute, tools/msl)"; }
+  LibraryReport library() const override {
+    LibraryReport r = opt_.library;
+    if (r.origin.empty()) r.origin = "emulator kernel libraries given by the caller (emu_kernel_libs)";
+    r.tensor_ops = opt_.tensor_ops ? "on (emu_tensor_ops=1)" : "off (emu_tensor_ops=0)";
+    return r;
+  }
 
   void submit(EmuCommandBuffer* cb) {
     std::lock_guard<std::mutex> g(qmu_);

@@ -6,6 +6,7 @@
   mslc.py check3   F.metal   the same as a Metal 3.1 compiler (no __HAVE_TENSOR__, no <metal_tensor>)
   mslc.py check-as F.metal   clang++ in C++-for-OpenCL mode: address spaces are real qualifiers
   mslc.py build    F.metal   shared library with one launcher per kernel (host name), for emu.py / ctypes
+  mslc.py build-embedded F.metal...  the same for self-contained texts (the backend's runtime compile)
   mslc.py all      F.metal   lint + check + check-as
 
 Project headers included with quotes are inlined (with #line markers) so the MSL rewrites below apply to
@@ -92,7 +93,7 @@ def strip_comments(src: str) -> str:
 
 def inline_includes(path: str, include_dirs=None, _seen=None) -> tuple[str, list[str]]:
     """Text of path with `#include "x"` inlined recursively (#pragma once honoured), plus the files read."""
-    include_dirs = list(include_dirs or DEFAULT_INCLUDES)
+    include_dirs = list(DEFAULT_INCLUDES if include_dirs is None else include_dirs)
     seen = _seen if _seen is not None else set()
     path = os.path.abspath(path)
     files = [path]
@@ -483,6 +484,24 @@ def build(path: str, include_dirs=None, opt: str = "-O2") -> tuple[int, str, str
     return 0, out, so
 
 
+def build_many(paths: list[str], include_dirs=None, jobs: int = 2) -> list[tuple[str, int, str, str | None, bool]]:
+    """build() for several files at once, `jobs` compilers in parallel -> [(path, rc, output, library, cached)].
+    The library entry point of the Metal backend's runtime compile on Linux (csrc/metal/library_emu.cpp):
+    it writes the extension's embedded kernel texts, headers already inlined, to files and passes
+    include_dirs=[], so nothing is read from the repository's metal/ folder."""
+    from concurrent.futures import ThreadPoolExecutor
+    runtime_lib()  # once, before the threads
+
+    def one(path):
+        tu, _ = generate(path, "exec", include_dirs)
+        so = os.path.join(build_dir(), f"{os.path.basename(path)}.exec.{_key(tu, '-O2', runtime_lib())}.so")
+        cached = os.path.exists(so)
+        rc, out, lib = build(path, include_dirs)
+        return path, rc, out, lib, cached
+    with ThreadPoolExecutor(max(1, jobs)) as ex:
+        return list(ex.map(one, paths))
+
+
 def check_all(path: str, include_dirs=None) -> list[tuple[str, int, str]]:
     """[(layer, rc, text)] for lint, check, check-as."""
     errs = lint(inline_includes(path, include_dirs)[0], path)
@@ -492,10 +511,29 @@ def check_all(path: str, include_dirs=None) -> list[tuple[str, int, str]]:
     return res
 
 
+def build_embedded(paths: list[str]) -> int:
+    """`mslc.py build-embedded F.metal...` (csrc/metal/library_emu.cpp runs it): self-contained kernel texts
+    (no include is resolved on disk), $MSL_JOBS compilers in parallel. One line per file on stdout:
+    `ok<TAB>file<TAB>library<TAB>cached|compiled` or `fail<TAB>file<TAB>log`, where log holds the compiler's
+    diagnostics. Exit status 0 even when a file failed (the caller reports which)."""
+    jobs = int(os.environ.get("MSL_JOBS") or 2)
+    for path, rc, out, lib, cached in build_many(paths, include_dirs=[], jobs=jobs):
+        if rc or not lib:
+            log = path + ".log"
+            with open(log, "w") as f:
+                f.write(out)
+            print(f"fail\t{path}\t{log}")
+        else:
+            print(f"ok\t{path}\t{lib}\t{'cached' if cached else 'compiled'}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3:
         print(__doc__); return 2
     cmd, paths = argv[1], argv[2:]
+    if cmd == "build-embedded":
+        return build_embedded(paths)
     worst = 0
     for path in paths:
         if cmd == "lint":

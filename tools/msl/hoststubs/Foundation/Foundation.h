@@ -42,4 +42,22 @@ __attribute__((objc_root_class))
 @interface NSError : NSObject
 @property (readonly, copy) NSString* localizedDescription;
 @end
+
+@protocol NSCopying
+@end
+
+@interface NSArray<__covariant ObjectType> : NSObject
++ (instancetype)arrayWithObjects:(const ObjectType _Nonnull[_Nullable])objects count:(NSUInteger)cnt;
+- (BOOL)containsObject:(ObjectType)anObject;
+@property (readonly) NSUInteger count;
+@end
+
+@interface NSURL : NSObject
++ (NSURL*)fileURLWithPath:(NSString*)path;
+@end
+
+@interface NSProcessInfo : NSObject
+@property (class, readonly, strong) NSProcessInfo* processInfo;
+@property (readonly, copy) NSString* operatingSystemVersionString;
+@end
 NS_ASSUME_NONNULL_END
