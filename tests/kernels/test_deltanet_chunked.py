@@ -184,3 +184,50 @@ def test_model_auto_form_picks_by_chunk_length():
     np.testing.assert_array_equal(out[0][:130], out[2][:130], err_msg="auto did not run the chunked form")
     assert not np.array_equal(out[0][:130], out[1][:130]), "the forms gave the same bits: was one not run?"
     assert_close("auto vs sequential form, 140 rows", out[0], out[1], SELF_TOL)
+
+
+# ---- the emulator's side: Apple's make_filled_simdgroup_matrix spelling, and a planted race ----
+
+FILLED_MMA = """#include <metal_stdlib>
+using namespace metal;
+kernel void filled_mma(device const float* a [[buffer(0)]],   // [8, 8]
+                       device float*       d [[buffer(1)]],   // [8, 8]
+                       uint lane [[thread_index_in_simdgroup]])
+{
+    simdgroup_float8x8 ma, acc = make_filled_simdgroup_matrix<float, 8, 8>(1.5f);
+    simdgroup_load(ma, a, 8, ulong2(0, 0), true);
+    simdgroup_multiply_accumulate(acc, ma, ma, acc);
+    simdgroup_store(acc, d, 8);
+}
+"""
+
+
+def test_emulator_filled_simdgroup_matrix(tmp_path, rng):
+    """make_filled_simdgroup_matrix<T, Cols, Rows>(v) fills every element (not only the diagonal), and a
+    transposed load reads src^T: d = 1.5 + a^T a^T."""
+    src = tmp_path / "filled_mma.metal"
+    src.write_text(FILLED_MMA)
+    a = rng.standard_normal((8, 8)).astype(np.float32)
+    d, = emu.run3(emu.library(str(src)), "filled_mma", (1, 1, 1), (32, 1, 1), [a, np.zeros((8, 8), np.float32)],
+                  outputs=[1])
+    np.testing.assert_allclose(d, 1.5 + a.T @ a.T, rtol=1e-5, atol=1e-5)
+
+
+def test_planted_missing_barrier_is_caught(tmp_path, rng):
+    """gdn_chunk_state without the barrier between the state's gamma_last scaling and step 3: the emulator's
+    schedules disagree (or a tile reads a value still unscaled), so the race cannot pass silently."""
+    import metal_env
+
+    text = open(f"{metal_env.METAL_DIR}/deltanet_chunk.metal").read()
+    planted = text.replace("threadgroup_barrier(mem_flags::mem_threadgroup);   // tg_s scaled", "", 1)
+    assert planted != text
+    path = tmp_path / "deltanet_chunk.metal"
+    path.write_text(planted)
+    S, Hk, Hv, Dk, Dv = 70, 1, 1, 32, 32
+    u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
+    metal_env.OVERRIDE["deltanet_chunk"] = str(path)
+    try:
+        with pytest.raises(emu.EmulatorError):
+            gdn_scan_chunked(u, b, a, a_log, dt_bias, state, dn_params(Hk, Hv, Dk, Dv, 4, S))
+    finally:
+        metal_env.OVERRIDE.pop("deltanet_chunk")
