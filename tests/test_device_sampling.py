@@ -158,6 +158,39 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(cpu_engine, p
         eng.set_backend_flag("device_draw", 0)
 
 
+def test_parked_stream_resumes_with_its_parked_draw_counted(cpu_engine):
+    """A stream parked by another one resumes from its host record; that record must already count the draw that
+    waited on the host, or the step after it draws without the penalty (here: a token biased to win, which a
+    presence penalty must then forbid, would be drawn twice in a row)."""
+    cfg, eng = cpu_engine
+    V = cfg.vocab_size
+    eng.set_backend_flag("device_draw", 1)
+    kw = dict(temperature=0.0, presence_penalty=50.0, bias_ids=[42], bias_vals=[20.0])
+    prompts = (np.arange(3, 12, dtype=np.int32), np.arange(20, 30, dtype=np.int32))
+    try:
+        solo = []
+        for p, first in zip(prompts, (5, 7)):
+            st = eng.new_state()
+            eng.forward(st, p, logits="none")
+            s = eng.open_stream(st, first, 6, counts=np.zeros(V, np.int32), **kw)
+            solo.append([s.next() for _ in range(6)])
+            s.close()
+        assert solo[0][0] == 42 and 42 not in solo[0][1:]
+        states = []
+        for p in prompts:
+            states.append(eng.new_state())
+            eng.forward(states[-1], p, logits="none")
+        a = eng.open_stream(states[0], 5, 6, counts=np.zeros(V, np.int32), **kw)
+        b = eng.open_stream(states[1], 7, 6, counts=np.zeros(V, np.int32), **kw)  # parks a at once
+        got = [[], []]
+        for _ in range(6):
+            got[0].append(a.next())
+            got[1].append(b.next())
+        assert got == solo
+    finally:
+        eng.set_backend_flag("device_draw", 0)
+
+
 @pytest.fixture(scope="module")
 def models():
     import lily

@@ -252,22 +252,25 @@ int32_t TokenStream::next() {
     return -1;
   }
   eng_.park_active(this);
+  const int32_t known = parked_ ? parked_token_ : -1;  // parked: the draw of the last launched step, on the host
   if (parked_) {
-    // another generation used the device: its sampler options and the slot are gone; begin again from the host
+    // Another generation used the device: its sampler options and the slot are gone. Begin again from the host's
+    // record, which must hold the parked draw already: the device had counted it, and the step launched below
+    // draws after it.
+    note(known);
     if (!eng_.backend_->sampler_begin(opt_.sample))
       throw std::logic_error("[lily] TokenStream.next: the backend declined a sampler it accepted before");
     eng_.active_ = this;
   }
   const int64_t idx = last_step_;  // the step that draws the token returned now
-  const int32_t known = parked_ ? parked_token_ : -1;
   // Run ahead: the step that feeds this token goes out before we wait for it, unless the token is the last one.
   const bool more = returned_ + 1 < opt_.max_tokens && st_.position < eng_.max_context_;
   if (more) launch(known);  // known < 0: the device slot holds it
   const int32_t tok = known >= 0 ? known : eng_.backend_->drawn_token(idx);
+  if (known < 0) note(tok);
   parked_ = false;
   parked_token_ = -1;
   ++returned_;
-  note(tok);
   for (int32_t s : opt_.stop_ids)
     if (s == tok) ended_ = true;
   if (returned_ >= opt_.max_tokens) ended_ = true;
