@@ -12,9 +12,21 @@
 // make_backend("metal", ..., options) takes these BackendOptions (strings; std::invalid_argument names an
 // unknown option or a bad value):
 //   kv_bf16            "1" (default): bf16 KV cache, "0": fp32
-//   emu_kernel_libs    ';'-separated emulator builds of metal/*.metal (tools/msl/mslc.py, one per file):
-//                      selects the emulated device. Required on Linux, where the backend runs only on it
-//                      (for tests); refused on macOS, which uses the Apple device.
+//   cache_dir          where compiled kernels are cached (default: $LILY_CACHE_DIR/metal, else ~/Library/Caches/
+//                      lily/metal on Apple, $XDG_CACHE_HOME/lily/metal or ~/.cache/lily/metal elsewhere)
+//   inject_compile_error  a kernel file ("gemv" or "gemv.metal") whose embedded text gets a syntax error before
+//                      compiling (tests, and a Mac user checking the fallback; also LILY_METAL_INJECT_COMPILE_ERROR):
+//                      the device then raises the "Metal unavailable" error naming it (kernel_sources.h)
+//   use_metallib       Apple: "1" (default) prefer a build-time lily.metallib if the extension has one; "0":
+//                      compile the embedded sources
+//   pipeline_cache     Apple: "1" (default) cache pipelines in an MTLBinaryArchive under cache_dir; "0": do not
+//   emu_runtime_compile  "1": the emulated device compiles the embedded sources at first use through
+//                      tools/msl/mslc.py (the runtime-compile path Apple takes with newLibraryWithSource)
+//   emu_kernel_libs    instead: ';'-separated prebuilt emulator builds of metal/*.metal (tools/msl/mslc.py, one
+//                      per file). One of the two is required on Linux, where the backend runs only on the
+//                      emulated device (for tests); every emu_* option is refused on macOS (Apple device).
+//   emu_toolchain, emu_python, emu_jobs  the runtime compile's mslc.py (default: $LILY_MSLC, else this source
+//                      tree's), interpreter (default: $LILY_PYTHON, else this process) and parallel compilers (2)
 //   emu_schedule       "-1" (default: the three schedules rotate per dispatch), "0", "1" or "2"
 //   emu_threads        host threads the emulator runs one dispatch on (default "2")
 //   emu_max_threads    the per-pipeline thread limit to emulate (default "1024"; Apple lowers it for

@@ -1,7 +1,10 @@
 // make_backend("metal", ..., options): reads the BackendOptions documented in backend_metal.h and picks the
 // device. Apple builds (LILY_METAL_APPLE) run the Metal framework device; Linux builds (LILY_METAL_EMULATED)
-// run the CPU emulator of Metal compute over kernel libraries that tools/msl/mslc.py builds at test time, so
-// the real Engine, bindings and token loop run on the Metal backend in CI.
+// run the CPU emulator of Metal compute over kernel libraries that tools/msl/mslc.py builds from the
+// embedded sources at first use (emu_runtime_compile) or that the caller built (emu_kernel_libs), so the
+// real Engine, bindings and token loop run on the Metal backend in CI. Making the device compiles the
+// kernels: a failure is MetalUnavailable (kernel_sources.h), which lily.model turns into
+// BackendUnavailableError (backend="metal") or the CPU fallback with a warning (backend="auto").
 #include <cstdlib>
 #include <cstring>
 #include <set>

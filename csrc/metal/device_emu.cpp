@@ -172,7 +172,7 @@ class EmuDevice final : public Device {
   uint32_t max_threads(Pipeline*) override { return opt_.max_threads; }
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(this); }
   bool has_tensor_ops() const override { return opt_.tensor_ops; }
-  std::string family() const override { return "emulated (CPU emulator of Metal compute, tools/msl)"; }
+  std::string family() const override { return "CPU emulator of Metal compute, tools/msl"; }
   LibraryReport library() const override {
     LibraryReport r = opt_.library;
     if (r.origin.empty()) r.origin = "emulator kernel libraries given by the caller (emu_kernel_libs)";

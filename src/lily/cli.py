@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -288,6 +289,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         from . import _lily
         from .model import _built_backends
         print(f"backends: {', '.join(_built_backends(_lily))}, reference")
+        _print_metal_status(_built_backends(_lily))
     except ImportError as e:
         print(f"backends: reference (the C++ extension is not built: {e})")
     model = _load(args)
@@ -295,6 +297,26 @@ def cmd_info(args: argparse.Namespace) -> int:
     for k, v in model.info().items():
         print(f"  {k}: {v}")
     return 0
+
+
+def _print_metal_status(built: list[str]) -> None:
+    """Metal: device, GPU family, tensor ops, and how the kernels compiled (or why Metal is unavailable). The
+    emulated device (Linux, tests only) is probed only when the test switch asks auto to consider it."""
+    from .model import AUTO_EMULATED_METAL_ENV, metal_status
+    if "metal" not in built and not ("metal (emulated)" in built and os.environ.get(AUTO_EMULATED_METAL_ENV) == "1"):
+        if "metal (emulated)" in built:
+            print(f"metal: emulated device only (tests; {AUTO_EMULATED_METAL_ENV}=1 probes it)")
+        return
+    status = metal_status()
+    if status is None:
+        return
+    if "error" in status:
+        print(f"metal: unavailable (backend='auto' runs on the CPU): {status['error'].strip()}")
+        return
+    print(f"metal: {status.get('device', '?')} ({status.get('family', '?')}); tensor ops: "
+          f"{status.get('tensor_ops', '?')}")
+    print(f"  kernels: {status.get('library', '?')}, source hash {status.get('source_hash') or '-'}, "
+          f"{'cached' if status.get('cache_hit') == '1' else 'compiled now'} ({status.get('cache', '-')})")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

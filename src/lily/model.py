@@ -6,6 +6,8 @@ install without it and `backend="reference"` runs the NumPy twin.
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -25,6 +27,14 @@ DEFAULT_MAX_CONTEXT = 32768
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "default"
 
 
+# Test-only (docs/metal.md): with this set to 1 on an install that has the emulated Metal device (Linux),
+# backend="auto" considers it as it would an Apple GPU, so CI drives auto's Metal-then-CPU fallback.
+AUTO_EMULATED_METAL_ENV = "LILY_TEST_AUTO_EMULATED_METAL"
+# The C++ prefix of "Metal unavailable" (csrc/metal/kernel_sources.h: no device, or a kernel that did not
+# compile or validate).
+_METAL_UNAVAILABLE = "[lily] backend 'metal' unavailable: "
+
+
 def _engine_factory(backend: str, backend_options: Mapping[str, str] | None = None):
     """backend name -> (engine class/factory, resolved backend name). Fails fast, before weights load."""
     if backend not in BACKENDS:
@@ -41,17 +51,21 @@ def _engine_factory(backend: str, backend_options: Mapping[str, str] | None = No
             f"install ({e}); reinstall lily from source (pip install .) to build it, or pass "
             f"backend='reference' for the slow NumPy engine") from None
     built = _built_backends(_lily)
-    if backend_options:
-        # only Metal takes construction options; on Linux they select the emulated device, for tests
-        if backend != "metal":
-            raise ValueError(f"[lily.load] backend_options are for backend='metal', got backend={backend!r}")
-        if "metal (emulated)" in built and backend_options.get("emu_kernel_libs"):
-            built = [*built, "metal"]
+    emulated = "metal (emulated)" in built
+    if backend_options and backend not in ("metal", "auto"):
+        # only Metal takes construction options (auto passes them on when it picks Metal)
+        raise ValueError(f"[lily.load] backend_options are for backend='metal' (or 'auto', when it picks "
+                         f"Metal), got backend={backend!r}")
+    if backend == "metal" and emulated and any(k.startswith("emu_") for k in backend_options or {}):
+        built = [*built, "metal"]  # Linux: emu_* options select the emulated device, for tests
     if backend == "auto":
-        # design.md §1: metal on a Mac, cuda where a device is visible, else cpu
+        # design.md §1: metal on a Mac, cuda where a device is visible, else cpu. Metal that is unavailable
+        # (no device, a kernel that does not compile) falls back to cpu with a warning.
         if "metal" in built:
-            backend = "metal"
-        elif "cuda" in built and _lily.cuda_device_count() > 0:
+            return _metal_or_cpu(_lily, dict(backend_options or {})), "metal"
+        if emulated and os.environ.get(AUTO_EMULATED_METAL_ENV) == "1":
+            return _metal_or_cpu(_lily, {"emu_runtime_compile": "1", **(backend_options or {})}), "metal"
+        if "cuda" in built and _lily.cuda_device_count() > 0:
             backend = "cuda"
         else:
             backend = "cpu"
@@ -73,7 +87,56 @@ def _engine_factory(backend: str, backend_options: Mapping[str, str] | None = No
         except TypeError as e:
             raise BackendUnavailableError(f"[lily.load] backend {backend!r} is built but lily._lily.Engine did "
                                           f"not accept backend={backend!r}: {e}") from None
+        except RuntimeError as e:
+            if _METAL_UNAVAILABLE in str(e):  # the message names the kernel file and the compiler's output
+                raise BackendUnavailableError(f"[lily.load] {e}") from None
+            raise
     return make, backend
+
+
+def _metal_or_cpu(ext, options: dict[str, str]):
+    """backend="auto" where Metal is a candidate: the Metal engine, or, when Metal is unavailable (no device,
+    a kernel that did not compile or validate), the CPU engine and a RuntimeWarning carrying the reason."""
+    def make(*args, **kwargs):
+        try:
+            return ext.Engine(*args, backend="metal", options=options, **kwargs)
+        except RuntimeError as e:
+            if _METAL_UNAVAILABLE not in str(e):
+                raise
+            warnings.warn(f"[lily.load] backend='auto': Metal is unavailable, running on the CPU backend "
+                          f"instead. {e}", RuntimeWarning, stacklevel=3)
+            return ext.Engine(*args, backend="cpu", **kwargs)
+    return make
+
+
+def metal_status(backend_options: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """The Metal backend's status for `lily info`: None when this install has no Metal backend, else the
+    device made as backend='metal' would make it (kernels compiled or loaded from the cache): keys device,
+    family, tensor_ops, library, source_hash, cache, cache_hit; or {"error": message} naming what is
+    unavailable (for a kernel: the file and the compiler's diagnostics). On Linux the emulated device is
+    probed (runtime compile through tools/msl/mslc.py)."""
+    import ctypes
+
+    from . import _lily
+    built = _built_backends(_lily)
+    if "metal" in built:
+        options = dict(backend_options or {})
+    elif "metal (emulated)" in built:
+        options = {"emu_runtime_compile": "1", **(backend_options or {})}
+    else:
+        return None
+    lib = ctypes.CDLL(_lily.__file__)  # the loaded extension: its C entry point lily_metal_probe
+    lib.lily_metal_probe.restype = ctypes.c_void_p
+    lib.lily_metal_probe.argtypes = [ctypes.c_char_p]
+    lib.lily_metal_free.argtypes = [ctypes.c_void_p]
+    p = lib.lily_metal_probe("\n".join(f"{k}={v}" for k, v in options.items()).encode())
+    try:
+        out = ctypes.string_at(p).decode(errors="replace")
+    finally:
+        lib.lily_metal_free(p)
+    if out.startswith("error\t"):
+        return {"error": out[len("error\t"):]}
+    return dict(line.split("\t", 1) for line in out.splitlines() if "\t" in line)
 
 
 def _built_backends(ext) -> list[str]:
@@ -260,8 +323,11 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     "reference" (NumPy, slow, exact).
     max_context: context window in tokens (default min(32768, the model's max_position_embeddings)).
     threads: CPU threads (0 = all cores). chunk_size: prefill chunk rows (0 = backend default).
-    backend_options: construction options of the backend (str -> str, csrc/metal/backend_metal.h); on Linux,
-    backend="metal" with {"emu_kernel_libs": ...} runs the emulated Metal device (tests only).
+    backend_options: construction options of the Metal backend (str -> str, csrc/metal/backend_metal.h), for
+    backend="metal" or "auto" (used when auto picks Metal); on Linux, backend="metal" with an emu_* option
+    ({"emu_runtime_compile": "1"} or {"emu_kernel_libs": ...}) runs the emulated Metal device (tests only).
+    Metal that is unavailable (no device, a kernel that does not compile) raises BackendUnavailableError
+    with backend="metal"; backend="auto" then runs on the CPU and warns (RuntimeWarning) with the reason.
     """
     factory, backend_name = _engine_factory(backend, backend_options)
     if path_or_repo_id is None:
