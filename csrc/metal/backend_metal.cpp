@@ -334,7 +334,10 @@ void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
   const kp::DeltaNetParams p = dn_params(c, S);
   ops_.gdn_conv(e, p, s.qkv, L.conv_w, ref(st.conv.data()), s.u);
   e.barrier();
-  if (Ops::scan_pick(p, dn_form_) == Ops::kScanChunked)  // by chunk length, as on CUDA (Ops::kScanChunkMinRows)
+  // By chunk length, as on CUDA (Ops::kScanChunkMinRows); auto keeps the sequential form where the device cannot
+  // give the chunked kernels their 256 threads.
+  const int form = Ops::scan_pick(p, dn_form_);
+  if (form == Ops::kScanChunked && (dn_form_ == Ops::kScanChunked || ops_.gdn_chunked_fits(p)))
     ops_.gdn_scan_chunked(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y,
                           s.dn_chunk);
   else
@@ -507,8 +510,12 @@ bool MetalBackend::sampler_begin(const SampleOptions& opt) {
 void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {
   if (flag_name == "dn_form") {
     if (value < Ops::kScanAuto || value > Ops::kScanChunked)
-      throw std::invalid_argument("[lily] backend flag 'dn_form' must be 0 (auto), 1 (sequential) or 2 (chunked), got " +
-                                  std::to_string(value));
+      throw std::invalid_argument("[lily] backend flag 'dn_form' must be 0 (auto), 1 (sequential) or 2 (chunked), "
+                                  "got " + std::to_string(value));
+    // Refused here, not mid-chunk: an exception inside a chunk leaves its command buffer half encoded.
+    if (value == Ops::kScanChunked && cfg_.n_deltanet_layers() && !ops_.gdn_chunked_fits(dn_params(cfg_, 1)))
+      throw std::invalid_argument("[lily] backend flag 'dn_form' 2: the chunked DeltaNet kernels need 256 threads "
+                                  "per threadgroup; this device allows fewer");
     dn_form_ = static_cast<int>(value);
     return;
   }

@@ -189,9 +189,18 @@ size_t Ops::gdn_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
   return static_cast<size_t>(ChunkScratchLayout(p).at[6]) * 4;
 }
 
+bool Ops::gdn_chunked_fits(const kp::DeltaNetParams& p) {
+  const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
+  return dev_.max_threads(pipe("gdn_chunk_prep_" + nk)) >= kChunkThreads &&
+         dev_.max_threads(pipe("gdn_chunk_state_" + nk)) >= kChunkThreads;
+}
+
 void Ops::gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                            BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y, BufRef scratch) {
   const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
+  if (!gdn_chunked_fits(p))
+    throw std::runtime_error("[lily] metal: the chunked DeltaNet kernels (gdn_chunk_*_" + nk + ") need " +
+                             std::to_string(kChunkThreads) + " threads per threadgroup; this device allows fewer");
   const ChunkScratchLayout L(p);
   BufRef region[6];
   for (int i = 0; i < 6; ++i) region[i] = BufRef{scratch.buf, scratch.offset + static_cast<size_t>(L.at[i]) * 4};

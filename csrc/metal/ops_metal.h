@@ -62,6 +62,10 @@ class Ops {
   void gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                         BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y, BufRef scratch);
   static size_t gdn_chunk_scratch_bytes(const kp::DeltaNetParams& p);
+  // The chunked kernels run 256 threads per threadgroup (8 simdgroups, one 8-row tile each); false where the
+  // device allows fewer for these register-heavy pipelines (then auto runs the sequential form and a forced
+  // chunked form throws std::runtime_error).
+  bool gdn_chunked_fits(const kp::DeltaNetParams& p);
   // Which form runs a chunk of p.S rows (backend flag dn_form, as CUDA's): 0 auto (chunked from
   // kScanChunkMinRows rows), 1 sequential (gdn_scan), 2 chunked (gdn_scan_chunked).
   enum ScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };

@@ -162,7 +162,8 @@ def test_model_chunked_form_equals_cpu(name, prompt, chunk):
 def test_model_auto_form_picks_by_chunk_length():
     """dn_form 0 (auto): a prefill chunk of 130 rows (>= Ops::kScanChunkMinRows = 128) runs the chunked form, bit
     for bit what dn_form 2 gives, and not the sequential form's bits; the 10-row chunk after it runs the
-    sequential form."""
+    sequential form. On a device that allows pipelines only 128 threads (fewer than the chunked kernels' 256),
+    auto runs the sequential form and the flag refuses the chunked form with a message."""
     from test_metal_backend import _in_child, metal_engine
 
     from lily.testing import random_weights, tiny_configs
@@ -178,9 +179,19 @@ def test_model_auto_form_picks_by_chunk_length():
             eng.set_backend_flag("dn_form", form)
             out[form] = np.array(eng.forward(eng.new_state(), toks, logits="all", chunk_size=130))
             del eng
+        small = metal_engine(cfg, tensors, quant, schedule=0, max_threads=128)
+        out["auto_128"] = np.array(small.forward(small.new_state(), toks, logits="all", chunk_size=130))
+        try:
+            small.set_backend_flag("dn_form", 2)
+            out["forced_128"] = "accepted"
+        except Exception as ex:  # noqa: BLE001 - the message is checked below
+            out["forced_128"] = str(ex)
+        del small
         return out
 
     out = _in_child(run)
+    assert "need 256 threads per threadgroup" in out["forced_128"], out["forced_128"]
+    assert_close("auto on a 128-thread device vs the sequential form", out["auto_128"], out[1], SELF_TOL)
     np.testing.assert_array_equal(out[0][:130], out[2][:130], err_msg="auto did not run the chunked form")
     assert not np.array_equal(out[0][:130], out[1][:130]), "the forms gave the same bits: was one not run?"
     assert_close("auto vs sequential form, 140 rows", out[0], out[1], SELF_TOL)
