@@ -50,8 +50,8 @@ kernel void gemm(device const float*      a          [[buffer(0)]],    // A [*, 
     r2 = w_expert(r2, expert, la);
 
     simdgroup_matrix<float, 8, 8> acc[RT], acc2[GLU ? RT : 1];
-    for (uint i = 0; i < RT; i++) acc[i] = make_filled_simdgroup_matrix<simdgroup_matrix<float, 8, 8>>(0.0f);
-    for (uint i = 0; i < (GLU ? RT : 1); i++) acc2[i] = make_filled_simdgroup_matrix<simdgroup_matrix<float, 8, 8>>(0.0f);
+    for (uint i = 0; i < RT; i++) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (uint i = 0; i < (GLU ? RT : 1); i++) acc2[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
     const uint K = uint(la.in_dim);
     for (uint k0 = 0; k0 < K; k0 += BK) {

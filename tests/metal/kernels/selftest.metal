@@ -40,7 +40,7 @@ kernel void sg_matmul(device const float* A [[buffer(0)]],     // [M, K]
     threadgroup T tg_a[16 * 8];
     const uint N = mnk.y, K = mnk.z;
     const uint row = tg.y * 16 + (sgid / 2) * 8, col = tg.x * 16 + (sgid % 2) * 8;
-    simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<simdgroup_matrix<float, 8, 8>>(0.0f);
+    simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (uint k = 0; k < K; k += 8) {
         for (uint i = tid; i < 16 * 8; i += 128) tg_a[i] = T(A[(tg.y * 16 + i / 8) * K + k + i % 8]);
         threadgroup_barrier(mem_flags::mem_threadgroup);
