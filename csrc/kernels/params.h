@@ -143,5 +143,23 @@ struct NormArgs {
   int32_t y_stride;
 };
 
+// Device sampling (metal/sample.metal; the semantics of csrc/cuda/sample.cuh): one generation's options and
+// the step's row, the same struct for the three kernels. Bias entries, seen, counts, the uniform and the token
+// slots are buffers.
+struct SampleArgs {
+  float inv_temperature;     // 1 / T (unused when greedy)
+  int32_t greedy;            // 1: argmax of the processed logits
+  int32_t top_k;             // <= 0 or >= V: off
+  float top_p;               // >= 1: off
+  float min_p;               // 0: off
+  float repetition_penalty;  // 1: off
+  float presence_penalty;
+  float frequency_penalty;
+  int32_t n_bias;            // entries in bias_ids / bias_vals (distinct ids)
+  int32_t vocab;             // V >= 1
+  int32_t token_slot;        // tokens[token_slot] receives the draw
+  int32_t pad_;
+};
+
 }  // namespace kp
 }  // namespace lily

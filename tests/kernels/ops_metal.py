@@ -244,14 +244,44 @@ def embed(w: Weight, ids):
     return x
 
 
-# The Metal backend draws greedy only (sampling on Metal is issue 16): sample_draw of temperature 0.
-SAMPLER = "greedy"
+# The device sampler (sample.metal): every option of lily._lily.sample_draw, the host's three dispatches.
+SAMPLER = "full"
+SAMPLE_SPAN, SAMPLE_GRID_THREADS, SAMPLE_SELECT_THREADS = 2048, 256, 1024  # kSampleSpan, Ops::sample's threads
 
 
-def sample_draw(logits, uniform, temperature=1.0, **options):
-    if temperature != 0 or any(options.values()):
-        raise NotImplementedError("the Metal backend draws greedy only (temperature 0, no penalties or bias)")
-    return argmax(np.ascontiguousarray(logits, np.float32))
+def sample_draw_kernels(logits, uniform, seen=None, counts=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, bias_ids=(),
+                        bias_vals=(), slot=1, select_threads=SAMPLE_SELECT_THREADS):
+    """logits [V] -> (token, seen' [V] uint8, counts' [V] int32): sample_process, sample_weigh (skipped when
+    greedy, as the host does), sample_select, each on three schedules; the draw lands in tokens[slot]."""
+    x = np.ascontiguousarray(logits, np.float32).reshape(-1)
+    V = x.size
+    nb = -(-V // SAMPLE_SPAN)
+    greedy = temperature == 0
+    sa = emu.params("SampleArgs", inv_temperature=1.0 if greedy else 1.0 / temperature, greedy=int(greedy),
+                    top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n_bias=len(bias_ids),
+                    vocab=V, token_slot=slot)
+    seen = np.zeros(V, np.uint8) if seen is None else np.asarray(seen, np.uint8).copy()
+    counts = np.zeros(V, np.int32) if counts is None else np.asarray(counts, np.int32).copy()
+    ids = np.asarray(bias_ids, np.int32) if len(bias_ids) else np.zeros(1, np.int32)
+    vals = np.asarray(bias_vals, np.float32) if len(bias_ids) else np.zeros(1, np.float32)
+    work = np.full(6 * nb + 4 * nb * SAMPLE_SPAN, np.nan, np.float32)
+    L = lib("sample")
+    xp, work = emu.run3(L, "sample_process", (nb, 1, 1), (SAMPLE_GRID_THREADS, 1, 1),
+                        [x, np.zeros(V, np.float32), work, ids, vals, seen, counts, sa], outputs=[1, 2], poison=[1])
+    if not greedy:
+        work, = emu.run3(L, "sample_weigh", (nb, 1, 1), (SAMPLE_GRID_THREADS, 1, 1), [xp, work, sa], outputs=[1],
+                         poison=False)
+    seen, counts, tok = emu.run3(L, "sample_select", (1, 1, 1), (select_threads, 1, 1),
+                                 [xp, work, seen, counts, np.array([uniform], np.float32),
+                                  np.full(2, -1, np.int32), sa], outputs=[2, 3, 5], poison=False)
+    return int(tok[slot]), seen, counts
+
+
+def sample_draw(logits, uniform, **options):
+    """The token drawn from logits [V] with uniform in [0, 1) (options: those of lily._lily.sample_draw)."""
+    return sample_draw_kernels(logits, uniform, **options)[0]
 
 
 def argmax(logits, slot=1, nt=256):
