@@ -160,6 +160,7 @@ MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<
   tok_ = persistent(2 * 4);
   host_tok_ = persistent(2 * 4);
   step_logits_ = persistent(2 * static_cast<size_t>(cfg.vocab) * 4);
+  uniform_ = persistent(2 * 4);
 }
 
 MetalBackend::~MetalBackend() {
@@ -169,6 +170,7 @@ MetalBackend::~MetalBackend() {
   }
   cb_.reset();
   sc_.reset();
+  sampler_.reset();
   for (DevBuffer* b : wrapped_) dev_->release(b);
 }
 
@@ -480,6 +482,8 @@ bool MetalBackend::begin_step(State& st, const DecodeStep& d) {
   const int slot = static_cast<int>(d.index & 1);
   slot_step_[slot] = d.index;
   slot_drew_[slot] = d.draw;
+  // the draw's uniform, from the host like the token slot (step d.index - 2, its last reader, has finished)
+  static_cast<float*>(dev_->contents(uniform_.buf))[slot] = d.uniform;
   return true;
 }
 
@@ -487,7 +491,10 @@ void MetalBackend::head_step(const DecodeStep& d) {
   const int64_t V = cfg_.vocab;
   const BufRef lg = at(step_logits_, static_cast<size_t>((d.index & 1) * V * 4));
   head_into(0, 1, lg);
-  if (d.draw) ops_.argmax(enc(), lg, static_cast<int>(V), tok_, static_cast<int>((d.index + 1) & 1));
+  if (!d.draw) return;
+  if (!sampler_) throw std::logic_error("[lily] metal: a decode step draws before sampler_begin");
+  const int slot = static_cast<int>(d.index & 1);
+  sampler_->draw(ops_, enc(), lg, at(uniform_, slot * 4), tok_, static_cast<int>((d.index + 1) & 1));
 }
 
 void MetalBackend::end_step(State& st, const DecodeStep& d, float* logits) {
@@ -499,12 +506,13 @@ void MetalBackend::end_step(State& st, const DecodeStep& d, float* logits) {
 }
 
 bool MetalBackend::sampler_begin(const SampleOptions& opt) {
-  // The device draw is argmax (norm.metal): exactly temperature 0 without anything that changes the logits.
-  // (top-k / top-p / min-p never drop the largest logit, so they do not change a greedy draw.)
-  const bool greedy = device_draw_ && opt.temperature == 0.f && opt.repetition_penalty == 1.f &&
-                      opt.presence_penalty == 0.f && opt.frequency_penalty == 0.f && opt.bias_ids.empty();
-  sampler_begins_ += greedy;
-  return greedy;
+  if (!device_draw_) return false;
+  // The buffers are written from the host: nothing in flight may still read them (a parked stream's step).
+  sync();
+  if (!sampler_) sampler_ = std::make_unique<MetalSampler>(*dev_, static_cast<int32_t>(cfg_.vocab));
+  sampler_->begin(opt);
+  ++sampler_begins_;
+  return true;
 }
 
 void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {

@@ -6,7 +6,7 @@
 // A prefill chunk is encoded into one command buffer (routing included: no host round trip inside a
 // chunk) and submitted when the next chunk starts or the host needs data. A decode step (the engine's
 // begin_step .. end_step, core/backend.h) is one command buffer too: two token slots, two logits slots and
-// two command buffers alternate, the device writes each greedy token into the next step's slot, and the
+// two command buffers alternate, the device draws each token into the next step's slot, and the
 // engine's token loop encodes step n + 1 while step n runs (the host waits only for a token it returns).
 //
 // make_backend("metal", ..., options) takes these BackendOptions (strings; std::invalid_argument names an
@@ -45,6 +45,7 @@
 #include "core/backend.h"
 #include "metal/device.h"
 #include "metal/ops_metal.h"
+#include "metal/sampler_metal.h"
 
 namespace lily::metal {
 
@@ -85,13 +86,14 @@ class MetalBackend final : public Backend {
   void head(int64_t row0, int64_t n, float* logits) override;
 
   // Decode steps: one command buffer each. Step i reads token slot i & 1 (device-written) or the host slot
-  // i & 1 (d.token >= 0), writes its logits to logits slot i & 1 and, with d.draw, its greedy token to
+  // i & 1 (d.token >= 0), writes its logits to logits slot i & 1 and, with d.draw, its drawn token to
   // token slot (i + 1) & 1, which is also what drawn_token(i) reads: step i + 2 is the next to write it,
   // and the engine holds only the last two steps.
   bool begin_step(State& st, const DecodeStep& d) override;
   void head_step(const DecodeStep& d) override;
   void end_step(State& st, const DecodeStep& d, float* logits) override;
-  // Device draws: greedy only (temperature 0, no penalties, no bias); sampling on Metal is issue 16.
+  // Device draws: every option set (sampler_metal.h: sample.metal, the CUDA sampler's semantics; plain greedy
+  // keeps the argmax kernel). Step i draws with d.uniform, which begin_step writes into uniform slot i & 1.
   bool sampler_begin(const SampleOptions& opt) override;
   int32_t drawn_token(int64_t index) override;
   bool step_logits(int64_t index, float* logits) override;
@@ -153,6 +155,8 @@ class MetalBackend final : public Backend {
   // Decode-step slots, outside Scratch (which a larger prefill chunk replaces and debug mode poisons): they
   // carry tokens and logits from one step to the next and to the host.
   BufRef tok_, host_tok_, step_logits_;                // int32 [2], int32 [2], float [2, V]
+  BufRef uniform_;                                     // float [2]: each step's draw (DecodeStep::uniform)
+  std::unique_ptr<MetalSampler> sampler_;              // made by the first sampler_begin
   bool in_step_ = false;
   DecodeStep step_;                                    // the step being encoded (embed reads its slot)
   int64_t slot_step_[2] = {-1, -1};                    // the step whose results each slot holds

@@ -109,6 +109,7 @@ add_library(lily_metal STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/device_mtl.mm
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/kernel_sources.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/ops_metal.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/sampler_metal.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/backend_metal.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/csrc/metal/backend_options.cpp
   ${LILY_METAL_EMBEDDED_CPP}

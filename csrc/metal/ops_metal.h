@@ -50,6 +50,15 @@ class Ops {
   void rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps);
   void embed(Encoder& e, const DevLinear& E, BufRef ids, BufRef x, int S);
   void argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot);
+  // Device sampling (sample.metal; semantics of csrc/cuda/sample.cuh): tokens[a.token_slot] = the draw from
+  // logits [V] with uniform [1]; seen [V] u8 and counts [V] i32 record it. x [V] f32 and work
+  // (sample_work_bytes(V)) are scratch. Three dispatches with barriers (greedy skips sample_weigh).
+  struct SampleBufs {
+    BufRef logits, x, work, bias_ids, bias_vals, seen, counts, uniform, tokens;
+  };
+  void sample(Encoder& e, const kp::SampleArgs& a, const SampleBufs& b);
+  static size_t sample_work_bytes(int V);
+  static constexpr int kSampleSpan = 2048;  // row entries per grid threadgroup (sample.metal kSampleSpan)
 
   void gdn_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u);
   // Fused gated RMSNorm when the head fits one threadgroup (Dv <= 128); else scan + gdn_gated_norm.

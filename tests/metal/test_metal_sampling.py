@@ -1,0 +1,118 @@
+"""Device sampling on emulated Metal (metal/sample.metal through MetalBackend::sampler_begin / head_step): a
+device-mode token stream draws, at every step, the NumPy twin's token (lily.sampling.device_sample_reference)
+from that step's logits with the stream's uniform sequence (lily.sampling.stream_uniforms), seen / counts
+following the drawn tokens, the draws running one step ahead; and Model.generate sampled on Metal equals the
+same seeds drawn by the CPU backend's device twin (backend flag device_draw = 1). The Metal sampler sums in
+fp32, so a draw within CDF_TOL of a CDF step of the float64 twin counts as the twin's (the CUDA rule,
+lily.testing.cuda_sampling_checks). Every Metal run happens in a forked child (test_metal_backend._in_child)."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import test_metal_backend as t_be
+
+import lily
+from lily.sampling import SamplingParams, device_sample_reference, stream_uniforms
+from lily.testing import random_weights, tiny_configs, write_synthetic_checkpoint
+from lily.testing.cuda_sampling_checks import _near_boundary
+
+STEPS = 8
+SEEDS = (0, 7, 123456789)
+
+
+def _stream_kw(p: SamplingParams) -> dict:
+    bias = p.logit_bias or {}
+    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                   logit_bias={1: 2.0, 5: -3.0}),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.4,
+                   frequency_penalty=0.2, logit_bias={1: 2.0}),
+    SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4, logit_bias={3: 1.0}),
+], ids=["topp+penalties+bias", "all", "greedy+penalties"])
+def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(params):
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=3)
+    V = cfg.vocab_size
+    prompt = np.arange(3, 12, dtype=np.int32)
+
+    def run():
+        eng = t_be.metal_engine(cfg, tensors, quant)
+        st = eng.new_state()
+        first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
+        snap = st.snapshot()
+        seen0 = np.zeros(V, np.uint8)
+        seen0[prompt] = 1
+        seen0[first] = 1
+        counts0 = np.zeros(V, np.int32)
+        counts0[first] = 1
+        out = []
+        for seed in SEEDS:
+            st.restore(snap)
+            s = eng.open_stream(st, first, STEPS, device=True, seen=seen0, counts=counts0, seed=seed,
+                                **_stream_kw(params))
+            got = [s.next() for _ in range(STEPS)]
+            held = s.close(logits=True)
+            device, pos = s.device, st.position
+            st.restore(snap)
+            lock = eng.open_stream(st, first, STEPS, device=False)
+            rows, tok = [], first
+            for t in got:
+                rows.append(lock.step(tok))
+                tok = t
+            lock.close()
+            out.append((device, pos, got, held, np.stack(rows)))
+        # the draws ran one step ahead: no step waited for an older one, two command buffers were in flight
+        return out, seen0, counts0, eng.backend_flag("step_waits"), eng.backend_flag("max_inflight")
+
+    out, seen0, counts0, step_waits, max_inflight = t_be._in_child(run)
+    assert step_waits == 0 and max_inflight == 2
+    boundary = 0
+    for seed, (device, pos, got, held, rows) in zip(SEEDS, out):
+        assert device and pos == len(prompt) + STEPS, "the Metal backend declined the sampler"
+        np.testing.assert_array_equal(held, rows[-1])  # the last step's row, held on the device
+        seen, counts = seen0.astype(bool), counts0.copy()
+        for i, u in enumerate(stream_uniforms(seed, STEPS)):
+            want = device_sample_reference(rows[i], params, seen, counts, u)
+            if got[i] != want:
+                assert _near_boundary(rows[i], params, seen, counts, u, got[i]), (seed, i, got[i], want)
+                boundary += 1
+            seen[got[i]] = True
+            counts[got[i]] += 1
+    assert boundary <= 1, f"{boundary} draws within CDF_TOL of a step: expected (almost) none"
+
+
+PROMPT = "Hello world! How are you today?"
+CASES = [dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=0.8, top_p=0.9, seed=8),
+         dict(temperature=1.1, top_k=20, min_p=0.01, repetition_penalty=1.3, presence_penalty=0.3,
+              frequency_penalty=0.2, logit_bias={5: 1.5}, seed=3)]
+
+
+def _generate_all(model):
+    return [model.generate(PROMPT, max_tokens=16, **kw).token_ids for kw in CASES]
+
+
+def test_model_generate_sampled_on_metal_equals_the_cpu_device_twin(tmp_path):
+    folder = write_synthetic_checkpoint(tmp_path, "tiny", seed=3)
+    cpu = lily.load(folder, backend="cpu", threads=2, max_context=160)
+    cpu.engine.set_backend_flag("device_draw", 1)  # the CPU backend's twin draws as a device would
+    want = _generate_all(cpu)
+    assert cpu.engine.backend_flag("sampler_begins") >= len(CASES)
+    del cpu
+    gc.collect()
+
+    def run():
+        m = lily.load(folder, backend="metal", max_context=160,
+                      backend_options={"emu_kernel_libs": t_be.kernel_libs(), "kv_bf16": "0"})
+        return _generate_all(m), m.engine.backend_flag("sampler_begins")
+
+    got, begins = t_be._in_child(run)
+    assert begins >= len(CASES), "Model.generate did not sample on the device"
+    for kw, w, g in zip(CASES, want, got):
+        assert g == w and len(g) > 1, kw
