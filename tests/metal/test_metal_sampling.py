@@ -88,6 +88,44 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(params):
     assert boundary <= 1, f"{boundary} draws within CDF_TOL of a step: expected (almost) none"
 
 
+def test_two_streams_pulled_in_turn_draw_what_each_draws_alone():
+    """Two device streams on two states take the engine's one device sampler from each other at every token:
+    each resume uploads its host record (seen / counts) again, and each stream draws what it draws alone."""
+    cfg = tiny_configs()["tiny"]
+    tensors, quant = random_weights(cfg, seed=4)
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.3,
+                       logit_bias={2: 1.0})
+    prompt = np.arange(5, 14, dtype=np.int32)
+
+    def run():
+        eng = t_be.metal_engine(cfg, tensors, quant)
+        st = eng.new_state()
+        first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
+        snap = st.snapshot()
+        solo = []
+        for seed in (3, 4):
+            st.restore(snap)
+            s = eng.open_stream(st, first, STEPS, device=True, seed=seed, **_stream_kw(p))
+            solo.append([s.next() for _ in range(STEPS)])
+            s.close()
+        st.restore(snap)
+        st2 = snap.snapshot()
+        begins = eng.backend_flag("sampler_begins")
+        a = eng.open_stream(st, first, STEPS, device=True, seed=3, **_stream_kw(p))
+        b = eng.open_stream(st2, first, STEPS, device=True, seed=4, **_stream_kw(p))
+        inter = [[], []]
+        for _ in range(STEPS):
+            inter[0].append(a.next())
+            inter[1].append(b.next())
+        a.close()
+        b.close()
+        return solo, inter, eng.backend_flag("sampler_begins") - begins
+
+    solo, inter, begins = t_be._in_child(run)
+    assert inter == solo
+    assert begins > STEPS, "the streams did not take the sampler from each other"
+
+
 PROMPT = "Hello world! How are you today?"
 CASES = [dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=0.8, top_p=0.9, seed=8),
          dict(temperature=1.1, top_k=20, min_p=0.01, repetition_penalty=1.3, presence_penalty=0.3,
