@@ -456,10 +456,16 @@ def check_as(path: str, include_dirs=None) -> tuple[int, str]:
 def runtime_lib() -> str:
     """Builds (once) the shared runtime every kernel library links against."""
     rt = open(RT_SRC).read()
-    so = os.path.join(build_dir(), f"libmsl_rt.{_key(rt)}.so")
+    # One runtime per process whatever folder a library was built in: the SONAME makes the loader reuse an
+    # already loaded runtime of the same source (emu.py loads it RTLD_GLOBAL; kernel libraries built in the
+    # runtime-compile cache would otherwise bring a second copy, and a kernel would reach the other copy's
+    # per-thread context).
+    name = f"libmsl_rt.{_key(rt, 'soname')}.so"
+    so = os.path.join(build_dir(), name)
     if not os.path.exists(so):
         tmp = so + f".{os.getpid()}.tmp"
-        rc, out = run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", RT_SRC, "-o", tmp, "-lpthread"])
+        rc, out = run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", RT_SRC, "-o", tmp, "-lpthread",
+                       f"-Wl,-soname,{name}"])
         if rc:
             raise RuntimeError("msl runtime build failed:\n" + out)
         os.replace(tmp, so)
