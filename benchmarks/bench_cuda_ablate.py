@@ -30,7 +30,7 @@ ABLATIONS = (
              "1 on (default: the tensor-core decode kernel, the 8 query heads of a KV head as the mma N), 0 off: "
              "one query head per block on the CUDA-core kernel"),
     Ablation("split-K", "split_k", (0,), (4096, 32768, 131072), (), "1 on (default), 0 off"),
-    Ablation("DeltaNet scan form", "dn_form", (1, 2), (), (512, 4096, 16384),
+    Ablation("DeltaNet scan form", "deltanet_form", (1, 2), (), (512, 4096, 16384),
              "0 auto (default: chunked from 128 rows), 1 sequential, 2 chunked (TF32 tensor cores)"),
     Ablation("expert tile size", "expert_tile", (16, 32, 64, 128), (), (4096,), "0 auto (default), else rows"),
     Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),

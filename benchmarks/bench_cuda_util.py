@@ -78,24 +78,24 @@ class CostModel:
         self.weight_bytes = w_bytes
         n_lin = sum(not cfg.is_attention(i) for i in range(cfg.num_hidden_layers))
         n_att = cfg.num_hidden_layers - n_lin
-        self.dn_state_bytes = 2 * 4 * n_lin * cfg.linear_num_value_heads * cfg.linear_key_head_dim * \
+        self.deltanet_state_bytes = 2 * 4 * n_lin * cfg.linear_num_value_heads * cfg.linear_key_head_dim * \
             cfg.linear_value_head_dim
         self.kv_bytes_per_token = n_att * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
         self.matrix_flops = 2 * mat_params
         self.attn_flops_per_ctx = n_att * cfg.num_attention_heads * cfg.head_dim * 4
-        self.dn_flops = n_lin * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        self.deltanet_flops = n_lin * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
 
     def decode_bytes(self, ctx: int) -> float:
-        return self.weight_bytes + self.dn_state_bytes + self.kv_bytes_per_token * ctx
+        return self.weight_bytes + self.deltanet_state_bytes + self.kv_bytes_per_token * ctx
 
     def prefill_flops_per_token(self, length: int) -> float:
-        return self.matrix_flops + self.dn_flops + self.attn_flops_per_ctx * length / 2
+        return self.matrix_flops + self.deltanet_flops + self.attn_flops_per_ctx * length / 2
 
     def as_dict(self) -> dict:
-        return {"weight_bytes_per_token": self.weight_bytes, "deltanet_state_bytes": self.dn_state_bytes,
+        return {"weight_bytes_per_token": self.weight_bytes, "deltanet_state_bytes": self.deltanet_state_bytes,
                 "kv_bytes_per_context_token": self.kv_bytes_per_token, "matrix_flops_per_token": self.matrix_flops,
                 "attention_flops_per_token_per_context": self.attn_flops_per_ctx,
-                "deltanet_flops_per_token": self.dn_flops}
+                "deltanet_flops_per_token": self.deltanet_flops}
 
 
 # ---- kernel profile -----------------------------------------------------------------------------------------

@@ -81,9 +81,10 @@ struct PyState {
       for (bool value : {false, true})
         d[("kv." + std::to_string(i) + (value ? ".v" : ".k")).c_str()] =
             arr(used, [&](float* p) { st->read_kv(i, value, p); }).attr("reshape")(st->position, st->kv_row);
-    for (size_t i = 0; i < st->dn.size(); ++i) {
-      d[("dn." + std::to_string(i) + ".ssm").c_str()] = arr(st->ssm_size, [&](float* p) { st->read_dn(i, false, p); });
-      d[("dn." + std::to_string(i) + ".conv").c_str()] = arr(st->conv_size, [&](float* p) { st->read_dn(i, true, p); });
+    for (size_t i = 0; i < st->deltanet.size(); ++i) {
+      const std::string key = "dn." + std::to_string(i);  // the saved-session format's names (SESSION_VERSION)
+      d[(key + ".ssm").c_str()] = arr(st->ssm_size, [&](float* p) { st->read_deltanet(i, false, p); });
+      d[(key + ".conv").c_str()] = arr(st->conv_size, [&](float* p) { st->read_deltanet(i, true, p); });
     }
     return d;
   }
@@ -112,7 +113,7 @@ struct PyState {
       kvs.push_back(get("kv." + std::to_string(i) + ".k", pos * st->kv_row));
       kvs.push_back(get("kv." + std::to_string(i) + ".v", pos * st->kv_row));
     }
-    for (size_t i = 0; i < st->dn.size(); ++i) {
+    for (size_t i = 0; i < st->deltanet.size(); ++i) {
       dns.push_back(get("dn." + std::to_string(i) + ".ssm", st->ssm_size));
       dns.push_back(get("dn." + std::to_string(i) + ".conv", st->conv_size));
     }
@@ -121,9 +122,9 @@ struct PyState {
       st->write_kv(i, false, kvs[2 * i].data(), pos);
       st->write_kv(i, true, kvs[2 * i + 1].data(), pos);
     }
-    for (size_t i = 0; i < st->dn.size(); ++i) {
-      st->write_dn(i, false, dns[2 * i].data());
-      st->write_dn(i, true, dns[2 * i + 1].data());
+    for (size_t i = 0; i < st->deltanet.size(); ++i) {
+      st->write_deltanet(i, false, dns[2 * i].data());
+      st->write_deltanet(i, true, dns[2 * i + 1].data());
     }
     st->position = pos;
   }

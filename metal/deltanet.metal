@@ -9,7 +9,7 @@ inline float softplus(float x) { return x > 20.0f ? x : (x < -15.0f ? exp(x) : l
 
 // u[t, c] = silu(sum_j w[c, j] X[t + j, c]) with X = [conv_state; qkv]; then conv_state = last K-1 rows
 // of X. One thread per channel; channels are independent, so the state update needs no barrier.
-kernel void gdn_conv(device const float*         qkv   [[buffer(0)]],   // [S, C]
+kernel void deltanet_conv(device const float*         qkv   [[buffer(0)]],   // [S, C]
                      device const float*         cw    [[buffer(1)]],   // [C, K]
                      device float*               cst   [[buffer(2)]],   // [K-1, C] in/out
                      device float*               u     [[buffer(3)]],   // [S, C]
@@ -39,7 +39,7 @@ kernel void gdn_conv(device const float*         qkv   [[buffer(0)]],   // [S, C
 // FUSE: the threadgroup covers the whole head (x == 0, NSG*ROWS >= Dv), and the gated RMSNorm over Dv
 // is applied per token through threadgroup memory (one barrier per token), writing y instead of o.
 template <int NK, int ROWS, bool FUSE>
-kernel void gdn_scan(device const float*         u      [[buffer(0)]],   // [S, C]
+kernel void deltanet_scan(device const float*         u      [[buffer(0)]],   // [S, C]
                      device const float*         bb     [[buffer(1)]],   // [S, Hv] beta logits
                      device const float*         aa     [[buffer(2)]],   // [S, Hv] decay inputs
                      device const float*         a_log  [[buffer(3)]],   // [Hv]
@@ -120,7 +120,7 @@ kernel void gdn_scan(device const float*         u      [[buffer(0)]],   // [S, 
 }
 
 // y[t, h, :] = RMSNorm(o[t, h, :]; w) * silu(z[t, h, :]) in place (the unfused form). One simdgroup per (t, h).
-kernel void gdn_gated_norm(device float*               y  [[buffer(0)]],   // [S, Hv, Dv] in/out
+kernel void deltanet_gated_norm(device float*               y  [[buffer(0)]],   // [S, Hv, Dv] in/out
                            device const float*         z  [[buffer(1)]],   // [S, Hv, Dv]
                            device const float*         w  [[buffer(2)]],   // [Dv]
                            constant kp::DeltaNetParams& p [[buffer(3)]],
@@ -136,9 +136,9 @@ kernel void gdn_gated_norm(device float*               y  [[buffer(0)]],   // [S
     for (uint i = lane; i < Dv; i += 32) o[i] = o[i] * inv * w[i] * silu(zz[i]);
 }
 
-template [[host_name("gdn_scan_nk1")]] [[kernel]] decltype(gdn_scan<1, 4, false>) gdn_scan<1, 4, false>;
-template [[host_name("gdn_scan_nk2")]] [[kernel]] decltype(gdn_scan<2, 4, false>) gdn_scan<2, 4, false>;
-template [[host_name("gdn_scan_nk4")]] [[kernel]] decltype(gdn_scan<4, 4, false>) gdn_scan<4, 4, false>;
-template [[host_name("gdn_scan_norm_nk1")]] [[kernel]] decltype(gdn_scan<1, 4, true>) gdn_scan<1, 4, true>;
-template [[host_name("gdn_scan_norm_nk2")]] [[kernel]] decltype(gdn_scan<2, 4, true>) gdn_scan<2, 4, true>;
-template [[host_name("gdn_scan_norm_nk4")]] [[kernel]] decltype(gdn_scan<4, 4, true>) gdn_scan<4, 4, true>;
+template [[host_name("deltanet_scan_nk1")]] [[kernel]] decltype(deltanet_scan<1, 4, false>) deltanet_scan<1, 4, false>;
+template [[host_name("deltanet_scan_nk2")]] [[kernel]] decltype(deltanet_scan<2, 4, false>) deltanet_scan<2, 4, false>;
+template [[host_name("deltanet_scan_nk4")]] [[kernel]] decltype(deltanet_scan<4, 4, false>) deltanet_scan<4, 4, false>;
+template [[host_name("deltanet_scan_norm_nk1")]] [[kernel]] decltype(deltanet_scan<1, 4, true>) deltanet_scan<1, 4, true>;
+template [[host_name("deltanet_scan_norm_nk2")]] [[kernel]] decltype(deltanet_scan<2, 4, true>) deltanet_scan<2, 4, true>;
+template [[host_name("deltanet_scan_norm_nk4")]] [[kernel]] decltype(deltanet_scan<4, 4, true>) deltanet_scan<4, 4, true>;

@@ -1,8 +1,8 @@
 // Gated DeltaNet recurrence, chunked form (model.md §4.3 step 7): the WY/UT transform of the CUDA kernels
 // (csrc/cuda/deltanet_chunk.cu: same math, same names), chunk C = 64, every matrix product on 8x8 simdgroup
-// matrices with fp32 accumulation. It reads and writes the same fp32 state [Hv, Dv, Dk] as gdn_scan
+// matrices with fp32 accumulation. It reads and writes the same fp32 state [Hv, Dv, Dk] as deltanet_scan
 // (deltanet.metal), so the prefill chunks of one prompt may alternate forms; o [S, Hv, Dv] is the output
-// before the gated RMSNorm (gdn_gated_norm follows).
+// before the gated RMSNorm (deltanet_gated_norm follows).
 //
 // Math (MLX layout: state S[dv, dk], read m = S k). Inside a chunk with incoming state S0, token i has
 // lg_i = sum_{j<=i} log g_j, gamma_i = exp(lg_i); with A[i,j] = beta_i (gamma_i/gamma_j)(k_i.k_j) for j < i and
@@ -11,10 +11,10 @@
 //   S_end = gamma_last S0 + sum_j (gamma_last/gamma_j) delta_j k_j^T.
 // Every ratio is exp(lg_i - lg_j) with lg_i <= lg_j: nothing overflows, tiny decays underflow to 0.
 //
-// Two kernels, as on CUDA: gdn_chunk_prep (one threadgroup per (chunk, value head), all chunks in parallel)
+// Two kernels, as on CUDA: deltanet_chunk_prep (one threadgroup per (chunk, value head), all chunks in parallel)
 // l2-normalises q and k, forms the gates, the Gram products K K^T and Q K^T (simdgroup matrices), solves for
 // W and U by forward substitution (one column per thread, fp32), and writes the per-chunk operands of the
-// state walk to scratch; gdn_chunk_state (one threadgroup per (32 state rows, value head)) walks the chunks in
+// state walk to scratch; deltanet_chunk_state (one threadgroup per (32 state rows, value head)) walks the chunks in
 // order with its state slice in threadgroup memory. Apple GPUs give a threadgroup 32 KB, so the chunk
 // operands stay in device memory and are read by simdgroup_load directly; only the state slice, Delta and an
 // 8x8 staging tile per simdgroup live in threadgroup memory (26.9 KB at Dk = 128).
@@ -30,14 +30,14 @@
 
 constant constexpr uint kChunk = 64;          // C: tokens per chunk
 constant constexpr uint kChunkThreads = 256;  // threads of both kernels: 8 simdgroups, one 8-row tile each
-constant constexpr uint kStateRows = 32;      // state rows (dv) per threadgroup of gdn_chunk_state
+constant constexpr uint kStateRows = 32;      // state rows (dv) per threadgroup of deltanet_chunk_state
 
 // log(1 + e^x), the formula of deltanet.metal's softplus (the two forms must give the same gates).
 inline float softplus_gate(float x) { return x > 20.0f ? x : (x < -15.0f ? exp(x) : log(1.0f + exp(x))); }
 
 // Kernel 1, per (chunk n = tg.x, value head h = tg.y).
 template <int NK>
-kernel void gdn_chunk_prep(device const float*         u      [[buffer(0)]],    // [S, C] q | k | v (post conv)
+kernel void deltanet_chunk_prep(device const float*         u      [[buffer(0)]],    // [S, C] q | k | v (post conv)
                            device const float*         bb     [[buffer(1)]],    // [S, Hv] beta logits
                            device const float*         aa     [[buffer(2)]],    // [S, Hv] decay inputs
                            device const float*         a_log  [[buffer(3)]],    // [Hv]
@@ -75,7 +75,7 @@ kernel void gdn_chunk_prep(device const float*         u      [[buffer(0)]],    
     device float* K = k_out + hn * kChunk * DKP;
 
     // 1. Gates (log g = -exp(A_log) softplus(a + dt_bias); rows past the prompt: g = 1, beta = 0) and the
-    //    inverse norms of q and k: simdgroup sg reduces rows 8 sg .. 8 sg + 7 (the sums of gdn_scan).
+    //    inverse norms of q and k: simdgroup sg reduces rows 8 sg .. 8 sg + 7 (the sums of deltanet_scan).
     if (tid < kChunk) {
         const bool in = tid < len;
         const ulong ti = (t0 + tid) * Hv + h;
@@ -180,7 +180,7 @@ kernel void gdn_chunk_prep(device const float*         u      [[buffer(0)]],    
 // Kernel 2, per (state rows dv0 = 32 tg.x .., value head h = tg.y): the chunks in order. Simdgroup sg owns chunk
 // rows 8 sg .. 8 sg + 7 in steps 1 and 2 and every eighth 8x8 state tile in step 3.
 template <int NK>
-kernel void gdn_chunk_state(device const float*         w_in  [[buffer(0)]],   // [Hv, NC, 64, DKP]
+kernel void deltanet_chunk_state(device const float*         w_in  [[buffer(0)]],   // [Hv, NC, 64, DKP]
                             device const float*         u_in  [[buffer(1)]],   // [Hv, NC, 64, Dv]
                             device const float*         p_in  [[buffer(2)]],   // [Hv, NC, 64, 64]
                             device const float*         q_in  [[buffer(3)]],   // [Hv, NC, 64, DKP]
@@ -288,9 +288,9 @@ kernel void gdn_chunk_state(device const float*         w_in  [[buffer(0)]],   /
     }
 }
 
-template [[host_name("gdn_chunk_prep_nk1")]] [[kernel]] decltype(gdn_chunk_prep<1>) gdn_chunk_prep<1>;
-template [[host_name("gdn_chunk_prep_nk2")]] [[kernel]] decltype(gdn_chunk_prep<2>) gdn_chunk_prep<2>;
-template [[host_name("gdn_chunk_prep_nk4")]] [[kernel]] decltype(gdn_chunk_prep<4>) gdn_chunk_prep<4>;
-template [[host_name("gdn_chunk_state_nk1")]] [[kernel]] decltype(gdn_chunk_state<1>) gdn_chunk_state<1>;
-template [[host_name("gdn_chunk_state_nk2")]] [[kernel]] decltype(gdn_chunk_state<2>) gdn_chunk_state<2>;
-template [[host_name("gdn_chunk_state_nk4")]] [[kernel]] decltype(gdn_chunk_state<4>) gdn_chunk_state<4>;
+template [[host_name("deltanet_chunk_prep_nk1")]] [[kernel]] decltype(deltanet_chunk_prep<1>) deltanet_chunk_prep<1>;
+template [[host_name("deltanet_chunk_prep_nk2")]] [[kernel]] decltype(deltanet_chunk_prep<2>) deltanet_chunk_prep<2>;
+template [[host_name("deltanet_chunk_prep_nk4")]] [[kernel]] decltype(deltanet_chunk_prep<4>) deltanet_chunk_prep<4>;
+template [[host_name("deltanet_chunk_state_nk1")]] [[kernel]] decltype(deltanet_chunk_state<1>) deltanet_chunk_state<1>;
+template [[host_name("deltanet_chunk_state_nk2")]] [[kernel]] decltype(deltanet_chunk_state<2>) deltanet_chunk_state<2>;
+template [[host_name("deltanet_chunk_state_nk4")]] [[kernel]] decltype(deltanet_chunk_state<4>) deltanet_chunk_state<4>;

@@ -137,11 +137,11 @@ def test_nbytes(model):
     name, cfg, *_, eng, _ref = model
     st = eng.new_state()
     fixed = st.nbytes
-    n_dn = sum(not cfg.is_attention(i) for i in range(cfg.num_hidden_layers))
-    n_at = cfg.num_hidden_layers - n_dn
+    n_deltanet = sum(not cfg.is_attention(i) for i in range(cfg.num_hidden_layers))
+    n_at = cfg.num_hidden_layers - n_deltanet
     per_dn = 4 * (cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim
                   + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
-    assert fixed == n_dn * per_dn
+    assert fixed == n_deltanet * per_dn
     eng.forward(st, _tokens(cfg, 10), logits="none")
     assert st.nbytes == fixed + n_at * 2 * 10 * cfg.num_key_value_heads * cfg.head_dim * 4
 

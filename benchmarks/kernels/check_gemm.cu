@@ -418,15 +418,15 @@ void run_grouped(Rng& r, const std::string& name, const Routing& R, int bits, in
   QWeight W0 = make_qweight(r, bits, E, I, H), W1 = make_qweight(r, bits, E, I, H), W2 = make_qweight(r, bits, E, D, Kd);
   const std::vector<uint16_t> h = random_bf16(r, R.S * H, -1, 1), act_in = random_bf16(r, P * Kd, -1, 1);
   const std::vector<int64_t> ps = sample_rows(r, P, sample);
-  std::vector<const uint16_t*> gu_rows, dn_rows;
+  std::vector<const uint16_t*> gu_rows, deltanet_rows;
   std::vector<int> ps_ex;
   for (int64_t p : ps) {
     gu_rows.push_back(h.data() + R.a_rows[p] * H);
-    dn_rows.push_back(act_in.data() + p * Kd);
+    deltanet_rows.push_back(act_in.data() + p * Kd);
     ps_ex.push_back(ex[p]);
   }
   const std::vector<double> rg = reference(W0, gu_rows, ps_ex), ru = reference(W1, gu_rows, ps_ex),
-                            rd = reference(W2, dn_rows, ps_ex);
+                            rd = reference(W2, deltanet_rows, ps_ex);
   bf16* dh = reinterpret_cast<bf16*>(dupload(h));
   bf16* dact_in = reinterpret_cast<bf16*>(dupload(act_in));
   int32_t* da = dupload(R.a_rows);
@@ -643,8 +643,8 @@ int main(int argc, char** argv) {
   try {
     // Real shapes (hidden 2048), M = a 2048-token prefill chunk; reference on 64 sampled rows.
     const std::vector<PlainCase> real = {
-        {"gdn_qkv", 4, 2048, 8192, 2048, kStore},      {"gdn_out", 4, 2048, 2048, 4096, kAcc},
-        {"attn_kv", 4, 2048, 512, 2048, kStore},       {"gdn_b", 4, 2048, 32, 2048, kStore},
+        {"deltanet_qkv", 4, 2048, 8192, 2048, kStore},      {"deltanet_out", 4, 2048, 2048, 4096, kAcc},
+        {"attn_kv", 4, 2048, 512, 2048, kStore},       {"deltanet_b", 4, 2048, 32, 2048, kStore},
         {"router", 8, 2048, 256, 2048, kStore},        {"shared_gate_up", 4, 2048, 512, 2048, kDual},
         {"shared_down", 4, 2048, 2048, 512, kStore},   {"shared_expert_gate", 4, 2048, 1, 2048, kStore},
         {"lm_head", 4, 5, 248320, 2048, kStore},
@@ -687,8 +687,8 @@ int main(int argc, char** argv) {
     std::printf("INFO checks took %.1f s\n", check_s);
 
     if (g_pass == g_total) {
-      time_plain("gdn_qkv", 4, 2048, 8192, 2048, kStore);
-      time_plain("gdn_out", 4, 2048, 2048, 4096, kAcc);
+      time_plain("deltanet_qkv", 4, 2048, 8192, 2048, kStore);
+      time_plain("deltanet_out", 4, 2048, 2048, 4096, kAcc);
       time_plain("attn_kv", 4, 2048, 512, 2048, kStore);
       time_plain("router", 8, 2048, 256, 2048, kStore);
       time_plain("shared_gate_up", 4, 2048, 512, 2048, kDual);

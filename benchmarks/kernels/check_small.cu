@@ -386,7 +386,7 @@ static void check_combine(int64_t S, int64_t H, int k) {
 }
 
 // ---------------------------------------------------------------- deltanet.cu
-static kp::DeltaNetParams dn_params(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
+static kp::DeltaNetParams deltanet_params(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
   kp::DeltaNetParams p{};
   p.k_heads = Hk, p.v_heads = Hv, p.k_dim = Dk, p.v_dim = Dv, p.conv_kernel = K;
   p.conv_dim = 2 * Hk * Dk + Hv * Dv;
@@ -398,7 +398,7 @@ static kp::DeltaNetParams dn_params(int Hk, int Hv, int Dk, int Dv, int K, int64
 // (it is a copy of input rows). Twin: the CPU deltanet steps 1-2 in fp64.
 static void check_dn_conv(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
   Dev dv;
-  const kp::DeltaNetParams p = dn_params(Hk, Hv, Dk, Dv, K, S);
+  const kp::DeltaNetParams p = deltanet_params(Hk, Hv, Dk, Dv, K, S);
   const int64_t C = p.conv_dim;
   const auto qkv = randn(S * C), w = randu(C * K, -0.6f, 0.6f), cs0 = randn((K - 1) * C);
   const float *dq = dv.put(qkv), *dw = dv.put(w);
@@ -435,7 +435,7 @@ static void check_dn_conv(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
 // out = bf16(RMSNorm(y; w) * silu(z)) per (row, value head).
 static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
   Dev dv;
-  const kp::DeltaNetParams p = dn_params(1, Hv, 128, Dv, 4, S);
+  const kp::DeltaNetParams p = deltanet_params(1, Hv, 128, Dv, 4, S);
   const int64_t n = S * Hv * Dv;
   const auto y = randn(n, 0.5f), z = randn(n, 1.5f), w = randu(Dv, 0.3f, 1.5f);
   const float *dy = dv.put(y), *dz = dv.put(z), *dw = dv.put(w);
@@ -459,7 +459,7 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
 // b in [-4, 4], a in [-3, 0.5], dt_bias in [-1, 0.5], A_log in [-1.5, 0]; state ~ U(-0.5, 0.5) or zero.
 static void check_deltanet_decode_scan(int Hk, int Hv, int Dk, int Dv, bool zero_state) {
   Dev dv;
-  const kp::DeltaNetParams p = dn_params(Hk, Hv, Dk, Dv, 4, 1);
+  const kp::DeltaNetParams p = deltanet_params(Hk, Hv, Dk, Dv, 4, 1);
   const int64_t C = p.conv_dim, key_dim = int64_t(Hk) * Dk, ns = int64_t(Hv) * Dv * Dk;
   auto u = randn(C, 1.5f);
   for (auto& x : u) x = static_cast<float>(silu_d(x));
@@ -626,19 +626,19 @@ int main(int argc, char** argv) {
 
   // deltanet_conv: real (Hk 16, Hv 32, Dk = Dv = 128, C 8192, K 4) at S = 1 (< K-1: state rows shift), 37, 100;
   // awkward heads / dims (C not a multiple of the 128-thread block), S = 2, K = 2.
-  for (int64_t S : {1, 2, 37, 100}) C("dn_conv", [=] { check_dn_conv(16, 32, 128, 128, 4, S); });
-  C("dn_conv", [] { check_dn_conv(3, 6, 64, 96, 4, 37); });
-  C("dn_conv", [] { check_dn_conv(1, 5, 96, 64, 4, 1); });
-  C("dn_conv", [] { check_dn_conv(2, 2, 40, 17, 2, 37); });
-  C("dn_conv", [] { check_dn_conv(2, 3, 32, 48, 3, 65); });  // the sliding window at K = 3, three row blocks
-  C("dn_conv", [] { check_dn_conv(1, 2, 32, 24, 5, 40); });  // K = 5: the generic path
+  for (int64_t S : {1, 2, 37, 100}) C("deltanet_conv", [=] { check_dn_conv(16, 32, 128, 128, 4, S); });
+  C("deltanet_conv", [] { check_dn_conv(3, 6, 64, 96, 4, 37); });
+  C("deltanet_conv", [] { check_dn_conv(1, 5, 96, 64, 4, 1); });
+  C("deltanet_conv", [] { check_dn_conv(2, 2, 40, 17, 2, 37); });
+  C("deltanet_conv", [] { check_dn_conv(2, 3, 32, 48, 3, 65); });  // the sliding window at K = 3, three row blocks
+  C("deltanet_conv", [] { check_dn_conv(1, 2, 32, 24, 5, 40); });  // K = 5: the generic path
 
   // deltanet_gated_norm
-  for (int64_t S : {1, 37}) C("dn_gated_norm", [=] { check_dn_gated_norm(32, 128, S); });
-  C("dn_gated_norm", [] { check_dn_gated_norm(6, 96, 37); });
-  C("dn_gated_norm", [] { check_dn_gated_norm(3, 64, 5); });
-  C("dn_gated_norm", [] { check_dn_gated_norm(1, 40, 3); });
-  C("dn_gated_norm", [] { check_dn_gated_norm(5, 200, 2); });
+  for (int64_t S : {1, 37}) C("deltanet_gated_norm", [=] { check_dn_gated_norm(32, 128, S); });
+  C("deltanet_gated_norm", [] { check_dn_gated_norm(6, 96, 37); });
+  C("deltanet_gated_norm", [] { check_dn_gated_norm(3, 64, 5); });
+  C("deltanet_gated_norm", [] { check_dn_gated_norm(1, 40, 3); });
+  C("deltanet_gated_norm", [] { check_dn_gated_norm(5, 200, 2); });
 
   // deltanet_scan (decode): real heads, zero and nonzero state; Dk != Dv; Dk not a multiple of 32; odd head counts.
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, false); });

@@ -40,10 +40,10 @@ Config Config::from_dict(const ConfigDict& d) {
   auto rd = d.nums.find("rotary_dim");
   c.rotary_dim = rd != d.nums.end() ? static_cast<int>(rd->second)
                                     : static_cast<int>(c.head_dim * num("partial_rotary_factor"));
-  c.lin_k_heads = pos_int("linear_num_key_heads");
-  c.lin_v_heads = pos_int("linear_num_value_heads");
-  c.lin_k_dim = pos_int("linear_key_head_dim");
-  c.lin_v_dim = pos_int("linear_value_head_dim");
+  c.deltanet_k_heads = pos_int("linear_num_key_heads");
+  c.deltanet_v_heads = pos_int("linear_num_value_heads");
+  c.deltanet_k_dim = pos_int("linear_key_head_dim");
+  c.deltanet_v_dim = pos_int("linear_value_head_dim");
   c.conv_kernel = pos_int("linear_conv_kernel_dim");
   c.n_experts = pos_int("num_experts");
   c.top_k = pos_int("num_experts_per_tok");
@@ -62,7 +62,7 @@ Config Config::from_dict(const ConfigDict& d) {
     else fail("layer type '" + t + "' is not 'full_attention' or 'linear_attention'");
   }
   if (c.n_heads % c.n_kv_heads) fail("num_attention_heads must be a multiple of num_key_value_heads");
-  if (c.lin_v_heads % c.lin_k_heads) fail("linear_num_value_heads must be a multiple of linear_num_key_heads");
+  if (c.deltanet_v_heads % c.deltanet_k_heads) fail("linear_num_value_heads must be a multiple of linear_num_key_heads");
   if (c.rotary_dim < 0 || c.rotary_dim % 2 || c.rotary_dim > c.head_dim)
     fail("rotary_dim " + std::to_string(c.rotary_dim) + " must be even and <= head_dim");
   if (c.top_k > c.n_experts) fail("num_experts_per_tok must be <= num_experts");

@@ -28,10 +28,10 @@ struct Config {
   int rotary_dim = 0;      // first rotary_dim dims of each head rotate (half-split)
   double rope_theta = 1e7;
   // gated DeltaNet
-  int lin_k_heads = 0;     // Hk
-  int lin_v_heads = 0;     // Hv
-  int lin_k_dim = 0;       // Dk
-  int lin_v_dim = 0;       // Dv
+  int deltanet_k_heads = 0;     // Hk
+  int deltanet_v_heads = 0;     // Hv
+  int deltanet_k_dim = 0;       // Dk
+  int deltanet_v_dim = 0;       // Dv
   int conv_kernel = 4;     // K
   // sparse MoE
   int n_experts = 0;       // E
@@ -41,8 +41,8 @@ struct Config {
   bool norm_topk_prob = true;
   float rms_eps = 1e-6f;
 
-  int key_dim() const { return lin_k_heads * lin_k_dim; }
-  int value_dim() const { return lin_v_heads * lin_v_dim; }
+  int key_dim() const { return deltanet_k_heads * deltanet_k_dim; }
+  int value_dim() const { return deltanet_v_heads * deltanet_v_dim; }
   int conv_dim() const { return 2 * key_dim() + value_dim(); }  // C = [q | k | v] channels
   int n_attention_layers() const;
   int n_deltanet_layers() const;

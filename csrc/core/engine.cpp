@@ -52,7 +52,7 @@ void Engine::run_layers(State& st, int64_t n, Trace* trace) {
   for (int L = 0; L < cfg_.n_layers; ++L) {
     const int slot = st.layer_slot[L];
     if (cfg_.layer_types[L] == LayerType::Attention) backend_->attention_block(L, st.kv[slot], st.position, n);
-    else backend_->deltanet_block(L, st.dn[slot], n);
+    else backend_->deltanet_block(L, st.deltanet[slot], n);
     record("mixer." + std::to_string(L));
     backend_->moe_block(L, n);
     record("moe." + std::to_string(L));

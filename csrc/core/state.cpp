@@ -44,18 +44,18 @@ std::shared_ptr<Memory> host_memory() {
 State::State(const Config& cfg, int64_t max_ctx, std::shared_ptr<Memory> m, Elem e)
     : max_context(max_ctx), kv_elem(e), mem(std::move(m)) {
   kv_row = static_cast<int64_t>(cfg.n_kv_heads) * cfg.head_dim;
-  ssm_size = static_cast<int64_t>(cfg.lin_v_heads) * cfg.lin_v_dim * cfg.lin_k_dim;
+  ssm_size = static_cast<int64_t>(cfg.deltanet_v_heads) * cfg.deltanet_v_dim * cfg.deltanet_k_dim;
   conv_size = static_cast<int64_t>(cfg.conv_kernel - 1) * cfg.conv_dim();
   for (auto t : cfg.layer_types) {
     if (t == LayerType::Attention) {
       layer_slot.push_back(static_cast<int>(kv.size()));
       kv.emplace_back();
     } else {
-      layer_slot.push_back(static_cast<int>(dn.size()));
+      layer_slot.push_back(static_cast<int>(deltanet.size()));
       DeltaNetState s;
       s.ssm = Buffer(mem, ssm_size * 4);
       s.conv = Buffer(mem, conv_size * 4);
-      dn.push_back(std::move(s));
+      deltanet.push_back(std::move(s));
     }
   }
 }
@@ -95,19 +95,19 @@ State State::snapshot() const {
       mem->copy(s.kv[i].v.data(), kv[i].v.data(), used);
     }
   }
-  s.dn.resize(dn.size());
-  for (size_t i = 0; i < dn.size(); ++i) {
-    s.dn[i].ssm = Buffer(mem, ssm_size * 4);
-    s.dn[i].conv = Buffer(mem, conv_size * 4);
-    mem->copy(s.dn[i].ssm.data(), dn[i].ssm.data(), ssm_size * 4);
-    if (conv_size) mem->copy(s.dn[i].conv.data(), dn[i].conv.data(), conv_size * 4);
+  s.deltanet.resize(deltanet.size());
+  for (size_t i = 0; i < deltanet.size(); ++i) {
+    s.deltanet[i].ssm = Buffer(mem, ssm_size * 4);
+    s.deltanet[i].conv = Buffer(mem, conv_size * 4);
+    mem->copy(s.deltanet[i].ssm.data(), deltanet[i].ssm.data(), ssm_size * 4);
+    if (conv_size) mem->copy(s.deltanet[i].conv.data(), deltanet[i].conv.data(), conv_size * 4);
   }
   return s;
 }
 
 void State::restore(const State& snap) {
   const bool same = snap.kv_row == kv_row && snap.layer_slot == layer_slot && snap.kv.size() == kv.size() &&
-                    snap.dn.size() == dn.size() && snap.ssm_size == ssm_size && snap.conv_size == conv_size &&
+                    snap.deltanet.size() == deltanet.size() && snap.ssm_size == ssm_size && snap.conv_size == conv_size &&
                     snap.kv_elem == kv_elem && snap.mem == mem;
   if (!same) throw std::invalid_argument("[lily] State.restore: snapshot comes from a model with a different shape");
   if (snap.position > max_context)
@@ -119,16 +119,16 @@ void State::restore(const State& snap) {
     mem->copy(kv[i].k.data(), snap.kv[i].k.data(), used);
     mem->copy(kv[i].v.data(), snap.kv[i].v.data(), used);
   }
-  for (size_t i = 0; i < dn.size(); ++i) {
-    mem->copy(dn[i].ssm.data(), snap.dn[i].ssm.data(), ssm_size * 4);
-    if (conv_size) mem->copy(dn[i].conv.data(), snap.dn[i].conv.data(), conv_size * 4);
+  for (size_t i = 0; i < deltanet.size(); ++i) {
+    mem->copy(deltanet[i].ssm.data(), snap.deltanet[i].ssm.data(), ssm_size * 4);
+    if (conv_size) mem->copy(deltanet[i].conv.data(), snap.deltanet[i].conv.data(), conv_size * 4);
   }
   position = snap.position;
 }
 
 int64_t State::nbytes() const {
   return static_cast<int64_t>(kv.size()) * 2 * position * kv_row * static_cast<int64_t>(elem_size(kv_elem)) +
-         static_cast<int64_t>(dn.size()) * (ssm_size + conv_size) * 4;
+         static_cast<int64_t>(deltanet.size()) * (ssm_size + conv_size) * 4;
 }
 
 void State::read_kv(size_t slot, bool value, float* out) const {
@@ -152,13 +152,13 @@ void State::write_kv(size_t slot, bool value, const float* in, int64_t rows) {
   mem->from_host(b.data(), tmp.data(), n * 2);
 }
 
-void State::read_dn(size_t slot, bool conv, float* out) const {
-  const Buffer& b = conv ? dn.at(slot).conv : dn.at(slot).ssm;
+void State::read_deltanet(size_t slot, bool conv, float* out) const {
+  const Buffer& b = conv ? deltanet.at(slot).conv : deltanet.at(slot).ssm;
   if (b.bytes()) mem->to_host(out, b.data(), b.bytes());
 }
 
-void State::write_dn(size_t slot, bool conv, const float* in) {
-  Buffer& b = conv ? dn.at(slot).conv : dn.at(slot).ssm;
+void State::write_deltanet(size_t slot, bool conv, const float* in) {
+  Buffer& b = conv ? deltanet.at(slot).conv : deltanet.at(slot).ssm;
   if (b.bytes()) mem->from_host(b.data(), in, b.bytes());
 }
 

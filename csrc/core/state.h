@@ -32,9 +32,9 @@ struct State {
   int64_t ssm_size = 0, conv_size = 0; // floats per DeltaNet layer
   Elem kv_elem = Elem::F32;
   std::shared_ptr<Memory> mem;
-  std::vector<int> layer_slot;         // layer -> index into kv or dn
+  std::vector<int> layer_slot;         // layer -> index into kv or deltanet
   std::vector<KVCache> kv;             // one per attention layer
-  std::vector<DeltaNetState> dn;       // one per DeltaNet layer
+  std::vector<DeltaNetState> deltanet;       // one per DeltaNet layer
 
   State(const Config& cfg, int64_t max_context, std::shared_ptr<Memory> mem, Elem kv_elem);
   State(State&&) = default;
@@ -53,8 +53,8 @@ struct State {
   void read_kv(size_t slot, bool value, float* out) const;
   void write_kv(size_t slot, bool value, const float* in, int64_t rows);
   // DeltaNet: conv=false -> ssm [ssm_size], conv=true -> conv [conv_size].
-  void read_dn(size_t slot, bool conv, float* out) const;
-  void write_dn(size_t slot, bool conv, const float* in);
+  void read_deltanet(size_t slot, bool conv, float* out) const;
+  void write_deltanet(size_t slot, bool conv, const float* in);
 
  private:
   State() = default;

@@ -115,16 +115,16 @@ struct Loader {
       lw.post_norm = vec(p + "post_attention_layernorm.weight", {H});
       if (lw.type == LayerType::DeltaNet) {
         const std::string q = p + "linear_attn.";
-        const int64_t C = cfg.conv_dim(), Hv = cfg.lin_v_heads, VD = cfg.value_dim();
-        lw.dn.qkv = linear(q + "in_proj_qkv", C, H);
-        lw.dn.z = linear(q + "in_proj_z", VD, H);
-        lw.dn.b = linear(q + "in_proj_b", Hv, H);
-        lw.dn.a = linear(q + "in_proj_a", Hv, H);
-        lw.dn.out = linear(q + "out_proj", H, VD);
-        lw.dn.conv_w = vec(q + "conv1d.weight", {C, cfg.conv_kernel, 1});
-        lw.dn.dt_bias = vec(q + "dt_bias", {Hv});
-        lw.dn.a_log = vec(q + "A_log", {Hv});
-        lw.dn.norm = vec(q + "norm.weight", {cfg.lin_v_dim});
+        const int64_t C = cfg.conv_dim(), Hv = cfg.deltanet_v_heads, VD = cfg.value_dim();
+        lw.deltanet.qkv = linear(q + "in_proj_qkv", C, H);
+        lw.deltanet.z = linear(q + "in_proj_z", VD, H);
+        lw.deltanet.b = linear(q + "in_proj_b", Hv, H);
+        lw.deltanet.a = linear(q + "in_proj_a", Hv, H);
+        lw.deltanet.out = linear(q + "out_proj", H, VD);
+        lw.deltanet.conv_w = vec(q + "conv1d.weight", {C, cfg.conv_kernel, 1});
+        lw.deltanet.dt_bias = vec(q + "dt_bias", {Hv});
+        lw.deltanet.a_log = vec(q + "A_log", {Hv});
+        lw.deltanet.norm = vec(q + "norm.weight", {cfg.deltanet_v_dim});
       } else {
         const std::string q = p + "self_attn.";
         const int64_t D = cfg.head_dim;

@@ -41,7 +41,7 @@ struct LayerWeights {
   LayerType type;
   const float* in_norm = nullptr;    // [H]
   const float* post_norm = nullptr;  // [H]
-  DeltaNetWeights dn;
+  DeltaNetWeights deltanet;
   AttentionWeights attn;
   MoeWeights moe;
 };

@@ -41,14 +41,14 @@ class CpuBackend final : public Backend {
 
   void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
     const LayerWeights& lw = w_.layers[layer];
-    const DeltaNetWeights& w = lw.dn;
+    const DeltaNetWeights& w = lw.deltanet;
     const int64_t H = cfg_.hidden;
     cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
     cpu::linear(pool_, w.qkv, h_.data(), S, qkv_.data());
     cpu::linear(pool_, w.z, h_.data(), S, z_.data());
     cpu::linear(pool_, w.b, h_.data(), S, b_.data());
     cpu::linear(pool_, w.a, h_.data(), S, a_.data());
-    kp::DeltaNetParams p{cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
+    kp::DeltaNetParams p{cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim, cfg_.conv_kernel,
                          cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
     cpu::deltanet_forward(pool_, p, qkv_.data(), z_.data(), b_.data(), a_.data(), w.conv_w, w.dt_bias, w.a_log,
                           w.norm, st.conv.as<float>(), st.ssm.as<float>(), u_.data(), y_.data());
@@ -178,8 +178,8 @@ class CpuBackend final : public Backend {
       grow(u_, S * cfg_.conv_dim());
       grow(z_, S * cfg_.value_dim());
       grow(y_, S * cfg_.value_dim());
-      grow(b_, S * cfg_.lin_v_heads);
-      grow(a_, S * cfg_.lin_v_heads);
+      grow(b_, S * cfg_.deltanet_v_heads);
+      grow(a_, S * cfg_.deltanet_v_heads);
     }
     if (debug_) {
       for (auto* v : {&moe_.logits, &moe_.top_w, &moe_.row_w, &moe_.hb, &moe_.g, &moe_.up, &moe_.d, &moe_.sg,

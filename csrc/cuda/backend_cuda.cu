@@ -209,7 +209,7 @@ class CudaBackend final : public Backend {
   std::vector<Switch> switches() {
     return {{"cuda_graph", &graph_on_, 0, 1},     {"gemv_impl", &gemv_impl_, 0, 4},
             {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1},
-            {"split_k", &split_k_, 0, 1},          {"dn_form", &deltanet_form_, 0, 2},
+            {"split_k", &split_k_, 0, 1},          {"deltanet_form", &deltanet_form_, 0, 2},
             {"expert_tile", &expert_tile_, 0, 128}};
   }
 
@@ -358,7 +358,7 @@ class CudaBackend final : public Backend {
   int64_t max_tiles(int64_t S) const { return cuda::grouped_max_tiles(S * cfg_.top_k, cfg_.n_experts, 16); }
 
   kp::DeltaNetParams deltanet_params(int64_t S) const {
-    return {cfg_.lin_k_heads, cfg_.lin_v_heads, cfg_.lin_k_dim, cfg_.lin_v_dim, cfg_.conv_kernel,
+    return {cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim, cfg_.conv_kernel,
             cfg_.conv_dim(),  cfg_.rms_eps,     1e-6f,          S};
   }
   kp::AttentionParams attention_params(int64_t pos0, int64_t S) const {
@@ -439,7 +439,7 @@ class CudaBackend final : public Backend {
     for (const auto& c : st.kv)
       k.insert(k.end(), {reinterpret_cast<uintptr_t>(c.k.data()), reinterpret_cast<uintptr_t>(c.v.data()),
                          static_cast<uintptr_t>(c.capacity)});
-    for (const auto& s : st.dn)
+    for (const auto& s : st.deltanet)
       k.insert(k.end(), {reinterpret_cast<uintptr_t>(s.ssm.data()), reinterpret_cast<uintptr_t>(s.conv.data())});
     if (d.draw && !draw_argmax_) {
       const std::vector<uintptr_t> sb = sampler_.buffers();
@@ -517,8 +517,8 @@ class CudaBackend final : public Backend {
     du_ = dalloc<float>(cfg_.conv_dim(), true);
     dz_ = dalloc<float>(cfg_.value_dim(), true);
     dy_ = dalloc<float>(cfg_.value_dim(), true);
-    db_ = dalloc<float>(cfg_.lin_v_heads, true);
-    da_ = dalloc<float>(cfg_.lin_v_heads, true);
+    db_ = dalloc<float>(cfg_.deltanet_v_heads, true);
+    da_ = dalloc<float>(cfg_.deltanet_v_heads, true);
     dqg_ = dalloc<float>(2 * Hq * D, true);
     dq_ = dalloc<float>(Hq * D, true);
     dk_ = dalloc<float>(Hkv * D, true);
@@ -577,7 +577,7 @@ class CudaBackend final : public Backend {
     o.nseg = 1;
     o.xmode = d::kXGated;
     o.in = cfg_.value_dim();
-    o.gdim = cfg_.lin_v_dim;
+    o.gdim = cfg_.deltanet_v_dim;
     o.eps = cfg_.rms_eps;
     o.xf = dy_;
     o.zf = dz_;
@@ -670,7 +670,7 @@ class CudaBackend final : public Backend {
     if (cfg_.n_attention_layers() && cfg_.head_dim != 32 && cfg_.head_dim != 64 && cfg_.head_dim != 128 &&
         cfg_.head_dim != 256)
       fail("head_dim must be 32, 64, 128 or 256");
-    if (cfg_.n_deltanet_layers() && cfg_.lin_k_dim > 128) fail("linear_key_head_dim > 128");
+    if (cfg_.n_deltanet_layers() && cfg_.deltanet_k_dim > 128) fail("linear_key_head_dim > 128");
   }
 
   // Scratch sized for a chunk of S rows; NaN-poisoned in debug mode so unwritten reads show.
@@ -684,8 +684,8 @@ class CudaBackend final : public Backend {
     z_ = s_z_.get<float>(mem_, S * cfg_.value_dim());
     y_ = s_y_.get<float>(mem_, S * cfg_.value_dim());
     yb_ = s_yb_.get<bf16>(mem_, S * cfg_.value_dim());
-    b_ = s_b_.get<float>(mem_, S * cfg_.lin_v_heads);
-    a_ = s_a_.get<float>(mem_, S * cfg_.lin_v_heads);
+    b_ = s_b_.get<float>(mem_, S * cfg_.deltanet_v_heads);
+    a_ = s_a_.get<float>(mem_, S * cfg_.deltanet_v_heads);
     qg_ = s_qg_.get<float>(mem_, S * 2 * cfg_.n_heads * D);
     q_ = s_q_.get<float>(mem_, S * cfg_.n_heads * D);
     k_ = s_k_.get<float>(mem_, S * cfg_.n_kv_heads * D);

@@ -12,7 +12,7 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
                    float* conv_state, float* u);
 // Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
 // written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
-// norm). `form` selects the implementation (flag dn_form):
+// norm). `form` selects the implementation (flag deltanet_form):
 //   kScanSequential  exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_chunk.cu);
 //   kScanChunked     chunked WY form (chunk 64), Gram/state products on TF32 tensor cores (~5e-4 rel error,
 //                    below the bf16 rounding of y that follows);

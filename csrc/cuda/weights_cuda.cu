@@ -57,15 +57,15 @@ DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::sha
     L.in_norm = u.put_vec(lw.in_norm, H);
     L.post_norm = u.put_vec(lw.post_norm, H);
     if (lw.type == LayerType::DeltaNet) {
-      L.qkv = u.put_linear(lw.dn.qkv);
-      L.z = u.put_linear(lw.dn.z);
-      L.b = u.put_linear(lw.dn.b);
-      L.a = u.put_linear(lw.dn.a);
-      L.out = u.put_linear(lw.dn.out);
-      L.conv_w = u.put_vec(lw.dn.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
-      L.dt_bias = u.put_vec(lw.dn.dt_bias, cfg.lin_v_heads);
-      L.a_log = u.put_vec(lw.dn.a_log, cfg.lin_v_heads);
-      L.deltanet_norm = u.put_vec(lw.dn.norm, cfg.lin_v_dim);
+      L.qkv = u.put_linear(lw.deltanet.qkv);
+      L.z = u.put_linear(lw.deltanet.z);
+      L.b = u.put_linear(lw.deltanet.b);
+      L.a = u.put_linear(lw.deltanet.a);
+      L.out = u.put_linear(lw.deltanet.out);
+      L.conv_w = u.put_vec(lw.deltanet.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
+      L.dt_bias = u.put_vec(lw.deltanet.dt_bias, cfg.deltanet_v_heads);
+      L.a_log = u.put_vec(lw.deltanet.a_log, cfg.deltanet_v_heads);
+      L.deltanet_norm = u.put_vec(lw.deltanet.norm, cfg.deltanet_v_dim);
     } else {
       L.q = u.put_linear(lw.attn.q);
       L.k = u.put_linear(lw.attn.k);

@@ -12,8 +12,8 @@ namespace {
 uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 BufRef at(BufRef r, size_t bytes) { return BufRef{r.buf, r.offset + bytes}; }
 
-kp::DeltaNetParams dn_params(const Config& c, int64_t S) {
-  return kp::DeltaNetParams{c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim, c.conv_kernel, c.conv_dim(),
+kp::DeltaNetParams deltanet_params(const Config& c, int64_t S) {
+  return kp::DeltaNetParams{c.deltanet_k_heads, c.deltanet_v_heads, c.deltanet_k_dim, c.deltanet_v_dim, c.conv_kernel, c.conv_dim(),
                             c.rms_eps, 1e-6f, S};
 }
 
@@ -71,7 +71,7 @@ class MetalBackend::DeviceMemory final : public Memory {
 struct MetalBackend::LayerW {
   BufRef in_norm, post_norm;
   DevLinear qkv, z, b, a, out;              // DeltaNet
-  BufRef conv_w, dt_bias, a_log, dn_norm;
+  BufRef conv_w, dt_bias, a_log, deltanet_norm;
   DevLinear q, k, v, o;                     // attention
   BufRef q_norm, k_norm;
   DevLinear router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate;  // MoE
@@ -84,7 +84,7 @@ struct MetalBackend::Scratch {
   int64_t rows = 0, parts = 0, logit_rows = 0;
   BufRef ids[2], x, h;
   BufRef qkv, z, b, a, u, y;                // DeltaNet
-  BufRef dn_chunk;                          // DeltaNet chunked form: Ops::gdn_chunk_scratch_bytes
+  BufRef deltanet_chunk;                          // DeltaNet chunked form: Ops::deltanet_chunk_scratch_bytes
   BufRef qg, k, v, q, o, ml, po;            // attention
   BufRef logits, sg, act, yd, ash, ysh, act_dec;
   RouteBufs r;
@@ -119,13 +119,13 @@ MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<
     l.in_norm = vec(lw.in_norm, H);
     l.post_norm = vec(lw.post_norm, H);
     if (lw.type == LayerType::DeltaNet) {
-      const DeltaNetWeights& d = lw.dn;
+      const DeltaNetWeights& d = lw.deltanet;
       l.qkv = wrap_linear(d.qkv), l.z = wrap_linear(d.z), l.b = wrap_linear(d.b), l.a = wrap_linear(d.a);
       l.out = wrap_linear(d.out);
       l.conv_w = vec(d.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
-      l.dt_bias = vec(d.dt_bias, cfg.lin_v_heads);
-      l.a_log = vec(d.a_log, cfg.lin_v_heads);
-      l.dn_norm = vec(d.norm, cfg.lin_v_dim);
+      l.dt_bias = vec(d.dt_bias, cfg.deltanet_v_heads);
+      l.a_log = vec(d.a_log, cfg.deltanet_v_heads);
+      l.deltanet_norm = vec(d.norm, cfg.deltanet_v_dim);
     } else {
       const AttentionWeights& a = lw.attn;
       l.q = wrap_linear(a.q), l.k = wrap_linear(a.k), l.v = wrap_linear(a.v), l.o = wrap_linear(a.o);
@@ -264,8 +264,8 @@ void MetalBackend::reserve(int64_t S) {
   if (c.n_deltanet_layers()) {
     s->qkv = s->make(n * c.conv_dim() * 4), s->u = s->make(n * c.conv_dim() * 4);
     s->z = s->make(n * c.value_dim() * 4), s->y = s->make(n * c.value_dim() * 4);
-    s->b = s->make(n * c.lin_v_heads * 4), s->a = s->make(n * c.lin_v_heads * 4);
-    s->dn_chunk = s->make(Ops::gdn_chunk_scratch_bytes(dn_params(c, n)));
+    s->b = s->make(n * c.deltanet_v_heads * 4), s->a = s->make(n * c.deltanet_v_heads * 4);
+    s->deltanet_chunk = s->make(Ops::deltanet_chunk_scratch_bytes(deltanet_params(c, n)));
   }
   if (c.n_attention_layers()) {
     const int64_t D = c.head_dim;
@@ -333,17 +333,17 @@ void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
   ops_.linear(e, L.b, s.h, s.b, n, false);
   ops_.linear(e, L.a, s.h, s.a, n, false);
   e.barrier();
-  const kp::DeltaNetParams p = dn_params(c, S);
-  ops_.gdn_conv(e, p, s.qkv, L.conv_w, ref(st.conv.data()), s.u);
+  const kp::DeltaNetParams p = deltanet_params(c, S);
+  ops_.deltanet_conv(e, p, s.qkv, L.conv_w, ref(st.conv.data()), s.u);
   e.barrier();
   // By chunk length, as on CUDA (Ops::kScanChunkMinRows); auto keeps the sequential form where the device cannot
   // give the chunked kernels their 256 threads.
-  const int form = Ops::scan_pick(p, dn_form_);
-  if (form == Ops::kScanChunked && (dn_form_ == Ops::kScanChunked || ops_.gdn_chunked_fits(p)))
-    ops_.gdn_scan_chunked(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y,
-                          s.dn_chunk);
+  const int form = Ops::scan_pick(p, deltanet_form_);
+  if (form == Ops::kScanChunked && (deltanet_form_ == Ops::kScanChunked || ops_.deltanet_chunked_fits(p)))
+    ops_.deltanet_scan_chunked(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.deltanet_norm, s.y,
+                          s.deltanet_chunk);
   else
-    ops_.gdn_scan(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.dn_norm, s.y);
+    ops_.deltanet_scan(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.deltanet_norm, s.y);
   e.barrier();
   ops_.linear(e, L.out, s.y, s.x, n, true);
   e.barrier();
@@ -516,15 +516,15 @@ bool MetalBackend::sampler_begin(const SampleOptions& opt) {
 }
 
 void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {
-  if (flag_name == "dn_form") {
+  if (flag_name == "deltanet_form") {
     if (value < Ops::kScanAuto || value > Ops::kScanChunked)
-      throw std::invalid_argument("[lily] backend flag 'dn_form' must be 0 (auto), 1 (sequential) or 2 (chunked), "
+      throw std::invalid_argument("[lily] backend flag 'deltanet_form' must be 0 (auto), 1 (sequential) or 2 (chunked), "
                                   "got " + std::to_string(value));
     // Refused here, not mid-chunk: an exception inside a chunk leaves its command buffer half encoded.
-    if (value == Ops::kScanChunked && cfg_.n_deltanet_layers() && !ops_.gdn_chunked_fits(dn_params(cfg_, 1)))
-      throw std::invalid_argument("[lily] backend flag 'dn_form' 2: the chunked DeltaNet kernels need 256 threads "
+    if (value == Ops::kScanChunked && cfg_.n_deltanet_layers() && !ops_.deltanet_chunked_fits(deltanet_params(cfg_, 1)))
+      throw std::invalid_argument("[lily] backend flag 'deltanet_form' 2: the chunked DeltaNet kernels need 256 threads "
                                   "per threadgroup; this device allows fewer");
-    dn_form_ = static_cast<int>(value);
+    deltanet_form_ = static_cast<int>(value);
     return;
   }
   if (flag_name != "device_draw") return Backend::set_flag(flag_name, value);
@@ -538,7 +538,7 @@ int64_t MetalBackend::flag(const std::string& flag_name) const {
   if (flag_name == "sampler_begins") return sampler_begins_;            // counter: device generations begun
   if (flag_name == "step_waits") return step_waits_;                    // counter: see backend_metal.h
   if (flag_name == "max_inflight") return max_inflight_;
-  if (flag_name == "dn_form") return dn_form_;
+  if (flag_name == "deltanet_form") return deltanet_form_;
   return flag_name == "device_draw" ? int64_t{device_draw_} : Backend::flag(flag_name);
 }
 

@@ -102,7 +102,7 @@ class MetalBackend final : public Backend {
   // copied, not wrapped, for want of 16-byte alignment), "step_waits" (begin_step had to wait for an older
   // command buffer: never in a device stream unless debug), "max_inflight" (most command buffers committed and
   // not yet waited for after a step's commit: 2 when the token loop ran ahead).
-  // "dn_form" 0 (default, auto by chunk length) | 1 sequential | 2 chunked: the DeltaNet recurrence's form
+  // "deltanet_form" 0 (default, auto by chunk length) | 1 sequential | 2 chunked: the DeltaNet recurrence's form
   // (Ops::scan_pick), named as on CUDA so tests force each one.
   void set_flag(const std::string& flag_name, int64_t value) override;
   int64_t flag(const std::string& flag_name) const override;
@@ -141,7 +141,7 @@ class MetalBackend final : public Backend {
   std::unique_ptr<Scratch> sc_;
   bool fused_moe_decode_ = true;
   bool device_draw_ = true;
-  int dn_form_ = Ops::kScanAuto;       // flag dn_form
+  int deltanet_form_ = Ops::kScanAuto;       // flag deltanet_form
   int64_t step_waits_ = 0, max_inflight_ = 0;
   int64_t sampler_begins_ = 0;       // samplers accepted (device-mode streams begun or resumed)
   int64_t copied_weight_bytes_ = 0;  // weights copied because they were not 16-byte aligned (wrap)

@@ -127,42 +127,42 @@ void Ops::argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot) {
   go(e, "argmax", {1, 1, 1}, {std::min<uint32_t>(1024, dev_.max_threads(pipe("argmax")) / 32 * 32), 1, 1});
 }
 
-void Ops::gdn_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u) {
+void Ops::deltanet_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u) {
   e.set_buffer(0, qkv);
   e.set_buffer(1, conv_w);
   e.set_buffer(2, conv_state);
   e.set_buffer(3, u);
   bytes(e, 4, p);
-  go(e, "gdn_conv", {cdiv(p.conv_dim, 128), 1, 1}, {128, 1, 1});
+  go(e, "deltanet_conv", {cdiv(p.conv_dim, 128), 1, 1}, {128, 1, 1});
 }
 
-void Ops::gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+void Ops::deltanet_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                    BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y) {
   const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
   const uint32_t sgs = cdiv(p.v_dim, kScanRows);
   // The fused form needs the whole head (Dv / 4 simdgroups) in one threadgroup; the compiler may allow
   // fewer threads for this register-heavy pipeline, and then the unfused pair runs instead.
-  const bool fuse = 32 * sgs <= dev_.max_threads(pipe("gdn_scan_norm_" + nk));
+  const bool fuse = 32 * sgs <= dev_.max_threads(pipe("deltanet_scan_norm_" + nk));
   BufRef in[] = {u, b, a, a_log, dt_bias, state, y, z, norm_w};
   for (int i = 0; i < 9; ++i) e.set_buffer(i, in[i]);
   bytes(e, 9, p);
   if (fuse) {
-    go(e, "gdn_scan_norm_" + nk, {1, static_cast<uint32_t>(p.v_heads), 1}, {32 * sgs, 1, 1});
+    go(e, "deltanet_scan_norm_" + nk, {1, static_cast<uint32_t>(p.v_heads), 1}, {32 * sgs, 1, 1});
     return;
   }
-  go(e, "gdn_scan_" + nk, {cdiv(p.v_dim, kScanRows * 2), static_cast<uint32_t>(p.v_heads), 1}, {64, 1, 1});
+  go(e, "deltanet_scan_" + nk, {cdiv(p.v_dim, kScanRows * 2), static_cast<uint32_t>(p.v_heads), 1}, {64, 1, 1});
   e.barrier();
   e.set_buffer(0, y);
   e.set_buffer(1, z);
   e.set_buffer(2, norm_w);
   bytes(e, 3, p);
-  go(e, "gdn_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
+  go(e, "deltanet_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
 }
 
 namespace {
 constexpr int64_t kChunk = 64;             // tokens per chunk of deltanet_chunk.metal (kChunk there)
 constexpr uint32_t kChunkThreads = 256;     // both chunked kernels: 8 simdgroups
-constexpr uint32_t kChunkStateRows = 32;    // state rows per threadgroup of gdn_chunk_state
+constexpr uint32_t kChunkStateRows = 32;    // state rows per threadgroup of deltanet_chunk_state
 
 // Float offsets of the scratch regions of the chunked form (deltanet_chunk.metal's header), in binding order:
 // W, U, P, Qg, Kd, LG, and the total.
@@ -180,26 +180,26 @@ struct ChunkScratchLayout {
 int Ops::scan_pick(const kp::DeltaNetParams& p, int form) {
   if (form == kScanAuto) return p.S >= kScanChunkMinRows ? kScanChunked : kScanSequential;
   if (form != kScanSequential && form != kScanChunked)
-    throw std::invalid_argument("[lily] metal: dn_form is 0 (auto), 1 (sequential) or 2 (chunked), got " +
+    throw std::invalid_argument("[lily] metal: deltanet_form is 0 (auto), 1 (sequential) or 2 (chunked), got " +
                                 std::to_string(form));
   return form;
 }
 
-size_t Ops::gdn_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
+size_t Ops::deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
   return static_cast<size_t>(ChunkScratchLayout(p).at[6]) * 4;
 }
 
-bool Ops::gdn_chunked_fits(const kp::DeltaNetParams& p) {
+bool Ops::deltanet_chunked_fits(const kp::DeltaNetParams& p) {
   const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
-  return dev_.max_threads(pipe("gdn_chunk_prep_" + nk)) >= kChunkThreads &&
-         dev_.max_threads(pipe("gdn_chunk_state_" + nk)) >= kChunkThreads;
+  return dev_.max_threads(pipe("deltanet_chunk_prep_" + nk)) >= kChunkThreads &&
+         dev_.max_threads(pipe("deltanet_chunk_state_" + nk)) >= kChunkThreads;
 }
 
-void Ops::gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+void Ops::deltanet_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                            BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y, BufRef scratch) {
   const std::string nk = "nk" + std::to_string(nk_for(p.k_dim));
-  if (!gdn_chunked_fits(p))
-    throw std::runtime_error("[lily] metal: the chunked DeltaNet kernels (gdn_chunk_*_" + nk + ") need " +
+  if (!deltanet_chunked_fits(p))
+    throw std::runtime_error("[lily] metal: the chunked DeltaNet kernels (deltanet_chunk_*_" + nk + ") need " +
                              std::to_string(kChunkThreads) + " threads per threadgroup; this device allows fewer");
   const ChunkScratchLayout L(p);
   BufRef region[6];
@@ -209,19 +209,19 @@ void Ops::gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, Bu
   for (int i = 0; i < 5; ++i) e.set_buffer(i, prep_in[i]);
   for (int i = 0; i < 6; ++i) e.set_buffer(5 + i, region[i]);
   bytes(e, 11, p);
-  go(e, "gdn_chunk_prep_" + nk, {n_chunks, heads, 1}, {kChunkThreads, 1, 1});
+  go(e, "deltanet_chunk_prep_" + nk, {n_chunks, heads, 1}, {kChunkThreads, 1, 1});
   e.barrier();
   for (int i = 0; i < 6; ++i) e.set_buffer(i, region[i]);
   e.set_buffer(6, state);
   e.set_buffer(7, y);
   bytes(e, 8, p);
-  go(e, "gdn_chunk_state_" + nk, {cdiv(p.v_dim, kChunkStateRows), heads, 1}, {kChunkThreads, 1, 1});
+  go(e, "deltanet_chunk_state_" + nk, {cdiv(p.v_dim, kChunkStateRows), heads, 1}, {kChunkThreads, 1, 1});
   e.barrier();
   e.set_buffer(0, y);
   e.set_buffer(1, z);
   e.set_buffer(2, norm_w);
   bytes(e, 3, p);
-  go(e, "gdn_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
+  go(e, "deltanet_gated_norm", {static_cast<uint32_t>(p.S * p.v_heads), 1, 1}, {32, 1, 1});
 }
 
 void Ops::attn_prep(Encoder& e, const kp::AttentionParams& p, BufRef qg, BufRef k, BufRef v, BufRef q_norm,

@@ -1,5 +1,5 @@
 // One encode function per kernel family of metal/*.metal: picks the specialisation (the pipeline name
-// spells it: gemv_q4, gemm_glu_q4_f32_bm16, gdn_scan_norm_nk4, attn_decode_nd8_h8, ...), binds buffers by
+// spells it: gemv_q4, gemm_glu_q4_f32_bm16, deltanet_scan_norm_nk4, attn_decode_nd8_h8, ...), binds buffers by
 // the indices of the kernel signature, fills the params.h struct and chooses grid and threadgroup sizes.
 // The same code drives the Apple device and the emulated one.
 #pragma once
@@ -60,23 +60,23 @@ class Ops {
   static size_t sample_work_bytes(int V);
   static constexpr int kSampleSpan = 2048;  // row entries per grid threadgroup (sample.metal kSampleSpan)
 
-  void gdn_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u);
-  // Fused gated RMSNorm when the head fits one threadgroup (Dv <= 128); else scan + gdn_gated_norm.
-  void gdn_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+  void deltanet_conv(Encoder& e, const kp::DeltaNetParams& p, BufRef qkv, BufRef conv_w, BufRef conv_state, BufRef u);
+  // Fused gated RMSNorm when the head fits one threadgroup (Dv <= 128); else scan + deltanet_gated_norm.
+  void deltanet_scan(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                 BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y);
 
   // The DeltaNet recurrence in its chunked form (deltanet_chunk.metal: WY/UT, chunk 64, simdgroup matrices;
-  // gdn_chunk_prep + gdn_chunk_state, then gdn_gated_norm). Same state and outputs as gdn_scan; scratch holds
-  // gdn_chunk_scratch_bytes(p) bytes (W, U, P, Qg, Kd, LG per value head and chunk).
-  void gdn_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
+  // deltanet_chunk_prep + deltanet_chunk_state, then deltanet_gated_norm). Same state and outputs as deltanet_scan; scratch holds
+  // deltanet_chunk_scratch_bytes(p) bytes (W, U, P, Qg, Kd, LG per value head and chunk).
+  void deltanet_scan_chunked(Encoder& e, const kp::DeltaNetParams& p, BufRef u, BufRef b, BufRef a, BufRef a_log,
                         BufRef dt_bias, BufRef state, BufRef z, BufRef norm_w, BufRef y, BufRef scratch);
-  static size_t gdn_chunk_scratch_bytes(const kp::DeltaNetParams& p);
+  static size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
   // The chunked kernels run 256 threads per threadgroup (8 simdgroups, one 8-row tile each); false where the
   // device allows fewer for these register-heavy pipelines (then auto runs the sequential form and a forced
   // chunked form throws std::runtime_error).
-  bool gdn_chunked_fits(const kp::DeltaNetParams& p);
-  // Which form runs a chunk of p.S rows (backend flag dn_form, as CUDA's): 0 auto (chunked from
-  // kScanChunkMinRows rows), 1 sequential (gdn_scan), 2 chunked (gdn_scan_chunked).
+  bool deltanet_chunked_fits(const kp::DeltaNetParams& p);
+  // Which form runs a chunk of p.S rows (backend flag deltanet_form, as CUDA's): 0 auto (chunked from
+  // kScanChunkMinRows rows), 1 sequential (deltanet_scan), 2 chunked (deltanet_scan_chunked).
   enum ScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };
   // The crossover cannot be measured without a Mac, so it is CUDA's (csrc/cuda/deltanet.cuh), whose reasoning
   // carries over: the chunked form costs two dispatches plus ceil(S / 64) dependent chunk steps, the sequential

@@ -1,6 +1,6 @@
 """The Metal op table of the kernel suite: numpy-in / numpy-out wrappers of lily's Metal kernels on the emulator
 (three schedules each). Grid and threadgroup shapes are chosen here the way the host backend chooses them, so
-the tests exercise the same launch geometry. The kernel-level wrappers (gemv, gemm, route, gdn_scan, ...) come
+the tests exercise the same launch geometry. The kernel-level wrappers (gemv, gemm, route, deltanet_scan, ...) come
 first; the family entry points shared with ops_cpu.py (same names, arguments and shapes) close the file."""
 from __future__ import annotations
 
@@ -131,28 +131,28 @@ def _nk(dk: int) -> int:
     return 1 if dk <= 32 else 2 if dk <= 64 else 4
 
 
-def dn_params(Hk, Hv, Dk, Dv, K, S, eps=1e-6):
+def deltanet_params(Hk, Hv, Dk, Dv, K, S, eps=1e-6):
     return emu.params("DeltaNetParams", k_heads=Hk, v_heads=Hv, k_dim=Dk, v_dim=Dv, conv_kernel=K,
                       conv_dim=2 * Hk * Dk + Hv * Dv, norm_eps=eps, qk_eps=1e-6, S=S)
 
 
-def gdn_conv(qkv, conv_w, conv_state, p):
+def deltanet_conv(qkv, conv_w, conv_state, p):
     """-> (u [S, C], conv_state')."""
     C = qkv.shape[1]
-    u, st = emu.run3(lib("deltanet"), "gdn_conv", (-(-C // 64), 1, 1), (64, 1, 1),
+    u, st = emu.run3(lib("deltanet"), "deltanet_conv", (-(-C // 64), 1, 1), (64, 1, 1),
                      [qkv, conv_w, conv_state, np.zeros_like(qkv), p], outputs=[3, 2], poison=[3])
     return u, st
 
 
-def gdn_scan(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None, fuse=False, nsg=2):
+def deltanet_scan(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None, fuse=False, nsg=2):
     """-> (o or y [S, Hv*Dv], state'); fuse applies the gated RMSNorm in the same kernel."""
     Hv, Dv, Dk = state.shape
     S = u.shape[0]
     rows = 4
     if fuse:
-        name, grid, tg = f"gdn_scan_norm_nk{_nk(Dk)}", (1, Hv, 1), (32 * -(-Dv // rows), 1, 1)
+        name, grid, tg = f"deltanet_scan_norm_nk{_nk(Dk)}", (1, Hv, 1), (32 * -(-Dv // rows), 1, 1)
     else:
-        name, grid, tg = f"gdn_scan_nk{_nk(Dk)}", (-(-Dv // (rows * nsg)), Hv, 1), (32 * nsg, 1, 1)
+        name, grid, tg = f"deltanet_scan_nk{_nk(Dk)}", (-(-Dv // (rows * nsg)), Hv, 1), (32 * nsg, 1, 1)
     zz = z if z is not None else np.zeros(1, np.float32)
     nw = norm_w if norm_w is not None else np.zeros(1, np.float32)
     o, st = emu.run3(lib("deltanet"), name, grid, tg,
@@ -161,10 +161,10 @@ def gdn_scan(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None, fuse=False,
     return o, st
 
 
-def gdn_gated_norm(o, z, w, p):
+def deltanet_gated_norm(o, z, w, p):
     Dv = w.shape[0]
     rows = o.size // Dv
-    y, = emu.run3(lib("deltanet"), "gdn_gated_norm", (rows, 1, 1), (32, 1, 1), [o, z, w, p], outputs=[0],
+    y, = emu.run3(lib("deltanet"), "deltanet_gated_norm", (rows, 1, 1), (32, 1, 1), [o, z, w, p], outputs=[0],
                   poison=False)
     return y
 
@@ -299,8 +299,8 @@ ATTN_SPLIT_LEN = 256  # Ops::kSplitLen: keys per split-K part of decode attentio
 def gated_rms_norm(o, z, w, eps):
     """o, z [S, Hv*Dv], w [Dv] -> rms_norm(o per head; w) * silu(z) [S, Hv*Dv]."""
     Dv = w.shape[0]
-    p = dn_params(1, o.shape[1] // Dv, Dv, Dv, 1, o.shape[0], eps)
-    return gdn_gated_norm(np.ascontiguousarray(o, np.float32), np.ascontiguousarray(z, np.float32), w, p)
+    p = deltanet_params(1, o.shape[1] // Dv, Dv, Dv, 1, o.shape[0], eps)
+    return deltanet_gated_norm(np.ascontiguousarray(o, np.float32), np.ascontiguousarray(z, np.float32), w, p)
 
 
 def linear(w: Weight, x):
@@ -324,9 +324,9 @@ def attention(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos0, n_heads, n_kv_he
 def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_heads, norm_eps):
     """The DeltaNet core of S rows -> (y [S, Hv*Dv], conv_state' [K-1, C], ssm' [Hv, Dv, Dk])."""
     Hv, Dv, Dk = ssm.shape
-    p = dn_params(k_heads, Hv, Dk, Dv, conv_w.shape[1], qkv.shape[0], norm_eps)
-    u, conv1 = gdn_conv(qkv, conv_w, conv_state, p)
-    y, rec1 = gdn_scan(u, b, a, a_log, dt_bias, ssm, p, z=z, norm_w=norm_w, fuse=True)
+    p = deltanet_params(k_heads, Hv, Dk, Dv, conv_w.shape[1], qkv.shape[0], norm_eps)
+    u, conv1 = deltanet_conv(qkv, conv_w, conv_state, p)
+    y, rec1 = deltanet_scan(u, b, a, a_log, dt_bias, ssm, p, z=z, norm_w=norm_w, fuse=True)
     return y, conv1, rec1
 
 

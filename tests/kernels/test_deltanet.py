@@ -1,5 +1,5 @@
 """DeltaNet family: the core between the projections (conv + SiLU, q/k l2 norm, gates, recurrence, gated norm)
-for S rows with its conv and recurrent state in and out, on every backend against lily.reference.gdn.deltanet_core,
+for S rows with its conv and recurrent state in and out, on every backend against lily.reference.deltanet.deltanet_core,
 and run in two chunks against one; then the Metal kernels one by one: causal conv, the register-resident
 recurrence (plain and with the fused gated RMSNorm), the gated norm, and the whole mixer. Dk != Dv throughout
 but once (a transposed state would pass with Dk == Dv)."""
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from _metrics import assert_close
 from kernel_inputs import Weight
-from ops_metal import dn_params, gdn_conv, gdn_gated_norm, gdn_scan, gemm
+import ops_metal as mtl  # the Metal kernels by name (their names are the reference functions' too)
+from ops_metal import deltanet_params, gemm
 from tolerances import tol
 
-from lily.reference.gdn import causal_conv, deltanet_core, deltanet_mixer, deltanet_scan
+from lily.reference.deltanet import causal_conv, deltanet_core, deltanet_mixer, deltanet_scan
 from lily.reference.linear import Weights
 from lily.reference.ops import rms_norm, silu
 from lily.testing import random_weights, tiny_configs
@@ -73,9 +74,9 @@ def test_conv(rng, S, K, Hk, Hv, Dk, Dv):
     qkv = rng.standard_normal((S, C)).astype(np.float32)
     w = (rng.uniform(-1, 1, (C, K)) * K ** -0.5).astype(np.float32)
     st0 = rng.standard_normal((K - 1, C)).astype(np.float32)
-    u, st = gdn_conv(qkv, w, st0, dn_params(Hk, Hv, Dk, Dv, K, S))
+    u, st = mtl.deltanet_conv(qkv, w, st0, deltanet_params(Hk, Hv, Dk, Dv, K, S))
     ref, ref_st = causal_conv(qkv, st0, w)
-    assert_close(f"gdn_conv S={S} K={K} C={C}", u, silu(ref), TOL)
+    assert_close(f"deltanet_conv S={S} K={K} C={C}", u, silu(ref), TOL)
     np.testing.assert_array_equal(st, ref_st)
 
 
@@ -96,17 +97,17 @@ SHAPES = [(1, 2, 4, 32, 32), (5, 2, 6, 48, 32), (3, 1, 5, 16, 32), (2, 1, 2, 128
 @pytest.mark.parametrize("S,Hk,Hv,Dk,Dv", SHAPES)
 def test_scan(rng, S, Hk, Hv, Dk, Dv):
     u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
-    p = dn_params(Hk, Hv, Dk, Dv, 4, S)
-    o, st = gdn_scan(u, b, a, a_log, dt_bias, state, p)
+    p = deltanet_params(Hk, Hv, Dk, Dv, 4, S)
+    o, st = mtl.deltanet_scan(u, b, a, a_log, dt_bias, state, p)
     ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
-    assert_close(f"gdn_scan S={S} Hv={Hv} Dk={Dk} Dv={Dv}", o, ref_o.reshape(S, -1), TOL)
-    assert_close(f"gdn_scan state Dk={Dk} Dv={Dv}", st, ref_st, TOL)
+    assert_close(f"deltanet_scan S={S} Hv={Hv} Dk={Dk} Dv={Dv}", o, ref_o.reshape(S, -1), TOL)
+    assert_close(f"deltanet_scan state Dk={Dk} Dv={Dv}", st, ref_st, TOL)
     # the unfused gated norm on the scan output
     z = rng.standard_normal((S, Hv * Dv)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(Dv)).astype(np.float32)
-    y = gdn_gated_norm(o, z, w, p)
+    y = mtl.deltanet_gated_norm(o, z, w, p)
     ref_y = rms_norm(ref_o, w, 1e-6) * silu(z.reshape(S, Hv, Dv))
-    assert_close(f"gdn_gated_norm Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
+    assert_close(f"deltanet_gated_norm Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
 
 
 @pytest.mark.parametrize("S,Hk,Hv,Dk,Dv", SHAPES)
@@ -114,11 +115,11 @@ def test_scan_fused_norm(rng, S, Hk, Hv, Dk, Dv):
     u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
     z = rng.standard_normal((S, Hv * Dv)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(Dv)).astype(np.float32)
-    y, st = gdn_scan(u, b, a, a_log, dt_bias, state, dn_params(Hk, Hv, Dk, Dv, 4, S), z=z, norm_w=w, fuse=True)
+    y, st = mtl.deltanet_scan(u, b, a, a_log, dt_bias, state, deltanet_params(Hk, Hv, Dk, Dv, 4, S), z=z, norm_w=w, fuse=True)
     ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
     ref_y = rms_norm(ref_o, w, 1e-6) * silu(z.reshape(S, Hv, Dv))
-    assert_close(f"gdn_scan_norm S={S} Dk={Dk} Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
-    assert_close(f"gdn_scan_norm state Dk={Dk} Dv={Dv}", st, ref_st, TOL)
+    assert_close(f"deltanet_scan_norm S={S} Dk={Dk} Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
+    assert_close(f"deltanet_scan_norm state Dk={Dk} Dv={Dv}", st, ref_st, TOL)
 
 
 @pytest.mark.parametrize("name,S", [("tiny_dk_ne_dv", 6), ("tiny_odd", 1)])
@@ -135,10 +136,10 @@ def test_deltanet_mixer_vs_reference(rng, name, S):
     h = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
     conv0 = rng.standard_normal((K - 1, cfg.conv_dim)).astype(np.float32)
     rec0 = (rng.standard_normal((Hv, Dv, Dk)) * 0.1).astype(np.float32)
-    p = dn_params(Hk, Hv, Dk, Dv, K, S)
+    p = deltanet_params(Hk, Hv, Dk, Dv, K, S)
     qkv, z, b, a = (gemm(W[m], h) for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
-    u, conv1 = gdn_conv(qkv, ref_w.vec(pre + ".conv1d.weight").reshape(cfg.conv_dim, K), conv0, p)
-    y, rec1 = gdn_scan(u, b, a, ref_w.vec(pre + ".A_log"), ref_w.vec(pre + ".dt_bias"), rec0, p, z=z,
+    u, conv1 = mtl.deltanet_conv(qkv, ref_w.vec(pre + ".conv1d.weight").reshape(cfg.conv_dim, K), conv0, p)
+    y, rec1 = mtl.deltanet_scan(u, b, a, ref_w.vec(pre + ".A_log"), ref_w.vec(pre + ".dt_bias"), rec0, p, z=z,
                        norm_w=ref_w.vec(pre + ".norm.weight"), fuse=True)
     out = gemm(W["out_proj"], y)
     ref_out, ref_conv, ref_rec = deltanet_mixer(h, ref_w, 0, cfg, conv0, rec0)

@@ -1,19 +1,20 @@
 """The chunked DeltaNet recurrence on Metal (metal/deltanet_chunk.metal: WY/UT, chunk 64, simdgroup matrices),
 on the emulator under its three schedules with the outputs NaN-poisoned first: against lily.reference's
-sequential recurrence and against the sequential Metal kernel (gdn_scan) on awkward shapes (Dk != Dv, odd row
+sequential recurrence and against the sequential Metal kernel (deltanet_scan) on awkward shapes (Dk != Dv, odd row
 counts around the chunk boundaries, odd head counts, a non-zero initial state); prefill chunks that alternate
 the two forms carry the one state; and the tiny model through the Metal backend with each form forced
-(backend flag dn_form) equals the CPU backend."""
+(backend flag deltanet_form) equals the CPU backend."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from _metrics import assert_close
 from metal_env import emu, lib
-from ops_metal import dn_params, gdn_gated_norm, gdn_scan
+import ops_metal as mtl  # the Metal kernels by name (their names are the reference functions' too)
+from ops_metal import deltanet_params
 from tolerances import tol
 
-from lily.reference.gdn import deltanet_scan, gated_rms_norm
+from lily.reference.deltanet import deltanet_scan, gated_rms_norm
 from lily.reference.ops import silu
 
 TOL = tol("op_vs_reference")["rel_rms"]
@@ -25,8 +26,8 @@ def _nk(dk: int) -> int:
     return 1 if dk <= 32 else 2 if dk <= 64 else 4
 
 
-def gdn_scan_chunked(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None):
-    """The chunked form as csrc/metal/ops_metal.cpp's gdn_scan_chunked encodes it: prep -> state (-> gated norm).
+def deltanet_scan_chunked(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None):
+    """The chunked form as csrc/metal/ops_metal.cpp's deltanet_scan_chunked encodes it: prep -> state (-> gated norm).
     u [S, C]; b, a [S, Hv]; a_log, dt_bias [Hv]; state [Hv, Dv, Dk] -> (o or y [S, Hv*Dv], state')."""
     S = u.shape[0]
     Hv, Dv, Dk = state.shape
@@ -35,12 +36,12 @@ def gdn_scan_chunked(u, b, a, a_log, dt_bias, state, p, z=None, norm_w=None):
     # scratch regions W, U, P, Qg, Kd, LG (all written by the prep kernel: poisoned first)
     scratch = [np.zeros((Hv, nc, CHUNK, n), np.float32) for n in (dkp, Dv, CHUNK, dkp, dkp, 1)]
     L = lib("deltanet_chunk")
-    regions = emu.run3(L, f"gdn_chunk_prep_nk{nk}", (nc, Hv, 1), (THREADS, 1, 1),
+    regions = emu.run3(L, f"deltanet_chunk_prep_nk{nk}", (nc, Hv, 1), (THREADS, 1, 1),
                        [u, b, a, a_log, dt_bias, *scratch, p], outputs=[5, 6, 7, 8, 9, 10])
-    o, st = emu.run3(L, f"gdn_chunk_state_nk{nk}", (-(-Dv // STATE_ROWS), Hv, 1), (THREADS, 1, 1),
+    o, st = emu.run3(L, f"deltanet_chunk_state_nk{nk}", (-(-Dv // STATE_ROWS), Hv, 1), (THREADS, 1, 1),
                      [*regions, state, np.zeros((S, Hv * Dv), np.float32), p], outputs=[7, 6], poison=[7])
     if z is not None:
-        o = gdn_gated_norm(o, z, norm_w, p)
+        o = mtl.deltanet_gated_norm(o, z, norm_w, p)
     return o, st
 
 
@@ -63,30 +64,30 @@ SHAPES = [(1, 2, 4, 32, 48), (2, 1, 3, 48, 40), (63, 1, 5, 16, 40), (64, 1, 3, 6
 @pytest.mark.parametrize("S,Hk,Hv,Dk,Dv", SHAPES)
 def test_chunked_scan_vs_reference_and_sequential(rng, S, Hk, Hv, Dk, Dv):
     u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
-    p = dn_params(Hk, Hv, Dk, Dv, 4, S)
-    o, st = gdn_scan_chunked(u, b, a, a_log, dt_bias, state, p)
+    p = deltanet_params(Hk, Hv, Dk, Dv, 4, S)
+    o, st = deltanet_scan_chunked(u, b, a, a_log, dt_bias, state, p)
     ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
-    name = f"gdn_chunk S={S} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}"
+    name = f"deltanet_chunk S={S} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}"
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(st)), f"{name}: unwritten (NaN) outputs"
     assert_close(name, o, ref_o.reshape(S, -1), TOL)
     assert_close(name + " state", st, ref_st, TOL)
     # the sequential Metal kernel on the same inputs: the two forms agree to summation order
-    seq_o, seq_st = gdn_scan(u, b, a, a_log, dt_bias, state, p)
-    assert_close(name + " vs gdn_scan", o, seq_o, SELF_TOL)
-    assert_close(name + " state vs gdn_scan", st, seq_st, SELF_TOL)
+    seq_o, seq_st = mtl.deltanet_scan(u, b, a, a_log, dt_bias, state, p)
+    assert_close(name + " vs deltanet_scan", o, seq_o, SELF_TOL)
+    assert_close(name + " state vs deltanet_scan", st, seq_st, SELF_TOL)
 
 
 @pytest.mark.parametrize("S,Hk,Hv,Dk,Dv", [(65, 1, 3, 48, 40), (1, 2, 2, 128, 128)])
 def test_chunked_scan_with_gated_norm(rng, S, Hk, Hv, Dk, Dv):
-    """The chunked form followed by gdn_gated_norm (what the backend encodes) vs the reference."""
+    """The chunked form followed by deltanet_gated_norm (what the backend encodes) vs the reference."""
     u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
     z = rng.standard_normal((S, Hv * Dv)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(Dv)).astype(np.float32)
-    y, st = gdn_scan_chunked(u, b, a, a_log, dt_bias, state, dn_params(Hk, Hv, Dk, Dv, 4, S), z=z, norm_w=w)
+    y, st = deltanet_scan_chunked(u, b, a, a_log, dt_bias, state, deltanet_params(Hk, Hv, Dk, Dv, 4, S), z=z, norm_w=w)
     ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
     ref_y = gated_rms_norm(ref_o, z.reshape(S, Hv, Dv), w, 1e-6)
-    assert_close(f"gdn_chunk + gated norm S={S} Dk={Dk} Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
-    assert_close(f"gdn_chunk + gated norm state S={S}", st, ref_st, TOL)
+    assert_close(f"deltanet_chunk + gated norm S={S} Dk={Dk} Dv={Dv}", y, ref_y.reshape(S, -1), TOL)
+    assert_close(f"deltanet_chunk + gated norm state S={S}", st, ref_st, TOL)
 
 
 def test_chunked_scan_strong_decay_underflows_cleanly(rng):
@@ -96,11 +97,11 @@ def test_chunked_scan_strong_decay_underflows_cleanly(rng):
     u, b, _, _, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
     a = rng.uniform(5, 8, (S, Hv)).astype(np.float32)
     a_log = np.full(Hv, np.log(8.0), np.float32)
-    p = dn_params(Hk, Hv, Dk, Dv, 4, S)
-    o, st = gdn_scan_chunked(u, b, a, a_log, dt_bias, state, p)
+    p = deltanet_params(Hk, Hv, Dk, Dv, 4, S)
+    o, st = deltanet_scan_chunked(u, b, a, a_log, dt_bias, state, p)
     ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
-    assert_close("gdn_chunk strong decay", o, ref_o.reshape(S, -1), TOL)
-    assert_close("gdn_chunk strong decay state", st, ref_st, TOL)
+    assert_close("deltanet_chunk strong decay", o, ref_o.reshape(S, -1), TOL)
+    assert_close("deltanet_chunk strong decay state", st, ref_st, TOL)
 
 
 def test_prefill_chunks_alternate_forms(rng):
@@ -110,8 +111,8 @@ def test_prefill_chunks_alternate_forms(rng):
     u, b, a, a_log, dt_bias, state = _scan_inputs(rng, S, Hk, Hv, Dk, Dv)
     ref_o, ref_st = deltanet_scan(u, b, a, a_log, dt_bias, state, Hk)
     outs, st = [], state
-    for (r0, r1), form in zip([(0, 70), (70, 75), (75, 140)], (gdn_scan_chunked, gdn_scan, gdn_scan_chunked)):
-        o, st = form(u[r0:r1], b[r0:r1], a[r0:r1], a_log, dt_bias, st, dn_params(Hk, Hv, Dk, Dv, 4, r1 - r0))
+    for (r0, r1), form in zip([(0, 70), (70, 75), (75, 140)], (deltanet_scan_chunked, mtl.deltanet_scan, deltanet_scan_chunked)):
+        o, st = form(u[r0:r1], b[r0:r1], a[r0:r1], a_log, dt_bias, st, deltanet_params(Hk, Hv, Dk, Dv, 4, r1 - r0))
         outs.append(o)
     assert_close("chunked | sequential | chunked rows", np.concatenate(outs), ref_o.reshape(S, -1), TOL)
     assert_close("chunked | sequential | chunked state", st, ref_st, TOL)
@@ -122,7 +123,7 @@ def test_prefill_chunks_alternate_forms(rng):
 
 @pytest.mark.parametrize("name,prompt,chunk", [("tiny_dk_ne_dv", 70, 67), ("tiny_odd", 33, 33)])
 def test_model_chunked_form_equals_cpu(name, prompt, chunk):
-    """Prefill with dn_form 2 (chunked: chunks of 67 and 3 rows, a partial DeltaNet chunk each) and dn_form 1
+    """Prefill with deltanet_form 2 (chunked: chunks of 67 and 3 rows, a partial DeltaNet chunk each) and deltanet_form 1
     (sequential) on emulated Metal, scratch NaN-poisoned (debug), vs the CPU backend's logits; then lock-step
     decode steps after the chunked prefill (the sequential form on the state the chunked one left)."""
     from test_metal_backend import _cpu_run, _in_child, _report, lock_step, metal_engine
@@ -138,8 +139,8 @@ def test_model_chunked_form_equals_cpu(name, prompt, chunk):
         out = {}
         for form in (2, 1):
             eng = metal_engine(cfg, tensors, quant, debug=True)
-            eng.set_backend_flag("dn_form", form)
-            assert eng.backend_flag("dn_form") == form
+            eng.set_backend_flag("deltanet_form", form)
+            assert eng.backend_flag("deltanet_form") == form
             st = eng.new_state()
             pre = np.array(eng.forward(st, toks, logits="all", chunk_size=chunk))
             first = int(np.argmax(pre[-1]))
@@ -152,16 +153,16 @@ def test_model_chunked_form_equals_cpu(name, prompt, chunk):
     pre, first, gen, dec = out[2]
     seq = np.concatenate([toks, [first], gen[:-1]]).astype(np.int32)
     ref, cpu_greedy = _cpu_run(cfg, tensors, quant, seq, prompt, steps)
-    _report(f"{name} dn_form=2 prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
-    _report(f"{name} dn_form=2 then decode steps ({steps})", dec, ref[prompt:], seq[prompt:])
-    _report(f"{name} dn_form=1 prefill ({prompt} rows, chunks of {chunk})", out[1][0], ref[:prompt], toks)
+    _report(f"{name} deltanet_form=2 prefill ({prompt} rows, chunks of {chunk})", pre, ref[:prompt], toks)
+    _report(f"{name} deltanet_form=2 then decode steps ({steps})", dec, ref[prompt:], seq[prompt:])
+    _report(f"{name} deltanet_form=1 prefill ({prompt} rows, chunks of {chunk})", out[1][0], ref[:prompt], toks)
     np.testing.assert_array_equal(gen, cpu_greedy, err_msg="greedy tokens after the chunked prefill differ")
     assert_close(f"{name} prefill: chunked vs sequential form", pre, out[1][0], SELF_TOL)
 
 
 def test_model_auto_form_picks_by_chunk_length():
-    """dn_form 0 (auto): a prefill chunk of 130 rows (>= Ops::kScanChunkMinRows = 128) runs the chunked form, bit
-    for bit what dn_form 2 gives, and not the sequential form's bits; the 10-row chunk after it runs the
+    """deltanet_form 0 (auto): a prefill chunk of 130 rows (>= Ops::kScanChunkMinRows = 128) runs the chunked form, bit
+    for bit what deltanet_form 2 gives, and not the sequential form's bits; the 10-row chunk after it runs the
     sequential form. On a device that allows pipelines only 128 threads (fewer than the chunked kernels' 256),
     auto runs the sequential form and the flag refuses the chunked form with a message."""
     from test_metal_backend import _in_child, metal_engine
@@ -176,13 +177,13 @@ def test_model_auto_form_picks_by_chunk_length():
         out = {}
         for form in (0, 1, 2):
             eng = metal_engine(cfg, tensors, quant, schedule=0)
-            eng.set_backend_flag("dn_form", form)
+            eng.set_backend_flag("deltanet_form", form)
             out[form] = np.array(eng.forward(eng.new_state(), toks, logits="all", chunk_size=130))
             del eng
         small = metal_engine(cfg, tensors, quant, schedule=0, max_threads=128)
         out["auto_128"] = np.array(small.forward(small.new_state(), toks, logits="all", chunk_size=130))
         try:
-            small.set_backend_flag("dn_form", 2)
+            small.set_backend_flag("deltanet_form", 2)
             out["forced_128"] = "accepted"
         except Exception as ex:  # noqa: BLE001 - the message is checked below
             out["forced_128"] = str(ex)
@@ -225,7 +226,7 @@ def test_emulator_filled_simdgroup_matrix(tmp_path, rng):
 
 
 def test_planted_missing_barrier_is_caught(tmp_path, rng):
-    """gdn_chunk_state without the barrier between the state's gamma_last scaling and step 3: the emulator's
+    """deltanet_chunk_state without the barrier between the state's gamma_last scaling and step 3: the emulator's
     schedules disagree (or a tile reads a value still unscaled), so the race cannot pass silently."""
     import metal_env
 
@@ -239,6 +240,6 @@ def test_planted_missing_barrier_is_caught(tmp_path, rng):
     metal_env.OVERRIDE["deltanet_chunk"] = str(path)
     try:
         with pytest.raises(emu.EmulatorError):
-            gdn_scan_chunked(u, b, a, a_log, dt_bias, state, dn_params(Hk, Hv, Dk, Dv, 4, S))
+            deltanet_scan_chunked(u, b, a, a_log, dt_bias, state, deltanet_params(Hk, Hv, Dk, Dv, 4, S))
     finally:
         metal_env.OVERRIDE.pop("deltanet_chunk")

@@ -127,7 +127,7 @@ def _configs():
     from lily.testing.configs import tiny_config_dicts
     out = tiny_configs()
     # the real per-head shapes (head_dim 256, GQA 8:1, Dk = Dv = 128, 256 experts top-8) at small width:
-    # the specialisations the full model uses (attn *_nd8_h8, gdn_scan_norm_nk4 with 1024 threads, topk_j8);
+    # the specialisations the full model uses (attn *_nd8_h8, deltanet_scan_norm_nk4 with 1024 threads, topk_j8);
     # narrow hidden and expert widths keep the emulated grouped GEMMs (one tile per routed row) affordable
     d = dict(tiny_config_dicts()["tiny"])
     d.update(hidden_size=256, num_hidden_layers=4, vocab_size=1024, num_attention_heads=16, num_key_value_heads=2,

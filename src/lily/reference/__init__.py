@@ -3,7 +3,7 @@
 The spec in code: every backend kernel family has its twin here.
 """
 from .attention import attention_core, attention_mixer
-from .gdn import (causal_conv, deltanet_core, deltanet_mixer, deltanet_scan, gated_delta_recurrence,
+from .deltanet import (causal_conv, deltanet_core, deltanet_mixer, deltanet_scan, gated_delta_recurrence,
                   gated_rms_norm)
 from .linear import Bf16Matrix, Weights
 from .model import ReferenceEngine, ReferenceState, SubBlock, forward_hidden, subblock_references

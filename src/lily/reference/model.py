@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from .attention import attention_mixer
-from .gdn import deltanet_mixer
+from .deltanet import deltanet_mixer
 from .linear import Weights
 from .moe import moe_ffn
 from .ops import rms_norm

@@ -131,10 +131,10 @@ def check_config(name, cfg, T, results):
         by_form = {}
         try:
             for form in (1, 2):
-                gpu.set_backend_flag("dn_form", form)
+                gpu.set_backend_flag("deltanet_form", form)
                 by_form[form] = gpu.forward(gpu.new_state(), ft, logits="all")
         finally:
-            gpu.set_backend_flag("dn_form", 0)  # auto
+            gpu.set_backend_flag("deltanet_form", 0)  # auto
         f_rms = rel_rms(by_form[2], by_form[1])
         add("DeltaNet chunked == sequential", np.all(np.isfinite(by_form[2])) and f_rms <= max(SELF_REL_RMS, env_rms),
             tokens=FORMS_TOKENS, rel_rms=f_rms, limit=max(SELF_REL_RMS, env_rms))
