@@ -456,8 +456,10 @@ struct Geo {  // launch geometry of one kernel kind on one shape
   int grid = 0, threads = 0, tpw = 1, regs = 0;
   size_t smem = 0;
 };
-// Tiles per warp: one wave of resident blocks, every warp streaming an equal run of row tiles; for row parts a
-// power of two that divides every part's tile count, so no warp crosses a part boundary.
+// Tiles per warp: the one minimising the makespan ceil(blocks / resident slots) x tiles_per_warp (the block
+// scheduler refills slots, so small runs balance better than one uneven wave; ties go to the longer run: fewer
+// block starts, more tiles for the double buffer to overlap); for row parts it must divide every part's tile
+// count, so no warp crosses a part boundary.
 static Geo plan(const Shape& S, const Plan& P, int kind, int nsm) {
   Geo o;
   Gemv g = make_gemv(S, P, 0, 0, 1);
@@ -466,14 +468,16 @@ static Geo plan(const Shape& S, const Plan& P, int kind, int nsm) {
   const int ntiles = g.rows / kR;
   int bps = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, o.fn, o.threads, smem_bytes(g, S.bits)));
-  const int slots = std::max(1, bps) * nsm, nb1 = (ntiles + g.mwarps - 1) / g.mwarps;
-  o.tpw = (nb1 + slots - 1) / slots;
-  if (!S.kcat && S.parts.size() > 1) {
-    int gc = 0;
+  const int64_t slots = static_cast<int64_t>(std::max(1, bps)) * nsm;
+  int gc = 0;
+  if (!S.kcat && S.parts.size() > 1)
     for (auto& p : S.parts) gc = std::gcd(gc, static_cast<int>(p.rows / kR));
-    int t = 1;
-    while (t * 2 <= o.tpw && gc % (t * 2) == 0) t *= 2;
-    o.tpw = t;
+  int64_t best = -1;
+  for (int t = 1; t <= 256; ++t) {
+    if (gc && gc % t) continue;
+    const int64_t blocks = (ntiles + static_cast<int64_t>(g.mwarps) * t - 1) / (static_cast<int64_t>(g.mwarps) * t);
+    const int64_t span = (blocks + slots - 1) / slots * t;
+    if (best < 0 || span <= best) best = span, o.tpw = t;
   }
   g.tiles_per_warp = o.tpw;
   o.smem = smem_bytes(g, S.bits);
