@@ -82,6 +82,10 @@ class Backend {
   // device backend may return before the step ran: drawn_token waits for it.
   virtual void end_step(State& st, const DecodeStep& d, float* logits) = 0;
 
+  // The sub-blocks the engine issued since the last chunk start or begin_step threw: drop what is half recorded or
+  // half encoded (a CUDA capture, a Metal command buffer), so nothing of it runs later against freed buffers.
+  virtual void abandon() {}
+
   // Device draws (the token loop's device mode). sampler_begin: the options of a new generation (seen / counts
   // as the host knows them); false when the backend cannot draw with them (the engine then runs lock-step: each
   // step's logits go to the host, which draws). drawn_token: the token step `index` drew, waiting for that step

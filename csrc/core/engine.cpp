@@ -61,12 +61,17 @@ void Engine::run_layers(State& st, int64_t n, Trace* trace) {
 
 int64_t Engine::run_step(State& st, DecodeStep d, float* logits) {
   d.index = next_step_++;
-  if (backend_->begin_step(st, d)) {
-    backend_->embed(&d.token, 1);
-    run_layers(st, 1, nullptr);
-    backend_->head_step(d);
+  try {
+    if (backend_->begin_step(st, d)) {
+      backend_->embed(&d.token, 1);
+      run_layers(st, 1, nullptr);
+      backend_->head_step(d);
+    }
+    backend_->end_step(st, d, logits);
+  } catch (...) {
+    backend_->abandon();
+    throw;
   }
-  backend_->end_step(st, d, logits);
   st.position += 1;
   return d.index;
 }
@@ -88,15 +93,20 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
              mode == LogitsMode::None ? row.data() : logits);
     return;
   }
-  for (int64_t c0 = 0; c0 < S; c0 += chunk) {
-    const int64_t n = std::min(chunk, S - c0);
-    backend_->embed(tokens + c0, n);
-    run_layers(st, n, trace);
-    if (mode == LogitsMode::All) backend_->head(0, n, logits + c0 * V);
-    else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);
-    st.position += n;
+  try {
+    for (int64_t c0 = 0; c0 < S; c0 += chunk) {
+      const int64_t n = std::min(chunk, S - c0);
+      backend_->embed(tokens + c0, n);
+      run_layers(st, n, trace);
+      if (mode == LogitsMode::All) backend_->head(0, n, logits + c0 * V);
+      else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);
+      st.position += n;
+    }
+    backend_->sync();
+  } catch (...) {
+    backend_->abandon();
+    throw;
   }
-  backend_->sync();
 }
 
 void Engine::check_sample_options(const SampleOptions& o) const {

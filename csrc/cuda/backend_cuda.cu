@@ -387,6 +387,8 @@ class CudaBackend final : public Backend {
     LILY_CUDA_CHECK(cudaEventRecord(in_copied_[p], st_));
   }
 
+  void abandon() override { if (in_step_) close_failed_step(); }
+
   // A step that threw between its brackets left them open (the engine does not call end_step then): drop its
   // capture; what it issued directly has run or will, and its slot's token and logits are no longer held.
   void close_failed_step() {

@@ -462,6 +462,11 @@ void MetalBackend::head(int64_t row0, int64_t n, float* logits) {
 
 // ---- decode steps: one command buffer each -----------------------------------------------------------------
 
+void MetalBackend::abandon() {
+  cb_.reset();
+  in_step_ = false;
+}
+
 bool MetalBackend::begin_step(State& st, const DecodeStep& d) {
   if (in_step_) {  // the previous step threw while it was encoded: drop its half-encoded command buffer
     cb_.reset();

@@ -92,6 +92,8 @@ class MetalBackend final : public Backend {
   bool begin_step(State& st, const DecodeStep& d) override;
   void head_step(const DecodeStep& d) override;
   void end_step(State& st, const DecodeStep& d, float* logits) override;
+  // Drops a half-encoded command buffer (of a step or a prefill chunk) after a sub-block threw.
+  void abandon() override;
   // Device draws: every option set (sampler_metal.h: sample.metal, the CUDA sampler's semantics; plain greedy
   // keeps the argmax kernel). Step i draws with d.uniform, which begin_step writes into uniform slot i & 1.
   bool sampler_begin(const SampleOptions& opt) override;
