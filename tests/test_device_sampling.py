@@ -11,7 +11,8 @@ import collections
 import numpy as np
 import pytest
 
-from lily.sampling import Sampler, SamplingParams, device_sample_reference, stream_uniforms
+from lily.sampling import Sampler, SamplingParams, device_sample_reference
+from lily.testing.stream_checks import draws_vs_twin, run_and_replay
 
 _lily = pytest.importorskip("lily._lily")
 
@@ -131,29 +132,11 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(cpu_engine, p
         seen0[first] = 1
         counts0 = np.zeros(V, np.int32)
         counts0[first] = 1
-        bias = params.logit_bias or {}
-        kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                  repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-                  frequency_penalty=params.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
         for seed in (0, 7, 123456789):
-            st.restore(snap)
-            s = eng.open_stream(st, first, 8, device=True, seen=seen0, counts=counts0, seed=seed, **kw)
-            got = [s.next() for _ in range(8)]
-            held = s.close(logits=True)
-            assert s.device and st.position == len(prompt) + 8  # the 8th token stays pending
-            st.restore(snap)
-            lock = eng.open_stream(st, first, 8, device=False)
-            rows, tok = [], first
-            for t in got:
-                rows.append(lock.step(tok))
-                tok = t
-            lock.close()
-            np.testing.assert_array_equal(held, rows[-1])
-            seen, counts = seen0.astype(bool), counts0.copy()
-            for i, u in enumerate(stream_uniforms(seed, 8)):
-                assert got[i] == device_sample_reference(rows[i], params, seen, counts, u), (seed, i)
-                seen[got[i]] = True
-                counts[got[i]] += 1
+            run = run_and_replay(eng, st, snap, first, 8, params, seen0, counts0, seed)
+            assert run.device and run.position == len(prompt) + 8  # the 8th token stays pending
+            np.testing.assert_array_equal(run.held, run.rows[-1])
+            assert draws_vs_twin(run, params, seen0, counts0, seed, exact=True) == ([], 0), seed
     finally:
         eng.set_backend_flag("device_draw", 0)
 

@@ -147,6 +147,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def draw_options(self) -> dict[str, Any]:
+        """The draw's options as the engine's keyword arguments (lily._lily Engine.open_stream, sample_draw)."""
+        bias = self.logit_bias or {}
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, bias_ids=[int(k) for k in bias],
+                    bias_vals=[float(v) for v in bias.values()])
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the options must exist in a vocab of vocab_size rows."""
         for name, ids in (("logit_bias", list((self.logit_bias or {}).keys())),

@@ -384,13 +384,9 @@ class Session:
         here, the host Sampler draws). The session's tokens follow the state: the stream reports what it fed."""
         device = self.device_sampling and device_sampling_supported(params, constraint)
         p = params
-        bias = p.logit_bias or {}
         start = self._state.position  # (a device stream launches its first step at once)
         stream = self._engine.open_stream(
-            self._state, first, max_tokens, stop_ids=sorted(stop_ids), device=device, temperature=p.temperature,
-            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            bias_ids=[int(k) for k in bias], bias_vals=[float(v) for v in bias.values()],
+            self._state, first, max_tokens, stop_ids=sorted(stop_ids), device=device, **p.draw_options(),
             seen=sampler._seen.view(np.uint8) if p.repetition_penalty != 1.0 else None,
             counts=sampler._counts if (p.presence_penalty or p.frequency_penalty) else None,
             seed=int(sampler.rng.integers(0, 2**63)))

@@ -11,7 +11,7 @@ import pytest
 from ops_metal import argmax
 
 from lily.sampling import SamplingParams, device_sample_reference
-from lily.testing.cuda_sampling_checks import _near_boundary
+from lily.testing.stream_checks import near_boundary
 
 
 @pytest.mark.parametrize("V", [1, 2, 63, 64, 65, 5003])
@@ -21,13 +21,6 @@ def test_greedy_draw(backend, rng, V):
     if V > 2:
         logits[[1, V - 1]] = 100.0   # tie: the lower index wins, as np.argmax
         assert backend.sample_draw(logits, 0.5, temperature=0.0) == 1
-
-
-def _draw_kw(p: SamplingParams) -> dict:
-    bias = p.logit_bias or {}
-    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
 
 
 @pytest.mark.parametrize("params", [
@@ -54,9 +47,9 @@ def test_sampled_draw(backend, rng, V, params):
 def _check_draws(backend, x, params, seen, counts, uniforms):
     for u in uniforms:
         want = device_sample_reference(x, params, seen, counts, float(u))
-        got = backend.sample_draw(x, float(u), seen=seen, counts=counts, **_draw_kw(params))
+        got = backend.sample_draw(x, float(u), seen=seen, counts=counts, **params.draw_options())
         if got != want:  # the CPU twin is exact (float64); a GPU's fp32 sums may step over within CDF_TOL
-            assert backend.NAME != "cpu" and _near_boundary(x, params, seen, counts, float(u), got), (u, got, want)
+            assert backend.NAME != "cpu" and near_boundary(x, params, seen, counts, float(u), got), (u, got, want)
 
 
 @pytest.mark.parametrize("params", [

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import SamplingParams, device_sample_reference, stream_uniforms
-
-# The same relative tolerance as the kernel twin (benchmarks/kernels/check_sample.cu): a draw may differ from
-# the twin only where uniform lands within this of a CDF step (float32 sums on the device, float64 here).
-CDF_TOL = 1e-5
+from ..sampling import SamplingParams
+from .stream_checks import draws_vs_twin, run_and_replay
 
 OPTION_SETS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -25,20 +22,6 @@ OPTION_SETS = {
     "all": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2,
                           presence_penalty=0.4, frequency_penalty=0.2, logit_bias={1: 2.0}),
 }
-
-
-def _near_boundary(logits, params, seen, counts, u, token):
-    """True when `token` is kept by the twin and u lies within CDF_TOL of its CDF interval."""
-    lo_tok = device_sample_reference(logits, params, seen, counts, max(0.0, u - CDF_TOL))
-    hi_tok = device_sample_reference(logits, params, seen, counts, min(1 - 1e-9, u + CDF_TOL))
-    return min(lo_tok, hi_tok) <= token <= max(lo_tok, hi_tok)
-
-
-def _stream_kw(p: SamplingParams) -> dict:
-    bias = p.logit_bias or {}
-    return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty, bias_ids=list(bias), bias_vals=list(bias.values()))
 
 
 def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
@@ -62,34 +45,17 @@ def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
         counts0 = np.zeros(V, np.int32)
         counts0[rng.integers(0, V, 5)] += 1
         for seed in (1, 2):
-            st.restore(snap)
-            s = gpu.open_stream(st, first, steps, device=True, seen=seen0, counts=counts0, seed=seed, **_stream_kw(p))
-            if not s.device:
+            run = run_and_replay(gpu, st, snap, first, steps, p, seen0, counts0, seed)
+            if not run.device:
                 not_device.append(label)
-                s.close()
                 continue
-            got = [s.next() for _ in range(steps)]
-            held = s.close(logits=True)
-            st.restore(snap)
-            lock = gpu.open_stream(st, first, steps, device=False)
-            rows, tok = [], first
-            for t in got:
-                rows.append(lock.step(tok))
-                tok = t
-            lock.close()
-            if held is not None:
-                row_err = max(row_err, float(np.sqrt(np.mean((held - rows[-1]) ** 2) / np.mean(rows[-1] ** 2))))
-            seen, counts = seen0.astype(bool), counts0.copy()
-            for i, u in enumerate(stream_uniforms(seed, steps)):
-                want = device_sample_reference(rows[i], p, seen, counts, u)
-                total += 1
-                if got[i] != want:
-                    if _near_boundary(rows[i], p, seen, counts, u, got[i]):
-                        boundary += 1
-                    else:
-                        mism.append((label, seed, i, got[i], want))
-                seen[got[i]] = True
-                counts[got[i]] += 1
+            if run.held is not None:
+                row_err = max(row_err, float(np.sqrt(np.mean((run.held - run.rows[-1]) ** 2) /
+                                                     np.mean(run.rows[-1] ** 2))))
+            bad, near = draws_vs_twin(run, p, seen0, counts0, seed, exact=False)
+            total += len(run.tokens)
+            boundary += near
+            mism += [(label, seed, *b) for b in bad]
     add("device stream draws == twin (lock-step replayed rows)", not mism and not not_device and row_err < 2e-2,
         cases=total, boundary=boundary, mismatches=mism[:4], not_device=not_device,
         held_logits_rel_rms_vs_lockstep=row_err)
@@ -99,13 +65,13 @@ def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
     solo = []
     for seed in (3, 4):
         st.restore(snap)
-        s = gpu.open_stream(st, first, steps, device=True, seed=seed, **_stream_kw(p))
+        s = gpu.open_stream(st, first, steps, device=True, seed=seed, **p.draw_options())
         solo.append([s.next() for _ in range(steps)])
         s.close()
     st.restore(snap)
     st2 = snap.snapshot()
-    a = gpu.open_stream(st, first, steps, device=True, seed=3, **_stream_kw(p))
-    b = gpu.open_stream(st2, first, steps, device=True, seed=4, **_stream_kw(p))
+    a = gpu.open_stream(st, first, steps, device=True, seed=3, **p.draw_options())
+    b = gpu.open_stream(st2, first, steps, device=True, seed=4, **p.draw_options())
     inter = [[], []]
     for _ in range(steps):
         inter[0].append(a.next())
@@ -119,7 +85,7 @@ def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
     gpu.set_backend_flag("cuda_graph", 0)
     try:
         st.restore(snap)
-        s = gpu.open_stream(st, first, steps, device=True, seed=3, **_stream_kw(p))
+        s = gpu.open_stream(st, first, steps, device=True, seed=3, **p.draw_options())
         no_graph = [s.next() for _ in range(steps)]
         s.close()
     finally:
