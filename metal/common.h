@@ -44,14 +44,14 @@ struct WRef {
 };
 
 // Expert e of a stacked weight [E, out, in].
-inline WRef w_expert(WRef r, uint e, constant kp::LinearArgs& a) {
+inline WRef w_expert(WRef r, uint e, constant kp::LinearParams& a) {
     WRef o = r;
-    if (a.fmt <= WF_Q8) {
-        o.w += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim) * ulong(a.fmt == WF_Q4 ? 4 : 8) / 8u;
-        o.s += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim / a.group);
-        o.b += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim / a.group);
+    if (a.kind == 0) {  // quantized: codes and scales / biases per expert
+        o.w += ulong(e) * ulong(a.expert_words) * 4u;
+        o.s += ulong(e) * ulong(a.expert_groups);
+        o.b += ulong(e) * ulong(a.expert_groups);
     } else {
-        o.w += ulong(e) * ulong(a.out_dim) * ulong(a.in_dim) * ulong(a.fmt == WF_BF16 ? 2 : 4);
+        o.w += ulong(e) * ulong(a.expert_elems) * (a.kind == 1 ? 2u : 4u);
     }
     return o;
 }
@@ -71,14 +71,14 @@ inline float load_x_chunk(device const float* x, uint c, thread float* xv) {
 
 // dot(W[row, chunk c], xv) for one chunk. Quantized: s*dot(q, x) + b*sum(x) per group (group % VPC == 0).
 template <int WF>
-inline float chunk_dot(WRef r, uint row, uint c, const thread float* xv, float xsum, constant kp::LinearArgs& a) {
+inline float chunk_dot(WRef r, uint row, uint c, const thread float* xv, float xsum, constant kp::LinearParams& a) {
     constexpr int VPC = wf_vpc(WF);
     if (WF == WF_Q4 || WF == WF_Q8) {
         constexpr uint BITS = WF == WF_Q4 ? 4 : 8;
         constexpr uint PER = 32 / BITS;
-        const ulong words_per_row = ulong(a.in_dim) / PER;
+        const ulong words_per_row = ulong(a.in) / PER;
         const uint4 q = *(device const uint4*)((device const uint*)r.w + row * words_per_row + c * 4);
-        const ulong g = ulong(row) * ulong(a.in_dim / a.group) + (c * VPC) / uint(a.group);
+        const ulong g = ulong(row) * ulong(a.in / a.group) + (c * VPC) / uint(a.group);
         float qx = 0.0f;
         for (uint wd = 0; wd < 4; wd++) {
             const uint word = q[wd];
@@ -87,13 +87,13 @@ inline float chunk_dot(WRef r, uint row, uint c, const thread float* xv, float x
         }
         return bf16(r.s[g]) * qx + bf16(r.b[g]) * xsum;
     } else if (WF == WF_BF16) {
-        device const ushort* p = (device const ushort*)r.w + ulong(row) * a.in_dim + c * VPC;
+        device const ushort* p = (device const ushort*)r.w + ulong(row) * a.in + c * VPC;
         const ushort4 u0 = *(device const ushort4*)p, u1 = *(device const ushort4*)(p + 4);
         float acc = 0.0f;
         for (int i = 0; i < 4; i++) acc += bf16(u0[i]) * xv[i] + bf16(u1[i]) * xv[4 + i];
         return acc;
     } else {
-        device const float* p = (device const float*)r.w + ulong(row) * a.in_dim + c * VPC;
+        device const float* p = (device const float*)r.w + ulong(row) * a.in + c * VPC;
         const float4 f0 = *(device const float4*)p, f1 = *(device const float4*)(p + 4);
         return dot(f0, float4(xv[0], xv[1], xv[2], xv[3])) + dot(f1, float4(xv[4], xv[5], xv[6], xv[7]));
     }
@@ -101,16 +101,16 @@ inline float chunk_dot(WRef r, uint row, uint c, const thread float* xv, float x
 
 // W[row, k] dequantized (used by the GEMM tile loaders).
 template <int WF>
-inline float w_at(WRef r, uint row, uint k, constant kp::LinearArgs& a) {
+inline float w_at(WRef r, uint row, uint k, constant kp::LinearParams& a) {
     if (WF == WF_Q4 || WF == WF_Q8) {
         constexpr uint BITS = WF == WF_Q4 ? 4 : 8;
         constexpr uint PER = 32 / BITS;
-        const uint word = ((device const uint*)r.w)[ulong(row) * (a.in_dim / PER) + k / PER];
-        const ulong g = ulong(row) * ulong(a.in_dim / a.group) + k / uint(a.group);
+        const uint word = ((device const uint*)r.w)[ulong(row) * (a.in / PER) + k / PER];
+        const ulong g = ulong(row) * ulong(a.in / a.group) + k / uint(a.group);
         return bf16(r.s[g]) * float((word >> (BITS * (k % PER))) & ((1u << BITS) - 1u)) + bf16(r.b[g]);
     } else if (WF == WF_BF16) {
-        return bf16(((device const ushort*)r.w)[ulong(row) * a.in_dim + k]);
+        return bf16(((device const ushort*)r.w)[ulong(row) * a.in + k]);
     } else {
-        return ((device const float*)r.w)[ulong(row) * a.in_dim + k];
+        return ((device const float*)r.w)[ulong(row) * a.in + k];
     }
 }

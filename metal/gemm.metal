@@ -17,7 +17,7 @@ kernel void gemm(device const float*      a          [[buffer(0)]],    // A [*, 
                  device const ushort*     w2s        [[buffer(5)]],
                  device const ushort*     w2b        [[buffer(6)]],
                  device float*            y          [[buffer(7)]],    // Y [M, ldy]
-                 constant kp::LinearArgs& la         [[buffer(8)]],
+                 constant kp::LinearParams& la         [[buffer(8)]],
                  constant kp::GemmArgs&   ga         [[buffer(9)]],
                  device const int*        row_index  [[buffer(10)]],   // [pairs] source row (grouped, gather)
                  device const int*        tile_expert [[buffer(11)]],  // [max_tiles]
@@ -53,7 +53,7 @@ kernel void gemm(device const float*      a          [[buffer(0)]],    // A [*, 
     for (uint i = 0; i < RT; i++) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (uint i = 0; i < (GLU ? RT : 1); i++) acc2[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-    const uint K = uint(la.in_dim);
+    const uint K = uint(la.in);
     for (uint k0 = 0; k0 < K; k0 += BK) {
         load_a_tile<T, BM>(tg_a, a, row_index, row0, nrows, k0, K, ga, tid);
         load_w_tile<WF, T>(tg_w, r1, n0, k0, la, tid);

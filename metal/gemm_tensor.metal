@@ -1,5 +1,5 @@
 // Fused-dequant prefill GEMM on Metal 4 tensor ops (MetalPerformancePrimitives matmul2d): the same
-// contract, arguments (kp::LinearArgs, kp::GemmArgs), buffer indices, grid and threadgroup as gemm.metal,
+// contract, arguments (kp::LinearParams, kp::GemmArgs), buffer indices, grid and threadgroup as gemm.metal,
 // which stays the path every machine can run. The host (ops_metal.cpp) picks this one when the device
 // reports Device::has_tensor_ops() (Apple: MTLGPUFamilyMetal4 and this file's metallib loaded).
 // Per threadgroup: a BM x BN = 32 output tile, K in BK = 32 steps. Each step dequantizes the weight tile
@@ -26,7 +26,7 @@ kernel void gemm_tensor(device const float*      a          [[buffer(0)]],    //
                         device const ushort*     w2s        [[buffer(5)]],
                         device const ushort*     w2b        [[buffer(6)]],
                         device float*            y          [[buffer(7)]],    // Y [M, ldy]
-                        constant kp::LinearArgs& la         [[buffer(8)]],
+                        constant kp::LinearParams& la         [[buffer(8)]],
                         constant kp::GemmArgs&   ga         [[buffer(9)]],
                         device const int*        row_index  [[buffer(10)]],   // [pairs] source row (grouped, gather)
                         device const int*        tile_expert [[buffer(11)]],  // [max_tiles]
@@ -73,7 +73,7 @@ kernel void gemm_tensor(device const float*      a          [[buffer(0)]],    //
         if (acc2.get_mask(i)) acc2[i] = 0.0f;
     }
 
-    const uint K = uint(la.in_dim);
+    const uint K = uint(la.in);
     for (uint k0 = 0; k0 < K; k0 += BK) {
         load_a_tile<T, BM>(tg_a, a, row_index, row0, nrows, k0, K, ga, tid);
         load_w_tile<WF, T>(tg_w, r1, n0, k0, la, tid);

@@ -10,7 +10,7 @@ kernel void gemv(device const uchar*          w   [[buffer(0)]],   // codes or d
                  device const ushort*         wb  [[buffer(2)]],   // biases [out, in/group] (quantized)
                  device const float*          x   [[buffer(3)]],   // [S, x_stride]
                  device float*                y   [[buffer(4)]],   // [S, y_stride]
-                 constant kp::LinearArgs&     la  [[buffer(5)]],
+                 constant kp::LinearParams&     la  [[buffer(5)]],
                  constant kp::GemvArgs&       ga  [[buffer(6)]],
                  uint2 tg   [[threadgroup_position_in_grid]],
                  uint  sg   [[simdgroup_index_in_threadgroup]],
@@ -20,9 +20,9 @@ kernel void gemv(device const uchar*          w   [[buffer(0)]],   // codes or d
     constexpr int VPC = wf_vpc(WF);
     const WRef r{w, ws, wb};
     const uint row0 = (tg.x * nsg + sg) * ROWS;
-    const uint out = uint(la.out_dim);
+    const uint out = uint(la.out);
     device const float* xs = x + ulong(tg.y) * ulong(ga.x_stride);
-    const uint nchunks = uint(la.in_dim) / VPC;
+    const uint nchunks = uint(la.in) / VPC;
     float acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = 0.0f;
     for (uint c = lane; c < nchunks; c += 32) {

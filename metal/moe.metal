@@ -183,8 +183,8 @@ kernel void moe_gate_up_decode(device const float*        h    [[buffer(0)]],   
                                device const ushort*       sus  [[buffer(12)]],
                                device const ushort*       sub  [[buffer(13)]],
                                device float*              act  [[buffer(14)]],   // [k+1, act_stride]
-                               constant kp::LinearArgs&   la   [[buffer(15)]],   // routed gate/up
-                               constant kp::LinearArgs&   las  [[buffer(16)]],   // shared gate/up
+                               constant kp::LinearParams&   la   [[buffer(15)]],   // routed gate/up
+                               constant kp::LinearParams&   las  [[buffer(16)]],   // shared gate/up
                                constant kp::MoeDecodeArgs& ma  [[buffer(17)]],
                                uint2 tg   [[threadgroup_position_in_grid]],
                                uint  sg   [[simdgroup_index_in_threadgroup]],
@@ -194,16 +194,16 @@ kernel void moe_gate_up_decode(device const float*        h    [[buffer(0)]],   
     constexpr int VPC = wf_vpc(WF);
     const uint slot = tg.y;
     const bool shared = slot == uint(ma.top_k);
-    constant kp::LinearArgs& a = shared ? las : la;
+    constant kp::LinearParams& a = shared ? las : la;
     WRef g{sgw, sgs, sgb}, u{suw, sus, sub};
     if (!shared) {
         g = w_expert(WRef{gw, gs, gb}, uint(ids[slot]), la);
         u = w_expert(WRef{uw, us, ub}, uint(ids[slot]), la);
     }
-    const uint rows = uint(a.out_dim), row0 = (tg.x * nsg + sg) * ROWS;
+    const uint rows = uint(a.out), row0 = (tg.x * nsg + sg) * ROWS;
     float ag[ROWS], au[ROWS];
     for (int i = 0; i < ROWS; i++) { ag[i] = 0.0f; au[i] = 0.0f; }
-    for (uint c = lane; c < uint(a.in_dim) / VPC; c += 32) {
+    for (uint c = lane; c < uint(a.in) / VPC; c += 32) {
         float xv[VPC];
         const float xsum = load_x_chunk<WF>(h, c, xv);
         for (int i = 0; i < ROWS; i++)
@@ -231,8 +231,8 @@ kernel void moe_down_decode(device const float*        act  [[buffer(0)]],    //
                             device const ushort*       sds  [[buffer(8)]],
                             device const ushort*       sdb  [[buffer(9)]],
                             device float*              x    [[buffer(10)]],   // [H] residual
-                            constant kp::LinearArgs&   la   [[buffer(11)]],   // routed down
-                            constant kp::LinearArgs&   las  [[buffer(12)]],   // shared down
+                            constant kp::LinearParams&   la   [[buffer(11)]],   // routed down
+                            constant kp::LinearParams&   las  [[buffer(12)]],   // shared down
                             constant kp::MoeDecodeArgs& ma  [[buffer(13)]],
                             uint  tg   [[threadgroup_position_in_grid]],
                             uint  sg   [[simdgroup_index_in_threadgroup]],
@@ -240,17 +240,17 @@ kernel void moe_down_decode(device const float*        act  [[buffer(0)]],    //
                             uint  lane [[thread_index_in_simdgroup]])
 {
     constexpr int VPC = wf_vpc(WF);
-    const uint H = uint(la.out_dim), row0 = (tg * nsg + sg) * ROWS, k = uint(ma.top_k);
+    const uint H = uint(la.out), row0 = (tg * nsg + sg) * ROWS, k = uint(ma.top_k);
     float acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = 0.0f;
     for (uint j = 0; j <= k; j++) {
         const bool shared = j == k;
-        constant kp::LinearArgs& a = shared ? las : la;
+        constant kp::LinearParams& a = shared ? las : la;
         WRef d{sdw, sds, sdb};
         if (!shared) d = w_expert(WRef{dw, ds, db}, uint(ids[j]), la);
         const float wj = shared ? sigmoid(sgl[0]) : wts[j];
         device const float* aj = act + ulong(j) * ulong(ma.act_stride);
-        for (uint c = lane; c < uint(a.in_dim) / VPC; c += 32) {
+        for (uint c = lane; c < uint(a.in) / VPC; c += 32) {
             float xv[VPC];
             const float xsum = load_x_chunk<WF>(aj, c, xv);
             for (int i = 0; i < ROWS; i++)

@@ -35,13 +35,13 @@ kernel void embed(device const uchar*      w   [[buffer(0)]],
                   device const ushort*     wb  [[buffer(2)]],
                   device const int*        ids [[buffer(3)]],   // [S]
                   device float*            x   [[buffer(4)]],   // [S, H]
-                  constant kp::LinearArgs& la  [[buffer(5)]],
+                  constant kp::LinearParams& la  [[buffer(5)]],
                   uint s   [[threadgroup_position_in_grid]],
                   uint tid [[thread_index_in_threadgroup]],
                   uint nt  [[threads_per_threadgroup]])
 {
     const WRef r{w, ws, wb};
-    const uint H = uint(la.in_dim), row = uint(ids[s]);
+    const uint H = uint(la.in), row = uint(ids[s]);
     for (uint i = tid; i < H; i += nt) x[ulong(s) * H + i] = w_at<WF>(r, row, i, la);
 }
 

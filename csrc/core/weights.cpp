@@ -158,4 +158,17 @@ Weights load_weights(const Config& cfg, const TensorMap& tensors, const QuantMap
   return w;
 }
 
+kp::LinearParams linear_params(const Linear& l) {
+  kp::LinearParams p{};
+  p.kind = l.kind == Linear::Kind::Quant ? 0 : l.kind == Linear::Kind::DenseBF16 ? 1 : 2;
+  p.bits = l.bits;
+  p.group = l.group;
+  p.out = l.out;
+  p.in = l.in;
+  p.expert_words = l.out * (l.kind == Linear::Kind::Quant ? l.words_per_row() : 0);
+  p.expert_groups = l.out * l.groups_per_row();
+  p.expert_elems = l.out * l.in;
+  return p;
+}
+
 }  // namespace lily

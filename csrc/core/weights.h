@@ -6,6 +6,7 @@
 
 #include "core/config.h"
 #include "core/tensor.h"
+#include "kernels/params.h"
 
 namespace lily {
 
@@ -56,5 +57,8 @@ struct Weights {
 
 // Throws std::invalid_argument with "[lily] tensor NAME ..." on a missing or mis-shaped tensor.
 Weights load_weights(const Config& cfg, const TensorMap& tensors, const QuantMap& quant);
+
+// The kernel-argument form of a linear layer (csrc/kernels/params.h), the same for every GPU backend.
+kp::LinearParams linear_params(const Linear& l);
 
 }  // namespace lily

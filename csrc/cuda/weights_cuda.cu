@@ -22,14 +22,7 @@ struct Uploader {
   DLinear put_linear(const Linear& l) {
     DLinear d;
     const int64_t ne = std::max<int64_t>(1, l.experts);
-    d.p.kind = l.kind == Linear::Kind::Quant ? 0 : l.kind == Linear::Kind::DenseBF16 ? 1 : 2;
-    d.p.bits = l.bits;
-    d.p.group = l.group;
-    d.p.out = l.out;
-    d.p.in = l.in;
-    d.p.expert_words = l.out * (l.kind == Linear::Kind::Quant ? l.words_per_row() : 0);
-    d.p.expert_groups = l.out * l.groups_per_row();
-    d.p.expert_elems = l.out * l.in;
+    d.p = linear_params(l);
     if (l.kind == Linear::Kind::Quant) {
       d.codes = static_cast<const uint32_t*>(put(l.codes, ne * d.p.expert_words * 4));
       d.scales = static_cast<const uint16_t*>(put(l.scales, ne * d.p.expert_groups * 2));

@@ -49,8 +49,9 @@ struct MoeParams {
   int64_t S;
 };
 
-// One linear layer y = x W^T, W [out, in] (per expert when stacked). kind: 0 = MLX affine quantized
-// (codes [E?, out, in*bits/32] u32, scales/biases [E?, out, in/group] bf16), 1 = dense bf16, 2 = dense f32.
+// One linear layer y = x W^T, W [out, in] (per expert when stacked), the one encoding CUDA and Metal kernels read
+// (lily::linear_params builds it). kind: 0 = MLX affine quantized (codes [E?, out, in*bits/32] u32,
+// scales/biases [E?, out, in/group] bf16), 1 = dense bf16, 2 = dense f32.
 struct LinearParams {
   int32_t kind;
   int32_t bits;
@@ -83,15 +84,6 @@ struct AttnSplitParams {
 };
 
 // ---- Metal kernels (metal/*.metal); fp32 activations, weights in checkpoint format ----
-
-// One linear layer's weight. fmt: 0 = 4-bit, 1 = 8-bit MLX affine (codes u32 [E?, out, in*bits/32],
-// scales/biases bf16 [E?, out, in/group]), 2 = dense bf16 [E?, out, in], 3 = dense f32.
-struct LinearArgs {
-  int32_t fmt;
-  int32_t in_dim;
-  int32_t out_dim;
-  int32_t group;
-};
 
 // Row-parallel GEMV: y[s, r] (+)= dot(W[r, :], x[s, :]) with s = threadgroup y (decode: S = 1).
 struct GemvArgs {

@@ -208,14 +208,14 @@ DevLinear MetalBackend::wrap_linear(const Linear& l) {
     d.w = wrap(l.codes, static_cast<size_t>(E * l.out * l.in * l.bits / 8));
     d.s = wrap(l.scales, static_cast<size_t>(E * l.out * (l.in / l.group) * 2));
     d.b = wrap(l.biases, static_cast<size_t>(E * l.out * (l.in / l.group) * 2));
-    d.args = kp::LinearArgs{l.bits == 4 ? 0 : 1, static_cast<int>(l.in), static_cast<int>(l.out), l.group};
+    d.args = linear_params(l);
     return d;
   }
   if (l.in % 8) throw std::invalid_argument(where + ": dense in-dim must be a multiple of 8");
   const bool bf = l.kind == Linear::Kind::DenseBF16;
   d.fmt = bf ? "bf16" : "f32";
   d.w = d.s = d.b = wrap(l.dense, static_cast<size_t>(E * l.out * l.in * (bf ? 2 : 4)));
-  d.args = kp::LinearArgs{bf ? 2 : 3, static_cast<int>(l.in), static_cast<int>(l.out), 0};
+  d.args = linear_params(l);
   return d;
 }
 

@@ -15,7 +15,7 @@ namespace lily::metal {
 // A linear weight [E?, out, in] on the device in its checkpoint format.
 struct DevLinear {
   BufRef w, s, b;              // codes or dense matrix; scales, biases (dense: bound to w, unused)
-  kp::LinearArgs args{};
+  kp::LinearParams args{};
   std::string fmt;             // "q4" | "q8" | "bf16" | "f32"
   int64_t out = 0, in = 0, experts = 0;
 };

@@ -11,13 +11,17 @@ from kernel_inputs import Weight
 
 NAME = "metal"
 
-FMT = {"q4": 0, "q8": 1, "bf16": 2, "f32": 3}
 GEMV_ROWS, GEMV_NSG = 4, 2
 
 
 def linear_args(w: Weight):
-    return emu.params("LinearArgs", fmt=FMT[w.fmt], in_dim=w.inp, out_dim=w.out,
-                      group=w.group if w.fmt in ("q4", "q8") else 0)
+    """kp::LinearParams of w, as lily::linear_params builds it on the host."""
+    quant = w.fmt in ("q4", "q8")
+    bits = {"q4": 4, "q8": 8}.get(w.fmt, 0)
+    return emu.params("LinearParams", kind={"bf16": 1, "f32": 2}.get(w.fmt, 0), bits=bits,
+                      group=w.group if quant else 0, out=w.out, **{"in": w.inp},
+                      expert_words=w.out * w.inp * bits // 32, expert_groups=w.out * (w.inp // w.group) if quant else 0,
+                      expert_elems=w.out * w.inp)
 
 
 def gemv(w: Weight, x: np.ndarray, y0: np.ndarray | None = None) -> np.ndarray:
