@@ -461,7 +461,11 @@ def runtime_lib() -> str:
     # runtime-compile cache would otherwise bring a second copy, and a kernel would reach the other copy's
     # per-thread context).
     name = f"libmsl_rt.{_key(rt, 'soname')}.so"
-    so = os.path.join(build_dir(), name)
+    # ... and one file for every build folder (the runtime-compile cache sets MSL_BUILD_DIR to its own): two files
+    # of the same runtime loaded by path are two copies to the loader, SONAME or not.
+    rt_dir = os.environ.get("MSL_RT_DIR") or os.path.join(REPO, "build", "msl")
+    os.makedirs(rt_dir, exist_ok=True)
+    so = os.path.join(rt_dir, name)
     if not os.path.exists(so):
         tmp = so + f".{os.getpid()}.tmp"
         rc, out = run(["g++", "-std=c++17", "-O2", "-fPIC", "-shared", RT_SRC, "-o", tmp, "-lpthread",
