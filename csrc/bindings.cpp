@@ -60,7 +60,10 @@ struct PyState {
   std::weak_ptr<lily::Engine> engine;  // the state's engine: its launched steps finish before a copy of st
 
   void settle() const {
-    if (auto e = engine.lock()) e->sync();
+    if (auto e = engine.lock()) {
+      nb::gil_scoped_release rel;  // a device step may take milliseconds: other Python threads run meanwhile
+      e->sync();
+    }
   }
 
   // Host copies of the whole state, by name: "position" (int64 scalar), "kv.i.k"/"kv.i.v" [position, Hkv*D],
