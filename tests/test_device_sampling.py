@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lily.sampling import Sampler, SamplingParams, device_sample_reference
-from lily.testing.stream_checks import draws_vs_twin, run_and_replay
+from lily.testing.stream_checks import draws_vs_twin, host_record, run_and_replay
 
 _lily = pytest.importorskip("lily._lily")
 
@@ -127,11 +127,7 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(cpu_engine, p
         st = eng.new_state()
         first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
         snap = st.snapshot()
-        seen0 = np.zeros(V, np.uint8)
-        seen0[prompt] = 1
-        seen0[first] = 1
-        counts0 = np.zeros(V, np.int32)
-        counts0[first] = 1
+        seen0, counts0 = host_record(V, prompt, first)
         for seed in (0, 7, 123456789):
             run = run_and_replay(eng, st, snap, first, 8, params, seen0, counts0, seed)
             assert run.device and run.position == len(prompt) + 8  # the 8th token stays pending

@@ -16,7 +16,7 @@ import test_metal_backend as t_be
 import lily
 from lily.sampling import SamplingParams
 from lily.testing import random_weights, tiny_configs, write_synthetic_checkpoint
-from lily.testing.stream_checks import draws_vs_twin, run_and_replay
+from lily.testing.stream_checks import draws_vs_twin, host_record, run_and_replay
 
 STEPS = 8
 SEEDS = (0, 7, 123456789)
@@ -40,11 +40,7 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(params):
         st = eng.new_state()
         first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
         snap = st.snapshot()
-        seen0 = np.zeros(V, np.uint8)
-        seen0[prompt] = 1
-        seen0[first] = 1
-        counts0 = np.zeros(V, np.int32)
-        counts0[first] = 1
+        seen0, counts0 = host_record(V, prompt, first)
         out = [run_and_replay(eng, st, snap, first, STEPS, params, seen0, counts0, seed) for seed in SEEDS]
         # the draws ran one step ahead: no step waited for an older one, two command buffers were in flight
         return out, seen0, counts0, eng.backend_flag("step_waits"), eng.backend_flag("max_inflight")

@@ -24,6 +24,17 @@ def near_boundary(logits, params, seen, counts, u, token) -> bool:
     return min(lo_tok, hi_tok) <= token <= max(lo_tok, hi_tok)
 
 
+def host_record(vocab: int, prompt, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """(seen uint8 [V], counts int32 [V]) as a Session hands them to a stream: the prompt and the first generated
+    token seen, the first token counted once."""
+    seen = np.zeros(vocab, np.uint8)
+    seen[np.asarray(prompt)] = 1
+    seen[first] = 1
+    counts = np.zeros(vocab, np.int32)
+    counts[first] = 1
+    return seen, counts
+
+
 @dataclass
 class StreamRun:
     device: bool            # the engine drew on its device (else it declined the sampler)
