@@ -391,12 +391,13 @@ class Session:
             counts=sampler._counts if (p.presence_penalty or p.frequency_penalty) else None,
             seed=int(sampler.rng.integers(0, 2**63)))
         generated = list(self._pending)  # [first]
-        base = self._tokens
+        n_base = len(self._tokens)
         last_logits = None
 
         def settle() -> None:  # tokens the stream ran are in the state; the rest stay pending
             fed = self._state.position - start
-            self._tokens = base + generated[:fed]
+            # appended, not rebuilt: a rebuild of the whole context's list per token is quadratic in the reply
+            self._tokens.extend(generated[len(self._tokens) - n_base:fed])
             self._pending = generated[fed:]
 
         try:
