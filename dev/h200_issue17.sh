@@ -1,81 +1,123 @@
 #!/usr/bin/env bash
-# Issue 17's H200 acceptance, in two device calls of under ten minutes each (files under $OUT).
+# Issue 17's H200 acceptance (and issue 14's GEMV lab), in two device calls of under ten minutes each, run back
+# to back while the machine is warm. Files under $OUT (at most 8 come back: the logs travel as one logs.tgz).
 #
-# On the calling machine first: the "before" tree (issue 17's starting commit) in an ignored folder, carried:
-#   git archive 82eaca8 | (mkdir -p .before && tar -x -C .before)      # then run(carry=[".before"])
+# On the calling machine first (2 cores is enough; it saves the device's build minutes):
+#   bash dev/h200_prebuild.sh         # .h200/: the extension for the device's Python (3.12) from this tree and
+#                                     # from the "before" tree (.before = git archive 82eaca8), the kernel check
+#                                     # programs, gemv_lab; then run(carry=[".h200", ".before"])
 #
 #   LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_issue17.sh verify   # call 1
-#     build; every kernel family's check programs; the whole-model checks on the tiny configs (incl. the device
-#     token streams, run-ahead after a stop string, graph == no graph); the CUDA cases of the pytest suite;
-#     memcheck + racecheck on tiny_odd and mid_real_heads; the full-size envelope
+#     gemv_lab (timing + ncu, GPU to itself); then, in parallel (their timings are not used): every kernel
+#     family's check programs, the CUDA cases of the pytest suite, cuda_check on the tiny configs (device token
+#     streams, run-ahead after a stop string, graph == no graph), memcheck + racecheck on tiny_odd and
+#     mid_real_heads, the full-size envelope
 #   LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_issue17.sh bench    # call 2
-#     build before (.before) and after; prefill and decode at 512, 4K, 32K, 128K, alternating, 3 rounds
-#     (dev/compare_builds.py); the gemv_impl A/B (dev/ab_gemv.py, 5 rounds)
-# Then (time allowing, a third call): bash dev/cuda_session_run.sh bench --lengths 512,4096,32768,131072 for the
-# benchmark JSON with llama.cpp as the peer (see ../shared/peers/llamacpp) and the Model.generate rows.
+#     prefill and decode at 512, 4K, 32K, 128K before vs after, alternating, 3 rounds (dev/compare_builds.py);
+#     the gemv_impl A/B (dev/ab_gemv.py, 5 rounds); bench_cuda.py at 4K with the Model.generate(stream=True) row
+# A prebuilt extension is used only if it imports on the device; otherwise the script builds there (-j16).
 set -u
 export PYTHONUNBUFFERED=1
 MODE=${1:-verify}
 OUT=${OUT:-/tmp/lily_out}
-mkdir -p "$OUT"
+LOG=/tmp/lily_logs
+mkdir -p "$OUT" "$LOG"
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 SUMMARY=()
 
-build() {  # build SRC_DIR BUILD_DIR: the extension into SRC_DIR/src/lily
-  local src=$1 dir=$2
+install_ext() {  # install_ext SRC_DIR PREBUILT_DIR BUILD_DIR: the extension into SRC_DIR/src/lily
+  local src=$1 pre=$2 dir=$3
+  if ls "$pre"/_lily*.so >/dev/null 2>&1; then
+    cp "$pre"/_lily*.so "$src/src/lily/"
+    if PYTHONPATH="$src/src" python3 -c "import lily._lily as m; assert 'cuda' in m.build_info()['backends']" \
+        > "$LOG/import_$(basename "$pre").txt" 2>&1; then echo "prebuilt $pre imports"; return 0; fi
+    echo "prebuilt $pre does not import here ($(tail -1 "$LOG/import_$(basename "$pre").txt")): building"
+    rm -f "$src"/src/lily/_lily*.so
+  fi
   if [ ! -f "$dir/build.ninja" ]; then
     cmake -S "$src" -B "$dir" -G Ninja -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=Release \
-      > "$OUT/cmake_$(basename "$dir").log" 2>&1 || { tail -20 "$OUT/cmake_$(basename "$dir").log"; return 1; }
+      > "$LOG/cmake_$(basename "$dir").log" 2>&1 || { tail -20 "$LOG/cmake_$(basename "$dir").log"; return 1; }
   fi
-  ninja -C "$dir" > "$OUT/build_$(basename "$dir").log" 2>&1 || { grep -m20 error "$OUT/build_$(basename "$dir").log"; return 1; }
+  ninja -C "$dir" > "$LOG/build_$(basename "$dir").log" 2>&1 || { grep -m20 error "$LOG/build_$(basename "$dir").log"; return 1; }
   cp "$dir"/_lily*.so "$src/src/lily/"
 }
 
+finish() {
+  tar -czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+  echo "---- summary [$(el)s] ----"
+  for s in "${SUMMARY[@]}"; do echo "$s"; done
+}
+trap finish EXIT
+
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-build . build/h200 || { echo "BUILD FAILED"; exit 1; }
-echo "[$(el)s] built"
+install_ext . .h200/after build/h200 || { echo "BUILD FAILED"; exit 1; }
+echo "[$(el)s] extension ready"
 export PYTHONPATH=src
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 
 case "$MODE" in
 verify)
-  bash benchmarks/kernels/run.sh > "$OUT/kernels.txt" 2>&1
-  SUMMARY+=("kernel checks rc=$?: $(grep '^SUMMARY' "$OUT/kernels.txt" | tr '\n' ';')")
+  # 1. the GEMV lab with the GPU to itself (its timings are the point)
+  OUT=$LOG PREBUILT=1 BIN=.h200/gemv_lab timeout 150 bash dev/gemv_lab/run.sh > "$LOG/gemv_lab_run.txt" 2>&1
+  SUMMARY+=("gemv_lab rc=$?")
+  cp "$LOG/gemv_lab.txt" "$OUT/" 2>/dev/null
+  grep -E "FAIL|NaN" "$LOG/gemv_lab_run.txt" | head -5
+  echo "[$(el)s] gemv_lab"
+  OUT=$LOG NCU=1 PREBUILT=1 BIN=.h200/gemv_lab timeout 170 bash dev/gemv_lab/run.sh > "$LOG/gemv_lab_ncu.txt" 2>&1
+  SUMMARY+=("gemv_lab ncu rc=$?")
+  cp "$LOG/gemv_lab_ncu.txt" "$OUT/" 2>/dev/null
+  rm -f "$LOG"/gemv_lab_ncu.ncu-rep
+  echo "[$(el)s] gemv_lab ncu"
+  # 2. correctness, in parallel (four lanes; nothing here is timed)
+  san() {  # san TOOL CFG TIMEOUT
+    timeout "$3" "$CS" --tool "$1" --error-exitcode 9 python3 benchmarks/cuda_check.py --configs "$2" --tokens 12 \
+      --no-bundled > "$LOG/${1}_$2.txt" 2>&1
+    echo "$1 $2 rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${1}_$2.txt")" > "$LOG/${1}_$2.sum"
+  }
+  ( san racecheck mid_real_heads 330 ) &
+  ( san memcheck tiny_odd 120; san racecheck tiny_odd 150; san memcheck mid_real_heads 150 ) &
+  ( CK=/tmp/full35b
+    [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
+    timeout 280 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
+      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
+    echo "full-size envelope rc=$?: $(tail -1 "$LOG/cuda_check_full.txt")" > "$LOG/full.sum" ) &
+  PREBUILT=1 KBIN=.h200/kbin OUT=$LOG/kernels timeout 200 bash benchmarks/kernels/run.sh > "$LOG/kernels.txt" 2>&1
+  SUMMARY+=("kernel checks rc=$?: $(sed -n '/---- kernel checks ----/,$p' "$LOG/kernels.txt" | tail -n +2 | tr '\n' ';')")
   echo "[$(el)s] kernel checks"
-  python3 -m pytest -q tests/kernels tests/test_cuda_backend.py -x > "$OUT/pytest_cuda.txt" 2>&1
-  SUMMARY+=("pytest (cuda cases) rc=$?: $(tail -1 "$OUT/pytest_cuda.txt")")
-  python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 --no-bundled \
-    --json "$OUT/cuda_check.json" > "$OUT/cuda_check.txt" 2>&1
-  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$OUT/cuda_check.txt")")
-  grep -E "FAIL|Error|exception" "$OUT/cuda_check.txt" | cut -c1-240 | head -10
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_backend.py \
+    > "$LOG/pytest_cuda.txt" 2>&1
+  SUMMARY+=("pytest (cuda cases) rc=$?: $(tail -1 "$LOG/pytest_cuda.txt")")
+  grep -E "^(FAILED|ERROR)" "$LOG/pytest_cuda.txt" | cut -c1-200 | head -8
+  echo "[$(el)s] pytest"
+  timeout 200 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
+    --no-bundled --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
+  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
+  grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-240 | head -10
   echo "[$(el)s] cuda_check"
-  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for cfg in tiny_odd mid_real_heads; do
-    for tool in memcheck racecheck; do
-      timeout 150 "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
-        --no-bundled > "$OUT/${tool}_$cfg.txt" 2>&1
-      SUMMARY+=("$tool $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/${tool}_$cfg.txt")")
-    done
-  done
-  echo "[$(el)s] sanitizers"
-  CK=/tmp/full35b
-  [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$OUT/full_checkpoint.txt" 2>&1
-  timeout 200 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
-    --json "$OUT/cuda_check_full.json" > "$OUT/cuda_check_full.txt" 2>&1
-  SUMMARY+=("full-size envelope rc=$?: $(tail -1 "$OUT/cuda_check_full.txt")")
+  wait
+  for f in "$LOG"/*.sum; do SUMMARY+=("$(cat "$f")"); done
+  cp "$LOG/cuda_check.txt" "$LOG/kernels.txt" "$OUT/" 2>/dev/null
   ;;
 bench)
   [ -d .before ] || { echo "no .before tree: see the header"; exit 1; }
-  build .before build/h200_before || { echo "BEFORE BUILD FAILED"; exit 1; }
-  echo "[$(el)s] built before"
-  timeout 420 python3 dev/compare_builds.py --builds before=.before/src,after=src --rounds 3 \
-    --out "$OUT/compare_builds_h200.json" > "$OUT/compare_builds.txt" 2>&1
+  install_ext .before .h200/before build/h200_before || { echo "BEFORE BUILD FAILED"; exit 1; }
+  echo "[$(el)s] before ready"
+  timeout 330 python3 dev/compare_builds.py --builds before=.before/src,after=src --rounds 3 \
+    --out "$OUT/compare_builds_h200.json" > "$LOG/compare_builds.txt" 2>&1
   SUMMARY+=("compare_builds rc=$?")
-  tail -12 "$OUT/compare_builds.txt"
-  timeout 150 python3 dev/ab_gemv.py --rounds 5 --out "$OUT/ab_gemv_h200.json" > "$OUT/ab_gemv.txt" 2>&1
+  tail -12 "$LOG/compare_builds.txt"
+  echo "[$(el)s] compare_builds"
+  timeout 100 python3 dev/ab_gemv.py --rounds 5 --out "$OUT/ab_gemv_h200.json" > "$LOG/ab_gemv.txt" 2>&1
   SUMMARY+=("ab_gemv rc=$?")
-  tail -8 "$OUT/ab_gemv.txt"
+  tail -8 "$LOG/ab_gemv.txt"
+  echo "[$(el)s] ab_gemv"
+  CK=/tmp/full35b
+  [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
+  timeout 120 python3 benchmarks/bench_cuda.py --checkpoint $CK --lengths 512,4096 --no-mlx --no-ablations \
+    --budget-s 100 --out "$LOG" --name bench_cuda_generate_h200 > "$LOG/bench_generate.txt" 2>&1
+  SUMMARY+=("bench_cuda (generate rows) rc=$?")
+  grep -iE "generate|decode" "$LOG/bench_generate.txt" | tail -8
+  cp "$LOG"/bench_cuda_generate_h200.json "$OUT/" 2>/dev/null
   ;;
 esac
-echo "---- summary [$(el)s] ----"
-for s in "${SUMMARY[@]}"; do echo "$s"; done

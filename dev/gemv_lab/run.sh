@@ -3,6 +3,7 @@
 #   bash dev/gemv_lab/run.sh [gemv_lab args]      e.g. --shape dn_in,lm_head --kernel stream,read
 #   BUILD_ONLY=1 bash dev/gemv_lab/run.sh          compile + SASS count only (no GPU needed)
 #   CPU_ONLY=1 bash dev/gemv_lab/run.sh            compile + the --cpu-only self-test (no GPU needed)
+#   PREBUILT=1 BIN=path bash dev/gemv_lab/run.sh   run a binary built elsewhere (no nvcc)
 #   NCU=1 bash dev/gemv_lab/run.sh [--shape ...]   Nsight Compute, one launch per shape and kernel: raw CSV to
 #                                                  ${OUT:-/tmp}/gemv_lab_ncu.csv, table by ncu_summary.py
 # Output goes to stdout and, when $OUT is set (the device machine), to $OUT/gemv_lab.txt.
@@ -15,7 +16,8 @@ log=${log:-/dev/null}
 {
   echo "== build (git $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '?'))"
   # -Xptxas -v: registers and spills per kernel (the build must show 0 bytes spill for every gemv_stream)
-  nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -Xcompiler -Wall,-Wextra \
+  # PREBUILT=1 with BIN=path: run a binary built on another machine (BUILD_ONLY=1 there), no nvcc here
+  [[ -n "${PREBUILT:-}" && -x "$bin" ]] || nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -Xcompiler -Wall,-Wextra \
     -o "$bin" "$here/gemv_lab.cu" 2>&1 | grep -E "Compiling entry|Used|spill|warning|error" | paste - - - |
     sed -E 's/ptxas info *: //g; s/Compiling entry function //; s/Function properties for [^ ]*//'
   if command -v cuobjdump >/dev/null && command -v nvdisasm >/dev/null; then
