@@ -132,7 +132,7 @@ class FlagStub:
 
     def __init__(self, eng):
         self._eng, self._flags = eng, {a.flag: a.meaning for a in ABLATIONS}
-        self._vals = {"cuda_graph": 1, "gemv_impl": 3, "routing_sync": 0, "gqa_pack": 1, "split_k": 1,
+        self._vals = {"cuda_graph": 1, "routing_sync": 0, "gqa_pack": 1, "split_k": 1,
                       "deltanet_form": 0, "expert_tile": 0}
 
     def __getattr__(self, k):

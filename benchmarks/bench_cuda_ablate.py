@@ -33,9 +33,6 @@ ABLATIONS = (
     Ablation("DeltaNet scan form", "deltanet_form", (1, 2), (), (512, 4096, 16384),
              "0 auto (default: chunked from 128 rows), 1 sequential, 2 chunked (TF32 tensor cores)"),
     Ablation("expert tile size", "expert_tile", (16, 32, 64, 128), (), (4096,), "0 auto (default), else rows"),
-    Ablation("decode GEMV implementation", "gemv_impl", (0, 1, 2, 4), (4096,), (),
-             "3 auto (default: rings, routed experts on scalar lanes, bulk-copy MoE down), 0 scalar, 1 tensor-core, "
-             "2 bulk-copy, 4 per-warp cp.async rings everywhere (candidates until dev/ab_gemv.py settles it)"),
 )
 
 

@@ -99,6 +99,21 @@ verify)
   for f in "$LOG"/*.sum; do SUMMARY+=("$(cat "$f")"); done
   cp "$LOG/cuda_check.txt" "$LOG/kernels.txt" "$OUT/" 2>/dev/null
   ;;
+quick)  # the decode GEMV's twin check + the whole-model checks + one before/after round (a first look)
+  PREBUILT=1 KBIN=.h200/kdec OUT=$LOG/kernels timeout 120 bash benchmarks/kernels/run.sh decode > "$LOG/kernels.txt" 2>&1
+  SUMMARY+=("check_decode rc=$?: $(grep -m1 '^SUMMARY' "$LOG/kernels/check_decode.txt")")
+  grep -E "^(FAIL|TIME)" "$LOG/kernels/check_decode.txt" | cut -c1-200 | head -30
+  timeout 200 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
+    --no-bundled --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
+  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
+  grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-240 | head -10
+  if [ -d .before ]; then
+    install_ext .before .h200/before build/h200_before && timeout 150 python3 dev/compare_builds.py \
+      --builds before=.before/src,after=src --rounds 1 --out "$OUT/compare_quick.json" > "$LOG/compare.txt" 2>&1
+    SUMMARY+=("compare_builds rc=$?"); tail -10 "$LOG/compare.txt"
+  fi
+  cp "$LOG/kernels/check_decode.txt" "$LOG/cuda_check.txt" "$OUT/" 2>/dev/null
+  ;;
 bench)
   [ -d .before ] || { echo "no .before tree: see the header"; exit 1; }
   install_ext .before .h200/before build/h200_before || { echo "BEFORE BUILD FAILED"; exit 1; }
@@ -108,10 +123,6 @@ bench)
   SUMMARY+=("compare_builds rc=$?")
   tail -12 "$LOG/compare_builds.txt"
   echo "[$(el)s] compare_builds"
-  timeout 100 python3 dev/ab_gemv.py --rounds 5 --out "$OUT/ab_gemv_h200.json" > "$LOG/ab_gemv.txt" 2>&1
-  SUMMARY+=("ab_gemv rc=$?")
-  tail -8 "$LOG/ab_gemv.txt"
-  echo "[$(el)s] ab_gemv"
   CK=/tmp/full35b
   [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
   timeout 120 python3 benchmarks/bench_cuda.py --checkpoint $CK --lengths 512,4096 --no-mlx --no-ablations \

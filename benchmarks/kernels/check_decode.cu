@@ -1,12 +1,13 @@
-// build: csrc/cuda/gemv.cu csrc/cuda/gemv_tc.cu csrc/cuda/gemv_bulk.cu csrc/cuda/gemv_ring.cu
-// Decode GEMV kernels (csrc/cuda/gemv.cuh: the scalar, tensor-core, bulk-copy and ring implementations) against an fp64 host
-// twin: random MLX 4-bit weights (group 64), fresh seed per run, outputs poisoned with NaN first; real and
-// awkward shapes; then the time per launch of both paths at the real decode shapes (weights rotated over
-// several copies so the 60 MB L2 does not hold them), as TB/s of weight bytes.
+// build: csrc/cuda/gemv.cu
+// The decode GEMV (csrc/cuda/gemv.cuh) against an fp64 host twin: random MLX 4-bit and 8-bit weights (group 64)
+// and dense bf16 ones, fresh seed per run, outputs poisoned with NaN first; real and awkward shapes, launches
+// that mix formats (the MoE entry: 8-bit router + 4-bit shared gate/up), the greedy head's block argmax; then the
+// time per launch at the real decode shapes (weights rotated over several copies so the 60 MB L2 does not hold
+// them), as TB/s of weight bytes.
 //
-// Tolerance: both paths use exact fp32 dequantised weights and fp32 accumulation (the tensor-core path's
-// products of bf16 x with 128 + q are exact; its fp32 sums differ in order), so rel RMS vs fp64 <= 1e-4;
-// dual outputs are rounded to bf16 (rel 2^-8), so 8e-3 there.
+// Tolerance: fp32 dequantised weights and fp32 accumulation; the codes enter as 1 + q 2^-p (exact) and the
+// constant part is subtracted per 32-element unit, which costs up to ~2^-13 relative per unit (8-bit: 2^-9 of
+// sum |x| against ~128 sum |x|), so rel RMS vs fp64 <= 1e-4; dual outputs are rounded to bf16 (rel 2^-8): 8e-3.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -22,7 +23,6 @@ using namespace lily::cuda;
 
 static std::mt19937_64 rng(std::chrono::steady_clock::now().time_since_epoch().count());
 static int n_pass = 0, n_total = 0;
-static const char* kImpl[5] = {"scalar", "tc", "bulk", "auto", "ring"};
 
 static uint16_t f2bf(float f) {
   uint32_t u;
@@ -51,31 +51,44 @@ static std::vector<T> dget(const T* d, size_t n) {
   return h;
 }
 
-// A host + device 4-bit weight [E, out, in] with scale ~ 1/(8 sqrt(in)) and zero-mean bias.
+// A host + device weight [E, out, in]: MLX affine 4- or 8-bit (group 64, scale ~ 1/(2^bits sqrt(in)), bias
+// centring the codes) or dense bf16 (bits 16).
 struct QW {
   int64_t E, out, in;
+  int bits;
   std::vector<uint32_t> codes;
-  std::vector<uint16_t> sc, bi;
+  std::vector<uint16_t> sc, bi, dense;
   DLinear d;
-  QW(int64_t E_, int64_t out_, int64_t in_) : E(E_), out(out_), in(in_) {
-    codes.resize(E * out * in / 8);
+  QW(int64_t E_, int64_t out_, int64_t in_, int bits_ = 4) : E(E_), out(out_), in(in_), bits(bits_) {
+    std::uniform_real_distribution<float> u(0.5f, 1.5f);
+    if (bits == 16) {
+      std::normal_distribution<float> nd(0.f, 1.f / std::sqrt(static_cast<float>(in)));
+      dense.resize(E * out * in);
+      for (auto& v : dense) v = f2bf(nd(rng));
+      d.p = kp::LinearParams{1, 16, 0, 0, out, in, 0, 0, out * in};
+      d.dense = dnew(dense);
+      return;
+    }
+    codes.resize(E * out * in * bits / 32);
     sc.resize(E * out * in / 64);
     bi.resize(sc.size());
     for (auto& c : codes) c = static_cast<uint32_t>(rng());
-    std::uniform_real_distribution<float> u(0.5f, 1.5f);
+    const float qmax = static_cast<float>((1 << bits) - 1);
     for (size_t i = 0; i < sc.size(); ++i) {
-      const float s = u(rng) / (8.f * std::sqrt(static_cast<float>(in)));
+      const float s = u(rng) * 16.f / (qmax * 8.f * std::sqrt(static_cast<float>(in)));
       sc[i] = f2bf(s);
-      bi[i] = f2bf(-7.5f * s * u(rng));
+      bi[i] = f2bf(-0.5f * qmax * s * u(rng));
     }
-    d.p = kp::LinearParams{0, 4, 64, 0, out, in, out * in / 8, out * in / 64, out * in};
+    d.p = kp::LinearParams{0, bits, 64, 0, out, in, out * in * bits / 32, out * in / 64, out * in};
     d.codes = dnew(codes);
     d.scales = dnew(sc);
     d.biases = dnew(bi);
   }
   double w(int64_t e, int64_t r, int64_t k) const {
-    const uint32_t word = codes[(e * out + r) * (in / 8) + k / 8];
-    const int q = (word >> (4 * (k % 8))) & 15;
+    if (bits == 16) return bf2f_h(dense[(e * out + r) * in + k]);
+    const int per = 32 / bits;
+    const uint32_t word = codes[(e * out + r) * (in / per) + k / per];
+    const int q = (word >> (bits * (k % per))) & ((1 << bits) - 1);
     const int64_t g = (e * out + r) * (in / 64) + k / 64;
     return static_cast<double>(bf2f_h(sc[g])) * q + bf2f_h(bi[g]);
   }
@@ -110,8 +123,9 @@ static void report(const char* name, const std::vector<double>& ref, const std::
               finite ? "" : " NON-FINITE");
 }
 
-// Store / accumulate / dual on one or several segments, bf16 input (x staged as is).
-static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_t> outs, int mode) {
+// Store / accumulate / dual on one or several segments (bits[s]: 4, 8 or 16 = dense bf16), bf16 input (x staged as
+// is); store launches also check the greedy head's block argmax keys.
+static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, std::vector<int> bits = {}) {
   using namespace lily::cuda::gemv;
   ProjArgs a;
   a.in = static_cast<int32_t>(in);
@@ -125,8 +139,9 @@ static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_
   std::vector<uint16_t*> ybs;
   std::vector<std::vector<float>> y0;
   for (int s = 0; s < a.nseg; ++s) {
-    w0.push_back(new QW(1, outs[s], in));
-    w1.push_back(mode == kODual ? new QW(1, outs[s], in) : w0.back());
+    const int b = s < static_cast<int>(bits.size()) ? bits[s] : 4;
+    w0.push_back(new QW(1, outs[s], in, b));
+    w1.push_back(mode == kODual ? new QW(1, outs[s], in, b) : w0.back());
     Seg& g = a.seg[s];
     g.w0 = w0[s]->d;
     g.w1 = w1[s]->d;
@@ -140,8 +155,29 @@ static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_
     g.y = ys[s];
     g.yb = reinterpret_cast<bf16*>(ybs[s]);
   }
-  proj(0, a, impl);
+  int64_t total = 0;
+  for (int64_t o : outs) total += o;
+  unsigned long long* damax = dnew(std::vector<unsigned long long>(head_blocks(total), ~0ull));
+  const bool head = mode == kOStore && a.nseg == 1;  // the greedy head: one segment, keys over its rows
+  if (head) a.amax = damax;
+  const unsigned nb = proj(0, a);
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  if (head) {  // the largest key over the blocks names the largest output (ties: the lowest row)
+    auto keys = dget(damax, nb);
+    unsigned long long m = 0;
+    for (auto k : keys) m = std::max(m, k);
+    double best = -1e300;
+    int64_t best_row = -1;
+    auto y = dget(ys[0], outs[0]);
+    for (int64_t r = 0; r < outs[0]; ++r)
+      if (y[r] > best) best = y[r], best_row = r;
+    const int64_t got_row = 0xFFFFFFFFll - static_cast<int64_t>(m & 0xFFFFFFFFull);
+    ++n_total;
+    const bool ok = got_row == best_row && nb <= head_blocks(total);
+    n_pass += ok;
+    std::printf("%s %-44s argmax row %lld (host %lld), %u blocks\n", ok ? "PASS" : "FAIL", tag,
+                static_cast<long long>(got_row), static_cast<long long>(best_row), nb);
+  }
   for (int s = 0; s < a.nseg; ++s) {
     std::vector<double> ref(outs[s]), got(outs[s]);
     if (mode == kODual) {
@@ -159,17 +195,18 @@ static void check_proj(const char* tag, int impl, int64_t in, std::vector<int64_
       }
     }
     char name[160];
-    std::snprintf(name, sizeof name, "%s %s in=%lld out=%lld seg%d/%d", kImpl[impl], tag,
+    std::snprintf(name, sizeof name, "%s %d-bit in=%lld out=%lld seg%d/%d", tag, w0[s]->bits,
                   static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
     report(name, ref, got, mode == kODual ? 8e-3 : 1e-4);
   }
 }
 
 // Routed experts' down + shared down + combine into the residual.
-static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
+static void check_down(int64_t H, int64_t I, int k, int E, int bits = 4, int64_t Is = 0) {
   using namespace lily::cuda::gemv;
-  QW wd(E, H, I), ws(1, H, I);
-  auto act = rand_x(k * I), sact = rand_x(I);
+  if (Is == 0) Is = I;
+  QW wd(E, H, I, bits), ws(1, H, Is, bits);
+  auto act = rand_x(k * I), sact = rand_x(Is);
   std::vector<int32_t> idx(k);
   std::vector<float> tw(k), x0(H), sg{0.3f};
   std::vector<int> perm(E);
@@ -190,7 +227,7 @@ static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
   float* dx = dnew(x0);
   a.x = dx;
   a.k = k;
-  moe_down(0, a, impl);
+  moe_down(0, a);
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
   auto y = dget(dx, H);
   std::vector<double> ref(H), got(H);
@@ -203,8 +240,8 @@ static void check_down(int impl, int64_t H, int64_t I, int k, int E) {
     got[r] = y[r];
   }
   char name[160];
-  std::snprintf(name, sizeof name, "%s down H=%lld I=%lld k=%d E=%d", kImpl[impl],
-                static_cast<long long>(H), static_cast<long long>(I), k, E);
+  std::snprintf(name, sizeof name, "down %d-bit H=%lld I=%lld Is=%lld k=%d E=%d", bits, static_cast<long long>(H),
+                static_cast<long long>(I), static_cast<long long>(Is), k, E);
   report(name, ref, got, 1e-4);
 }
 
@@ -232,25 +269,20 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
       if (c == 0) bytes += (mode == kODual ? 2.0 : 1.0) * outs[s] * in * (0.5 + 4.0 / 64);
     }
   }
-  double t_ms[5];  // every decode launch carries the PDL attribute (as in the step)
-  for (int impl = 0; impl < 5; ++impl) {
-    for (int i = 0; i < 3; ++i) proj(0, args[i % copies], impl);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    const int reps = 60;
-    cudaEventRecord(e0);
-    for (int i = 0; i < reps; ++i) proj(0, args[i % copies], impl);
-    cudaEventRecord(e1);
-    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    t_ms[impl] = ms / reps;
-  }
-  std::printf("TIME proj %-26s %6.1f MB |", tag, bytes / 1e6);
-  for (int impl : {0, 1, 2, 3, 4})
-    std::printf(" %s %6.2f us %.2f TB/s |", kImpl[impl], t_ms[impl] * 1e3, bytes / t_ms[impl] / 1e9);
-  std::printf("\n");
+  // every decode launch carries the PDL attribute (as in the step): back-to-back launches overlap their tails
+  for (int i = 0; i < 3; ++i) proj(0, args[i % copies]);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  const int reps = 60;
+  cudaEventRecord(e0);
+  for (int i = 0; i < reps; ++i) proj(0, args[i % copies]);
+  cudaEventRecord(e1);
+  LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  std::printf("TIME proj %-26s %6.1f MB | %6.2f us %.2f TB/s\n", tag, bytes / 1e6, ms / reps * 1e3,
+              bytes / (ms / reps) / 1e9);
 }
 
 // Calibration: a plain streaming read of n uint4 (8 independent 16-byte loads per thread in flight).
@@ -316,22 +348,19 @@ static void time_down() {
     a.x = x, a.k = k;
   }
   const double bytes = (k + 1) * H * I * (0.5 + 4.0 / 64);
-  std::printf("TIME down 8+1 experts              %6.1f MB |", bytes / 1e6);
-  for (int impl = 0; impl < 3; ++impl) {
-    for (int i = 0; i < 3; ++i) moe_down(0, args[i % copies], impl);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    const int reps = 60;
-    cudaEventRecord(e0);
-    for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies], impl);
-    cudaEventRecord(e1);
-    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    std::printf(" %s %6.2f us %.2f TB/s |", kImpl[impl], ms / reps * 1e3, bytes / (ms / reps) / 1e9);
-  }
-  std::printf("\n");
+  for (int i = 0; i < 3; ++i) moe_down(0, args[i % copies]);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  const int reps = 60;
+  cudaEventRecord(e0);
+  for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies]);
+  cudaEventRecord(e1);
+  LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  std::printf("TIME down 8+1 experts              %6.1f MB | %6.2f us %.2f TB/s\n", bytes / 1e6, ms / reps * 1e3,
+              bytes / (ms / reps) / 1e9);
 }
 
 int main() {
@@ -340,22 +369,31 @@ int main() {
   cudaDeviceProp prop;
   LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  for (int tc : {4, 2, 1, 0}) {
-    check_proj("store", tc, 2048, {8192, 4096, 32, 32}, kOStore);
-    check_proj("store", tc, 64, {1, 17}, kOStore);
-    check_proj("store", tc, 192, {33}, kOStore);
-    check_proj("accum", tc, 4096, {2048}, kOAccum);
-    check_proj("accum", tc, 576, {5}, kOAccum);
-    check_proj("dual", tc, 2048, {512}, kODual);
-    check_proj("dual", tc, 128, {7, 16}, kODual);
-    check_down(tc, 2048, 512, 8, 256);
-    check_down(tc, 96, 128, 3, 5);
-    check_down(tc, 17, 64, 1, 1);
-    check_proj("store", tc, 512, {1, 17, 40}, kOStore);
-    check_proj("dual", tc, 1024, {3, 40}, kODual);
-    check_proj("accum", tc, 1536, {31}, kOAccum);
-    check_down(tc, 40, 512, 3, 7);
-  }
+  check_proj("store", 2048, {8192, 4096, 32, 32}, kOStore);
+  check_proj("store", 64, {1, 17}, kOStore);
+  check_proj("store", 192, {33}, kOStore);
+  check_proj("accum", 4096, {2048}, kOAccum);
+  check_proj("accum", 576, {5}, kOAccum);
+  check_proj("dual", 2048, {512}, kODual);
+  check_proj("dual", 128, {7, 16}, kODual);
+  check_proj("store", 512, {1, 17, 40}, kOStore);
+  check_proj("dual", 1024, {3, 40}, kODual);
+  check_proj("accum", 1536, {31}, kOAccum);
+  check_proj("store", 2048, {256, 1}, kOStore, {8, 8});            // router + shared-expert gate (8-bit)
+  check_proj("store", 2048, {256}, kOStore, {8});
+  check_proj("store", 2048, {256, 512, 1}, kOStore, {8, 4, 8});    // the MoE entry's mix of formats
+  check_proj("store", 128, {5, 3}, kOStore, {8, 16});
+  check_proj("store", 160, {128, 7}, kOStore, {16, 16});           // dense (in not a multiple of 64)
+  check_proj("accum", 96, {128}, kOAccum, {16});
+  check_proj("dual", 96, {9}, kODual, {16});
+  check_proj("store", 8192, {33}, kOStore);                        // the longest input: 8 slices
+  check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
+  check_down(2048, 512, 8, 256);
+  check_down(96, 128, 3, 5);
+  check_down(17, 64, 1, 1);
+  check_down(40, 512, 3, 7);
+  check_down(128, 96, 3, 3, 16, 160);                              // tiny_odd's dense experts
+  check_down(64, 128, 2, 4, 8);
   // Real decode shapes; copies so the rotated weights exceed the L2.
   time_proj("dn in-proj qkv+z+b+a", 2048, {8192, 4096, 32, 32}, kOStore, 8);
   time_proj("dn out-proj (accum)", 4096, {2048}, kOAccum, 24);

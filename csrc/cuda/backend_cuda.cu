@@ -207,8 +207,8 @@ class CudaBackend final : public Backend {
   // Ablations (Engine.set_backend_flag); each names the technique it turns off or the alternative it picks.
   struct Switch { const char* name; int* field; int lo, hi; };
   std::vector<Switch> switches() {
-    return {{"cuda_graph", &graph_on_, 0, 1},     {"gemv_impl", &gemv_impl_, 0, 4},
-            {"routing_sync", &routing_sync_, 0, 1}, {"gqa_pack", &gqa_pack_, 0, 1},
+    return {{"cuda_graph", &graph_on_, 0, 1},       {"routing_sync", &routing_sync_, 0, 1},
+            {"gqa_pack", &gqa_pack_, 0, 1},
             {"split_k", &split_k_, 0, 1},          {"deltanet_form", &deltanet_form_, 0, 2},
             {"expert_tile", &expert_tile_, 0, 128}};
   }
@@ -547,7 +547,7 @@ class CudaBackend final : public Backend {
     return g;
   }
 
-  unsigned run_proj(const cuda::gemv::ProjArgs& a) { return cuda::gemv::proj(st_, a, gemv_impl_); }
+  unsigned run_proj(const cuda::gemv::ProjArgs& a) { return cuda::gemv::proj(st_, a); }
 
   cuda::gemv::ProjArgs norm_args(const float* w) const {
     cuda::gemv::ProjArgs a;
@@ -662,7 +662,7 @@ class CudaBackend final : public Backend {
     dn.sgate = dsg_;
     dn.x = dx_;
     dn.k = k;
-    d::moe_down(st_, dn, gemv_impl_);
+    d::moe_down(st_, dn);
     step_launches_ += 3;
   }
 
@@ -749,7 +749,6 @@ class CudaBackend final : public Backend {
 
   // Ablation switches (set_flag): defaults are the fast paths.
   int graph_on_ = 1;        // decode steps recorded as CUDA graphs and replayed
-  int gemv_impl_ = 3;       // decode GEMVs (gemv.cuh; candidates until the A/B of dev/ab_gemv.py on the H200)
   int routing_sync_ = 0;    // prefill MoE: host-synchronised tile count instead of a device-sized grid
   int gqa_pack_ = 1;        // decode attention: the query heads of a KV head share each K/V load (tensor cores)
   int split_k_ = 1;         // decode attention: keys split over blocks (flash-decoding)

@@ -1,425 +1,665 @@
-// The decode GEMVs' entry points (proj, moe_down) and their scalar-lane kernels: any weight format, one warp per
-// few rows; the tensor-core implementations are gemv_tc.cu, gemv_ring.cu and gemv_bulk.cu.
+// The decode GEMV (gemv.cuh): one kernel for every decode projection, measured in dev/gemv_lab (issue 14).
+//
+// Layout of the work. A launch is a list of parts (one weight matrix, or one expert of a stacked tensor). In row
+// mode (proj) the parts are stacked along the output rows and read one input row; in K mode (moe_down) they sit
+// side by side along K (8 experts' down rows and the shared expert's, each with its own input segment and
+// factor) and sum into the same rows. The input is cut into units of 32 elements; lane l of slice s owns unit
+// 32 s + l, so the slices = ceil(units / 32) warps of a row group split K (split-K inside the block, partials
+// summed in shared memory at the end: plain stores, deterministic). A warp streams tiles of kR = 4 rows: per tile
+// and lane one 16-byte vector per row (4-bit; 8-bit two, bf16 four, fp32 eight), the next tile's loads issued
+// before this tile's math (a register double buffer, no shared-memory ring: the bytes in flight come from many
+// warps, 16 per SM). A dual segment's tile holds 2 gate rows and the same 2 up rows, so SiLU(gate) * up is
+// applied in the block's epilogue. Each part's tiles start at a multiple of the tiles per warp (tpw), so no warp
+// crosses a part; the host picks tpw to minimise the makespan over the resident block slots.
+//
+// Dequantisation without int -> float conversions. A code q placed in the mantissa of 1.0f at bit p is the float
+// 1 + q 2^(p-23): 4-bit nibbles go to bits 16-19 (even nibbles: 1 + q/128) or 12-15 (odd: 1 + q/2048) with one
+// LOP3 each (the shifted copies v << 8, v >> 8, rot16(v) hold all 8 nibbles at those windows), 8-bit bytes to
+// bits 8-15 with one PRMT (1 + q/32768). Two accumulators per row (even / odd windows) take fma(f, x, acc), so
+//   sum q x = 128 (acc_e - X_e) + 2048 (acc_o - X_o)   (4-bit),   32768 (acc - X) (8-bit),
+// with X_e, X_o the lane's sums of x over its unit's even / odd positions, computed once per lane; the group
+// term is s * sum q x + b * X. x is fp32 in shared memory, lane-major ([slice][8 float4][lane]: a warp's LDS.128
+// reads 512 consecutive bytes, conflict-free), already multiplied by the part's factor (K mode).
 #include "cuda/gemv.cuh"
-#include "cuda/gemv_stage.cuh"
-#include "cuda/gemv_tc.cuh"
 
 namespace lily::cuda::gemv {
 namespace {
 
-static_assert(sizeof(ProjArgs) <= 4000, "ProjArgs must fit the kernel parameter space");
-static_assert(sizeof(DownArgs) <= 4000, "DownArgs must fit the kernel parameter space");
+constexpr int kR = 4;            // rows per tile (the transpose reduction below is written for 4)
+constexpr int kMaxParts = 20;    // 16 expert slots + the MoE entry's router / shared / gate segments
+constexpr int kBlockWarps = 8;
+constexpr int kMaxSlices = 8;    // input length <= 8192
+constexpr int kMaxTpw = 64;
+constexpr int kMaxHeads = 64;    // gated staging: heads per row
+constexpr uint32_t kOne = 0x3F800000u;
 
-// ---- one 16-byte chunk of quantized codes against the staged activations -------------------------------
-// Codes become floats without I2F: (code << shift) | 0x3F800000 is the float 1 + code/2^bits, and
-//   sum_i (s q_i + b) x_i = s 2^bits sum_i (1 + q_i/2^bits) x_i + (b - s 2^bits) sum_i x_i   (as gemm.cu).
-template <int BITS>
-__device__ __forceinline__ float chunk_x(const bf16* xs, float* x) {  // x[128 / BITS]; returns sum x
-  constexpr int VPC = 128 / BITS;
-  float sx = 0.f;
-#pragma unroll
-  for (int u = 0; u < VPC / 8; ++u) {
-    const uint4 xv = reinterpret_cast<const uint4*>(xs)[u];
-    const uint32_t w4[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      x[8 * u + 2 * j] = __uint_as_float(w4[j] << 16);
-      x[8 * u + 2 * j + 1] = __uint_as_float(w4[j] & 0xFFFF0000u);
-      sx += x[8 * u + 2 * j] + x[8 * u + 2 * j + 1];
-    }
-  }
-  return sx;
+enum Fmt : int32_t { kQ4 = 0, kQ8 = 1, kBF16 = 2, kF32 = 3 };
+
+struct Part {
+  const uint8_t* w0;      // codes or dense elements of expert 0 (the stack's base)
+  const uint16_t* s0;
+  const uint16_t* b0;
+  const uint8_t* w1;      // dual: the up matrix
+  const uint16_t* s1;
+  const uint16_t* b1;
+  const bf16* xsrc;       // K mode: this part's input segment
+  int64_t expert_bytes, expert_groups;
+  int32_t row_bytes, row_groups;
+  int32_t fmt, gsh;       // format; log2(group / 32)
+  int32_t rows;           // output rows (row mode); input elements (K mode)
+  int32_t tiles;          // row mode: tiles holding real rows
+  int32_t first;          // row mode: first logical tile (a multiple of tpw); K mode: first unit along K
+  int32_t seg, slot;      // row mode: segment and output slot
+  int32_t expert;         // -1: expert 0; >= 0: the routing's slot `expert`
+  int32_t dual;
+  int32_t fac;            // K mode: 0 none, 1 routing weight of slot `expert`, 2 sigmoid(shared gate)
+};
+
+struct Launch {
+  Part part[kMaxParts];
+  int32_t nparts = 0, kmode = 0, units = 0, slices = 0, mwarps = 0, tpw = 1, rows = 0, route = 0;
+  // staging
+  int32_t xmode = kXBf16, in = 0, gdim = 0;
+  float eps = 0.f;
+  const float* xf = nullptr;
+  const float* zf = nullptr;
+  const float* nw = nullptr;
+  const bf16* xb = nullptr;
+  bf16* h_out = nullptr;
+  // routing (row mode: the prologue; K mode: ids and weights from the previous kernel)
+  const float* rlogits = nullptr;
+  int32_t E = 0, top_k = 0, norm_topk = 0, pad_ = 0;
+  int32_t* top_idx = nullptr;
+  float* top_w = nullptr;
+  const float* sgate = nullptr;
+  // epilogue
+  float* y[kMaxSegs] = {};
+  bf16* yb[kMaxSegs] = {};
+  int64_t y_step[kMaxSegs] = {};
+  int32_t mode[kMaxSegs] = {};
+  const float* conv_w = nullptr;
+  float* conv_state = nullptr;
+  float* u = nullptr;
+  int32_t conv_dim = 0, conv_k = 0;
+  unsigned long long* amax = nullptr;
+  float* xacc = nullptr;  // K mode: the residual row
+};
+static_assert(sizeof(Launch) <= 4000, "Launch must fit the kernel parameter space");
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: do not allocate in L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
-
-template <int BITS>
-__device__ __forceinline__ float chunk_d(const uint4& q, const float* x) {
-  constexpr int VPW = 32 / BITS;
-  constexpr uint32_t MASK = ((1u << BITS) - 1u) << (23 - BITS);
-  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-  float d = 0.f;
-#pragma unroll
-  for (int w = 0; w < 4; ++w)
-#pragma unroll
-    for (int j = 0; j < VPW; ++j) {
-      const int sh = (23 - BITS) - BITS * j;
-      const uint32_t m = (sh >= 0 ? qw[w] << sh : qw[w] >> -sh) & MASK;
-      d += __uint_as_float(m | 0x3F800000u) * x[w * VPW + j];
-    }
+// (v & MASK) | 1.0f as ONE lop3 (written in C, the compiler emits two instructions) and rot16 as one PRMT.
+template <uint32_t MASK>
+__device__ __forceinline__ float mask_one(uint32_t v) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "n"(MASK), "r"(kOne));
+  return __uint_as_float(d);
+}
+__device__ __forceinline__ uint32_t rot16(uint32_t v) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %1, 0x1032;" : "=r"(d) : "r"(v));
   return d;
 }
+__device__ __forceinline__ float u16f(uint32_t h) { return __uint_as_float(h << 16); }
 
-template <int BITS>
-__device__ __forceinline__ float chunk_term(float d, float sx, float s, float b) {
-  constexpr float SCALE = static_cast<float>(1 << BITS);
-  return s * SCALE * d + (b - SCALE * s) * sx;
-}
+template <int FMT>
+struct FmtTraits {
+  static constexpr int kVec = FMT == kQ4 ? 1 : FMT == kQ8 ? 2 : FMT == kBF16 ? 4 : 8;  // 16-byte vectors per unit
+  static constexpr bool kQuant = FMT <= kQ8;
+  // the register double buffer: 4-bit only (8-bit would spill at 128 registers; it is the small router and
+  // shared-expert gate, where the double buffer measured no gain in dev/gemv_lab; dense: test models only)
+  static constexpr bool kPrefetch = kVec == 1;
+};
 
-// Lane-strided dot of one weight row (any format) with xs; the lane's partial (reduce over the warp).
-__device__ float row_dot(const DLinear& W, int64_t e, int64_t row, const bf16* xs, int lane) {
-  const kp::LinearParams& p = W.p;
-  float acc = 0.f;
-  if (p.kind == 0) {
-    const int64_t gpr = p.in / p.group;
-    const uint16_t* sc = W.scales + e * p.expert_groups + row * gpr;
-    const uint16_t* bi = W.biases + e * p.expert_groups + row * gpr;
-    if (p.bits == 4) {
-      const int64_t cpr = p.in / 32;
-      const int cpg = p.group / 32;
-      const uint4* c = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words + row * (p.in / 8));
-      for (int64_t ch = lane; ch < cpr; ch += 32) {
-        float x[32];
-        const float sx = chunk_x<4>(xs + ch * 32, x);
-        acc += chunk_term<4>(chunk_d<4>(__ldg(c + ch), x), sx, bf2f(sc[ch / cpg]), bf2f(bi[ch / cpg]));
-      }
-    } else {
-      const int64_t cpr = p.in / 16;
-      const int cpg = p.group / 16;
-      const uint4* c = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words + row * (p.in / 4));
-      for (int64_t ch = lane; ch < cpr; ch += 32) {
-        float x[16];
-        const float sx = chunk_x<8>(xs + ch * 16, x);
-        acc += chunk_term<8>(chunk_d<8>(__ldg(c + ch), x), sx, bf2f(sc[ch / cpg]), bf2f(bi[ch / cpg]));
+// One row's 32-element unit against the lane's x (32 floats); xe / xo / xa: sums of x over even / odd / all.
+template <int FMT>
+__device__ __forceinline__ float unit_dot(const uint4 (&q)[FmtTraits<FMT>::kVec], uint32_t s, uint32_t b, const float* x,
+                                          float xe, float xo, float xa) {
+  if constexpr (FMT == kQ4) {
+    float ae = 0.f, ao = 0.f;
+    const uint32_t w4[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t v = w4[w], l8 = v << 8, r8 = v >> 8, rt = rot16(v);
+      const float* xp = x + 8 * w;
+      ae = fmaf(mask_one<0x000F0000u>(rt), xp[0], ae);  // nibble 0: bits 0-3 -> 16-19
+      ao = fmaf(mask_one<0x0000F000u>(l8), xp[1], ao);  // 1: 4-7 -> 12-15
+      ae = fmaf(mask_one<0x000F0000u>(l8), xp[2], ae);  // 2: 8-11 -> 16-19
+      ao = fmaf(mask_one<0x0000F000u>(v), xp[3], ao);   // 3: in place
+      ae = fmaf(mask_one<0x000F0000u>(v), xp[4], ae);   // 4: in place
+      ao = fmaf(mask_one<0x0000F000u>(r8), xp[5], ao);  // 5: 20-23 -> 12-15
+      ae = fmaf(mask_one<0x000F0000u>(r8), xp[6], ae);  // 6: 24-27 -> 16-19
+      ao = fmaf(mask_one<0x0000F000u>(rt), xp[7], ao);  // 7: 28-31 -> 12-15
+    }
+    return fmaf(u16f(s), fmaf(128.f, ae - xe, 2048.f * (ao - xo)), u16f(b) * xa);
+  } else if constexpr (FMT == kQ8) {
+    float a = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t w4[4] = {q[h].x, q[h].y, q[h].z, q[h].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float* xp = x + 16 * h + 4 * w;
+        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7604)), xp[0], a);
+        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7614)), xp[1], a);
+        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7624)), xp[2], a);
+        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7634)), xp[3], a);
       }
     }
-  } else if (p.kind == 1) {
-    const uint16_t* d = static_cast<const uint16_t*>(W.dense) + e * p.expert_elems + row * p.in;
-    for (int64_t k = lane; k < p.in; k += 32) acc += bf2f(d[k]) * bf2f(xs[k]);
+    return fmaf(u16f(s), 32768.f * (a - xa), u16f(b) * xa);
+  } else if constexpr (FMT == kBF16) {
+    float a = 0.f;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint32_t w4[4] = {q[v].x, q[v].y, q[v].z, q[v].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        a = fmaf(__uint_as_float(w4[w] << 16), x[8 * v + 2 * w], a);
+        a = fmaf(__uint_as_float(w4[w] & 0xFFFF0000u), x[8 * v + 2 * w + 1], a);
+      }
+    }
+    return a;
   } else {
-    const float* d = static_cast<const float*>(W.dense) + e * p.expert_elems + row * p.in;
-    for (int64_t k = lane; k < p.in; k += 32) acc += d[k] * bf2f(xs[k]);
+    float a = 0.f;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      a = fmaf(__uint_as_float(q[v].x), x[4 * v], a);
+      a = fmaf(__uint_as_float(q[v].y), x[4 * v + 1], a);
+      a = fmaf(__uint_as_float(q[v].z), x[4 * v + 2], a);
+      a = fmaf(__uint_as_float(q[v].w), x[4 * v + 3], a);
+    }
+    return a;
   }
-  return acc;
 }
 
-// NR quantized weight rows of one warp: each step issues U 16-byte chunk loads per row per lane (load) before
-// any is used (compute), so 16 * NR * U bytes per lane are in flight. Dual segments put the gate rows in
-// slots [0, NR/2) and the up rows in [NR/2, NR).
-template <int NR, int BITS, int U>
-struct QRows {
-  static constexpr int VPC = 128 / BITS;
-  const uint4* cp[NR];
-  const uint16_t* sp[NR];
-  const uint16_t* bp[NR];
-  int cpr = 0, cpg = 1;
-  uint4 q[U][NR];
-  float s[U][NR], b[U][NR];
+// A lane's loads of one tile: kR rows x kVec vectors (+ scale and bias per row when quantized).
+template <int FMT>
+struct TileRegs {  // (dense formats stream row by row: Cursor::dense_dot)
+  uint4 q[kR][FmtTraits<FMT>::kQuant ? FmtTraits<FMT>::kVec : 1];
+  uint32_t s[kR], b[kR];
+};
 
-  __device__ __forceinline__ void setup(const DLinear& w0, const DLinear& w1, bool dual, int64_t e, int64_t row0) {
-    const kp::LinearParams& p = w0.p;
-    const int64_t wpr = p.in * BITS / 32, gpr = p.in / p.group;
-    cpr = static_cast<int>(p.in / VPC);
-    cpg = p.group / VPC;
+// A lane's position in one part: the unit's byte offset in each row and its group, the row pointers' bases.
+template <int FMT>
+struct Cursor {
+  const uint8_t *wg, *wu;  // the rows' bases: gate (or the only matrix) and, for a dual part, up
+  const uint16_t *sg, *su, *bg, *bu;
+  int32_t row_bytes, row_groups, rows, dual;
+
+  __device__ __forceinline__ void setup(const Part& P, int64_t e, int unit) {
+    const int64_t off = static_cast<int64_t>(unit) * 16 * FmtTraits<FMT>::kVec;
+    const int64_t g = e * P.expert_groups + (unit >> P.gsh);
+    wg = P.w0 + e * P.expert_bytes + off;
+    wu = (P.dual ? P.w1 : P.w0) + e * P.expert_bytes + off;
+    if constexpr (FmtTraits<FMT>::kQuant) {
+      sg = P.s0 + g, bg = P.b0 + g;
+      su = (P.dual ? P.s1 : P.s0) + g, bu = (P.dual ? P.b1 : P.b0) + g;
+    }
+    row_bytes = P.row_bytes, row_groups = P.row_groups, rows = P.rows, dual = P.dual;
+  }
+  // Row i of tile lt: row 4 lt + i, or (dual) gate row 2 lt + i and up row 2 lt + i - 2; clamped to the last
+  // row (the epilogue drops rows past it).
+  __device__ __forceinline__ int row(int lt, int i) const {
+    return min(dual ? 2 * lt + (i & 1) : kR * lt + i, rows - 1);
+  }
+  __device__ __forceinline__ const uint4* vec(int lt, int i) const {
+    return reinterpret_cast<const uint4*>((dual && i >= 2 ? wu : wg) + static_cast<int64_t>(row(lt, i)) * row_bytes);
+  }
+  __device__ __forceinline__ void load(int lt, TileRegs<FMT>& t) const {  // quantized formats
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      const bool second = dual && i >= NR / 2;
-      const DLinear& w = second ? w1 : w0;
-      const int64_t row = min64(row0 + (second ? i - NR / 2 : i), p.out - 1);
-      cp[i] = reinterpret_cast<const uint4*>(w.codes + e * p.expert_words + row * wpr);
-      sp[i] = w.scales + e * p.expert_groups + row * gpr;
-      bp[i] = w.biases + e * p.expert_groups + row * gpr;
+    for (int i = 0; i < kR; ++i) {
+      const bool up = dual && i >= 2;
+      const uint4* p = vec(lt, i);
+#pragma unroll
+      for (int v = 0; v < FmtTraits<FMT>::kVec; ++v) t.q[i][v] = ld_stream(p + v);
+      const int64_t gi = static_cast<int64_t>(row(lt, i)) * row_groups;
+      t.s[i] = __ldg((up ? su : sg) + gi);
+      t.b[i] = __ldg((up ? bu : bg) + gi);
     }
   }
-  __device__ __forceinline__ int steps() const { return (cpr + 32 * U - 1) / (32 * U); }
-  __device__ __forceinline__ void load(int it, int lane) {
+  // Dense formats (test models): one row at a time, no tile held in registers.
+  __device__ __forceinline__ void dense_dot(int lt, const float* x, float (&tot)[kR]) const {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ch = (it * U + u) * 32 + lane;
-      const bool ok = ch < cpr;
-      const int g = ch / cpg;
+    for (int i = 0; i < kR; ++i) {
+      uint4 q[FmtTraits<FMT>::kVec];
+      const uint4* p = vec(lt, i);
 #pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        q[u][i] = ok ? __ldg(cp[i] + ch) : make_uint4(0u, 0u, 0u, 0u);
-        s[u][i] = ok ? bf2f(__ldg(sp[i] + g)) : 0.f;
-        b[u][i] = ok ? bf2f(__ldg(bp[i] + g)) : 0.f;
-      }
-    }
-  }
-  __device__ __forceinline__ void compute(int it, int lane, const bf16* xs, float acc[NR]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int ch = (it * U + u) * 32 + lane;
-      if (ch >= cpr) continue;
-      float x[VPC];
-      const float sx = chunk_x<BITS>(xs + ch * VPC, x);
-#pragma unroll
-      for (int i = 0; i < NR; ++i) acc[i] += chunk_term<BITS>(chunk_d<BITS>(q[u][i], x), sx, s[u][i], b[u][i]);
+      for (int v = 0; v < FmtTraits<FMT>::kVec; ++v) q[v] = ld_stream(p + v);
+      tot[i] = unit_dot<FMT>(q, 0u, 0u, x, 0.f, 0.f, 0.f);
     }
   }
 };
 
-template <int NR, int BITS, int U>
-__device__ __forceinline__ void qrows_run(QRows<NR, BITS, U>& r, int lane, const bf16* xs, float acc[NR]) {
-  const int n = r.steps();
-  for (int it = 0; it < n; ++it) {
-    if (it > 0) r.load(it, lane);
-    r.compute(it, lane, xs, acc);
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving
+  return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
+}
+
+// Position of input element i in the lane-major x layout (floats).
+__device__ __forceinline__ int xpos(int i) {
+  const int unit = i >> 5, k = i & 31;
+  return (((unit >> 5) * 8 + (k >> 2)) * 32 + (unit & 31)) * 4 + (k & 3);
+}
+
+struct Smem {  // the statically sized part of the kernel's shared memory
+  float red[kBlockWarps];
+  float inv[kMaxHeads];
+  float fac[kMaxParts];
+  int32_t idx[kMaxTopK];
+  float w[kMaxTopK];
+  unsigned long long key;
+};
+
+// The input row into shared memory (fp32, lane-major, zero past its end) with the producer's normalisation (same
+// arithmetic as rms_norm_kernel and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds
+// it), and the routing: the prologue (row mode) or the previous kernel's ids (K mode).
+__device__ void stage(const Launch& g, float* xs, Smem& sm) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
+  const int n = g.kmode ? g.units * 32 : g.in;
+  if (g.route && warp == 0) {
+    route_topk_warp(g.rlogits, g.E, g.top_k, g.norm_topk != 0, sm.idx, sm.w, lane);
+    if (lane == 0 && blockIdx.x == 0)
+      for (int j = 0; j < g.top_k; ++j) g.top_idx[j] = sm.idx[j], g.top_w[j] = sm.w[j];
+  }
+  if (g.kmode) {
+    if (tid < g.top_k) sm.idx[tid] = g.top_idx[tid];
+    if (tid < g.nparts) {
+      const Part& P = g.part[tid];
+      sm.fac[tid] = P.fac == 1 ? g.top_w[P.expert] : P.fac == 2 ? 1.f / (1.f + expf(-g.sgate[0])) : 1.f;
+    }
+  } else if (g.xmode == kXNorm) {
+    float ss = 0.f;
+    for (int i = tid; i < n; i += nth) ss += g.xf[i] * g.xf[i];
+    ss = warp_sum(ss);
+    if (lane == 0) sm.red[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+      float v = lane < nw ? sm.red[lane] : 0.f;
+      v = warp_sum(v);
+      if (lane == 0) sm.inv[0] = rsqrtf(v / static_cast<float>(n) + g.eps);
+    }
+  } else if (g.xmode == kXGated) {
+    for (int h = warp; h < n / g.gdim; h += nw) {
+      const float* yr = g.xf + static_cast<int64_t>(h) * g.gdim;
+      float ss = 0.f;
+      for (int i = lane; i < g.gdim; i += 32) ss += yr[i] * yr[i];
+      ss = warp_sum(ss);
+      if (lane == 0) sm.inv[h] = 1.f / sqrtf(ss / static_cast<float>(g.gdim) + g.eps);
+    }
+  }
+  __syncthreads();
+  const bool write_h = g.h_out != nullptr && blockIdx.x == 0;
+  for (int i = tid; i < g.slices * 1024; i += nth) {
+    float v = 0.f;
+    if (i < n) {
+      if (g.kmode) {
+        int p = 0;
+        while (p + 1 < g.nparts && (i >> 5) >= g.part[p + 1].first) ++p;
+        v = __bfloat162float(g.part[p].xsrc[i - g.part[p].first * 32]) * sm.fac[p];
+      } else if (g.xmode == kXBf16) {
+        v = __bfloat162float(g.xb[i]);
+      } else if (g.xmode == kXNorm) {
+        const bf16 h = __float2bfloat16(g.xf[i] * sm.inv[0] * g.nw[i]);
+        if (write_h) g.h_out[i] = h;
+        v = __bfloat162float(h);
+      } else {
+        const int hd = i / g.gdim, c = i - hd * g.gdim;
+        const float zz = g.zf[i];
+        v = __bfloat162float(__float2bfloat16(g.xf[i] * sm.inv[hd] * g.nw[c] * (zz / (1.f + expf(-zz)))));
+      }
+    }
+    xs[xpos(i)] = v;
   }
 }
 
-template <int NR>
-__global__ void __launch_bounds__(kThreads, 2) proj_kernel(const __grid_constant__ ProjArgs a) {
-  extern __shared__ __align__(16) unsigned char proj_smem[];
-  bf16* xs = reinterpret_cast<bf16*>(proj_smem);
-  __shared__ float red[kWarps];
-  __shared__ int32_t s_idx[kMaxTopK];
-  __shared__ float s_w[kMaxTopK];
-  __shared__ unsigned long long s_key[kWarps];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int gw = blockIdx.x * kWarps + warp;
-
-  int si = -1;
-  for (int s = 0; s < a.nseg; ++s)
-    if (gw >= a.seg[s].warp0 && gw < a.seg[s].warp0 + a.seg[s].slots * a.seg[s].warps_per_slot) si = s;
-  const bool active = si >= 0;
-  const Seg& sg = a.seg[active ? si : 0];
-  const kp::LinearParams& p = sg.w0.p;
-  const bool dual = sg.mode == kODual;
-  const int rpw = dual ? NR / 2 : NR;  // output rows of this warp
-  int slot = 0;
-  int64_t row0 = 0;
-  if (active) {
-    const int lw = gw - sg.warp0;
-    slot = lw / sg.warps_per_slot;
-    row0 = static_cast<int64_t>(lw % sg.warps_per_slot) * rpw;
-  }
-  const bool q4 = p.kind == 0 && p.bits == 4, q8 = p.kind == 0 && p.bits == 8;
-
-  // Weights never depend on the activations: the first loads go out before the prologue.
-  QRows<NR, 4, 2> r4;
-  const bool pre = active && q4 && !sg.routed;
-  if (pre) {
-    r4.setup(sg.w0, sg.w1, dual, 0, row0);
-    r4.load(0, lane);
+// This warp's tiles [t0, t1) of part P (local tile indices), partial sums into `partial`; the staging (all
+// threads) happens in here, between the first loads and the math, so the loads of parts that do not depend on the
+// routing overlap the previous kernel's tail (PDL) and the prologue.
+template <int FMT>
+__device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
+                         float* partial, Smem& sm) {
+  using F = FmtTraits<FMT>;
+  const int lane = threadIdx.x & 31;
+  constexpr bool kQuant = FmtTraits<FMT>::kQuant;
+  Cursor<FMT> cur;
+  TileRegs<FMT> cur_t;
+  const bool early = P.expert < 0 && t0 < t1;
+  if (early) {
+    cur.setup(P, 0, unit);
+    if constexpr (kQuant) cur.load(t0, cur_t);
   }
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
-  stage_x(a, xs, red, tid, warp, lane);
-  if (a.route && warp == 0) route_warp(a, s_idx, s_w, lane);
+  stage(g, xs, sm);
   __syncthreads();
-
-  float acc[NR];
+  if (!early && t0 < t1) {
+    cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
+    if constexpr (kQuant) cur.load(t0, cur_t);
+  }
+  const int sl = (threadIdx.x >> 5) % g.slices;
+  const float4* xl = reinterpret_cast<const float4*>(xs) + sl * 8 * 32 + lane;
+  float x[32];
 #pragma unroll
-  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
-  if (active) {
-    const int64_t e = sg.routed ? s_idx[slot] : 0;
-    if (q4) {
-      if (!pre) {
-        r4.setup(sg.w0, sg.w1, dual, e, row0);
-        r4.load(0, lane);
-      }
-      qrows_run(r4, lane, xs, acc);
-    } else if (q8) {
-      QRows<NR, 8, 2> r8;
-      r8.setup(sg.w0, sg.w1, dual, e, row0);
-      r8.load(0, lane);
-      qrows_run(r8, lane, xs, acc);
+  for (int k = 0; k < 8; ++k) {
+    const float4 t = xl[k * 32];
+    x[4 * k] = t.x, x[4 * k + 1] = t.y, x[4 * k + 2] = t.z, x[4 * k + 3] = t.w;
+  }
+  float xe = 0.f, xo = 0.f;
+#pragma unroll
+  for (int k = 0; k < 32; k += 2) xe += x[k], xo += x[k + 1];
+  const float xa = xe + xo;
+  for (int t = t0; t < t1; ++t) {
+    TileRegs<FMT> nxt;
+    if (F::kPrefetch && t + 1 < t1) cur.load(t + 1, nxt);  // the next tile's loads go out before this math
+    float tot[kR];
+    if constexpr (kQuant) {
+#pragma unroll
+      for (int i = 0; i < kR; ++i) tot[i] = unit_dot<FMT>(cur_t.q[i], cur_t.s[i], cur_t.b[i], x, xe, xo, xa);
     } else {
-#pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        const bool second = dual && i >= NR / 2;
-        const int64_t row = min64(row0 + (second ? i - NR / 2 : i), p.out - 1);
-        acc[i] = row_dot(second ? sg.w1 : sg.w0, e, row, xs, lane);
-      }
+      cur.dense_dot(t, x, tot);
     }
-  }
-#pragma unroll
-  for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
-
-  unsigned long long key = 0ull;
-  if (active && lane == 0) {
-#pragma unroll
-    for (int i = 0; i < NR; ++i)
-      if (i < rpw) seg_epilogue(a, sg, slot, row0 + i, acc[i], acc[(i + NR / 2) % NR], key);
-  }
-  if (a.amax) {  // block maximum of (logit, -row): the greedy head
-    if (lane == 0) s_key[warp] = key;
-    __syncthreads();
-    if (tid == 0) {
-      unsigned long long m = 0ull;
-      for (int w = 0; w < kWarps; ++w) m = max(m, s_key[w]);
-      a.amax[blockIdx.x] = m;
+    // Transpose-reduce 4 rows over 32 lanes: 6 shuffles; lane L ends with row 2 (L >> 4 & 1) + (L >> 3 & 1).
+    const bool u16 = lane & 16, u8 = lane & 8;
+    const float a0 = (u16 ? tot[2] : tot[0]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? tot[0] : tot[2], 16);
+    const float a1 = (u16 ? tot[3] : tot[1]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? tot[1] : tot[3], 16);
+    float r = (u8 ? a1 : a0) + __shfl_xor_sync(0xFFFFFFFFu, u8 ? a0 : a1, 8);
+    r += __shfl_xor_sync(0xFFFFFFFFu, r, 4);
+    r += __shfl_xor_sync(0xFFFFFFFFu, r, 2);
+    r += __shfl_xor_sync(0xFFFFFFFFu, r, 1);
+    if ((lane & 7) == 0) partial[((pslot + (t - t0)) * kR + (u16 ? 2 : 0) + (u8 ? 1 : 0)) * g.slices + sl] = r;
+    if (kQuant && t + 1 < t1) {
+      if (F::kPrefetch) cur_t = nxt;
+      else cur.load(t + 1, cur_t);
     }
   }
 }
 
-// x[r] += sum_j w_j (act_j . Wd[e_j][r]) + sigmoid(g) (sact . Ws[r]): the routed experts' and the shared
-// expert's down projections as one K-concatenated row, the MoE combine and the residual add fused.
-template <int NR, int U>
-struct DRows {
-  const DownArgs* a;
-  int64_t row[NR];
-  int k = 0, cr = 0, total = 0;
-  uint4 q[U][NR];
-  float s[U][NR], b[U][NR];
+__device__ __forceinline__ float silu_(float v) { return v / (1.f + expf(-v)); }
 
-  // Flat chunk f -> (part j, chunk c of the part); part k is the shared expert.
-  __device__ __forceinline__ void part(int f, int& j, int& c) const {
-    j = f < k * cr ? f / cr : k;
-    c = j < k ? f - j * cr : f - k * cr;
+// Output row `row` of part P: v0 is the row's dot product (the gate's for a dual part), v1 the up projection's.
+__device__ __forceinline__ void epilogue(const Launch& g, const Part& P, int64_t row, float v0, float v1,
+                                         unsigned long long& key) {
+  const int sg = P.seg;
+  const int64_t o = P.slot * g.y_step[sg] + row;
+  const int mode = g.mode[sg];
+  if (mode == kOStore) {
+    g.y[sg][o] = v0;
+    key = max(key, argmax_key(v0, row));
+  } else if (mode == kOAccum) {
+    g.y[sg][o] += v0;
+  } else if (mode == kODual) {
+    g.yb[sg][o] = __float2bfloat16(silu_(v0) * v1);
+  } else {  // DeltaNet causal conv of channel `row` + SiLU, state shifted by one
+    const int K = g.conv_k;
+    const int64_t C = g.conv_dim;
+    const float* w = g.conv_w + row * K;
+    float* cs = g.conv_state;
+    float cv = 0.f;
+    for (int j = 0; j < K - 1; ++j) cv += w[j] * cs[j * C + row];
+    cv += w[K - 1] * v0;
+    g.u[row] = cv / (1.f + expf(-cv));
+    for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : v0;
   }
-  __device__ __forceinline__ void load(int f0, int lane) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int f = f0 + 32 * u + lane;
-      const bool ok = f < total;
-      int j = 0, c = 0;
-      if (ok) part(f, j, c);
-      const DLinear& W = j < k ? a->wd : a->ws;
-      const kp::LinearParams& p = W.p;
-      const int64_t e = ok && j < k ? a->top_idx[j] : 0;
-      const int vpc = 128 / p.bits;
-      const int64_t wpr = p.in * p.bits / 32, gpr = p.in / p.group;
-      const int g = c / (p.group / vpc);
-#pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        const uint4* cp = reinterpret_cast<const uint4*>(W.codes + e * p.expert_words + row[i] * wpr);
-        const int64_t gi = e * p.expert_groups + row[i] * gpr + g;
-        q[u][i] = ok ? __ldg(cp + c) : make_uint4(0u, 0u, 0u, 0u);
-        s[u][i] = ok ? bf2f(__ldg(W.scales + gi)) : 0.f;
-        b[u][i] = ok ? bf2f(__ldg(W.biases + gi)) : 0.f;
-      }
+}
+
+__global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_constant__ Launch g) {
+  extern __shared__ __align__(16) float smem[];
+  __shared__ Smem sm;
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int sl = warp % g.slices, m = warp / g.slices;
+  const int unit = sl * 32 + (tid & 31);
+  float* xs = smem;                                   // [slices * 1024]
+  float* partial = smem + g.slices * 1024;            // [mwarps * tpw * kR][slices]
+  const int nrow = g.mwarps * g.tpw * kR;
+  float* rowv = partial + nrow * g.slices;            // [mwarps * tpw * kR]
+  if (tid == 0) sm.key = 0ull;
+
+  // This warp's part and tiles.
+  const int wt0 = (blockIdx.x * g.mwarps + m) * g.tpw;  // first logical tile
+  int p = 0, t0 = 0, t1 = 0, u = 0;
+  if (g.kmode) {
+    const int uc = unit < g.units ? unit : 0;  // a lane past the end reads unit 0; its x is zero
+    while (p + 1 < g.nparts && uc >= g.part[p + 1].first) ++p;
+    u = uc - g.part[p].first;
+    t0 = wt0, t1 = min(wt0 + g.tpw, (g.rows + kR - 1) / kR);
+  } else {
+    while (p + 1 < g.nparts && wt0 >= g.part[p + 1].first) ++p;
+    u = unit < g.units ? unit : 0;
+    t0 = wt0 - g.part[p].first;
+    t1 = min(t0 + g.tpw, g.part[p].tiles);
+  }
+  if (t1 < t0) t1 = t0;
+  const Part& P = g.part[p];
+  const int pslot = m * g.tpw;
+  switch (P.fmt) {
+    case kQ4: run_warp<kQ4>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+    case kQ8: run_warp<kQ8>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+    case kBF16: run_warp<kBF16>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+    default: run_warp<kF32>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+  }
+  __syncthreads();
+  for (int i = tid; i < nrow; i += blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < g.slices; ++s) v += partial[i * g.slices + s];
+    rowv[i] = v;
+  }
+  __syncthreads();
+  unsigned long long key = 0ull;
+  const int bt0 = blockIdx.x * g.mwarps * g.tpw;
+  for (int i = tid; i < nrow; i += blockDim.x) {
+    const int T = bt0 + i / kR, r4 = i % kR;
+    if (g.kmode) {
+      const int64_t row = static_cast<int64_t>(T) * kR + r4;
+      if (row < g.rows) g.xacc[row] += rowv[i];
+      continue;
+    }
+    int q = 0;
+    while (q + 1 < g.nparts && T >= g.part[q + 1].first) ++q;
+    const Part& Q = g.part[q];
+    const int lt = T - Q.first;
+    if (lt >= Q.tiles) continue;
+    if (Q.dual) {
+      if (r4 >= 2) continue;
+      const int64_t row = 2 * lt + r4;
+      if (row < Q.rows) epilogue(g, Q, row, rowv[i], rowv[i + 2], key);
+    } else {
+      const int64_t row = static_cast<int64_t>(lt) * kR + r4;
+      if (row < Q.rows) epilogue(g, Q, row, rowv[i], 0.f, key);
     }
   }
-  __device__ __forceinline__ void compute(int f0, int lane, const bf16* xs, const float* fac, float acc[NR]) {
-    const int64_t I = a->wd.p.in;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int f = f0 + 32 * u + lane;
-      if (f >= total) continue;
-      int j, c;
-      part(f, j, c);
-      const int bits = j < k ? a->wd.p.bits : a->ws.p.bits;
-      const bf16* xp = xs + static_cast<int64_t>(j) * I;  // act_j, or sact after the k routed rows
-      if (bits == 4) {
-        float x[32];
-        const float sx = chunk_x<4>(xp + c * 32, x);
-#pragma unroll
-        for (int i = 0; i < NR; ++i) acc[i] += fac[j] * chunk_term<4>(chunk_d<4>(q[u][i], x), sx, s[u][i], b[u][i]);
-      } else {
-        float x[16];
-        const float sx = chunk_x<8>(xp + c * 16, x);
-#pragma unroll
-        for (int i = 0; i < NR; ++i) acc[i] += fac[j] * chunk_term<8>(chunk_d<8>(q[u][i], x), sx, s[u][i], b[u][i]);
-      }
-    }
+  if (g.amax) {  // block maximum of (logit, -row): the greedy head
+    if (key) atomicMax(&sm.key, key);
+    __syncthreads();
+    if (tid == 0) g.amax[blockIdx.x] = sm.key;
   }
+}
+
+int fmt_of(const kp::LinearParams& p) {
+  if (p.kind == 0) return p.bits == 4 ? kQ4 : kQ8;
+  return p.kind == 1 ? kBF16 : kF32;
+}
+
+Part part_of(const DLinear& w, const DLinear& w1, bool dual) {
+  const kp::LinearParams& q = w.p;
+  Part P = {};
+  P.fmt = fmt_of(q);
+  if (q.kind == 0) {
+    P.w0 = reinterpret_cast<const uint8_t*>(w.codes);
+    P.w1 = reinterpret_cast<const uint8_t*>(w1.codes);
+    P.s0 = w.scales, P.b0 = w.biases, P.s1 = w1.scales, P.b1 = w1.biases;
+    P.expert_bytes = q.expert_words * 4;
+    P.expert_groups = q.expert_groups;
+    P.row_bytes = static_cast<int32_t>(q.in * q.bits / 8);
+    P.row_groups = static_cast<int32_t>(q.in / q.group);
+    int gsh = 0;
+    while ((32 << gsh) < q.group) ++gsh;
+    P.gsh = gsh;
+  } else {
+    const int eb = q.kind == 1 ? 2 : 4;
+    P.w0 = static_cast<const uint8_t*>(w.dense);
+    P.w1 = static_cast<const uint8_t*>(w1.dense);
+    P.expert_bytes = q.expert_elems * eb;
+    P.row_bytes = static_cast<int32_t>(q.in * eb);
+  }
+  P.dual = dual ? 1 : 0;
+  P.expert = -1;
+  return P;
+}
+
+struct Geometry {
+  int threads = 0, grid = 0;
+  size_t smem = 0;
 };
 
-template <int NR, int U>
-__global__ void __launch_bounds__(kThreads) down_kernel(const __grid_constant__ DownArgs a) {
-  extern __shared__ __align__(16) unsigned char down_smem[];
-  bf16* xs = reinterpret_cast<bf16*>(down_smem);  // [k*I + Is]: act rows, then sact
-  __shared__ float fac[kMaxTopK + 1];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, k = a.k;
-  const int64_t I = a.wd.p.in, Is = a.ws.p.in, H = a.wd.p.out;
-  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * NR;
-  const bool active = row0 < H;
-  const bool flat = a.wd.p.kind == 0 && a.ws.p.kind == 0;
-  pdl_trigger();
-  pdl_wait();  // the routing and the activations come from the previous kernel
+// Resident blocks per SM for a block of `threads` threads and `smem` bytes of dynamic shared memory.
+int blocks_per_sm(int threads, size_t smem) {
+  static int cache[kBlockWarps + 1][8] = {};
+  const int sb = static_cast<int>(std::min<size_t>(7, smem / 8192));
+  int& c = cache[threads / 32][sb];
+  if (!c) {
+    int n = 0;
+    LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_kernel, threads, (sb + 1) * 8192));
+    c = std::max(1, n);
+  }
+  return c;
+}
 
-  DRows<NR, U> r;
-  r.a = &a;
-  r.k = k;
-#pragma unroll
-  for (int i = 0; i < NR; ++i) r.row[i] = min64(row0 + i, H - 1);
-  if (flat) {
-    r.cr = static_cast<int>(I / (128 / a.wd.p.bits));
-    r.total = k * r.cr + static_cast<int>(Is / (128 / a.ws.p.bits));
-    if (active) r.load(0, lane);
+int sm_count() {
+  static int n = 0;
+  if (!n) {
+    int dev = 0;
+    LILY_CUDA_CHECK(cudaGetDevice(&dev));
+    LILY_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   }
-  // Stage the activations (the previous kernels' outputs) while the first weights are in flight.
-  if ((I % 8) == 0 && (Is % 8) == 0) {
-    const uint4* src = reinterpret_cast<const uint4*>(a.act);
-    uint4* dst = reinterpret_cast<uint4*>(xs);
-    for (int64_t i = tid; i < k * I / 8; i += kThreads) dst[i] = src[i];
-    const uint4* ss = reinterpret_cast<const uint4*>(a.sact);
-    uint4* sd = reinterpret_cast<uint4*>(xs + k * I);
-    for (int64_t i = tid; i < Is / 8; i += kThreads) sd[i] = ss[i];
-  } else {
-    for (int64_t i = tid; i < k * I; i += kThreads) xs[i] = a.act[i];
-    for (int64_t i = tid; i < Is; i += kThreads) xs[k * I + i] = a.sact[i];
-  }
-  if (tid < k) fac[tid] = a.top_w[tid];
-  if (tid == 0) fac[k] = sigmoidf_(a.sgate[0]);
-  __syncthreads();
-  if (!active) return;
+  return n;
+}
 
-  float acc[NR];
-#pragma unroll
-  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
-  if (flat) {
-    for (int f0 = 0; f0 < r.total; f0 += 32 * U) {
-      if (f0 > 0) r.load(f0, lane);
-      r.compute(f0, lane, xs, fac, acc);
-    }
+size_t smem_for(const Launch& g) {
+  const size_t nrow = static_cast<size_t>(g.mwarps) * g.tpw * kR;
+  return (static_cast<size_t>(g.slices) * 1024 + nrow * g.slices + nrow) * sizeof(float);
+}
+
+// Split K into slices, pick the tiles per warp, lay the parts' tiles out at multiples of it; returns the grid.
+Geometry plan(Launch& g, int64_t units) {
+  if (units < 1 || units > kMaxSlices * 32)
+    throw std::invalid_argument("[lily] cuda decode gemv: input of " + std::to_string(units * 32) +
+                                " elements, expected 32 to 8192");
+  g.units = static_cast<int32_t>(units);
+  g.slices = static_cast<int32_t>((units + 31) / 32);
+  g.mwarps = std::max(1, kBlockWarps / g.slices);
+  Geometry geo;
+  geo.threads = 32 * g.slices * g.mwarps;
+  const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm(geo.threads, 24 * 1024);
+  // makespan ~ waves x (tiles per warp + 1): the +1 is a warp's staging and epilogue, about one tile's time
+  int64_t best = -1;
+  for (int t = 1; t <= kMaxTpw; ++t) {
+    int64_t warps = 0;
+    if (g.kmode) warps = (g.rows + kR - 1) / kR;
+    else
+      for (int p = 0; p < g.nparts; ++p) warps += (g.part[p].tiles + t - 1) / t * t;
+    warps = (warps + t - 1) / t;
+    const int64_t blocks = (warps + g.mwarps - 1) / g.mwarps;
+    const int64_t span = (blocks + slots - 1) / slots * (t + 1);
+    if (best < 0 || span <= best) best = span, g.tpw = t;
+  }
+  int64_t tiles = 0;
+  if (g.kmode) {
+    tiles = (g.rows + kR - 1) / kR;
   } else {
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      float t = 0.f;
-      for (int j = 0; j < k; ++j) t += fac[j] * row_dot(a.wd, a.top_idx[j], r.row[i], xs + j * I, lane);
-      t += fac[k] * row_dot(a.ws, 0, r.row[i], xs + k * I, lane);
-      acc[i] = t;
+    for (int p = 0; p < g.nparts; ++p) {
+      g.part[p].first = static_cast<int32_t>(tiles);
+      tiles += (g.part[p].tiles + g.tpw - 1) / g.tpw * g.tpw;
     }
   }
-#pragma unroll
-  for (int i = 0; i < NR; ++i) acc[i] = warp_sum(acc[i]);
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < NR; ++i)
-      if (row0 + i < H) a.x[row0 + i] += acc[i];
-  }
+  geo.grid = static_cast<int>((tiles + static_cast<int64_t>(g.mwarps) * g.tpw - 1) / (static_cast<int64_t>(g.mwarps) * g.tpw));
+  geo.smem = smem_for(g);
+  return geo;
+}
+
+void launch(cudaStream_t st, const Launch& g, const Geometry& geo) {
+  if (geo.smem > 48 * 1024) throw std::logic_error("[lily] cuda decode gemv: shared memory over 48 KB");
+  launch_pdl(gemv_kernel, dim3(geo.grid), dim3(geo.threads), geo.smem, st, g);
 }
 
 }  // namespace
 
-unsigned proj_scalar(cudaStream_t st, const ProjArgs& in) {
-  ProjArgs a = in;
-  int64_t rows = 0;
+bool fits(const DLinear& w) {
+  const kp::LinearParams& p = w.p;
+  if (p.in % 32 != 0 || p.in > kMaxSlices * 1024 || p.out < 1) return false;
+  if (p.kind != 0) return p.kind == 1 || p.kind == 2;
+  if (p.bits != 4 && p.bits != 8) return false;
+  return p.group >= 32 && (p.group & (p.group - 1)) == 0 && p.in % p.group == 0;
+}
+
+bool down_fits(const DLinear& wd, const DLinear& ws) {
+  return fits(wd) && fits(ws) && fmt_of(wd.p) == fmt_of(ws.p) && wd.p.out == ws.p.out &&
+         wd.p.in + ws.p.in <= kMaxSlices * 1024;
+}
+
+int64_t head_blocks(int64_t rows) { return (rows + kR - 1) / kR; }  // at most one block per tile
+
+unsigned proj(cudaStream_t st, const ProjArgs& a) {
+  Launch g;
+  g.xmode = a.xmode, g.in = a.in, g.gdim = a.gdim, g.eps = a.eps;
+  g.xf = a.xf, g.zf = a.zf, g.nw = a.nw, g.xb = a.xb, g.h_out = a.h_out;
+  g.route = a.route, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
+  g.top_idx = a.top_idx, g.top_w = a.top_w;
+  g.conv_w = a.conv_w, g.conv_state = a.conv_state, g.u = a.u, g.conv_dim = a.conv_dim, g.conv_k = a.conv_k;
+  g.amax = a.amax;
+  if (a.xmode == kXGated && (a.gdim < 1 || a.in % a.gdim != 0 || a.in / a.gdim > kMaxHeads))
+    throw std::invalid_argument("[lily] cuda decode gemv: gated input of " + std::to_string(a.in) +
+                                " elements in heads of " + std::to_string(a.gdim) + ", expected at most 64 heads");
+  if (a.route && (a.top_k < 1 || a.top_k > kMaxTopK)) throw std::invalid_argument("[lily] cuda decode gemv: top_k");
   for (int s = 0; s < a.nseg; ++s) {
-    const Seg& g = a.seg[s];
-    if (g.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode proj: segment input length mismatch");
-    rows += static_cast<int64_t>(g.slots) * g.w0.p.out * (g.mode == kODual ? 2 : 1);
+    const Seg& sg = a.seg[s];
+    if (sg.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode gemv: segment input length mismatch");
+    if (!fits(sg.w0)) throw std::invalid_argument("[lily] cuda decode gemv: segment weight format not supported");
+    g.y[s] = sg.y, g.yb[s] = sg.yb, g.y_step[s] = sg.y_step, g.mode[s] = sg.mode;
+    const bool dual = sg.mode == kODual;
+    for (int j = 0; j < sg.slots; ++j) {
+      if (g.nparts == kMaxParts) throw std::invalid_argument("[lily] cuda decode gemv: more than 20 parts");
+      Part P = part_of(sg.w0, sg.w1, dual);
+      P.rows = static_cast<int32_t>(sg.w0.p.out);
+      P.tiles = static_cast<int32_t>(dual ? (sg.w0.p.out + 1) / 2 : (sg.w0.p.out + kR - 1) / kR);
+      P.seg = s, P.slot = j;
+      P.expert = sg.routed ? j : -1;
+      g.part[g.nparts++] = P;
+    }
   }
-  const int nr = (a.amax || rows >= 8192) ? 4 : 2;
-  int64_t w = 0;
-  for (int s = 0; s < a.nseg; ++s) {
-    Seg& g = a.seg[s];
-    const int rpw = g.mode == kODual ? nr / 2 : nr;
-    g.warps_per_slot = static_cast<int32_t>((g.w0.p.out + rpw - 1) / rpw);
-    g.warp0 = static_cast<int32_t>(w);
-    w += static_cast<int64_t>(g.slots) * g.warps_per_slot;
+  const Geometry geo = plan(g, a.in / 32);
+  launch(st, g, geo);
+  return static_cast<unsigned>(geo.grid);
+}
+
+void moe_down(cudaStream_t st, const DownArgs& a) {
+  if (!down_fits(a.wd, a.ws)) throw std::invalid_argument("[lily] cuda decode gemv: MoE down formats not supported");
+  if (a.k < 1 || a.k > kMaxTopK) throw std::invalid_argument("[lily] cuda decode gemv: top_k");
+  Launch g;
+  g.kmode = 1;
+  g.rows = static_cast<int32_t>(a.wd.p.out);
+  g.top_k = a.k, g.top_idx = const_cast<int32_t*>(a.top_idx), g.top_w = const_cast<float*>(a.top_w);
+  g.sgate = a.sgate;
+  g.xacc = a.x;
+  int32_t unit = 0;
+  for (int j = 0; j <= a.k; ++j) {
+    const DLinear& w = j < a.k ? a.wd : a.ws;
+    Part P = part_of(w, w, false);
+    P.first = unit;
+    P.xsrc = j < a.k ? a.act + static_cast<int64_t>(j) * a.wd.p.in : a.sact;
+    P.expert = j < a.k ? j : -1;
+    P.fac = j < a.k ? 1 : 2;
+    P.rows = static_cast<int32_t>(w.p.out);
+    unit += static_cast<int32_t>(w.p.in / 32);
+    g.part[g.nparts++] = P;
   }
-  const unsigned blocks = static_cast<unsigned>((w + kWarps - 1) / kWarps);
-  const size_t smem = (static_cast<size_t>(a.in) * sizeof(bf16) + 15) / 16 * 16;
-  if (nr == 4) launch_pdl(proj_kernel<4>, blocks, kThreads, smem, st, a);
-  else launch_pdl(proj_kernel<2>, blocks, kThreads, smem, st, a);
-  return blocks;
-}
-
-void moe_down_scalar(cudaStream_t st, const DownArgs& a) {
-  constexpr int NR = 2, U = 4;
-  const int64_t H = a.wd.p.out;
-  const unsigned blocks = static_cast<unsigned>(((H + NR - 1) / NR + kWarps - 1) / kWarps);
-  const size_t smem = ((a.k * a.wd.p.in + a.ws.p.in) * sizeof(bf16) + 15) / 16 * 16;
-  launch_pdl(down_kernel<NR, U>, blocks, kThreads, smem, st, a);
-}
-
-// impl 3 (auto) takes what measured fastest per kernel on the H200 (benchmarks/kernels/check_decode.cu, with
-// PDL, 2026-11-30): per-warp rings for the projections (lm_head 122 vs 170 us on scalar lanes, the others equal
-// or slightly faster), scalar lanes for the routed experts' gate/up (6.8 vs 8.2 us: their weight loads go out
-// before the routing, which the ring cannot do), the bulk-copy MoE down (7.4 vs 15.3 us).
-unsigned proj(cudaStream_t st, const ProjArgs& a, int impl) {
-  if ((impl == 4 || (impl == 3 && !a.route)) && ring_launch_ok(a)) return proj_ring(st, a);
-  if (impl == 2 && bulk_launch_ok(a)) return proj_bulk(st, a);
-  return impl == 1 || (impl == 2 && a.in % kGroup == 0) ? proj_tc(st, a) : proj_scalar(st, a);
-}
-
-void moe_down(cudaStream_t st, const DownArgs& a, int impl) {
-  if (impl >= 2 && bulk_down_ok(a)) return moe_down_bulk(st, a);
-  const bool ok = impl >= 1 && tc_ok(a.wd.p) && tc_ok(a.ws.p) && a.k <= kMaxTopK;
-  if (!ok) return moe_down_scalar(st, a);
-  moe_down_tc(st, a);
+  const Geometry geo = plan(g, unit);
+  launch(st, g, geo);
 }
 
 }  // namespace lily::cuda::gemv

@@ -1,14 +1,15 @@
 // The decode GEMVs (one token): fused projections of the CUDA backend's decode step, fewer launches per step and
-// no host work inside it, so the whole step can be captured as one CUDA graph (backend_cuda.cu). Entry points:
-// proj and moe_down (gemv.cu), which pick an implementation by `impl` (flag gemv_impl).
+// no host work inside it, so the whole step can be captured as one CUDA graph (backend_cuda.cu). One kernel
+// (gemv.cu) serves both entry points:
 //
-//   proj   : y = x W^T over up to kMaxSegs weight matrices that read the same input row ("segments", row
-//            ranges of one launch), with the input staged in shared memory by a prologue that also does the
-//            producer's normalisation: RMSNorm of the fp32 residual, the DeltaNet gated RMSNorm, or a plain
-//            bf16 copy. Output per segment: store, accumulate (residual add), SiLU(gate)*up (bf16), or the
-//            DeltaNet causal conv + SiLU with its state update. Optional routing prologue (softmax top-k
-//            of the router logits; segment slot j reads expert top_idx[j]) and block argmax (greedy head).
-//   down   : x[r] += sum_j w_j (act_j . Wdown[e_j][r]) + sigmoid(g) (sact . Wsh_down[r])  (MoE combine fused)
+//   proj     : y = x W^T over up to kMaxSegs weight matrices that read the same input row ("segments", row
+//              ranges of one launch), with the input staged in shared memory by a prologue that also does the
+//              producer's normalisation: RMSNorm of the fp32 residual, the DeltaNet gated RMSNorm, or a plain
+//              bf16 copy. Output per segment: store, accumulate (residual add), SiLU(gate)*up (bf16), or the
+//              DeltaNet causal conv + SiLU with its state update. Optional routing prologue (softmax top-k
+//              of the router logits; segment slot j reads expert top_idx[j]) and block argmax (greedy head).
+//   moe_down : x[r] += sum_j w_j (act_j . Wdown[e_j][r]) + sigmoid(g) (sact . Wsh_down[r])  (MoE combine fused):
+//              the same kernel with the experts' rows side by side along K.
 // (The one-token DeltaNet scan is deltanet.cu's deltanet_step; the greedy head's argmax sample.cu's
 // argmax_from_block_keys.)
 #pragma once
@@ -29,8 +30,6 @@ struct Seg {
   int32_t mode = kOStore;
   int32_t routed = 0;    // 1: slot j uses expert top_idx[j] (routing prologue); 0: expert 0
   int32_t slots = 1;     // copies of the segment over slots (experts); output slot j at y + j * y_step
-  int32_t warp0 = 0;     // first global warp of the segment (filled by the launcher)
-  int32_t warps_per_slot = 0;
   int32_t pad_ = 0;
   int64_t y_step = 0;
 };
@@ -73,28 +72,16 @@ struct DownArgs {
   int32_t k = 0;
 };
 
-// Launchers (stream-ordered, no synchronisation), all with programmatic dependent launch (PDL): a kernel may start
-// while its predecessor finishes; every decode kernel waits before reading its inputs.
-//   proj: 4-bit segments on the tensor cores in 16-row blocks (other formats on scalar lanes within the same
-//   launch), or everything on scalar lanes. Returns the number of blocks launched: the length of the amax array the greedy head writes.
-//   impl: 0 scalar lanes (gemv.cu), 1 tensor cores with register loads (gemv_tc.cu), 2 tensor cores fed by
-//   the bulk copy engine (gemv_bulk.cu; falls back to 1 for launches it cannot take), 3 auto: the fastest
-//   measured per kernel (rings for the projections but the routed experts on scalar lanes, bulk MoE down),
-//   4 per-warp cp.async rings (gemv_ring.cu) for every projection and the bulk MoE down.
-unsigned proj(cudaStream_t st, const ProjArgs& a, int impl);
-unsigned proj_scalar(cudaStream_t st, const ProjArgs& a);
-unsigned proj_tc(cudaStream_t st, const ProjArgs& a);
-unsigned proj_bulk(cudaStream_t st, const ProjArgs& a);
-unsigned proj_ring(cudaStream_t st, const ProjArgs& a);
-bool ring_launch_ok(const ProjArgs& a);
-bool bulk_launch_ok(const ProjArgs& a);
-void moe_down(cudaStream_t st, const DownArgs& a, int impl);
-void moe_down_scalar(cudaStream_t st, const DownArgs& a);
-void moe_down_bulk(cudaStream_t st, const DownArgs& a);
-void moe_down_tc(cudaStream_t st, const DownArgs& a);
-bool bulk_down_ok(const DownArgs& a);
-// Whether the tensor-core path takes this weight: MLX 4-bit, group 64.
-bool tc_format(const DLinear& w);
-// Upper bound of the blocks of the greedy head over either proj path (the size of the amax array).
+// Launchers (stream-ordered, no synchronisation), with programmatic dependent launch (PDL): a kernel starts while
+// its predecessor finishes and issues its first weight loads (which never depend on it) before it waits.
+// proj returns the number of blocks launched: the length of the amax array the greedy head writes.
+unsigned proj(cudaStream_t st, const ProjArgs& a);
+void moe_down(cudaStream_t st, const DownArgs& a);
+// Whether the decode GEMV takes this weight: MLX affine 4- or 8-bit with a power-of-two group >= 32, or dense
+// bf16 / fp32, and an input length that is a multiple of 32 (at most 8192).
+bool fits(const DLinear& w);
+// Whether moe_down takes this pair (both fit and share one format: the kernel's lanes stream them side by side).
+bool down_fits(const DLinear& wd, const DLinear& ws);
+// Upper bound of the blocks proj launches for `rows` output rows (the size of the greedy head's amax array).
 int64_t head_blocks(int64_t rows);
 }  // namespace lily::cuda::gemv

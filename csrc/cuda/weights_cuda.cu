@@ -90,8 +90,14 @@ bool same_format(const DLinear& a, const DLinear& b) {
 
 bool fused_decode_fits(const Config& cfg, const DeviceWeights& w) {
   if (cfg.top_k > gemv::kMaxTopK || cfg.n_experts > 256) return false;
-  for (const DeviceLayer& L : w.layers)
+  if (!gemv::fits(w.lm_head)) return false;
+  for (const DeviceLayer& L : w.layers) {
     if (!same_format(L.gate, L.up) || !same_format(L.sh_gate, L.sh_up)) return false;
+    if (!gemv::down_fits(L.down, L.sh_down)) return false;
+    for (const DLinear* m : {&L.qkv, &L.z, &L.b, &L.a, &L.out, &L.q, &L.k, &L.v, &L.o, &L.router, &L.gate,
+                             &L.sh_gate, &L.sh_expert_gate})
+      if ((m->codes || m->dense) && !gemv::fits(*m)) return false;  // null: absent in this layer type
+  }
   return true;
 }
 

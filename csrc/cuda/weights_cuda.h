@@ -30,8 +30,9 @@ struct DeviceWeights {
 // Copies every tensor of w to device memory of mem (synchronously).
 DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem);
 
-// Whether the fused decode kernels (gemv.cuh) take this model: top_k <= gemv::kMaxTopK, <= 256 experts, and the
-// gate/up pairs (routed and shared) in one format (a dual segment reads both with one layout).
+// Whether the fused decode kernels (gemv.cuh) take this model: top_k <= gemv::kMaxTopK, <= 256 experts, every
+// decode projection in a format the decode GEMV takes (gemv::fits, gemv::down_fits), and the gate/up pairs (routed
+// and shared) in one format (a dual segment reads both with one layout). Otherwise decode runs the unfused ops.
 bool fused_decode_fits(const Config& cfg, const DeviceWeights& w);
 
 }  // namespace lily::cuda
