@@ -114,6 +114,60 @@ quick)  # the decode GEMV's twin check + the whole-model checks + one before/aft
   fi
   cp "$LOG/kernels/check_decode.txt" "$LOG/cuda_check.txt" "$OUT/" 2>/dev/null
   ;;
+final)  # one call, sequential, most important first; a step starts only if DEADLINE seconds are not yet spent
+  DEADLINE=${DEADLINE:-560}
+  go() { [ "$(el)" -lt "$1" ] || { SUMMARY+=("$2: not run (time)"); return 1; }; }
+  PREBUILT=1 KBIN=.h200/kdec OUT=$LOG/kernels timeout 60 bash benchmarks/kernels/run.sh decode > "$LOG/kernels.txt" 2>&1
+  SUMMARY+=("check_decode rc=$?: $(grep -m1 '^SUMMARY' "$LOG/kernels/check_decode.txt")")
+  grep -E "^(FAIL|TIME)" "$LOG/kernels/check_decode.txt" | cut -c1-150 | head -20
+  echo "[$(el)s] check_decode"
+  timeout 120 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
+    --no-bundled --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
+  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
+  grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-200 | head -8
+  echo "[$(el)s] cuda_check"
+  for cfg in tiny_odd tiny_dk_ne_dv; do
+    for tool in memcheck racecheck; do
+      go $((DEADLINE - 200)) "$tool $cfg" || continue
+      timeout 100 "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+        --no-bundled > "$LOG/${tool}_$cfg.txt" 2>&1
+      SUMMARY+=("$tool $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${tool}_$cfg.txt")")
+      echo "[$(el)s] $tool $cfg"
+    done
+  done
+  if go $((DEADLINE - 150)) "compare_builds" && install_ext .before .h200/before build/h200_before; then
+    timeout 100 python3 dev/compare_builds.py --builds before=.before/src,after=src --rounds 1 \
+      --out "$OUT/compare_builds_h200.json" > "$LOG/compare.txt" 2>&1
+    SUMMARY+=("compare_builds rc=$?"); tail -10 "$LOG/compare.txt"
+    echo "[$(el)s] compare_builds"
+  fi
+  CK=/tmp/full35b
+  python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
+  if go $((DEADLINE - 110)) "full-size envelope"; then
+    timeout 110 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
+      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
+    SUMMARY+=("full-size envelope rc=$?: $(tail -1 "$LOG/cuda_check_full.txt")")
+    echo "[$(el)s] envelope"
+  fi
+  if go $((DEADLINE - 60)) "ncu"; then  # the decode GEMV alone at the real shapes: the first (warm-up) launch of each
+    # TIME row of check_decode (26 = after the 25 checked launches; 63 launches per timed shape)
+    timeout 60 ncu --clock-control none --cache-control all \
+      --kernel-id "::regex:gemv_kernel:regex:^(26|89|152|215|278|341|404)$" \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
+      --csv --page raw .h200/kdec/check_decode > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
+    SUMMARY+=("ncu gemv rc=$?")
+    printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
+    grep -E '^"(ID|[0-9])' "$LOG/ncu_gemv.csv" > /dev/null && python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+  fi
+  if go $((DEADLINE - 45)) "bench generate"; then
+    timeout 60 python3 benchmarks/bench_cuda.py --checkpoint $CK --lengths 4096 --no-mlx --no-ablations \
+      --budget-s 50 --out "$LOG" --name bench_cuda_generate_h200 > "$LOG/bench_generate.txt" 2>&1
+    SUMMARY+=("bench_cuda (generate rows) rc=$?")
+    grep -E "decode|family|gemv" "$LOG/bench_generate.txt" | tail -14
+    cp "$LOG"/bench_cuda_generate_h200.json "$OUT/" 2>/dev/null
+  fi
+  cp "$LOG/kernels/check_decode.txt" "$LOG/cuda_check.txt" "$OUT/" 2>/dev/null
+  ;;
 bench)
   [ -d .before ] || { echo "no .before tree: see the header"; exit 1; }
   install_ext .before .h200/before build/h200_before || { echo "BEFORE BUILD FAILED"; exit 1; }

@@ -15,8 +15,8 @@
 // Dequantisation without int -> float conversions. A code q placed in the mantissa of 1.0f at bit p is the float
 // 1 + q 2^(p-23): 4-bit nibbles go to bits 16-19 (even nibbles: 1 + q/128) or 12-15 (odd: 1 + q/2048) with one
 // LOP3 each (the shifted copies v << 8, v >> 8, rot16(v) hold all 8 nibbles at those windows), 8-bit bytes to
-// bits 8-15 with one PRMT (1 + q/32768). Two accumulators per row (even / odd windows) take fma(f, x, acc), so
-//   sum q x = 128 (acc_e - X_e) + 2048 (acc_o - X_o)   (4-bit),   32768 (acc - X) (8-bit),
+// bits 15-22 with a shift and a LOP3 (1 + q/256). Two accumulators per row (even / odd windows) take fma(f, x, acc), so
+//   sum q x = 128 (acc_e - X_e) + 2048 (acc_o - X_o)   (4-bit),   256 (acc - X) (8-bit),
 // with X_e, X_o the lane's sums of x over its unit's even / odd positions, computed once per lane; the group
 // term is s * sum q x + b * X. x is fp32 in shared memory, lane-major ([slice][8 float4][lane]: a warp's LDS.128
 // reads 512 consecutive bytes, conflict-free), already multiplied by the part's factor (K mode).
@@ -138,20 +138,23 @@ __device__ __forceinline__ float unit_dot(const uint4 (&q)[FmtTraits<FMT>::kVec]
     }
     return fmaf(u16f(s), fmaf(128.f, ae - xe, 2048.f * (ao - xo)), u16f(b) * xa);
   } else if constexpr (FMT == kQ8) {
+    // byte j -> bits 15-22 (1 + q/256): a shift and one LOP3 (a PRMT to bits 8-15 is one instruction but leaves
+    // 1 + q/32768, 8 bits of the accumulator's mantissa lost to the constant part; this is the small router)
     float a = 0.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t w4[4] = {q[h].x, q[h].y, q[h].z, q[h].w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
+        const uint32_t v = w4[w];
         const float* xp = x + 16 * h + 4 * w;
-        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7604)), xp[0], a);
-        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7614)), xp[1], a);
-        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7624)), xp[2], a);
-        a = fmaf(__uint_as_float(__byte_perm(w4[w], kOne, 0x7634)), xp[3], a);
+        a = fmaf(mask_one<0x007F8000u>(v << 15), xp[0], a);
+        a = fmaf(mask_one<0x007F8000u>(v << 7), xp[1], a);
+        a = fmaf(mask_one<0x007F8000u>(v >> 1), xp[2], a);
+        a = fmaf(mask_one<0x007F8000u>(v >> 9), xp[3], a);
       }
     }
-    return fmaf(u16f(s), 32768.f * (a - xa), u16f(b) * xa);
+    return fmaf(u16f(s), 256.f * (a - xa), u16f(b) * xa);
   } else if constexpr (FMT == kBF16) {
     float a = 0.f;
 #pragma unroll
@@ -241,12 +244,6 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
 }
 
-// Position of input element i in the lane-major x layout (floats).
-__device__ __forceinline__ int xpos(int i) {
-  const int unit = i >> 5, k = i & 31;
-  return (((unit >> 5) * 8 + (k >> 2)) * 32 + (unit & 31)) * 4 + (k & 3);
-}
-
 struct Smem {  // the statically sized part of the kernel's shared memory
   float red[kBlockWarps];
   float inv[kMaxHeads];
@@ -275,7 +272,11 @@ __device__ void stage(const Launch& g, float* xs, Smem& sm) {
     }
   } else if (g.xmode == kXNorm) {
     float ss = 0.f;
-    for (int i = tid; i < n; i += nth) ss += g.xf[i] * g.xf[i];
+#pragma unroll 4
+    for (int i = 4 * tid; i < n; i += 4 * nth) {
+      const float4 t = *reinterpret_cast<const float4*>(g.xf + i);
+      ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+    }
     ss = warp_sum(ss);
     if (lane == 0) sm.red[warp] = ss;
     __syncthreads();
@@ -285,36 +286,82 @@ __device__ void stage(const Launch& g, float* xs, Smem& sm) {
       if (lane == 0) sm.inv[0] = rsqrtf(v / static_cast<float>(n) + g.eps);
     }
   } else if (g.xmode == kXGated) {
+#pragma unroll 4
     for (int h = warp; h < n / g.gdim; h += nw) {
       const float* yr = g.xf + static_cast<int64_t>(h) * g.gdim;
       float ss = 0.f;
-      for (int i = lane; i < g.gdim; i += 32) ss += yr[i] * yr[i];
+      for (int i = 4 * lane; i < g.gdim; i += 128) {
+        const float4 t = *reinterpret_cast<const float4*>(yr + i);
+        ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+      }
       ss = warp_sum(ss);
       if (lane == 0) sm.inv[h] = 1.f / sqrtf(ss / static_cast<float>(g.gdim) + g.eps);
     }
   }
   __syncthreads();
+  // 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued
+  // before any is used: a step that waited for its load before the next would pay an L2 round trip each.
+  constexpr int kStageUnroll = 2;
   const bool write_h = g.h_out != nullptr && blockIdx.x == 0;
-  for (int i = tid; i < g.slices * 1024; i += nth) {
-    float v = 0.f;
-    if (i < n) {
+  const int groups = g.slices * 128;
+  for (int base = tid; base < groups; base += kStageUnroll * nth) {
+    uint4 raw[kStageUnroll][2];
+    float fac[kStageUnroll];
+#pragma unroll
+    for (int r = 0; r < kStageUnroll; ++r) {
+      const int i = (base + r * nth) * 8;
+      fac[r] = 1.f;
+      raw[r][0] = raw[r][1] = make_uint4(0u, 0u, 0u, 0u);
+      if (base + r * nth >= groups || i >= n) continue;
       if (g.kmode) {
         int p = 0;
         while (p + 1 < g.nparts && (i >> 5) >= g.part[p + 1].first) ++p;
-        v = __bfloat162float(g.part[p].xsrc[i - g.part[p].first * 32]) * sm.fac[p];
+        raw[r][0] = *reinterpret_cast<const uint4*>(g.part[p].xsrc + (i - g.part[p].first * 32));
+        fac[r] = sm.fac[p];
       } else if (g.xmode == kXBf16) {
-        v = __bfloat162float(g.xb[i]);
-      } else if (g.xmode == kXNorm) {
-        const bf16 h = __float2bfloat16(g.xf[i] * sm.inv[0] * g.nw[i]);
-        if (write_h) g.h_out[i] = h;
-        v = __bfloat162float(h);
+        raw[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
       } else {
-        const int hd = i / g.gdim, c = i - hd * g.gdim;
-        const float zz = g.zf[i];
-        v = __bfloat162float(__float2bfloat16(g.xf[i] * sm.inv[hd] * g.nw[c] * (zz / (1.f + expf(-zz)))));
+        raw[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
+        raw[r][1] = *reinterpret_cast<const uint4*>(g.xf + i + 4);
       }
     }
-    xs[xpos(i)] = v;
+#pragma unroll
+    for (int r = 0; r < kStageUnroll; ++r) {
+      const int i = (base + r * nth) * 8;
+      if (base + r * nth >= groups) continue;
+      float v[8];
+      const uint32_t w8[8] = {raw[r][0].x, raw[r][0].y, raw[r][0].z, raw[r][0].w,
+                              raw[r][1].x, raw[r][1].y, raw[r][1].z, raw[r][1].w};
+      if (i >= n) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = 0.f;
+      } else if (g.kmode || g.xmode == kXBf16) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          v[2 * k] = __uint_as_float(w8[k] << 16) * fac[r];
+          v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * fac[r];
+        }
+      } else if (g.xmode == kXNorm) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * g.nw[i + k]);
+          if (write_h) g.h_out[i + k] = h;
+          v[k] = __bfloat162float(h);
+        }
+      } else {  // gated: a group of 8 never straddles a head (gdim % 8 == 0)
+        const int hd = i / g.gdim, c = i - hd * g.gdim;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float zz = g.zf[i + k];
+          v[k] = __bfloat162float(
+              __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[hd] * g.nw[c + k] * (zz / (1.f + expf(-zz)))));
+        }
+      }
+      // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
+      float4* dst = reinterpret_cast<float4*>(xs) + ((i >> 10) * 8 + ((i & 31) >> 2)) * 32 + ((i >> 5) & 31);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[32] = make_float4(v[4], v[5], v[6], v[7]);
+    }
   }
 }
 
@@ -612,9 +659,10 @@ unsigned proj(cudaStream_t st, const ProjArgs& a) {
   g.top_idx = a.top_idx, g.top_w = a.top_w;
   g.conv_w = a.conv_w, g.conv_state = a.conv_state, g.u = a.u, g.conv_dim = a.conv_dim, g.conv_k = a.conv_k;
   g.amax = a.amax;
-  if (a.xmode == kXGated && (a.gdim < 1 || a.in % a.gdim != 0 || a.in / a.gdim > kMaxHeads))
+  if (a.xmode == kXGated && (a.gdim < 8 || a.gdim % 8 != 0 || a.in % a.gdim != 0 || a.in / a.gdim > kMaxHeads))
     throw std::invalid_argument("[lily] cuda decode gemv: gated input of " + std::to_string(a.in) +
-                                " elements in heads of " + std::to_string(a.gdim) + ", expected at most 64 heads");
+                                " elements in heads of " + std::to_string(a.gdim) +
+                                ", expected at most 64 heads of a multiple of 8");
   if (a.route && (a.top_k < 1 || a.top_k > kMaxTopK)) throw std::invalid_argument("[lily] cuda decode gemv: top_k");
   for (int s = 0; s < a.nseg; ++s) {
     const Seg& sg = a.seg[s];

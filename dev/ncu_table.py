@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Per-launch table from `ncu --csv --page raw` (units read from the CSV's units row, not assumed).
+usage: ncu_table.py NCU_CSV [LABELS]  -> markdown: label (or kernel), grid x block, us, DRAM MB read, GB/s,
+DRAM % of peak, warps active %, registers, top two stall reasons (share of PC samples). LABELS: a file with one
+label per profiled launch, in launch order (optional)."""
+import csv
+import sys
+
+TIME_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+BYTES_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
+PRE = "smsp__pcsamp_warps_issue_stalled_"
+
+
+def load(path):
+    rd = list(csv.DictReader(open(path)))
+    units = next((r for r in rd if not r.get("ID", "").strip()), {})
+    rows = [r for r in rd if r.get("ID", "").strip().isdigit()]
+    return rows, units
+
+
+def num(r, k):
+    try:
+        return float(r.get(k, "nan").replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def main():
+    rows, units = load(sys.argv[1])
+    labels = [ln.strip() for ln in open(sys.argv[2])] if len(sys.argv) > 2 else []
+    tu = TIME_US.get(units.get("gpu__time_duration.sum", "ns"), 1e-3)
+    bu = BYTES_MB.get(units.get("dram__bytes_read.sum", "byte"), 1e-6)
+    print("| launch | grid x block | us | DRAM MB read | GB/s | DRAM % peak | warps active % | regs | top stalls |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for i, r in enumerate(rows):
+        us = num(r, "gpu__time_duration.sum") * tu
+        mb = num(r, "dram__bytes_read.sum") * bu
+        st = {k[len(PRE):]: num(r, k) for k in r if k.startswith(PRE) and "not_issued" not in k}
+        tot = sum(v for v in st.values() if v == v) or 1
+        top = sorted(((v, k) for k, v in st.items() if v == v and k != "selected"), reverse=True)[:2]
+        tops = ", ".join(f"{k} {100 * v / tot:.0f}%" for v, k in top)
+        name = labels[i] if i < len(labels) else r.get("Kernel Name", "?")[:40]
+        grid = f"{r.get('Grid Size', '?')} x {r.get('Block Size', '?')}".replace(", 1, 1)", ")")
+        print(f"| {name} | {grid} | {us:.2f} | {mb:.2f} | {mb * 1e3 / us if us else 0:.0f} | "
+              f"{num(r, 'dram__throughput.avg.pct_of_peak_sustained_elapsed'):.1f} | "
+              f"{num(r, 'sm__warps_active.avg.pct_of_peak_sustained_active'):.1f} | "
+              f"{num(r, 'launch__registers_per_thread'):.0f} | {tops} |")
+
+
+if __name__ == "__main__":
+    main()
