@@ -129,7 +129,7 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
   for cfg in tiny_odd tiny_dk_ne_dv; do
     for tool in memcheck racecheck; do
       go $((DEADLINE - 200)) "$tool $cfg" || continue
-      timeout 100 "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+      timeout $([ $tool = racecheck ] && echo 300 || echo 100) "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
         --no-bundled > "$LOG/${tool}_$cfg.txt" 2>&1
       SUMMARY+=("$tool $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${tool}_$cfg.txt")")
       echo "[$(el)s] $tool $cfg"
@@ -143,21 +143,19 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
   fi
   CK=/tmp/full35b
   python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
-  if go $((DEADLINE - 110)) "full-size envelope"; then
-    timeout 110 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
+  if go $((DEADLINE - 200)) "full-size envelope"; then
+    timeout 200 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
       --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
     SUMMARY+=("full-size envelope rc=$?: $(tail -1 "$LOG/cuda_check_full.txt")")
     echo "[$(el)s] envelope"
   fi
-  if go $((DEADLINE - 60)) "ncu"; then  # the decode GEMV alone at the real shapes: the first (warm-up) launch of each
-    # TIME row of check_decode (26 = after the 25 checked launches; 63 launches per timed shape)
-    timeout 60 ncu --clock-control none --cache-control all \
-      --kernel-id "::regex:gemv_kernel:regex:^(26|89|152|215|278|341|404)$" \
+  if go $((DEADLINE - 60)) "ncu"; then  # the decode GEMV alone at the real shapes: check_decode --profile
+    timeout 60 ncu --clock-control none --cache-control all --kernel-name regex:gemv_kernel \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
-      --csv --page raw .h200/kdec/check_decode > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
+      --csv --page raw .h200/kdec/check_decode --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
     SUMMARY+=("ncu gemv rc=$?")
     printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
-    grep -E '^"(ID|[0-9])' "$LOG/ncu_gemv.csv" > /dev/null && python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+    python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
   fi
   if go $((DEADLINE - 45)) "bench generate"; then
     timeout 60 python3 benchmarks/bench_cuda.py --checkpoint $CK --lengths 4096 --no-mlx --no-ablations \

@@ -23,6 +23,8 @@ using namespace lily::cuda;
 
 static std::mt19937_64 rng(std::chrono::steady_clock::now().time_since_epoch().count());
 static int n_pass = 0, n_total = 0;
+// --profile: no checks, one launch per timed shape (for ncu: `ncu --kernel-name regex:gemv_kernel ... --profile`)
+static int g_warm = 3, g_reps = 60;
 
 static uint16_t f2bf(float f) {
   uint32_t u;
@@ -270,11 +272,11 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
     }
   }
   // every decode launch carries the PDL attribute (as in the step): back-to-back launches overlap their tails
-  for (int i = 0; i < 3; ++i) proj(0, args[i % copies]);
+  for (int i = 0; i < g_warm; ++i) proj(0, args[i % copies]);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  const int reps = 60;
+  const int reps = g_reps;
   cudaEventRecord(e0);
   for (int i = 0; i < reps; ++i) proj(0, args[i % copies]);
   cudaEventRecord(e1);
@@ -348,11 +350,11 @@ static void time_down() {
     a.x = x, a.k = k;
   }
   const double bytes = (k + 1) * H * I * (0.5 + 4.0 / 64);
-  for (int i = 0; i < 3; ++i) moe_down(0, args[i % copies]);
+  for (int i = 0; i < g_warm; ++i) moe_down(0, args[i % copies]);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  const int reps = 60;
+  const int reps = g_reps;
   cudaEventRecord(e0);
   for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies]);
   cudaEventRecord(e1);
@@ -363,37 +365,41 @@ static void time_down() {
               bytes / (ms / reps) / 1e9);
 }
 
-int main() {
+int main(int argc, char** argv) {
   using namespace lily::cuda::gemv;
+  const bool profile = argc > 1 && std::strcmp(argv[1], "--profile") == 0;
+  if (profile) g_warm = 0, g_reps = 1;
   int dev = 0;
   cudaDeviceProp prop;
   LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  check_proj("store", 2048, {8192, 4096, 32, 32}, kOStore);
-  check_proj("store", 64, {1, 17}, kOStore);
-  check_proj("store", 192, {33}, kOStore);
-  check_proj("accum", 4096, {2048}, kOAccum);
-  check_proj("accum", 576, {5}, kOAccum);
-  check_proj("dual", 2048, {512}, kODual);
-  check_proj("dual", 128, {7, 16}, kODual);
-  check_proj("store", 512, {1, 17, 40}, kOStore);
-  check_proj("dual", 1024, {3, 40}, kODual);
-  check_proj("accum", 1536, {31}, kOAccum);
-  check_proj("store", 2048, {256, 1}, kOStore, {8, 8});            // router + shared-expert gate (8-bit)
-  check_proj("store", 2048, {256}, kOStore, {8});
-  check_proj("store", 2048, {256, 512, 1}, kOStore, {8, 4, 8});    // the MoE entry's mix of formats
-  check_proj("store", 128, {5, 3}, kOStore, {8, 16});
-  check_proj("store", 160, {128, 7}, kOStore, {16, 16});           // dense (in not a multiple of 64)
-  check_proj("accum", 96, {128}, kOAccum, {16});
-  check_proj("dual", 96, {9}, kODual, {16});
-  check_proj("store", 8192, {33}, kOStore);                        // the longest input: 8 slices
-  check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
-  check_down(2048, 512, 8, 256);
-  check_down(96, 128, 3, 5);
-  check_down(17, 64, 1, 1);
-  check_down(40, 512, 3, 7);
-  check_down(128, 96, 3, 3, 16, 160);                              // tiny_odd's dense experts
-  check_down(64, 128, 2, 4, 8);
+  if (!profile) {
+    check_proj("store", 2048, {8192, 4096, 32, 32}, kOStore);
+    check_proj("store", 64, {1, 17}, kOStore);
+    check_proj("store", 192, {33}, kOStore);
+    check_proj("accum", 4096, {2048}, kOAccum);
+    check_proj("accum", 576, {5}, kOAccum);
+    check_proj("dual", 2048, {512}, kODual);
+    check_proj("dual", 128, {7, 16}, kODual);
+    check_proj("store", 512, {1, 17, 40}, kOStore);
+    check_proj("dual", 1024, {3, 40}, kODual);
+    check_proj("accum", 1536, {31}, kOAccum);
+    check_proj("store", 2048, {256, 1}, kOStore, {8, 8});            // router + shared-expert gate (8-bit)
+    check_proj("store", 2048, {256}, kOStore, {8});
+    check_proj("store", 2048, {256, 512, 1}, kOStore, {8, 4, 8});    // the MoE entry's mix of formats
+    check_proj("store", 128, {5, 3}, kOStore, {8, 16});
+    check_proj("store", 160, {128, 7}, kOStore, {16, 16});           // dense (in not a multiple of 64)
+    check_proj("accum", 96, {128}, kOAccum, {16});
+    check_proj("dual", 96, {9}, kODual, {16});
+    check_proj("store", 8192, {33}, kOStore);                        // the longest input: 8 slices
+    check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
+    check_down(2048, 512, 8, 256);
+    check_down(96, 128, 3, 5);
+    check_down(17, 64, 1, 1);
+    check_down(40, 512, 3, 7);
+    check_down(128, 96, 3, 3, 16, 160);                              // tiny_odd's dense experts
+    check_down(64, 128, 2, 4, 8);
+  }
   // Real decode shapes; copies so the rotated weights exceed the L2.
   time_proj("dn in-proj qkv+z+b+a", 2048, {8192, 4096, 32, 32}, kOStore, 8);
   time_proj("dn out-proj (accum)", 4096, {2048}, kOAccum, 24);
@@ -402,6 +408,7 @@ int main() {
   time_proj("lm_head 248320", 2048, {248320}, kOStore, 2);
   time_proj("attn q+k+v", 2048, {8192, 512, 512}, kOStore, 8);
   time_down();
+  if (profile) return 0;
   time_read(286LL << 20);
   time_read(14LL << 20);
   std::printf("SUMMARY decode_gemv %d/%d\n", n_pass, n_total);
