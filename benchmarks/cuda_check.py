@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--full-tokens", type=int, default=192)
     ap.add_argument("--env-positions", type=int, default=96, help="positions of the bf16 reference envelope")
     ap.add_argument("--threads", type=int, default=0, help="CPU engine threads for --full (0 = all cores)")
+    ap.add_argument("--progress", action="store_true",
+                    help="print each check as it completes (the sanitizers' runs: a timeout then shows where)")
     ap.add_argument("--no-bundled", action="store_true",
                     help="skip the bundled model's session-sampling check (the sanitizers' runs: its model load "
                     "and generations take minutes under racecheck; the configs' own sampler checks still run)")
@@ -60,7 +62,8 @@ def main():
     for name in names:
         t0 = time.time()
         try:
-            check_config(name, cfgs[name], args.tokens, results)
+            check_config(name, cfgs[name], args.tokens, results,
+                         progress=(lambda ln: print(ln, flush=True)) if args.progress else None)
         except Exception as e:  # one failing config must not hide the others
             results.append({"config": name, "check": "exception", "pass": False, "error": repr(e)})
         print(f"[{name}] {time.time() - t0:.1f}s", flush=True)

@@ -71,7 +71,7 @@ verify)
   echo "[$(el)s] gemv_lab ncu"
   # 2. correctness, in parallel (four lanes; nothing here is timed)
   san() {  # san TOOL CFG TIMEOUT
-    timeout "$3" "$CS" --tool "$1" --error-exitcode 9 python3 benchmarks/cuda_check.py --configs "$2" --tokens 12 \
+    timeout "$3" "$CS" --tool "$1" --error-exitcode 9 python3 benchmarks/cuda_check.py --configs "$2" --tokens 12 --progress \
       --no-bundled > "$LOG/${1}_$2.txt" 2>&1
     echo "$1 $2 rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${1}_$2.txt")" > "$LOG/${1}_$2.sum"
   }
@@ -129,7 +129,7 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
   for cfg in tiny_odd tiny_dk_ne_dv; do
     for tool in memcheck racecheck; do
       go $((DEADLINE - 200)) "$tool $cfg" || continue
-      timeout $([ $tool = racecheck ] && echo 300 || echo 100) "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+      timeout $([ $tool = racecheck ] && echo 300 || echo 100) "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 --progress \
         --no-bundled > "$LOG/${tool}_$cfg.txt" 2>&1
       SUMMARY+=("$tool $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${tool}_$cfg.txt")")
       echo "[$(el)s] $tool $cfg"

@@ -73,9 +73,15 @@ def forward_decode(eng, tokens, n_prefill):
     return np.concatenate(rows), st
 
 
-def check_config(name, cfg, T, results):
+def check_config(name, cfg, T, results, progress=None):
+    """The whole-model checks of one config into `results`; progress(line), if given, gets one line per check as
+    it completes (with the seconds since the start), so a run cut short by a timeout (a sanitizer's) shows where."""
+    t_start = time.time()
+
     def add(check, ok, **fig):
         results.append({"config": name, "check": check, "pass": bool(ok), **fig})
+        if progress is not None:
+            progress(f"  {name}: {check}: {'PASS' if ok else 'FAIL'} ({time.time() - t_start:.1f}s)")
 
     tensors, quant = random_weights(cfg, seed=11)
     max_ctx = max(T, FORMS_TOKENS) + 8
