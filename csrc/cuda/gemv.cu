@@ -253,10 +253,13 @@ struct Smem {  // the statically sized part of the kernel's shared memory
   unsigned long long key;
 };
 
-// The input row into shared memory (fp32, lane-major, zero past its end) with the producer's normalisation (same
-// arithmetic as rms_norm_kernel and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds
-// it), and the routing: the prologue (row mode) or the previous kernel's ids (K mode).
-__device__ void stage(const Launch& g, float* xs, Smem& sm) {
+// Staging, in two halves with a block barrier between them (the caller's): stage_prologue is what the routed
+// parts' weight loads and the element loop depend on (the routing: the prologue in row mode or the previous
+// kernel's ids in K mode; the K parts' factors; the norms' reductions); stage_rows writes the input row into shared
+// memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel
+// and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
+// parts issue their first weight loads, so those are in flight while the row is staged.
+__device__ void stage_prologue(const Launch& g, Smem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
   const int n = g.kmode ? g.units * 32 : g.in;
   if (g.route && warp == 0) {
@@ -298,7 +301,11 @@ __device__ void stage(const Launch& g, float* xs, Smem& sm) {
       if (lane == 0) sm.inv[h] = 1.f / sqrtf(ss / static_cast<float>(g.gdim) + g.eps);
     }
   }
-  __syncthreads();
+}
+
+__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
+  const int tid = threadIdx.x, nth = blockDim.x;
+  const int n = g.kmode ? g.units * 32 : g.in;
   // 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued
   // before any is used: a step that waited for its load before the next would pay an L2 round trip each.
   constexpr int kStageUnroll = 2;
@@ -366,8 +373,8 @@ __device__ void stage(const Launch& g, float* xs, Smem& sm) {
 }
 
 // This warp's tiles [t0, t1) of part P (local tile indices), partial sums into `partial`; the staging (all
-// threads) happens in here, between the first loads and the math, so the loads of parts that do not depend on the
-// routing overlap the previous kernel's tail (PDL) and the prologue.
+// threads) happens in here, after the first loads: those of parts that do not depend on the routing go out before
+// the PDL wait (overlapping the previous kernel's tail), the routed parts' once the prologue has the routing.
 template <int FMT>
 __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
                          float* partial, Smem& sm) {
@@ -383,9 +390,18 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
   }
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
-  stage(g, xs, sm);
+  stage_prologue(g, sm);
   __syncthreads();
-  if (!early && t0 < t1) {
+  // The routed parts' (4-bit) loads go out now that the expert is known, in flight while the row is staged; the
+  // other formats load after the staging (holding an 8-bit tile across it spills at 128 registers).
+  constexpr bool kBeforeRows = FMT == kQ4;
+  if (kBeforeRows && !early && t0 < t1) {
+    cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
+    cur.load(t0, cur_t);
+  }
+  stage_rows(g, xs, sm);
+  __syncthreads();
+  if (!kBeforeRows && !early && t0 < t1) {
     cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
