@@ -6,8 +6,11 @@ same order (one launch per shape and kernel)."""
 import csv
 import sys
 
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("Kernel Name")]
-rows = [r for r in rows if r["ID"].strip().isdigit()]  # drop the units row
+allrows = list(csv.DictReader(open(sys.argv[1])))
+units = next((r for r in allrows if not r.get("ID", "").strip()), {})  # the units row
+rows = [r for r in allrows if r.get("Kernel Name") and r["ID"].strip().isdigit()]
+TIME_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+tu = TIME_US.get(units.get("gpu__time_duration.sum", "ns"), 1e-3)
 lab = [ln.split()[1:] for ln in open(sys.argv[2]) if ln.startswith("profile-launch ")]
 pre = "smsp__pcsamp_warps_issue_stalled_"
 
@@ -22,7 +25,7 @@ def num(r, k):
 print("| shape | kernel | MB | ncu us | GB/s | DRAM % peak | warps active % | regs | top stalls |")
 print("|---|---|---:|---:|---:|---:|---:|---:|---|")
 for r, (shape, kind, mb) in zip(rows, lab):
-    us = num(r, "gpu__time_duration.sum") / 1e3  # ns
+    us = num(r, "gpu__time_duration.sum") * tu
     st = {k[len(pre):]: num(r, k) for k in r if k.startswith(pre) and "not_issued" not in k}
     tot = sum(v for v in st.values() if v == v) or 1
     top = sorted(((v, k) for k, v in st.items() if v == v and k != "selected"), reverse=True)[:2]
