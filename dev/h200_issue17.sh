@@ -141,6 +141,11 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     SUMMARY+=("compare_builds rc=$?"); tail -10 "$LOG/compare.txt"
     echo "[$(el)s] compare_builds"
   fi
+  if [ -x .h200/exp_persistent_gemv ] && go $((DEADLINE - 230)) "exp_persistent_gemv"; then  # issue 14 step 2
+    timeout 60 .h200/exp_persistent_gemv > "$LOG/exp_persistent_gemv.txt" 2>&1
+    SUMMARY+=("exp_persistent_gemv rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_persistent_gemv.txt")")
+    grep -E "^(TIME|FAIL|PASS|--)" "$LOG/exp_persistent_gemv.txt" | head -8
+  fi
   CK=/tmp/full35b
   python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
   if go $((DEADLINE - 200)) "full-size envelope"; then

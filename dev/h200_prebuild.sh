@@ -2,14 +2,14 @@
 # Build on the calling machine what dev/h200_issue17.sh runs on the H200, into the ignored folder .h200/ (carried):
 # the extension for the device's Python (3.12 there; PY12 names an interpreter of that version here, with
 # nanobind installed) from this tree (.h200/after) and from .before (.h200/before), the kernel check programs
-# (.h200/kbin) and gemv_lab (.h200/gemv_lab). nvcc builds sm_90a code here as well as there; the device falls
-# back to building itself if a prebuilt extension does not import.
+# (.h200/kbin), gemv_lab (.h200/gemv_lab) and the persistent-GEMV experiment (.h200/exp_persistent_gemv). nvcc
+# builds sm_90a code here as well as there; the device builds itself if a prebuilt extension does not import.
 #   git archive 82eaca8 | (mkdir -p .before && tar -x -C .before)
-#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab ...]
+#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp ...]
 set -euo pipefail
 PY12=${PY12:-python3.12}
 mkdir -p .h200
-what=${*:-kbin gemv_lab after before}
+what=${*:-kbin gemv_lab exp after before}
 ext() {  # ext SRC BUILD_DIR DEST
   [ -f "$2/build.ninja" ] || cmake -S "$1" -B "$2" -G Ninja -DPython_EXECUTABLE="$PY12" -DCMAKE_BUILD_TYPE=Release >/dev/null
   ninja -C "$2" -j"$(nproc)"
@@ -21,6 +21,7 @@ for w in $what; do
   before) ext .before build/h200_before .h200/before ;;
   kbin) BUILD_ONLY=1 KBIN=.h200/kbin OUT=/tmp/lily_kbuild bash benchmarks/kernels/run.sh ;;
   gemv_lab) BUILD_ONLY=1 BIN=.h200/gemv_lab bash dev/gemv_lab/run.sh | grep -v "^ *$" | tail -3 ;;
+  exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o .h200/exp_persistent_gemv dev/exp_persistent_gemv.cu ;;
   esac
 done
 du -sh .h200/*
