@@ -146,6 +146,11 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     SUMMARY+=("exp_persistent_gemv rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_persistent_gemv.txt")")
     grep -E "^(TIME|FAIL|PASS|--)" "$LOG/exp_persistent_gemv.txt" | head -8
   fi
+  if [ -x .h200/gemm_lab ] && go $((DEADLINE - 230)) "gemm_lab"; then  # issue 15: the wgmma GEMM candidate
+    timeout 60 .h200/gemm_lab > "$LOG/gemm_lab.txt" 2>&1
+    SUMMARY+=("gemm_lab rc=$?: $(grep -m1 '^SUMMARY' "$LOG/gemm_lab.txt")")
+    grep -E "^(PASS|FAIL)" "$LOG/gemm_lab.txt" | cut -c1-200 | head -6
+  fi
   CK=/tmp/full35b
   python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
   if go $((DEADLINE - 200)) "full-size envelope"; then

@@ -1,0 +1,332 @@
+// gemm_lab: issue 15's first candidate, the 4-bit x bf16 prefill GEMM on Hopper warpgroup MMA (wgmma), standalone.
+//   Y[M, N] (fp32) = X[M, K] (bf16, row-major) . W[N, K]^T, W in MLX affine 4-bit (group 64: uint32 words of 8
+//   nibbles LSB first, bf16 scale and bias per group, w = scale * q + bias).
+// Structure (FlashAttention-3 / DeepGEMM shape, simplified: no TMA, no clusters):
+//   * CTA tile 128 (M) x 128 (N), K in tiles of 64 (one 128-byte swizzle row of bf16), a ring of kStages stages in
+//     shared memory, each the A tile (128 x 64 bf16) and the dequantised B tile (128 x 64 bf16), both K-major with
+//     the 128-byte swizzle wgmma reads (16-byte chunk c of row r at chunk c ^ (r % 8) inside each 1024-byte block).
+//   * Warp specialisation, 3 warpgroups: WG0 produces (each thread one A row and one B row per stage: 16-byte
+//     global loads one stage ahead in registers, the dequantisation in fp32 (magic-number int -> float: one LOP3 +
+//     one FADD per code, then one FMA) packed to bf16 pairs, swizzled 16-byte shared stores, a proxy fence, an
+//     mbarrier arrival); WG1 and WG2 consume (64 rows each: 4 wgmma.m64n128k16 per stage from shared-memory
+//     descriptors, fp32 accumulators in registers, then each warp arrives on the stage's "empty" barrier).
+//   * The dequantised weights are rounded to bf16 (the matrix units' input); the accumulation is fp32.
+// Checked against a plain CUDA-core kernel with the same bf16-rounded weights (full output, rel RMS) and an fp64
+// host reference on sampled entries; outputs NaN-poisoned first. Timed on the real prefill shapes.
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemm_lab dev/gemm_lab/gemm_wgmma.cu
+//   /tmp/gemm_lab [M]                (H200; M defaults to 4096)
+// Written without a GPU (2026-12-01): compiled only.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int kBM = 128, kBN = 128, kBK = 64;
+constexpr int kStages = 4;
+constexpr int kTileBytes = kBM * kBK * 2;           // 16 KB: one operand tile of one stage
+constexpr int kStageBytes = 2 * kTileBytes;         // A + B
+constexpr int kSmem = kStages * kStageBytes + 1024;  // + alignment slack (swizzled tiles need 1024-byte alignment)
+constexpr int kThreads = 384;                        // 3 warpgroups
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ uint4 ld_nc(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_s128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t phase) {
+  asm volatile(
+      "{\n .reg .pred p;\n W_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
+}
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a K-major 128-byte-swizzled tile.
+__host__ __device__ __forceinline__ uint32_t swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+// wgmma shared-memory descriptor: K-major, 128-byte swizzle, 8-row core-matrix groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t desc(uint32_t addr) {
+  return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// D[64 x 128] += A[64 x 16] . B[128 x 16]^T, both from shared memory; 64 fp32 accumulators per thread.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.eq.u32 p, 1, 1;\n"  // scale-d = true: D += A B
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float bf16f(uint32_t h) { return __uint_as_float(h << 16); }
+
+// 8 codes of one word -> 8 bf16 (4 words of 2): w = s q + b in fp32, q via the 2^23 magic number.
+__device__ __forceinline__ uint4 dequant8(uint32_t v, float s, float b) {
+  float w[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float q = __uint_as_float(((v >> (4 * j)) & 15u) | 0x4B000000u) - 8388608.f;
+    w[j] = fmaf(s, q, b);
+  }
+  return make_uint4(pack_bf16(w[0], w[1]), pack_bf16(w[2], w[3]), pack_bf16(w[4], w[5]), pack_bf16(w[6], w[7]));
+}
+
+struct Args {
+  const uint16_t* x;       // [M, K] bf16
+  const uint32_t* codes;   // [N, K/8]
+  const uint16_t* scales;  // [N, K/64]
+  const uint16_t* biases;
+  float* y;                // [M, N]
+  int M, N, K;
+};
+
+// Producer registers for one stage: this thread's A row (128 bytes) and B row (32 bytes of codes + scale, bias).
+struct Loads {
+  uint4 a[8];
+  uint4 c[2];
+  uint32_t s, b;
+};
+
+__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_constant__ Args g) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const uint32_t sbase = smem_u32(smem);
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      bar_init(&full[s], 128);  // every producer thread arrives
+      bar_init(&empty[s], 8);   // lane 0 of each consumer warp, after its wgmma reads are done
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer: thread t loads A row m0 + t and B row n0 + t ----
+    const int ra = min(m0 + t, g.M - 1), rb = min(n0 + t, g.N - 1);
+    const unsigned char* xa = reinterpret_cast<const unsigned char*>(g.x + static_cast<int64_t>(ra) * g.K);
+    const uint32_t* cw = g.codes + static_cast<int64_t>(rb) * (g.K / 8);
+    const uint16_t* sc = g.scales + static_cast<int64_t>(rb) * (g.K / 64);
+    const uint16_t* bi = g.biases + static_cast<int64_t>(rb) * (g.K / 64);
+    auto load = [&](int kt, Loads& L) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) L.a[c] = ld_nc(xa + kt * 128 + c * 16);
+      L.c[0] = ld_nc(cw + kt * 8);
+      L.c[1] = ld_nc(cw + kt * 8 + 4);
+      L.s = __ldg(sc + kt);
+      L.b = __ldg(bi + kt);
+    };
+    Loads cur, nxt;
+    load(0, cur);
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % kStages;
+      if (kt + 1 < ktiles) load(kt + 1, nxt);  // one stage ahead in registers
+      if (kt >= kStages) bar_wait(&empty[s], ((kt / kStages) - 1) & 1);
+      const uint32_t a_s = sbase + s * kStageBytes, b_s = a_s + kTileBytes;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st_s128(a_s + swz(t, c), cur.a[c]);
+      const float sf = bf16f(cur.s), bf = bf16f(cur.b);
+      const uint32_t w8[8] = {cur.c[0].x, cur.c[0].y, cur.c[0].z, cur.c[0].w, cur.c[1].x, cur.c[1].y, cur.c[1].z, cur.c[1].w};
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st_s128(b_s + swz(t, c), dequant8(w8[c], sf, bf));  // word c = k 8c..8c+7
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores -> the async proxy (wgmma)
+      bar_arrive(&full[s]);
+      if (kt + 1 < ktiles) cur = nxt;
+    }
+  } else {  // ---- consumers: warpgroup wg - 1 computes rows 64 (wg - 1) .. + 63 of the tile ----
+    const int half = wg - 1;
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % kStages;
+      bar_wait(&full[s], (kt / kStages) & 1);
+      const uint32_t a_s = sbase + s * kStageBytes + half * 64 * 128, b_s = sbase + s * kStageBytes + kTileBytes;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) wgmma_m64n128k16(d, desc(a_s + kk * 32), desc(b_s + kk * 32));
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      if (t % 32 == 0) bar_arrive(&empty[s]);
+    }
+    // accumulator fragment: 8-column block j / 4; rows 16 warp + lane / 4 (+ 8 for the second pair)
+    const int warp = t / 32, lane = t % 32;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int row = m0 + half * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
+      const int col = n0 + (i / 4) * 8 + (lane % 4) * 2 + (i % 2);
+      if (row < g.M && col < g.N) g.y[static_cast<int64_t>(row) * g.N + col] = d[i];
+    }
+  }
+}
+
+// The plain twin: one thread per output, the same bf16-rounded weights, fp32 accumulation.
+__global__ void gemm_ref_kernel(const __grid_constant__ Args g) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+  if (n >= g.N || m >= g.M) return;
+  float acc = 0.f;
+  for (int k = 0; k < g.K; ++k) {
+    const uint32_t q = (g.codes[static_cast<int64_t>(n) * (g.K / 8) + k / 8] >> (4 * (k % 8))) & 15u;
+    const int64_t gi = static_cast<int64_t>(n) * (g.K / 64) + k / 64;
+    const float w = fmaf(bf16f(g.scales[gi]), static_cast<float>(q), bf16f(g.biases[gi]));
+    const float wb = bf16f(pack_bf16(w, 0.f) & 0xFFFFu);
+    acc = fmaf(wb, bf16f(g.x[static_cast<int64_t>(m) * g.K + k]), acc);
+  }
+  g.y[static_cast<int64_t>(m) * g.N + n] = acc;
+}
+
+static uint16_t to_bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+static float from_bf(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+int main(int argc, char** argv) {
+  const int M = argc > 1 ? std::atoi(argv[1]) : 4096;
+  struct Shape { const char* name; int N, K; };
+  const Shape shapes[] = {{"dn in-proj", 12352, 2048}, {"dn out-proj", 2048, 4096}, {"attn q+k+v", 9216, 2048},
+                          {"shared gate|up", 1024, 2048}, {"odd N", 300, 128}};
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("gemm_lab: %s, %d SMs, M = %d\n", prop.name, prop.multiProcessorCount, M);
+  CK(cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  int fails = 0;
+  for (const Shape& sh : shapes) {
+    const int N = sh.N, K = sh.K;
+    if (K % kBK) { std::printf("skip %s: K %% 64\n", sh.name); continue; }
+    std::vector<uint16_t> hx(static_cast<size_t>(M) * K), hs(static_cast<size_t>(N) * K / 64), hb(hs.size());
+    std::vector<uint32_t> hc(static_cast<size_t>(N) * K / 8);
+    for (auto& v : hx) v = to_bf(nd(rng));
+    for (auto& v : hc) v = rng();
+    for (size_t i = 0; i < hs.size(); ++i) {
+      const float s = (0.5f + (rng() % 1000) / 1000.f) / (8.f * std::sqrt(static_cast<float>(K)));
+      hs[i] = to_bf(s);
+      hb[i] = to_bf(-7.5f * s * (0.5f + (rng() % 1000) / 1000.f));
+    }
+    Args g{};
+    uint16_t *dx, *dsc, *dbi;
+    uint32_t* dc;
+    float *dy, *dr;
+    CK(cudaMalloc(&dx, hx.size() * 2));
+    CK(cudaMalloc(&dc, hc.size() * 4));
+    CK(cudaMalloc(&dsc, hs.size() * 2));
+    CK(cudaMalloc(&dbi, hb.size() * 2));
+    CK(cudaMalloc(&dy, static_cast<size_t>(M) * N * 4));
+    CK(cudaMalloc(&dr, static_cast<size_t>(M) * N * 4));
+    CK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dc, hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dsc, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dbi, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
+    g.x = dx, g.codes = dc, g.scales = dsc, g.biases = dbi, g.M = M, g.N = N, g.K = K;
+    const dim3 grid((N + kBN - 1) / kBN, (M + kBM - 1) / kBM);
+    g.y = dy;
+    gemm_wgmma_kernel<<<grid, kThreads, kSmem>>>(g);
+    CK(cudaGetLastError());
+    g.y = dr;
+    gemm_ref_kernel<<<dim3((N + 127) / 128, M), 128>>>(g);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> y(static_cast<size_t>(M) * N), r(y.size());
+    CK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(r.data(), dr, r.size() * 4, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    bool finite = true;
+    for (size_t i = 0; i < y.size(); ++i) {
+      finite = finite && std::isfinite(y[i]);
+      num += (static_cast<double>(y[i]) - r[i]) * (y[i] - r[i]);
+      den += static_cast<double>(r[i]) * r[i];
+    }
+    const double rel = std::sqrt(num / std::max(den, 1e-300));
+    double host_worst = 0;  // fp64 host reference on 64 sampled entries (fp32 weights, not rounded)
+    for (int i = 0; i < 64; ++i) {
+      const int m = rng() % M, n = rng() % N;
+      double acc = 0, mag = 0;
+      for (int k = 0; k < K; ++k) {
+        const uint32_t q = (hc[static_cast<size_t>(n) * (K / 8) + k / 8] >> (4 * (k % 8))) & 15u;
+        const size_t gi = static_cast<size_t>(n) * (K / 64) + k / 64;
+        const double w = static_cast<double>(from_bf(hs[gi])) * q + from_bf(hb[gi]);
+        acc += w * from_bf(hx[static_cast<size_t>(m) * K + k]);
+        mag += std::fabs(w * from_bf(hx[static_cast<size_t>(m) * K + k]));
+      }
+      host_worst = std::fmax(host_worst, std::fabs(y[static_cast<size_t>(m) * N + n] - acc) / std::fmax(mag, 1e-30));
+    }
+    // the weights are rounded to bf16 (2^-9 relative); against the twin with the same rounding only the fp32
+    // summation order differs
+    const bool ok = finite && rel <= 1e-4 && host_worst <= 4e-3;
+    fails += !ok;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    g.y = dy;
+    const int reps = 10;
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < reps; ++i) gemm_wgmma_kernel<<<grid, kThreads, kSmem>>>(g);
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    ms /= reps;
+    const double tflops = 2.0 * M * N * K / (ms * 1e-3) / 1e12;
+    std::printf("%s %-16s M=%d N=%d K=%d  vs twin rel_rms %.2e, vs fp64 (per |w x| sum) %.2e%s  |  %.3f ms  %.1f TFLOP/s  "
+                "(%.0f%% of 990)\n",
+                ok ? "PASS" : "FAIL", sh.name, M, N, K, rel, host_worst, finite ? "" : " NON-FINITE", ms, tflops,
+                100.0 * tflops / 990.0);
+    cudaFree(dx), cudaFree(dc), cudaFree(dsc), cudaFree(dbi), cudaFree(dy), cudaFree(dr);
+  }
+  std::printf("SUMMARY gemm_lab %d failed\n", fails);
+  return fails ? 1 : 0;
+}
