@@ -199,10 +199,16 @@ class LilyRunner:
         return time.perf_counter() - t0
 
     def generate_stream(self, model, L):
-        """End to end: Model.session().generate(stream=True), greedy, after an untimed prefill of L tokens; the
-        decode seconds of its GenerationStats (first token to last) and the tokens after the first."""
+        """End to end: Model.session().generate(stream=True), greedy, after an untimed prefill of L tokens and an
+        untimed 4-token generation; the decode seconds of its GenerationStats (first token to last) and the tokens
+        after the first."""
         s = model.session()
         s.prefill([int(t) for t in self.toks[:L]])
+        # untimed first: a new session's state records its own step graphs (one per parity: a capture and an
+        # instantiation of ~260 nodes, once per state), which a 32-token timed run would otherwise carry; the
+        # engine rows warm up the same way (3 untimed steps)
+        for _ in s.generate(max_tokens=4, temperature=0.0, stream=True):
+            pass
         n = 0
         for c in s.generate(max_tokens=self.n + 1, temperature=0.0, stream=True):
             n += 1
