@@ -146,6 +146,11 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     SUMMARY+=("exp_persistent_gemv rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_persistent_gemv.txt")")
     grep -E "^(TIME|FAIL|PASS|--)" "$LOG/exp_persistent_gemv.txt" | head -8
   fi
+  if [ -x .h200/exp_deltanet_step ] && go $((DEADLINE - 230)) "exp_deltanet_step"; then  # issue 14 step 3
+    timeout 30 .h200/exp_deltanet_step > "$LOG/exp_deltanet_step.txt" 2>&1
+    SUMMARY+=("exp_deltanet_step rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_deltanet_step.txt")")
+    grep -E "^(PASS|FAIL)" "$LOG/exp_deltanet_step.txt" | head -2
+  fi
   if [ -x .h200/gemm_lab ] && go $((DEADLINE - 230)) "gemm_lab"; then  # issue 15: the wgmma GEMM candidate
     timeout 60 .h200/gemm_lab > "$LOG/gemm_lab.txt" 2>&1
     SUMMARY+=("gemm_lab rc=$?: $(grep -m1 '^SUMMARY' "$LOG/gemm_lab.txt")")
