@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Issue 17's H200 acceptance (and issue 14's GEMV lab), in two device calls of under ten minutes each, run back
-# to back while the machine is warm. Files under $OUT (at most 8 come back: the logs travel as one logs.tgz).
+# The H200 runs of issues 17, 14 and 15, one device call per mode (each under ten minutes; the machine goes back
+# after 30 s idle, so back-to-back calls must be issued at once). Files under $OUT: at most 8 come back, so the
+# logs travel as one logs.tgz.
 #
-# On the calling machine first (2 cores is enough; it saves the device's build minutes):
-#   bash dev/h200_prebuild.sh         # .h200/: the extension for the device's Python (3.12) from this tree and
-#                                     # from the "before" tree (.before = git archive 82eaca8), the kernel check
-#                                     # programs, gemv_lab; then run(carry=[".h200", ".before"])
+# On the calling machine first (2 cores are enough; it saves the device's build minutes):
+#   git archive 82eaca8 | (mkdir -p .before && tar -x -C .before)      # the "before" tree of issue 17
+#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh  # .h200/: extensions for the device's
+#       Python 3.12 (this tree, .before), the kernel check programs, gemv_lab, the experiments, gemm_lab
+#   then run(command=..., carry=[".h200/after", ".h200/before", ".h200/kdec", ".before/src", ...]) (64 MiB in all:
+#   carry what the mode needs; `final` wants .h200/kdec = check_decode alone, plus the experiments it runs)
 #
-#   LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_issue17.sh verify   # call 1
-#     gemv_lab (timing + ncu, GPU to itself); then, in parallel (their timings are not used): every kernel
-#     family's check programs, the CUDA cases of the pytest suite, cuda_check on the tiny configs (device token
-#     streams, run-ahead after a stop string, graph == no graph), memcheck + racecheck on tiny_odd and
-#     mid_real_heads, the full-size envelope
-#   LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_issue17.sh bench    # call 2
-#     prefill and decode at 512, 4K, 32K, 128K before vs after, alternating, 3 rounds (dev/compare_builds.py);
-#     the gemv_impl A/B (dev/ab_gemv.py, 5 rounds); bench_cuda.py at 4K with the Model.generate(stream=True) row
+# Modes (LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_issue17.sh MODE):
+#   verify    gemv_lab (timing + ncu, GPU to itself), then the correctness checks in parallel lanes: every kernel
+#             family's check programs, the CUDA pytest cases, cuda_check, sanitizers, the full-size envelope (the
+#             sanitizers and the envelope ran out of time beside the others on 2026-12-01: run them alone)
+#   quick     check_decode, cuda_check, one before/after round
+#   final     sequential under a DEADLINE (default 560 s), most important first: check_decode, cuda_check, memcheck
+#             on tiny_odd and tiny_dk_ne_dv, one before/after round, the experiments and gemm_lab if built, the
+#             full-size envelope (200 s), ncu of the decode GEMV (check_decode --profile), the generate rows at 4K
+#   sanitize  racecheck alone on tiny_odd and tiny_dk_ne_dv (270 s each, with per-check progress lines)
+#   bench     3 before/after rounds and the generate rows at 512 and 4K
 # A prebuilt extension is used only if it imports on the device; otherwise the script builds there (-j16).
 set -u
 export PYTHONUNBUFFERED=1
@@ -126,14 +131,12 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
   SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
   grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-200 | head -8
   echo "[$(el)s] cuda_check"
-  for cfg in tiny_odd tiny_dk_ne_dv; do
-    for tool in memcheck racecheck; do
-      go $((DEADLINE - 200)) "$tool $cfg" || continue
-      timeout $([ $tool = racecheck ] && echo 300 || echo 100) "$CS" --tool $tool --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 --progress \
-        --no-bundled > "$LOG/${tool}_$cfg.txt" 2>&1
-      SUMMARY+=("$tool $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${tool}_$cfg.txt")")
-      echo "[$(el)s] $tool $cfg"
-    done
+  for cfg in tiny_odd tiny_dk_ne_dv; do  # racecheck has its own mode (sanitize): it needs minutes alone
+    go $((DEADLINE - 200)) "memcheck $cfg" || continue
+    timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+      --progress --no-bundled > "$LOG/memcheck_$cfg.txt" 2>&1
+    SUMMARY+=("memcheck $cfg rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_$cfg.txt")")
+    echo "[$(el)s] memcheck $cfg"
   done
   if go $((DEADLINE - 150)) "compare_builds" && install_ext .before .h200/before build/h200_before; then
     timeout 100 python3 dev/compare_builds.py --builds before=.before/src,after=src --rounds 1 \
@@ -180,6 +183,16 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     cp "$LOG"/bench_cuda_generate_h200.json "$OUT/" 2>/dev/null
   fi
   cp "$LOG/kernels/check_decode.txt" "$LOG/cuda_check.txt" "$OUT/" 2>/dev/null
+  ;;
+sanitize)  # racecheck alone on the GPU (it ran past 100-200 s on tiny_odd on 2026-12-01; 42 s at 49fe207)
+  for cfg in tiny_odd tiny_dk_ne_dv; do
+    timeout 270 "$CS" --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+      --progress --no-bundled > "$LOG/racecheck_$cfg.txt" 2>&1
+    SUMMARY+=("racecheck $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/racecheck_$cfg.txt")")
+    grep -E "^  |Race|Error" "$LOG/racecheck_$cfg.txt" | tail -4
+    echo "[$(el)s] racecheck $cfg"
+  done
+  cp "$LOG"/racecheck_*.txt "$OUT/" 2>/dev/null
   ;;
 bench)
   [ -d .before ] || { echo "no .before tree: see the header"; exit 1; }
