@@ -9,6 +9,9 @@
 #   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp|gemm_lab ...]
 set -euo pipefail
 PY12=${PY12:-python3.12}
+# the build folders are ignored here only (they travel when a run names them in carry, not with the tree)
+mkdir -p .git/info
+for d in /.h200/ /.before/ /.peer/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 mkdir -p .h200
 what=${*:-kbin gemv_lab exp gemm_lab after before}
 ext() {  # ext SRC BUILD_DIR DEST
