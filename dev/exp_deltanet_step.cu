@@ -9,7 +9,7 @@
 // Each is timed as a chain of 60 launches in a CUDA graph (PDL off: the question is the kernel) over 60 distinct
 // states (120 MB, past the 60 MB L2), and checked against an fp64 host twin on fresh random inputs (y and the new
 // state, rel RMS 1e-5), outputs NaN-poisoned first.
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/exp_dn dev/exp_deltanet_step.cu && /tmp/exp_dn
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/exp_dn dev/exp_deltanet_step.cu && /tmp/exp_dn
 // Written without a GPU (2026-12-01): compiled only.
 #include <cuda_runtime.h>
 
@@ -21,14 +21,8 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "cuda/common.cuh"
+
 
 constexpr int kHk = 16, kHv = 32, kDk = 128, kDv = 128;
 constexpr float kQkEps = 1e-6f;
@@ -150,18 +144,18 @@ int main() {
              hal = randu(rng, kHv, -1.5f, 0.f);
   const auto hs0 = randu(rng, kState, -0.5f, 0.5f);
   float *du, *db, *da, *ddt, *dal, *dssm, *dy;
-  CK(cudaMalloc(&du, nu * 4));
-  CK(cudaMalloc(&db, kHv * 4));
-  CK(cudaMalloc(&da, kHv * 4));
-  CK(cudaMalloc(&ddt, kHv * 4));
-  CK(cudaMalloc(&dal, kHv * 4));
-  CK(cudaMalloc(&dssm, size_t(layers) * kState * 4));
-  CK(cudaMalloc(&dy, size_t(layers) * kHv * kDv * 4));
-  CK(cudaMemcpy(du, hu.data(), nu * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(db, hb.data(), kHv * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(da, ha.data(), kHv * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(ddt, hdt.data(), kHv * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dal, hal.data(), kHv * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMalloc(&du, nu * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&db, kHv * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&da, kHv * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&ddt, kHv * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&dal, kHv * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&dssm, size_t(layers) * kState * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&dy, size_t(layers) * kHv * kDv * 4));
+  LILY_CUDA_CHECK(cudaMemcpy(du, hu.data(), nu * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(db, hb.data(), kHv * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(da, ha.data(), kHv * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(ddt, hdt.data(), kHv * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(dal, hal.data(), kHv * 4, cudaMemcpyHostToDevice));
 
   // fp64 twin of one step from hs0
   std::vector<double> ry(size_t(kHv) * kDv), rs(kState);
@@ -195,7 +189,7 @@ int main() {
   };
   int fails = 0;
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  LILY_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   for (int kind = 0; kind < 2; ++kind) {
     const char* name = kind == 0 ? "cur" : "wide";
     auto launch = [&](int l) {
@@ -204,14 +198,14 @@ int main() {
       else wide_kernel<<<dim3(kDv / kRowsPerBlock, kHv), 256, 0, st>>>(s);
     };
     // check: layer 0 from hs0, outputs poisoned
-    CK(cudaMemcpy(dssm, hs0.data(), kState * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemset(dy, 0xFF, size_t(kHv) * kDv * 4));
+    LILY_CUDA_CHECK(cudaMemcpy(dssm, hs0.data(), kState * 4, cudaMemcpyHostToDevice));
+    LILY_CUDA_CHECK(cudaMemset(dy, 0xFF, size_t(kHv) * kDv * 4));
     launch(0);
-    CK(cudaStreamSynchronize(st));
-    CK(cudaGetLastError());
+    LILY_CUDA_CHECK(cudaStreamSynchronize(st));
+    LILY_CUDA_CHECK(cudaGetLastError());
     std::vector<float> gy(size_t(kHv) * kDv), gs(kState);
-    CK(cudaMemcpy(gy.data(), dy, gy.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(gs.data(), dssm, gs.size() * 4, cudaMemcpyDeviceToHost));
+    LILY_CUDA_CHECK(cudaMemcpy(gy.data(), dy, gy.size() * 4, cudaMemcpyDeviceToHost));
+    LILY_CUDA_CHECK(cudaMemcpy(gs.data(), dssm, gs.size() * 4, cudaMemcpyDeviceToHost));
     bool finite = true;
     const double ey = rel(ry, gy, finite), es = rel(rs, gs, finite);
     const bool ok = finite && ey <= 1e-5 && es <= 1e-5;
@@ -219,21 +213,21 @@ int main() {
     // time: a graph of `layers` launches over distinct states (the values drift; only the time matters here)
     cudaGraph_t g;
     cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    LILY_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     for (int l = 0; l < layers; ++l) launch(l);
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    CK(cudaGraphLaunch(ge, st));
+    LILY_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    LILY_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    LILY_CUDA_CHECK(cudaGraphLaunch(ge, st));
     cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaEventRecord(e0, st));
+    LILY_CUDA_CHECK(cudaEventCreate(&e0));
+    LILY_CUDA_CHECK(cudaEventCreate(&e1));
+    LILY_CUDA_CHECK(cudaEventRecord(e0, st));
     const int reps = 20;
-    for (int i = 0; i < reps; ++i) CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
+    for (int i = 0; i < reps; ++i) LILY_CUDA_CHECK(cudaGraphLaunch(ge, st));
+    LILY_CUDA_CHECK(cudaEventRecord(e1, st));
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     const double us = 1e3 * ms / reps / layers;
     std::printf("%s %-5s y rel %.2e, state rel %.2e%s | %.2f us per layer, %.2f TB/s (state read + write)\n",
                 ok ? "PASS" : "FAIL", name, ey, es, finite ? "" : " NON-FINITE", us, 2.0 * kState * 4 / (us * 1e-6) / 1e12);

@@ -13,7 +13,7 @@
 //      the weights never wait on a dependency, only the math does.
 // plus the ceiling: a plain read of the codes. M's final output must equal S's bit for bit (same unit dots, same
 // transpose reduction, same slice-sum order), and stage 0 must match an fp64 CPU reference.
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/exp_pg dev/exp_persistent_gemv.cu
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/exp_pg dev/exp_persistent_gemv.cu
 //   /tmp/exp_pg [layers]             (about 20 s on the H200; --cpu-only: the host self-test alone)
 // Written without a GPU (2026-12-01): compiled only. What it decides: if M runs the chain near the plain read
 // (0.28 ms for 1.4 GB) while S stays at the sum of its launches, the persistent decode kernel is worth building.
@@ -28,19 +28,17 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "cuda/common.cuh"
+#include "cuda/gemv_dequant.cuh"
+
+using lily::cuda::host_bf16;
+using lily::cuda::host_float;
+using lily::cuda::gemv::kQ4;
+using lily::cuda::gemv::ld_stream;
 
 constexpr int kR = 4;              // rows per tile
 constexpr int kThreads = 256;      // 8 warps
 constexpr int kMaxSlices = 5;      // ceil(4608 / 1024)
-constexpr uint32_t kOne = 0x3F800000u;
 constexpr int kRing = 176 * 1024;  // M: shared-memory ring for two consecutive stages' weight slices
 
 struct Stage {
@@ -52,45 +50,11 @@ struct Stage {
   int R, K, r_prev, pad_;
 };
 
-__device__ __forceinline__ float u16f(uint32_t h) { return __uint_as_float(h << 16); }
-template <uint32_t MASK>
-__device__ __forceinline__ float mask_one(uint32_t v) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "n"(MASK), "r"(kOne));
-  return __uint_as_float(d);
-}
-__device__ __forceinline__ uint32_t rot16(uint32_t v) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %1, 0x1032;" : "=r"(d) : "r"(v));
-  return d;
-}
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// gemv.cu's 4-bit unit dot (two accumulators, codes in the mantissa of 1.0f).
+// gemv.cu's 4-bit unit dot (gemv_dequant.cuh), on one 16-byte vector.
 __device__ __forceinline__ float unit_dot(const uint4& q, uint32_t s, uint32_t b, const float* x, float xe, float xo,
                                           float xa) {
-  float ae = 0.f, ao = 0.f;
-  const uint32_t w4[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint32_t v = w4[w], l8 = v << 8, r8 = v >> 8, rt = rot16(v);
-    const float* xp = x + 8 * w;
-    ae = fmaf(mask_one<0x000F0000u>(rt), xp[0], ae);
-    ao = fmaf(mask_one<0x0000F000u>(l8), xp[1], ao);
-    ae = fmaf(mask_one<0x000F0000u>(l8), xp[2], ae);
-    ao = fmaf(mask_one<0x0000F000u>(v), xp[3], ao);
-    ae = fmaf(mask_one<0x000F0000u>(v), xp[4], ae);
-    ao = fmaf(mask_one<0x0000F000u>(r8), xp[5], ao);
-    ae = fmaf(mask_one<0x000F0000u>(r8), xp[6], ae);
-    ao = fmaf(mask_one<0x0000F000u>(rt), xp[7], ao);
-  }
-  return fmaf(u16f(s), fmaf(128.f, ae - xe, 2048.f * (ao - xo)), u16f(b) * xa);
+  const uint4 v[1] = {q};
+  return lily::cuda::gemv::unit_dot<kQ4>(v, s, b, x, xe, xo, xa);
 }
 
 // 4 rows over 32 lanes; lane L ends with row 2 (L >> 4 & 1) + (L >> 3 & 1) in lanes L & 7 == 0.
@@ -326,19 +290,6 @@ __global__ void read_kernel(const uint4* p, size_t n, unsigned long long* sink) 
   if (acc == 0x12345678u) atomicAdd(sink, 1ull);
 }
 
-static float bf(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static uint16_t to_bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 int main(int argc, char** argv) {
   const bool cpu_only = argc > 1 && std::strcmp(argv[1], "--cpu-only") == 0;
   const int layers = argc > 1 && !cpu_only ? std::atoi(argv[1]) : 40;
@@ -360,9 +311,9 @@ int main(int argc, char** argv) {
     return worst_pair <= static_cast<uint32_t>(kRing) ? 0 : 1;
   }
   int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   size_t words = 0, groups = 0, ys = 0;
   for (int i = 0; i < n; ++i) {
     words += static_cast<size_t>(shapes[i % 5][0]) * shapes[i % 5][1] / 8;
@@ -377,25 +328,25 @@ int main(int argc, char** argv) {
   for (auto& v : hc) v = rng();
   std::vector<uint16_t> hs(groups), hb(groups);
   for (size_t i = 0; i < groups; ++i) {
-    hs[i] = to_bf(0.05f + 0.1f * (rng() % 1000) / 1000.f);
-    hb[i] = to_bf(-0.4f + 0.8f * (rng() % 1000) / 1000.f);
+    hs[i] = host_bf16(0.05f + 0.1f * (rng() % 1000) / 1000.f);
+    hb[i] = host_bf16(-0.4f + 0.8f * (rng() % 1000) / 1000.f);
   }
   uint32_t* dc;
   uint16_t *dsc, *dbi;
   float *dy, *dx0;
   unsigned* arrived;
-  CK(cudaMalloc(&dc, words * 4));
-  CK(cudaMalloc(&dsc, groups * 2));
-  CK(cudaMalloc(&dbi, groups * 2));
-  CK(cudaMalloc(&dy, ys * 4));
-  CK(cudaMalloc(&dx0, 2048 * 4));
-  CK(cudaMalloc(&arrived, n * sizeof(unsigned)));
-  CK(cudaMemcpy(dc, hc.data(), words * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dsc, hs.data(), groups * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dbi, hb.data(), groups * 2, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMalloc(&dc, words * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&dsc, groups * 2));
+  LILY_CUDA_CHECK(cudaMalloc(&dbi, groups * 2));
+  LILY_CUDA_CHECK(cudaMalloc(&dy, ys * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&dx0, 2048 * 4));
+  LILY_CUDA_CHECK(cudaMalloc(&arrived, n * sizeof(unsigned)));
+  LILY_CUDA_CHECK(cudaMemcpy(dc, hc.data(), words * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(dsc, hs.data(), groups * 2, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(dbi, hb.data(), groups * 2, cudaMemcpyHostToDevice));
   std::vector<float> hx0(2048);
   for (auto& v : hx0) v = static_cast<float>(rng() % 2001) / 1000.f - 1.f;
-  CK(cudaMemcpy(dx0, hx0.data(), 2048 * 4, cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMemcpy(dx0, hx0.data(), 2048 * 4, cudaMemcpyHostToDevice));
   std::vector<Stage> hst(n);
   size_t wo = 0, go = 0, yo = 0;
   for (int i = 0; i < n; ++i) {
@@ -413,8 +364,8 @@ int main(int argc, char** argv) {
     yo += s.R;
   }
   Stage* dst;
-  CK(cudaMalloc(&dst, n * sizeof(Stage)));
-  CK(cudaMemcpy(dst, hst.data(), n * sizeof(Stage), cudaMemcpyHostToDevice));
+  LILY_CUDA_CHECK(cudaMalloc(&dst, n * sizeof(Stage)));
+  LILY_CUDA_CHECK(cudaMemcpy(dst, hst.data(), n * sizeof(Stage), cudaMemcpyHostToDevice));
 
   std::vector<float> ref0(hst[0].R);  // stage 0 in fp64 on the host
   for (int r = 0; r < hst[0].R; ++r) {
@@ -422,23 +373,23 @@ int main(int argc, char** argv) {
     for (int k = 0; k < 2048; ++k) {
       const uint32_t q = (hc[static_cast<size_t>(r) * 256 + k / 8] >> (4 * (k % 8))) & 15u;
       const size_t g = static_cast<size_t>(r) * 32 + k / 64;
-      acc += (static_cast<double>(bf(hs[g])) * q + bf(hb[g])) * hx0[k];
+      acc += (static_cast<double>(host_float(hs[g])) * q + host_float(hb[g])) * hx0[k];
     }
     ref0[r] = static_cast<float>(std::tanh(acc / 2048.0));
   }
 
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  LILY_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  LILY_CUDA_CHECK(cudaEventCreate(&e0));
+  LILY_CUDA_CHECK(cudaEventCreate(&e1));
   const int reps = 10;
   int fails = 0;
   std::vector<float> out_s;
   auto check = [&](const char* name) {
     std::vector<float> y0(hst[0].R), v(hst[n - 1].R);
-    CK(cudaMemcpy(y0.data(), hst[0].y, y0.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(v.data(), hst[n - 1].y, v.size() * 4, cudaMemcpyDeviceToHost));
+    LILY_CUDA_CHECK(cudaMemcpy(y0.data(), hst[0].y, y0.size() * 4, cudaMemcpyDeviceToHost));
+    LILY_CUDA_CHECK(cudaMemcpy(v.data(), hst[n - 1].y, v.size() * 4, cudaMemcpyDeviceToHost));
     double worst = 0;
     for (size_t r = 0; r < y0.size(); ++r) worst = std::fmax(worst, std::fabs(y0[r] - ref0[r]));
     bool finite = true;
@@ -452,16 +403,16 @@ int main(int argc, char** argv) {
                 same ? "identical to" : "DIFFERS from", finite ? "" : " (NON-FINITE)");
   };
   auto timed = [&](const char* name, auto&& run) {
-    CK(cudaMemsetAsync(dy, 0xFF, ys * 4, st));  // NaN-poison every output first
+    LILY_CUDA_CHECK(cudaMemsetAsync(dy, 0xFF, ys * 4, st));  // NaN-poison every output first
     run();
-    CK(cudaStreamSynchronize(st));
+    LILY_CUDA_CHECK(cudaStreamSynchronize(st));
     check(name);
-    CK(cudaEventRecord(e0, st));
+    LILY_CUDA_CHECK(cudaEventRecord(e0, st));
     for (int i = 0; i < reps; ++i) run();
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
+    LILY_CUDA_CHECK(cudaEventRecord(e1, st));
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     ms /= reps;
     std::printf("TIME %-10s %8.3f ms per chain (%5.2f us per stage) %.2f TB/s effective\n", name, ms, 1e3 * ms / n,
                 bytes / (ms * 1e-3) / 1e12);
@@ -471,7 +422,7 @@ int main(int argc, char** argv) {
   {
     cudaGraph_t g;
     cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    LILY_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < n; ++i) {
       const Stage& s = hst[i];
       const int slices = (s.K / 32 + 31) / 32, mwarps = std::max(1, 8 / slices), ntiles = s.R / kR;
@@ -480,31 +431,21 @@ int main(int argc, char** argv) {
       while ((ntiles + mwarps * tpw - 1) / (mwarps * tpw) > slots) ++tpw;
       const int grid = (ntiles + mwarps * tpw - 1) / (mwarps * tpw);
       const size_t smem = (static_cast<size_t>(slices) * 1024 + static_cast<size_t>(mwarps) * tpw * kR * slices) * 4;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(grid);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cfg.stream = st;
-      cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      at[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = at;
-      cfg.numAttrs = 1;
-      CK(cudaLaunchKernelEx(&cfg, stage_kernel, s, tpw));
+      lily::cuda::launch_pdl(stage_kernel, dim3(grid), dim3(kThreads), smem, st, s, tpw);
     }
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    timed("S (PDL)", [&] { CK(cudaGraphLaunch(ge, st)); });
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
+    LILY_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    LILY_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    timed("S (PDL)", [&] { LILY_CUDA_CHECK(cudaGraphLaunch(ge, st)); });
+    LILY_CUDA_CHECK(cudaGraphExecDestroy(ge));
+    LILY_CUDA_CHECK(cudaGraphDestroy(g));
   }
   // M: one block per SM, all resident (cooperative launch guarantees it)
   {
     const size_t smem = kRing + (static_cast<size_t>(kMaxSlices) * 1024 +
                                  static_cast<size_t>((12352 / kR + sms - 1) / sms) * kR * kMaxSlices) * 4;
-    CK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_kernel, kThreads, smem));
+    LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_kernel, kThreads, smem));
     std::printf("-- persistent: %zu KB shared memory per block, %d block(s) per SM fit\n", smem / 1024, per_sm);
     if (per_sm < 1 || static_cast<int>(worst_pair) > kRing || sms < assumed_sms) {
       std::printf("FAIL M does not fit (%d SMs)\n", sms);
@@ -513,22 +454,22 @@ int main(int argc, char** argv) {
       int nn = n;
       void* args[] = {&dst, &nn, &arrived};
       timed("M (smem)", [&] {
-        CK(cudaMemsetAsync(arrived, 0, n * sizeof(unsigned), st));
-        CK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persistent_kernel), dim3(sms), dim3(kThreads), args,
+        LILY_CUDA_CHECK(cudaMemsetAsync(arrived, 0, n * sizeof(unsigned), st));
+        LILY_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persistent_kernel), dim3(sms), dim3(kThreads), args,
                                        smem, st));
       });
     }
   }
   unsigned long long* sink;
-  CK(cudaMalloc(&sink, 8));
+  LILY_CUDA_CHECK(cudaMalloc(&sink, 8));
   for (int b : {4, 8}) {
-    CK(cudaEventRecord(e0, st));
+    LILY_CUDA_CHECK(cudaEventRecord(e0, st));
     for (int i = 0; i < reps; ++i)
       read_kernel<<<sms * b, 512, 0, st>>>(reinterpret_cast<const uint4*>(dc), words / 4, sink);
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
+    LILY_CUDA_CHECK(cudaEventRecord(e1, st));
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     ms /= reps;
     std::printf("TIME read of the codes (%d blocks/SM): %.3f ms, %.2f TB/s\n", b, ms, words * 4.0 / (ms * 1e-3) / 1e12);
   }

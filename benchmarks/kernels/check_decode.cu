@@ -26,19 +26,6 @@ static int n_pass = 0, n_total = 0;
 // --profile: no checks, one launch per timed shape (for ncu: `ncu --kernel-name regex:gemv_kernel ... --profile`)
 static int g_warm = 3, g_reps = 60;
 
-static uint16_t f2bf(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-static float bf2f_h(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 template <class T>
 static T* dnew(const std::vector<T>& h) {
   T* d = nullptr;
@@ -66,7 +53,7 @@ struct QW {
     if (bits == 16) {
       std::normal_distribution<float> nd(0.f, 1.f / std::sqrt(static_cast<float>(in)));
       dense.resize(E * out * in);
-      for (auto& v : dense) v = f2bf(nd(rng));
+      for (auto& v : dense) v = host_bf16(nd(rng));
       d.p = kp::LinearParams{1, 16, 0, 0, out, in, 0, 0, out * in};
       d.dense = dnew(dense);
       return;
@@ -78,8 +65,8 @@ struct QW {
     const float qmax = static_cast<float>((1 << bits) - 1);
     for (size_t i = 0; i < sc.size(); ++i) {
       const float s = u(rng) * 16.f / (qmax * 8.f * std::sqrt(static_cast<float>(in)));
-      sc[i] = f2bf(s);
-      bi[i] = f2bf(-0.5f * qmax * s * u(rng));
+      sc[i] = host_bf16(s);
+      bi[i] = host_bf16(-0.5f * qmax * s * u(rng));
     }
     d.p = kp::LinearParams{0, bits, 64, 0, out, in, out * in * bits / 32, out * in / 64, out * in};
     d.codes = dnew(codes);
@@ -87,16 +74,16 @@ struct QW {
     d.biases = dnew(bi);
   }
   double w(int64_t e, int64_t r, int64_t k) const {
-    if (bits == 16) return bf2f_h(dense[(e * out + r) * in + k]);
+    if (bits == 16) return host_float(dense[(e * out + r) * in + k]);
     const int per = 32 / bits;
     const uint32_t word = codes[(e * out + r) * (in / per) + k / per];
     const int q = (word >> (bits * (k % per))) & ((1 << bits) - 1);
     const int64_t g = (e * out + r) * (in / 64) + k / 64;
-    return static_cast<double>(bf2f_h(sc[g])) * q + bf2f_h(bi[g]);
+    return static_cast<double>(host_float(sc[g])) * q + host_float(bi[g]);
   }
   double dot(int64_t e, int64_t r, const std::vector<uint16_t>& x, int64_t off = 0) const {
     double s = 0;
-    for (int64_t k = 0; k < in; ++k) s += w(e, r, k) * bf2f_h(x[off + k]);
+    for (int64_t k = 0; k < in; ++k) s += w(e, r, k) * host_float(x[off + k]);
     return s;
   }
 };
@@ -104,7 +91,7 @@ struct QW {
 static std::vector<uint16_t> rand_x(int64_t n) {
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<uint16_t> x(n);
-  for (auto& v : x) v = f2bf(nd(rng));
+  for (auto& v : x) v = host_bf16(nd(rng));
   return x;
 }
 
@@ -187,7 +174,7 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
       for (int64_t r = 0; r < outs[s]; ++r) {
         const double g = w0[s]->dot(0, r, x), u = w1[s]->dot(0, r, x);
         ref[r] = g / (1 + std::exp(-g)) * u;
-        got[r] = bf2f_h(yb[r]);
+        got[r] = host_float(yb[r]);
       }
     } else {
       auto y = dget(ys[s], outs[s]);
@@ -247,6 +234,24 @@ static void check_down(int64_t H, int64_t I, int k, int E, int bits = 4, int64_t
   report(name, ref, got, 1e-4);
 }
 
+// Mean ms per call of launch(i) over `reps` back-to-back calls, after `warm` untimed ones (stream 0).
+template <class F>
+static double ms_per_launch(int warm, int reps, F&& launch) {
+  for (int i = 0; i < warm; ++i) launch(i);
+  cudaEvent_t e0, e1;
+  LILY_CUDA_CHECK(cudaEventCreate(&e0));
+  LILY_CUDA_CHECK(cudaEventCreate(&e1));
+  LILY_CUDA_CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < reps; ++i) launch(i);
+  LILY_CUDA_CHECK(cudaEventRecord(e1));
+  LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  LILY_CUDA_CHECK(cudaEventDestroy(e0));
+  LILY_CUDA_CHECK(cudaEventDestroy(e1));
+  return ms / reps;
+}
+
 // Time per launch (median of 30) of proj over `copies` weight copies of shape outs x in, both paths.
 static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies) {
   using namespace lily::cuda::gemv;
@@ -272,19 +277,8 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
     }
   }
   // every decode launch carries the PDL attribute (as in the step): back-to-back launches overlap their tails
-  for (int i = 0; i < g_warm; ++i) proj(0, args[i % copies]);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  const int reps = g_reps;
-  cudaEventRecord(e0);
-  for (int i = 0; i < reps; ++i) proj(0, args[i % copies]);
-  cudaEventRecord(e1);
-  LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  std::printf("TIME proj %-26s %6.1f MB | %6.2f us %.2f TB/s\n", tag, bytes / 1e6, ms / reps * 1e3,
-              bytes / (ms / reps) / 1e9);
+  const double ms = ms_per_launch(g_warm, g_reps, [&](int i) { proj(0, args[i % copies]); });
+  std::printf("TIME proj %-26s %6.1f MB | %6.2f us %.2f TB/s\n", tag, bytes / 1e6, ms * 1e3, bytes / ms / 1e9);
 }
 
 // Calibration: a plain streaming read of n uint4 (8 independent 16-byte loads per thread in flight).
@@ -313,17 +307,8 @@ static void time_read(int64_t bytes) {
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   for (int bps : {4, 8, 16}) {
     const int64_t n = bytes / 16;
-    read_kernel<<<sms * bps, 256>>>(p, n, o);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    for (int i = 0; i < 10; ++i) read_kernel<<<sms * bps, 256>>>(p, n, o);
-    cudaEventRecord(e1);
-    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    std::printf("TIME read %.0f MB, %d blocks/SM: %.2f TB/s\n", bytes / 1e6, bps, bytes / (ms / 10) / 1e9);
+    const double ms = ms_per_launch(1, 10, [&](int) { read_kernel<<<sms * bps, 256>>>(p, n, o); });
+    std::printf("TIME read %.0f MB, %d blocks/SM: %.2f TB/s\n", bytes / 1e6, bps, bytes / ms / 1e9);
   }
   cudaFree(p);
   cudaFree(o);
@@ -350,19 +335,9 @@ static void time_down() {
     a.x = x, a.k = k;
   }
   const double bytes = (k + 1) * H * I * (0.5 + 4.0 / 64);
-  for (int i = 0; i < g_warm; ++i) moe_down(0, args[i % copies]);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  const int reps = g_reps;
-  cudaEventRecord(e0);
-  for (int i = 0; i < reps; ++i) moe_down(0, args[i % copies]);
-  cudaEventRecord(e1);
-  LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  std::printf("TIME down 8+1 experts              %6.1f MB | %6.2f us %.2f TB/s\n", bytes / 1e6, ms / reps * 1e3,
-              bytes / (ms / reps) / 1e9);
+  const double ms = ms_per_launch(g_warm, g_reps, [&](int i) { moe_down(0, args[i % copies]); });
+  std::printf("TIME down 8+1 experts              %6.1f MB | %6.2f us %.2f TB/s\n", bytes / 1e6, ms * 1e3,
+              bytes / ms / 1e9);
 }
 
 int main(int argc, char** argv) {

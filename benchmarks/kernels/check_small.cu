@@ -43,12 +43,6 @@ namespace lc = lily::cuda;
 
 
 // ---------------------------------------------------------------- helpers
-static uint16_t f2bf(float f) {  // round to nearest even (inputs here are finite)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
 static double bf2d(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -163,8 +157,8 @@ static void check_embed(int64_t V, int64_t in, int bits, int64_t S) {
   const float half = static_cast<float>(1 << (bits - 1));
   for (size_t i = 0; i < sc.size(); ++i) {
     const float s = us(rng) / (bits == 8 ? 16.f : 1.f);
-    sc[i] = f2bf(s);
-    bi[i] = f2bf(-half * s * ub(rng));
+    sc[i] = lc::host_bf16(s);
+    bi[i] = lc::host_bf16(-half * s * ub(rng));
   }
   std::vector<int32_t> ids(S);
   for (int64_t s = 0; s < S; ++s) ids[s] = static_cast<int32_t>(rng() % V);
@@ -545,7 +539,7 @@ static void check_prep(int Hq, int Hkv, int D, int rd, int64_t S, int64_t pos0, 
       const int64_t i = r * kvr + c, j = (r - pos0) * kvr + c;
       if (r >= pos0 && r < pos0 + S) {
         got_k[j] = bf2d(gk[i]);
-        ref_v[j] = f2bf(v[j]), got_v[j] = gv[i];
+        ref_v[j] = lc::host_bf16(v[j]), got_v[j] = gv[i];
       } else {
         pad_bad += (gk[i] != 0xFFFF) + (gv[i] != 0xFFFF);
       }

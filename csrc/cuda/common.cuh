@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -22,6 +23,20 @@ inline void check(cudaError_t e, const char* what) {
 #define LILY_CUDA_CHECK(x) ::lily::cuda::check((x), #x)
 // After a launch: reports configuration errors at once (asynchronous faults surface at the next sync).
 #define LILY_LAUNCH_CHECK() ::lily::cuda::check(cudaGetLastError(), __func__)
+
+// Host-side bf16 bits <-> float (round to nearest even), for the check programs and experiments that build inputs.
+inline uint16_t host_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float host_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // Device view of a Linear; pointers into device memory.
 struct DLinear {

@@ -13,7 +13,7 @@
 //   * The dequantised weights are rounded to bf16 (the matrix units' input); the accumulation is fp32.
 // Checked against a plain CUDA-core kernel with the same bf16-rounded weights (the first 256 rows, rel RMS; every
 // output finite) and an fp64 host reference on sampled entries; outputs NaN-poisoned first. Timed on the real prefill shapes.
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemm_lab dev/gemm_lab/gemm_wgmma.cu
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/gemm_lab dev/gemm_lab/gemm_wgmma.cu
 //   /tmp/gemm_lab [M]                (H200; M defaults to 4096)
 // Written without a GPU (2026-12-01): compiled only.
 #include <cuda_runtime.h>
@@ -27,14 +27,8 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "cuda/common.cuh"
+
 
 constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kStages = 4;
@@ -221,18 +215,8 @@ __global__ void gemm_ref_kernel(const __grid_constant__ Args g) {
   g.y[static_cast<int64_t>(m) * g.N + n] = acc;
 }
 
-static uint16_t to_bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-static float from_bf(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using lily::cuda::host_bf16;
+using lily::cuda::host_float;
 
 int main(int argc, char** argv) {
   const int M = argc > 1 ? std::atoi(argv[1]) : 4096;
@@ -240,9 +224,9 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{"dn in-proj", 12352, 2048}, {"dn out-proj", 2048, 4096}, {"attn q+k+v", 9216, 2048},
                           {"shared gate|up", 1024, 2048}, {"odd N", 300, 128}};
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("gemm_lab: %s, %d SMs, M = %d\n", prop.name, prop.multiProcessorCount, M);
-  CK(cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.f, 1.f);
   int fails = 0;
@@ -251,40 +235,40 @@ int main(int argc, char** argv) {
     if (K % kBK) { std::printf("skip %s: K %% 64\n", sh.name); continue; }
     std::vector<uint16_t> hx(static_cast<size_t>(M) * K), hs(static_cast<size_t>(N) * K / 64), hb(hs.size());
     std::vector<uint32_t> hc(static_cast<size_t>(N) * K / 8);
-    for (auto& v : hx) v = to_bf(nd(rng));
+    for (auto& v : hx) v = host_bf16(nd(rng));
     for (auto& v : hc) v = rng();
     for (size_t i = 0; i < hs.size(); ++i) {
       const float s = (0.5f + (rng() % 1000) / 1000.f) / (8.f * std::sqrt(static_cast<float>(K)));
-      hs[i] = to_bf(s);
-      hb[i] = to_bf(-7.5f * s * (0.5f + (rng() % 1000) / 1000.f));
+      hs[i] = host_bf16(s);
+      hb[i] = host_bf16(-7.5f * s * (0.5f + (rng() % 1000) / 1000.f));
     }
     Args g{};
     uint16_t *dx, *dsc, *dbi;
     uint32_t* dc;
     float *dy, *dr;
-    CK(cudaMalloc(&dx, hx.size() * 2));
-    CK(cudaMalloc(&dc, hc.size() * 4));
-    CK(cudaMalloc(&dsc, hs.size() * 2));
-    CK(cudaMalloc(&dbi, hb.size() * 2));
-    CK(cudaMalloc(&dy, static_cast<size_t>(M) * N * 4));
-    CK(cudaMalloc(&dr, static_cast<size_t>(M) * N * 4));
-    CK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dc, hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dsc, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dbi, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
+    LILY_CUDA_CHECK(cudaMalloc(&dx, hx.size() * 2));
+    LILY_CUDA_CHECK(cudaMalloc(&dc, hc.size() * 4));
+    LILY_CUDA_CHECK(cudaMalloc(&dsc, hs.size() * 2));
+    LILY_CUDA_CHECK(cudaMalloc(&dbi, hb.size() * 2));
+    LILY_CUDA_CHECK(cudaMalloc(&dy, static_cast<size_t>(M) * N * 4));
+    LILY_CUDA_CHECK(cudaMalloc(&dr, static_cast<size_t>(M) * N * 4));
+    LILY_CUDA_CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    LILY_CUDA_CHECK(cudaMemcpy(dc, hc.data(), hc.size() * 4, cudaMemcpyHostToDevice));
+    LILY_CUDA_CHECK(cudaMemcpy(dsc, hs.data(), hs.size() * 2, cudaMemcpyHostToDevice));
+    LILY_CUDA_CHECK(cudaMemcpy(dbi, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
+    LILY_CUDA_CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
     g.x = dx, g.codes = dc, g.scales = dsc, g.biases = dbi, g.M = M, g.N = N, g.K = K;
     const dim3 grid((N + kBN - 1) / kBN, (M + kBM - 1) / kBM);
     g.y = dy;
     gemm_wgmma_kernel<<<grid, kThreads, kSmem>>>(g);
-    CK(cudaGetLastError());
+    LILY_CUDA_CHECK(cudaGetLastError());
     g.y = dr;
     const int ref_rows = std::min(M, 256);  // the twin is slow (one thread per output): the first 256 rows
     gemm_ref_kernel<<<dim3((N + 127) / 128, ref_rows), 128>>>(g);
-    CK(cudaDeviceSynchronize());
+    LILY_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> y(static_cast<size_t>(M) * N), r(y.size());
-    CK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(r.data(), dr, r.size() * 4, cudaMemcpyDeviceToHost));
+    LILY_CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+    LILY_CUDA_CHECK(cudaMemcpy(r.data(), dr, r.size() * 4, cudaMemcpyDeviceToHost));
     double num = 0, den = 0;
     bool finite = true;
     for (size_t i = 0; i < y.size(); ++i) finite = finite && std::isfinite(y[i]);
@@ -300,9 +284,9 @@ int main(int argc, char** argv) {
       for (int k = 0; k < K; ++k) {
         const uint32_t q = (hc[static_cast<size_t>(n) * (K / 8) + k / 8] >> (4 * (k % 8))) & 15u;
         const size_t gi = static_cast<size_t>(n) * (K / 64) + k / 64;
-        const double w = static_cast<double>(from_bf(hs[gi])) * q + from_bf(hb[gi]);
-        acc += w * from_bf(hx[static_cast<size_t>(m) * K + k]);
-        mag += std::fabs(w * from_bf(hx[static_cast<size_t>(m) * K + k]));
+        const double w = static_cast<double>(host_float(hs[gi])) * q + host_float(hb[gi]);
+        acc += w * host_float(hx[static_cast<size_t>(m) * K + k]);
+        mag += std::fabs(w * host_float(hx[static_cast<size_t>(m) * K + k]));
       }
       host_worst = std::fmax(host_worst, std::fabs(y[static_cast<size_t>(m) * N + n] - acc) / std::fmax(mag, 1e-30));
     }
@@ -311,16 +295,16 @@ int main(int argc, char** argv) {
     const bool ok = finite && rel <= 1e-4 && host_worst <= 4e-3;
     fails += !ok;
     cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
+    LILY_CUDA_CHECK(cudaEventCreate(&e0));
+    LILY_CUDA_CHECK(cudaEventCreate(&e1));
     g.y = dy;
     const int reps = 10;
-    CK(cudaEventRecord(e0));
+    LILY_CUDA_CHECK(cudaEventRecord(e0));
     for (int i = 0; i < reps; ++i) gemm_wgmma_kernel<<<grid, kThreads, kSmem>>>(g);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
+    LILY_CUDA_CHECK(cudaEventRecord(e1));
+    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     ms /= reps;
     const double tflops = 2.0 * M * N * K / (ms * 1e-3) / 1e12;
     std::printf("%s %-16s M=%d N=%d K=%d  vs twin rel_rms %.2e, vs fp64 (per |w x| sum) %.2e%s  |  %.3f ms  %.1f TFLOP/s  "
