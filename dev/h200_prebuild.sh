@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build on the calling machine what dev/h200_issue17.sh runs on the H200, into the ignored folder .h200/ (carried):
+# Build on the calling machine what dev/h200_run.sh runs on the H200, into the ignored folder .h200/ (carried):
 # the extension for the device's Python (3.12 there; PY12 names an interpreter of that version here, with
 # nanobind installed) from this tree (.h200/after) and from .before (.h200/before), the kernel check programs
 # (.h200/kbin), gemv_lab (.h200/gemv_lab) the experiments
@@ -25,9 +25,9 @@ for w in $what; do
   before) ext .before build/h200_before .h200/before ;;
   kbin) BUILD_ONLY=1 KBIN=.h200/kbin OUT=/tmp/lily_kbuild bash benchmarks/kernels/run.sh ;;
   gemv_lab) BUILD_ONLY=1 BIN=.h200/gemv_lab bash dev/gemv_lab/run.sh | grep -v "^ *$" | tail -3 ;;
-  exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o .h200/exp_persistent_gemv dev/exp_persistent_gemv.cu
-       nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o .h200/exp_deltanet_step dev/exp_deltanet_step.cu ;;
-  gemm_lab) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o .h200/gemm_lab dev/gemm_lab/gemm_wgmma.cu ;;
+  exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_persistent_gemv dev/exp_persistent_gemv.cu
+       nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_deltanet_step dev/exp_deltanet_step.cu ;;
+  gemm_lab) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/gemm_lab dev/gemm_lab/gemm_wgmma.cu ;;
   esac
 done
 du -sh .h200/*

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 runs of issues 17, 14 and 15, one device call per mode (each under ten minutes; the machine goes back
+# The H200 runner (issues 17, 14 and 15), one device call per mode (each under ten minutes; the machine goes back
 # after 30 s idle, so back-to-back calls must be issued at once). Files under $OUT: at most 8 come back, so the
 # logs travel as one logs.tgz.
 #
@@ -10,20 +10,20 @@
 #   then run(command=..., carry=[".h200/after", ".h200/before", ".h200/kdec", ".before/src", ...]) (64 MiB in all:
 #   carry what the mode needs; `final` wants .h200/kdec = check_decode alone, plus the experiments it runs)
 #
-# Modes (LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_issue17.sh MODE):
-#   verify    gemv_lab (timing + ncu, GPU to itself), then the correctness checks in parallel lanes: every kernel
-#             family's check programs, the CUDA pytest cases, cuda_check, sanitizers, the full-size envelope (the
-#             sanitizers and the envelope ran out of time beside the others on 2026-12-01: run them alone)
-#   quick     check_decode, cuda_check, one before/after round
-#   final     sequential under a DEADLINE (default 560 s), most important first: check_decode, cuda_check, memcheck
+# Modes (LILY_GIT_SHA=$(git rev-parse --short HEAD) bash dev/h200_run.sh MODE [ARGS]):
+#   (the first call of 2026-12-01 ran the correctness checks in parallel lanes: the sanitizers and the envelope
+#   starved beside the others, so that mode is gone; gemv_lab runs alone with dev/gemv_lab/run.sh)
+#   final     sequential under a DEADLINE (default 560 s), most important first: the kernel checks (every family
+#             with .h200/kbin carried, else check_decode), cuda_check, memcheck
 #             on tiny_odd and tiny_dk_ne_dv, one before/after round, the experiments and gemm_lab if built, the
 #             full-size envelope (200 s), ncu of the decode GEMV (check_decode --profile), the generate rows at 4K
 #   sanitize  racecheck alone on tiny_odd and tiny_dk_ne_dv (270 s each, with per-check progress lines)
 #   bench     3 before/after rounds and the generate rows at 512 and 4K
+#   sweep     benchmarks/bench_cuda.py ARGS on the full-size checkpoint (the benchmark JSON + PNG into $OUT)
 # A prebuilt extension is used only if it imports on the device; otherwise the script builds there (-j16).
 set -u
 export PYTHONUNBUFFERED=1
-MODE=${1:-verify}
+MODE=${1:-final}
 OUT=${OUT:-/tmp/lily_out}
 LOG=/tmp/lily_logs
 mkdir -p "$OUT" "$LOG"
@@ -61,76 +61,29 @@ echo "[$(el)s] extension ready"
 export PYTHONPATH=src
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 
-case "$MODE" in
-verify)
-  # 1. the GEMV lab with the GPU to itself (its timings are the point)
-  OUT=$LOG PREBUILT=1 BIN=.h200/gemv_lab timeout 150 bash dev/gemv_lab/run.sh > "$LOG/gemv_lab_run.txt" 2>&1
-  SUMMARY+=("gemv_lab rc=$?")
-  cp "$LOG/gemv_lab.txt" "$OUT/" 2>/dev/null
-  grep -E "FAIL|NaN" "$LOG/gemv_lab_run.txt" | head -5
-  echo "[$(el)s] gemv_lab"
-  OUT=$LOG NCU=1 PREBUILT=1 BIN=.h200/gemv_lab timeout 170 bash dev/gemv_lab/run.sh > "$LOG/gemv_lab_ncu.txt" 2>&1
-  SUMMARY+=("gemv_lab ncu rc=$?")
-  cp "$LOG/gemv_lab_ncu.txt" "$OUT/" 2>/dev/null
-  rm -f "$LOG"/gemv_lab_ncu.ncu-rep
-  echo "[$(el)s] gemv_lab ncu"
-  # 2. correctness, in parallel (four lanes; nothing here is timed)
-  san() {  # san TOOL CFG TIMEOUT
-    timeout "$3" "$CS" --tool "$1" --error-exitcode 9 python3 benchmarks/cuda_check.py --configs "$2" --tokens 12 --progress \
-      --no-bundled > "$LOG/${1}_$2.txt" 2>&1
-    echo "$1 $2 rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/${1}_$2.txt")" > "$LOG/${1}_$2.sum"
-  }
-  ( san racecheck mid_real_heads 330 ) &
-  ( san memcheck tiny_odd 120; san racecheck tiny_odd 150; san memcheck mid_real_heads 150 ) &
-  ( CK=/tmp/full35b
-    [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
-    timeout 280 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
-      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
-    echo "full-size envelope rc=$?: $(tail -1 "$LOG/cuda_check_full.txt")" > "$LOG/full.sum" ) &
-  PREBUILT=1 KBIN=.h200/kbin OUT=$LOG/kernels timeout 200 bash benchmarks/kernels/run.sh > "$LOG/kernels.txt" 2>&1
+kernel_checks() {  # kernel_checks TIMEOUT: every family's check programs if .h200/kbin is carried, else the decode
+  # GEMV's alone (.h200/kdec)
+  local kbin=.h200/kdec filter=decode
+  [ -d .h200/kbin ] && kbin=.h200/kbin filter=
+  PREBUILT=1 KBIN=$kbin OUT=$LOG/kernels timeout "$1" bash benchmarks/kernels/run.sh $filter > "$LOG/kernels.txt" 2>&1
   SUMMARY+=("kernel checks rc=$?: $(sed -n '/---- kernel checks ----/,$p' "$LOG/kernels.txt" | tail -n +2 | tr '\n' ';')")
+  grep -E "^(FAIL|TIME)" "$LOG"/kernels/check_*.txt | cut -c1-150 | head -20
   echo "[$(el)s] kernel checks"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_backend.py \
-    > "$LOG/pytest_cuda.txt" 2>&1
-  SUMMARY+=("pytest (cuda cases) rc=$?: $(tail -1 "$LOG/pytest_cuda.txt")")
-  grep -E "^(FAILED|ERROR)" "$LOG/pytest_cuda.txt" | cut -c1-200 | head -8
-  echo "[$(el)s] pytest"
-  timeout 200 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
-    --no-bundled --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
-  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
-  grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-240 | head -10
-  echo "[$(el)s] cuda_check"
-  wait
-  for f in "$LOG"/*.sum; do SUMMARY+=("$(cat "$f")"); done
-  cp "$LOG/cuda_check.txt" "$LOG/kernels.txt" "$OUT/" 2>/dev/null
-  ;;
-quick)  # the decode GEMV's twin check + the whole-model checks + one before/after round (a first look)
-  PREBUILT=1 KBIN=.h200/kdec OUT=$LOG/kernels timeout 120 bash benchmarks/kernels/run.sh decode > "$LOG/kernels.txt" 2>&1
-  SUMMARY+=("check_decode rc=$?: $(grep -m1 '^SUMMARY' "$LOG/kernels/check_decode.txt")")
-  grep -E "^(FAIL|TIME)" "$LOG/kernels/check_decode.txt" | cut -c1-200 | head -30
-  timeout 200 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
-    --no-bundled --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
-  SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
-  grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-240 | head -10
-  if [ -d .before ]; then
-    install_ext .before .h200/before build/h200_before && timeout 150 python3 dev/compare_builds.py \
-      --builds before=.before/src,after=src --rounds 1 --out "$OUT/compare_quick.json" > "$LOG/compare.txt" 2>&1
-    SUMMARY+=("compare_builds rc=$?"); tail -10 "$LOG/compare.txt"
-  fi
-  cp "$LOG/kernels/check_decode.txt" "$LOG/cuda_check.txt" "$OUT/" 2>/dev/null
-  ;;
-final)  # one call, sequential, most important first; a step starts only if DEADLINE seconds are not yet spent
-  DEADLINE=${DEADLINE:-560}
-  go() { [ "$(el)" -lt "$1" ] || { SUMMARY+=("$2: not run (time)"); return 1; }; }
-  PREBUILT=1 KBIN=.h200/kdec OUT=$LOG/kernels timeout 60 bash benchmarks/kernels/run.sh decode > "$LOG/kernels.txt" 2>&1
-  SUMMARY+=("check_decode rc=$?: $(grep -m1 '^SUMMARY' "$LOG/kernels/check_decode.txt")")
-  grep -E "^(FAIL|TIME)" "$LOG/kernels/check_decode.txt" | cut -c1-150 | head -20
-  echo "[$(el)s] check_decode"
-  timeout 120 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
+}
+model_checks() {  # model_checks TIMEOUT: the whole-model checks on the tiny configs (256 tokens)
+  timeout "$1" python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 \
     --no-bundled --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
   SUMMARY+=("cuda_check rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
   grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-200 | head -8
   echo "[$(el)s] cuda_check"
+}
+
+case "$MODE" in
+final)  # one call, sequential, most important first; a step starts only if DEADLINE seconds are not yet spent
+  DEADLINE=${DEADLINE:-560}
+  go() { [ "$(el)" -lt "$1" ] || { SUMMARY+=("$2: not run (time)"); return 1; }; }
+  kernel_checks 150
+  model_checks 120
   for cfg in tiny_odd tiny_dk_ne_dv; do  # racecheck has its own mode (sanitize): it needs minutes alone
     go $((DEADLINE - 200)) "memcheck $cfg" || continue
     timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
@@ -193,6 +146,16 @@ sanitize)  # racecheck alone on the GPU (it ran past 100-200 s on tiny_odd on 20
     echo "[$(el)s] racecheck $cfg"
   done
   cp "$LOG"/racecheck_*.txt "$OUT/" 2>/dev/null
+  ;;
+sweep)  # the benchmark's full sweep (benchmarks/bench_cuda.py with the arguments after the mode), e.g.
+        #   bash dev/h200_run.sh sweep --lengths 512,4096,32768,131072 --no-mlx --budget-s 400
+  shift
+  CK=/tmp/full35b
+  [ -f $CK/config.json ] || python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
+  timeout ${BENCH_TIMEOUT:-480} python3 benchmarks/bench_cuda.py --checkpoint $CK --out "$OUT" "$@" \
+    > "$LOG/bench.txt" 2>&1
+  SUMMARY+=("bench_cuda rc=$?")
+  tail -30 "$LOG/bench.txt"
   ;;
 bench)
   [ -d .before ] || { echo "no .before tree: see the header"; exit 1; }
