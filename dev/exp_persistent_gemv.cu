@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
-#include "cuda/gemv_dequant.cuh"
+#include "cuda/gemv_lane.cuh"
 
 using lily::cuda::host_bf16;
 using lily::cuda::host_float;
@@ -50,23 +50,11 @@ struct Stage {
   int R, K, r_prev, pad_;
 };
 
-// gemv.cu's 4-bit unit dot (gemv_dequant.cuh), on one 16-byte vector.
+// gemv.cu's 4-bit unit dot (gemv_lane.cuh), on one 16-byte vector.
 __device__ __forceinline__ float unit_dot(const uint4& q, uint32_t s, uint32_t b, const float* x, float xe, float xo,
                                           float xa) {
   const uint4 v[1] = {q};
   return lily::cuda::gemv::unit_dot<kQ4>(v, s, b, x, xe, xo, xa);
-}
-
-// 4 rows over 32 lanes; lane L ends with row 2 (L >> 4 & 1) + (L >> 3 & 1) in lanes L & 7 == 0.
-__device__ __forceinline__ float reduce4(const float (&t)[kR], int lane) {
-  const bool u16 = lane & 16, u8 = lane & 8;
-  const float a0 = (u16 ? t[2] : t[0]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? t[0] : t[2], 16);
-  const float a1 = (u16 ? t[3] : t[1]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? t[1] : t[3], 16);
-  float r = (u8 ? a1 : a0) + __shfl_xor_sync(0xFFFFFFFFu, u8 ? a0 : a1, 8);
-  r += __shfl_xor_sync(0xFFFFFFFFu, r, 4);
-  r += __shfl_xor_sync(0xFFFFFFFFu, r, 2);
-  r += __shfl_xor_sync(0xFFFFFFFFu, r, 1);
-  return r;
 }
 
 // x_i into shared memory, fp32 lane-major ([slice][8 float4][lane]), zero past K.
@@ -141,9 +129,9 @@ __global__ void __launch_bounds__(kThreads, 2) stage_kernel(Stage s, int tpw) {
       float tot[kR];
 #pragma unroll
       for (int i = 0; i < kR; ++i) tot[i] = unit_dot(q[i], sc[i], bi[i], x, xe, xo, xa);
-      const float r = reduce4(tot, lane);
+      const float r = lily::cuda::gemv::reduce_rows4(tot, lane);
       if ((lane & 7) == 0)
-        partial[((m * tpw + (t - t0)) * kR + ((lane & 16) ? 2 : 0) + ((lane & 8) ? 1 : 0)) * slices + sl] = r;
+        partial[((m * tpw + (t - t0)) * kR + lily::cuda::gemv::reduced_row(lane)) * slices + sl] = r;
       if (t + 1 < t1)
 #pragma unroll
         for (int i = 0; i < kR; ++i) q[i] = qn[i], sc[i] = sn[i], bi[i] = bn[i];
@@ -261,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(const Stage* st
           const uint32_t bi = sl_bias[static_cast<size_t>(row) * (K / 64) + (u >> 1)];
           tot[r] = unit_dot(q, sc, bi, x, xe, xo, xa);
         }
-        const float r = reduce4(tot, lane);
-        if ((lane & 7) == 0) partial[(t * kR + ((lane & 16) ? 2 : 0) + ((lane & 8) ? 1 : 0)) * slices + sl] = r;
+        const float r = lily::cuda::gemv::reduce_rows4(tot, lane);
+        if ((lane & 7) == 0) partial[(t * kR + lily::cuda::gemv::reduced_row(lane)) * slices + sl] = r;
       }
     }
     __syncthreads();

@@ -21,7 +21,7 @@
 // term is s * sum q x + b * X. x is fp32 in shared memory, lane-major ([slice][8 float4][lane]: a warp's LDS.128
 // reads 512 consecutive bytes, conflict-free), already multiplied by the part's factor (K mode).
 #include "cuda/gemv.cuh"
-#include "cuda/gemv_dequant.cuh"
+#include "cuda/gemv_lane.cuh"
 
 namespace lily::cuda::gemv {
 namespace {
@@ -326,15 +326,8 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     } else {
       cur.dense_dot(t, x, tot);
     }
-    // Transpose-reduce 4 rows over 32 lanes: 6 shuffles; lane L ends with row 2 (L >> 4 & 1) + (L >> 3 & 1).
-    const bool u16 = lane & 16, u8 = lane & 8;
-    const float a0 = (u16 ? tot[2] : tot[0]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? tot[0] : tot[2], 16);
-    const float a1 = (u16 ? tot[3] : tot[1]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? tot[1] : tot[3], 16);
-    float r = (u8 ? a1 : a0) + __shfl_xor_sync(0xFFFFFFFFu, u8 ? a0 : a1, 8);
-    r += __shfl_xor_sync(0xFFFFFFFFu, r, 4);
-    r += __shfl_xor_sync(0xFFFFFFFFu, r, 2);
-    r += __shfl_xor_sync(0xFFFFFFFFu, r, 1);
-    if ((lane & 7) == 0) partial[((pslot + (t - t0)) * kR + (u16 ? 2 : 0) + (u8 ? 1 : 0)) * g.slices + sl] = r;
+    const float r = reduce_rows4(tot, lane);
+    if ((lane & 7) == 0) partial[((pslot + (t - t0)) * kR + reduced_row(lane)) * g.slices + sl] = r;
     if (kQuant && t + 1 < t1) {
       if (F::kPrefetch) cur_t = nxt;
       else cur.load(t + 1, cur_t);

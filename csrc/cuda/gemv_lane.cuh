@@ -1,6 +1,7 @@
-// The decode GEMV's unit arithmetic (gemv.cu; dev/exp_persistent_gemv.cu runs the same): one row's 32-element unit
+// The decode GEMV's lane arithmetic (gemv.cu; dev/exp_persistent_gemv.cu runs the same): one row's 32-element unit
 // of 4-bit, 8-bit, bf16 or fp32 weights against a lane's 32 fp32 inputs, the codes turned into floats without
-// int -> float instructions (see gemv.cu's header), and the streaming 16-byte load.
+// int -> float instructions (see gemv.cu's header), the 4-row transpose reduction over a warp, and the streaming
+// 16-byte load.
 #pragma once
 #include <cstdint>
 
@@ -103,5 +104,19 @@ __device__ __forceinline__ float unit_dot(const uint4 (&q)[FmtTraits<FMT>::kVec]
     return a;
   }
 }
+
+// The 4 row sums of a tile over the 32 lanes in 6 shuffles (a transpose reduction); the lanes L with L & 7 == 0
+// return row reduced_row(L) = 2 (L >> 4 & 1) + (L >> 3 & 1).
+__device__ __forceinline__ float reduce_rows4(const float (&t)[4], int lane) {
+  const bool u16 = lane & 16, u8 = lane & 8;
+  const float a0 = (u16 ? t[2] : t[0]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? t[0] : t[2], 16);
+  const float a1 = (u16 ? t[3] : t[1]) + __shfl_xor_sync(0xFFFFFFFFu, u16 ? t[1] : t[3], 16);
+  float r = (u8 ? a1 : a0) + __shfl_xor_sync(0xFFFFFFFFu, u8 ? a0 : a1, 8);
+  r += __shfl_xor_sync(0xFFFFFFFFu, r, 4);
+  r += __shfl_xor_sync(0xFFFFFFFFu, r, 2);
+  r += __shfl_xor_sync(0xFFFFFFFFu, r, 1);
+  return r;
+}
+__device__ __forceinline__ int reduced_row(int lane) { return ((lane & 16) ? 2 : 0) + ((lane & 8) ? 1 : 0); }
 
 }  // namespace lily::cuda::gemv
