@@ -11,6 +11,8 @@ constexpr int kKeyTile = 32;  // keys per shared-memory tile: one key per lane w
 __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float* k, const float* v, const float* qn,
                             const float* kn, float* q, bf16* kc, bf16* vc, const int32_t* dpos) {
   extern __shared__ float prep_smem[];
+  pdl_trigger();
+  pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
   if (dpos) p.pos0 = *dpos;  // decode graphs: the position lives on the device
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim, nh = p.n_heads + p.n_kv_heads;
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
@@ -63,6 +65,8 @@ using mma::cp_async16;  // mma_bf16.cuh
 template <int D>
 __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* q, const bf16* kc,
                             const bf16* vc, float* part, const int32_t* dpos) {
+  pdl_trigger();
+  pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
   if (dpos) {  // decode graphs: position on the device, n_splits fixed, split length from the key count
     p.pos0 = *dpos;
     const int64_t keys = p.pos0 + p.S;
@@ -175,6 +179,8 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
 __global__ void attn_combine_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* part, const float* qg,
                                     bf16* o) {
   extern __shared__ float wts[];  // [n_splits]
+  pdl_trigger();
+  pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
   const int64_t wid = blockIdx.x;
   const int D = p.head_dim, ns = sp.n_splits;
   const float* pp = part + wid * ns * (D + 2);
@@ -218,8 +224,7 @@ void launch_attn(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSp
                                          static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((p.S + sp.rows_per_block - 1) / sp.rows_per_block),
                   static_cast<unsigned>(p.n_kv_heads * (G / GB)), sp.n_splits);
-  attn_kernel<D><<<grid, warps * 32, smem, st>>>(p, sp, q, kc, vc, part, dpos);
-  LILY_LAUNCH_CHECK();
+  launch_pdl(attn_kernel<D>, grid, dim3(warps * 32), smem, st, p, sp, q, kc, vc, part, dpos);
 }
 
 }  // namespace
@@ -228,9 +233,8 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
                     const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache,
                     const int32_t* dpos) {
   const int64_t warps = p.S * (p.n_heads + p.n_kv_heads);
-  prep_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 8 * p.head_dim * sizeof(float), st>>>(
-      p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache, dpos);
-  LILY_LAUNCH_CHECK();
+  launch_pdl(prep_kernel, dim3(static_cast<unsigned>((warps + 7) / 8)), dim3(256), 8 * p.head_dim * sizeof(float), st,
+             p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache, dpos);
 }
 
 kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
@@ -266,9 +270,8 @@ void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSpli
   }
   // Rounded up to 16 bytes: the compiler may read the weights with vector loads past n_splits.
   const size_t smem = (sp.n_splits * sizeof(float) + 31) / 16 * 16;
-  attn_combine_kernel<<<static_cast<unsigned>(p.S * p.n_heads), std::min(p.head_dim, 256), smem, st>>>(p, sp, part, qg,
-                                                                                                        o);
-  LILY_LAUNCH_CHECK();
+  launch_pdl(attn_combine_kernel, dim3(static_cast<unsigned>(p.S * p.n_heads)), dim3(std::min(p.head_dim, 256)), smem, st,
+             p, sp, part, qg, o);
 }
 
 }  // namespace lily::cuda

@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(kThreads) attn_decode_tc_kernel(kp::AttentionP
   bf16* Ps = Qs + kG * LD;                       // [kG][kPLd]
   float* red = reinterpret_cast<float*>(Ps + kG * kPLd);  // [kWarps][kG] tile maxima
   float* lsum = red + kWarps * kG;                         // [kWarps][kG] final sums
-
+  pdl_trigger();
+  pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
   if (dpos) {  // decode graphs: position on the device, n_splits fixed, split length from the key count
     p.pos0 = *dpos;
     const int64_t keys = p.pos0 + 1;
@@ -199,8 +200,7 @@ void launch_decode_tc(cudaStream_t st, const kp::AttentionParams& p, const kp::A
   }();
   (void)raised;
   const dim3 grid(1, static_cast<unsigned>(p.n_kv_heads), static_cast<unsigned>(sp.n_splits));
-  attn_decode_tc_kernel<D><<<grid, kThreads, smem, st>>>(p, sp, q, kc, vc, part, dpos);
-  LILY_LAUNCH_CHECK();
+  launch_pdl(attn_decode_tc_kernel<D>, grid, dim3(kThreads), smem, st, p, sp, q, kc, vc, part, dpos);
 }
 
 }  // namespace

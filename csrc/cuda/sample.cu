@@ -1,10 +1,14 @@
 // Device sampling (see sample.cuh for the semantics), three launches. Two grid passes over the 1 MB row (one
 // block per kSpan entries): the processed logits and each span's max; then the weights against the row max,
-// each span's sums and its candidates (weight >= kCandTau) compacted in vocab order. One final block then finds
+// each span's sums and its candidates compacted in vocab order: with top-k (k <= kCandCap / blocks) the span's
+// own top-k (every entry whose key is >= the span's k-th largest, found by radix selection in the block: a
+// superset of the row's top-k, ties included), else the entries of weight >= kCandTau. One final block then finds
 // the thresholds by radix selection on an order-preserving 32-bit key (8 bits per pass; top-k by counts, top-p
-// by per-bin masses), on the candidates alone when they provably hold the kept set (the usual case for a
-// language model: a few hundred tokens), else on the whole row; and draws. A single block reading the whole
-// row is latency-bound (~20 GB/s): the grid passes and the short candidate list are what make this cheap.
+// by per-bin masses), on the candidates alone when they provably hold the kept set (top-k: always; top-p alone:
+// the usual case for a language model, a few hundred tokens), else on the whole row; and draws. A single block
+// reading the whole row is latency-bound (~20 GB/s, 0.2 ms on the H200 at V = 248K): the grid passes and the
+// short candidate list are what make this cheap (a flat row, e.g. random weights or a high temperature, has
+// most of its entries above kCandTau, so top-k takes the per-span selection).
 // Logits cluster in a few top key bits, so one shared histogram would serialise on one or two bins: each lane
 // owns a column of the histogram (address bin * 32 + lane: no two lanes of a warp meet, the bank is the lane),
 // summed per bin after the pass.
@@ -104,6 +108,8 @@ __device__ double block_sum(double v, double* sd) {
 __global__ void __launch_bounds__(kGridThreads) process_kernel(Args a) {
   __shared__ float sf[kGridThreads / 32];
   __shared__ int si[kGridThreads / 32];
+  pdl_trigger();
+  pdl_wait();  // the logits are the head's
   const Options o = *a.opt;
   const Work wk = carve(a.work, a.vocab);
   const int V = a.vocab, t = threadIdx.x, lo = blockIdx.x * kSpan, hi = min(V, lo + kSpan);
@@ -134,12 +140,69 @@ __global__ void __launch_bounds__(kGridThreads) process_kernel(Args a) {
 }
 
 // ---- grid pass 2: weights against the row max; block sums; the span's candidates, compacted in order -------
+// The key of the block's k-th largest entry of x[lo, hi) (every thread gets it; 0 when the span holds at most k
+// entries, so all are kept): radix selection, 8 bits per pass from the top, a 256-bin shared histogram whose adds are
+// aggregated per warp (logits share their top key bits: plain atomics would serialise on one bin).
+__device__ uint32_t span_kth_key(const float* x, int lo, int hi, int k) {
+  constexpr int kPer = kSpan / kGridThreads;
+  __shared__ uint32_t hist[256];
+  __shared__ uint32_t warp_tot[kGridThreads / 32];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_need;
+  const int t = threadIdx.x, lane = t % 32, wid = t / 32;
+  if (hi - lo <= k) return 0u;
+  uint32_t key[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int i = lo + t + j * kGridThreads;
+    key[j] = i < hi ? order_key(x[i]) : 0u;
+  }
+  if (t == 0) s_prefix = 0u, s_need = k;
+  uint32_t mask = 0u;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    hist[t] = 0u;  // kGridThreads == 256 bins
+    __syncthreads();
+    const uint32_t prefix = s_prefix;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const bool in = lo + t + j * kGridThreads < hi && (key[j] & mask) == prefix;
+      const uint32_t bin = in ? (key[j] >> shift) & 255u : 256u + lane;  // out-of-prefix lanes match nobody
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<uint32_t>(__popc(peers)));
+    }
+    __syncthreads();
+    // suffix sums over the bins (thread t owns bin 255 - t): S(b) = entries of the prefix in bins >= b
+    const int b = 255 - t;
+    const uint32_t c = hist[b];
+    uint32_t inc = c;
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t n = __shfl_up_sync(0xffffffffu, inc, off);
+      if (lane >= off) inc += n;
+    }
+    if (lane == 31) warp_tot[wid] = inc;
+    __syncthreads();
+    uint32_t before = 0u;
+    for (int w = 0; w < wid; ++w) before += warp_tot[w];
+    const uint32_t S = before + inc, need = static_cast<uint32_t>(s_need);
+    __syncthreads();  // every thread has read s_need
+    if (S >= need && S - c < need) {  // the bin holding the need-th largest: unique (an empty bin has S = S - c)
+      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+      s_need = static_cast<int>(need - (S - c));
+    }
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  return s_prefix;
+}
+
 __global__ void __launch_bounds__(kGridThreads) weigh_kernel(Args a) {
   constexpr int kNw = kGridThreads / 32;
   __shared__ float sf[kNw];
   __shared__ int si[kNw];
   __shared__ double sd[kNw];
   __shared__ int warp_n[kNw];
+  pdl_trigger();
+  pdl_wait();
   const Options o = *a.opt;
   if (o.greedy) return;  // the argmax needs no weights
   const Work wk = carve(a.work, a.vocab);
@@ -149,6 +212,9 @@ __global__ void __launch_bounds__(kGridThreads) weigh_kernel(Args a) {
   int unused = 0;
   for (int j = t; j < nb; j += kGridThreads) m = fmaxf(m, wk.part_max[j]);
   block_argmax<kNw>(m, unused, sf, si);
+  // top-k: the span's own top k are the candidates (their union over the spans holds the row's top k, ties too)
+  const bool span_topk = o.top_k > 0 && o.top_k < V && static_cast<int64_t>(o.top_k) * nb <= kCandCap;
+  const uint32_t kth = span_topk ? span_kth_key(a.x, lo, hi, o.top_k) : 0u;
   const float it = o.inv_temperature;
   double z = 0.0, keep = 0.0;
   int base = 0;  // candidates written so far
@@ -158,7 +224,7 @@ __global__ void __launch_bounds__(kGridThreads) weigh_kernel(Args a) {
     const float w = i < hi && m > -FLT_MAX ? weight_of(v, m, it) : 0.f;
     z += w;
     keep += w >= o.min_p ? w : 0.f;
-    const bool cand = w >= kCandTau;
+    const bool cand = span_topk ? i < hi && order_key(v) >= kth : w >= kCandTau;
     const unsigned bal = __ballot_sync(0xffffffffu, cand);
     if (lane == 0) warp_n[wid] = __popc(bal);
     __syncthreads();
@@ -274,6 +340,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
   extern __shared__ uint32_t dyn[];
   uint32_t* hc = dyn;
   float* hm = reinterpret_cast<float*>(dyn + kBins * 32);
+  pdl_trigger();
+  pdl_wait();
   const Options o = *a.opt;
   const Work wk = carve(a.work, a.vocab);
   float* list_val = wk.list_val;
@@ -502,10 +570,11 @@ void launch(cudaStream_t st, const Args& a) {
   if (blocks_for(a.vocab) > kThreads)
     throw std::invalid_argument("[lily] device sampler: vocab " + std::to_string(a.vocab) + " exceeds " +
                                 std::to_string(kThreads * kSpan));
-  process_kernel<<<blocks_for(a.vocab), kGridThreads, 0, st>>>(a);
-  weigh_kernel<<<blocks_for(a.vocab), kGridThreads, 0, st>>>(a);
-  select_kernel<<<1, kThreads, kHistBytes, st>>>(a);
-  LILY_CUDA_CHECK(cudaGetLastError());
+  // PDL launches (common.cuh): each kernel is resident and waiting when its predecessor ends
+  const dim3 grid(static_cast<unsigned>(blocks_for(a.vocab)));
+  launch_pdl(process_kernel, grid, dim3(kGridThreads), 0, st, a);
+  launch_pdl(weigh_kernel, grid, dim3(kGridThreads), 0, st, a);
+  launch_pdl(select_kernel, dim3(1), dim3(kThreads), kHistBytes, st, a);
 }
 
 DeviceSampler::~DeviceSampler() {
