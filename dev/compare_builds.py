@@ -1,5 +1,5 @@
-"""Before/after on the H200 in one call (issue 17's "no slower than before, within 3 %"): two builds of lily, each a
-folder with its `lily` package and `_lily*.so`, timed in alternating rounds (round r: the first build first when r
+"""Before/after on the H200 in one call (issue 17's "no slower than before, within 3 %"): two or more builds of
+lily (ratios against the first), each a folder with its `lily` package and `_lily*.so`, timed in alternating rounds (round r: the first build first when r
 is even), each run in its own process on the same in-memory full-size weights (lily.testing.fast_synthetic,
 seed 0): prefill of L random tokens (last-row logits) and greedy decode after it (Engine.decode_greedy: the
 engine's loop on the device; 3 untimed steps, then --steps timed). Only API both builds have is used. Prints a
@@ -55,7 +55,7 @@ def run(path: str, lengths: str, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--builds", required=True, help="name=PYTHONPATH,name=PYTHONPATH (two builds)")
+    ap.add_argument("--builds", required=True, help="name=PYTHONPATH,... (two or more builds; ratios against the first)")
     ap.add_argument("--lengths", default="512,4096,32768,131072")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -72,14 +72,21 @@ def main() -> int:
                     samples.setdefault((name, L, k), []).append(x)
             print(f"round {rnd} {name}: {time.time() - t0:.0f} s " +
                   " ".join(f"{L}:{v['prefill_tok_s']:.0f}/{v['decode_tok_s']:.1f}" for L, v in res.items()), flush=True)
-    (a, _), (b, _) = builds
+    names = [n for n, _ in builds]
+    a = names[0]
     rows = []
-    print(f"\n| L | metric | {a} | {b} | {b}/{a} |\n|---:|---|---:|---:|---:|")
+    print("\n| L | metric | " + " | ".join(names) + " | " + " | ".join(f"{b}/{a}" for b in names[1:]) + " |")
+    print("|---:|---|" + "---:|" * (2 * len(names) - 1))
     for L in [int(x) for x in args.lengths.split(",")]:
         for k in ("prefill_tok_s", "decode_tok_s"):
-            ma, mb = statistics.median(samples[(a, L, k)]), statistics.median(samples[(b, L, k)])
-            rows.append({"tokens": L, "metric": k, a: samples[(a, L, k)], b: samples[(b, L, k)], "ratio": mb / ma})
-            print(f"| {L} | {k} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} |")
+            med = {n: statistics.median(samples[(n, L, k)]) for n in names}
+            row = {"tokens": L, "metric": k, **{n: samples[(n, L, k)] for n in names}}
+            row.update({f"ratio_{b}": med[b] / med[a] for b in names[1:]})
+            if len(names) == 2:
+                row["ratio"] = med[names[1]] / med[a]
+            rows.append(row)
+            print(f"| {L} | {k} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | " +
+                  " | ".join(f"{med[b] / med[a]:.3f}" for b in names[1:]) + " |")
     from lily.bench import git_sha, hardware
     json.dump({"benchmark": "compare_builds", "git_sha": git_sha(), "hardware": hardware(), "settings": vars(args),
                "rows": rows}, open(args.out, "w"), indent=1)
