@@ -17,6 +17,8 @@
 #             with .h200/kbin carried, else check_decode), cuda_check, memcheck
 #             on tiny_odd and tiny_dk_ne_dv, one before/after round, the experiments and gemm_lab if built, the
 #             full-size envelope (200 s), ncu of the decode GEMV (check_decode --profile), the generate rows at 4K
+#   ab        changed kernels in a short call: their check programs, cuda_check on two tiny configs, memcheck,
+#             compare_builds over BUILDS (several builds: ratios against the first), ncu of the decode GEMV
 #   sanitize  racecheck alone on tiny_odd and tiny_dk_ne_dv (270 s each, with per-check progress lines)
 #   bench     3 before/after rounds and the generate rows at 512 and 4K
 #   sweep     benchmarks/bench_cuda.py ARGS on the full-size checkpoint (the benchmark JSON + PNG into $OUT)
@@ -139,6 +141,37 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     cp "$LOG"/bench_cuda_generate_h200.json "$OUT/" 2>/dev/null
   fi
   cp "$LOG/kernels/check_decode.txt" "$LOG/cuda_check.txt" "$OUT/" 2>/dev/null
+  ;;
+ab)  # a short call for changed kernels: their check programs (KCHECKS, default decode sample attention), cuda_check
+    # on two tiny configs, memcheck on tiny_odd, compare_builds over BUILDS (name=path,...; default before/after),
+    # ncu of the decode GEMV
+  for n in ${KCHECKS:-decode sample attention}; do
+    timeout 150 .h200/kbin/check_$n > "$LOG/check_$n.txt" 2>&1
+    SUMMARY+=("check_$n rc=$?: $(grep -m1 '^SUMMARY' "$LOG/check_$n.txt")")
+    grep -E "^(FAIL|TIME)" "$LOG/check_$n.txt" | cut -c1-150 | head -24
+  done
+  echo "[$(el)s] kernel checks"
+  timeout 120 python3 benchmarks/cuda_check.py --configs tiny_odd,tiny_dk_ne_dv --tokens 64 --no-bundled \
+    --json "$LOG/cuda_check.json" > "$LOG/cuda_check.txt" 2>&1
+  SUMMARY+=("cuda_check (2 configs) rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
+  grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-200 | head -8
+  echo "[$(el)s] cuda_check"
+  timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs tiny_odd --tokens 12 \
+    --progress --no-bundled > "$LOG/memcheck_tiny_odd.txt" 2>&1
+  SUMMARY+=("memcheck tiny_odd rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_tiny_odd.txt")")
+  echo "[$(el)s] memcheck"
+  timeout ${COMPARE_TIMEOUT:-200} python3 dev/compare_builds.py --builds "${BUILDS:-before=.before/src,after=src}" \
+    --lengths ${COMPARE_LENGTHS:-512,4096} --rounds ${COMPARE_ROUNDS:-2} --out "$OUT/compare_builds_h200.json" \
+    > "$LOG/compare.txt" 2>&1
+  SUMMARY+=("compare_builds rc=$?"); grep -E "^round|^\|" "$LOG/compare.txt" | tail -14
+  echo "[$(el)s] compare_builds"
+  timeout 60 ncu --clock-control none --cache-control all --kernel-name regex:gemv_kernel \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
+    --csv --page raw .h200/kbin/check_decode --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
+  SUMMARY+=("ncu gemv rc=$?")
+  printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
+  python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+  cp "$LOG/check_decode.txt" "$LOG/check_sample.txt" "$OUT/" 2>/dev/null
   ;;
 sanitize)  # racecheck alone on the GPU (it ran past 100-200 s on tiny_odd on 2026-12-01; 42 s at 49fe207)
   for cfg in tiny_odd tiny_dk_ne_dv; do
