@@ -551,23 +551,30 @@ struct Geometry {
 };
 
 // Resident blocks per SM for a block of `threads` threads and `smem` bytes of dynamic shared memory.
-constexpr size_t kMaxSmem = 227 * 1024;  // the H100 / H200 per-block opt-in limit
+constexpr size_t kMaxSmem = 227 * 1024;  // the H100 / H200 per-block opt-in limit (the planner's table size)
 
-void allow_smem() {  // once: the rings need more than the default 48 KB of dynamic shared memory
-  static const bool done = [] {
+// Once: the rings need more than the default 48 KB of dynamic shared memory. The opt-in limit counts the kernel's
+// static shared memory too. Returns the dynamic bytes allowed.
+size_t allow_smem() {
+  static const size_t limit = [] {
+    int dev = 0, optin = 0;
+    LILY_CUDA_CHECK(cudaGetDevice(&dev));
+    LILY_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    cudaFuncAttributes fa = {};
+    LILY_CUDA_CHECK(cudaFuncGetAttributes(&fa, gemv_kernel));
+    const size_t dyn = std::min(kMaxSmem, static_cast<size_t>(optin) - fa.sharedSizeBytes);
     LILY_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kMaxSmem)));
-    return true;
+                                         static_cast<int>(dyn)));
+    return dyn;
   }();
-  (void)done;
+  return limit;
 }
 
 int blocks_per_sm(int threads, size_t smem) {  // smem rounded up to 4 KB steps for the cache
   static int cache[kBlockWarps + 1][kMaxSmem / 4096 + 2] = {};
-  const int sb = static_cast<int>(std::min<size_t>(kMaxSmem / 4096, (smem + 4095) / 4096));
+  const int sb = static_cast<int>(std::min<size_t>(allow_smem() / 4096, (smem + 4095) / 4096));
   int& c = cache[threads / 32][sb];
   if (!c) {
-    allow_smem();
     int n = 0;
     LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_kernel, threads, sb * 4096));
     c = std::max(1, n);
@@ -631,8 +638,9 @@ Geometry plan(Launch& g, int64_t units) {
 }
 
 void launch(cudaStream_t st, const Launch& g, const Geometry& geo) {
-  if (geo.smem > kMaxSmem) throw std::logic_error("[lily] cuda decode gemv: shared memory over 227 KB");
-  allow_smem();
+  if (geo.smem > allow_smem())
+    throw std::logic_error("[lily] cuda decode gemv: " + std::to_string(geo.smem) + " bytes of shared memory, over " +
+                           std::to_string(allow_smem()));
   launch_pdl(gemv_kernel, dim3(geo.grid), dim3(geo.threads), geo.smem, st, g);
 }
 
