@@ -36,6 +36,9 @@ template <int FMT>
 struct FmtTraits {
   static constexpr int kVec = FMT == kQ4 ? 1 : FMT == kQ8 ? 2 : FMT == kBF16 ? 4 : 8;  // 16-byte vectors per unit
   static constexpr bool kQuant = FMT <= kQ8;
+  // the register double buffer: 4-bit only (8-bit holds twice the registers per tile and is the small router and
+  // shared-expert gate, where dev/gemv_lab's double buffer gained nothing; dense: test models only)
+  static constexpr bool kPrefetch = kVec == 1;
 };
 
 // One row's 32-element unit against the lane's x (32 floats); xe / xo / xa: sums of x over even / odd / all.

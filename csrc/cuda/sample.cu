@@ -340,7 +340,10 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
   extern __shared__ uint32_t dyn[];
   uint32_t* hc = dyn;
   float* hm = reinterpret_cast<float*>(dyn + kBins * 32);
-  pdl_trigger();
+  // No early trigger: with one (check_sample's loop of draws on the H200, 9ec5e77) the one-block whole-row path
+  // (top-p alone on a flat row) timed 408 us against 137 before the PDL launches, while every other mode got
+  // faster; the suspect is the next draw's grids launched early and left resident beside this block for its
+  // whole run. Not yet re-measured without it. (In the decode step nothing follows the draw inside the graph.)
   pdl_wait();
   const Options o = *a.opt;
   const Work wk = carve(a.work, a.vocab);
