@@ -1,4 +1,5 @@
-// The decode GEMV (gemv.cuh): one kernel for every decode projection, measured in dev/gemv_lab (issue 14).
+// The decode GEMV (gemv.cuh): one kernel for every decode projection (a template, specialised per format set and
+// staging, see Stage), measured in dev/gemv_lab (issue 14).
 //
 // Layout of the work. A launch is a list of parts (one weight matrix, or one expert of a stacked tensor). In row
 // mode (proj) the parts are stacked along the output rows and read one input row; in K mode (moe_down) they sit
@@ -32,6 +33,12 @@ constexpr int kBlockWarps = 8;
 constexpr int kMaxSlices = 8;    // input length <= 8192
 constexpr int kMaxTpw = 64;
 constexpr int kMaxHeads = 64;    // gated staging: heads per row
+
+// The kernel is specialised at compile time per launch kind, so a launch runs a short body of its own: one generic
+// body for every format, staging and K mode was 302 KB of SASS, and Nsight Compute showed the short launches
+// stalled on instruction fetch (53-80% of the samples, cold; benchmarks/results/decode_gemv_h200.md).
+enum Stage : int32_t { kStageBf16 = kXBf16, kStageNorm = kXNorm, kStageGated = kXGated, kStageK = 3, kStages = 4 };
+enum FmtSet : int32_t { kSetQ4 = 0, kSetQ4Q8 = 1, kSetAny = 2, kSets = 3 };  // the parts' formats
 struct Part {
   const uint8_t* w0;      // codes or dense elements of expert 0 (the stack's base)
   const uint16_t* s0;
@@ -162,21 +169,22 @@ struct Smem {  // the statically sized part of the kernel's shared memory
 // memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel
 // and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
 // parts issue their first weight loads, so those are in flight while the row is staged.
+template <int STAGE>
 __device__ void stage_prologue(const Launch& g, Smem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
-  const int n = g.kmode ? g.units * 32 : g.in;
+  const int n = STAGE == kStageK ? g.units * 32 : g.in;
   if (g.route && warp == 0) {
     route_topk_warp(g.rlogits, g.E, g.top_k, g.norm_topk != 0, sm.idx, sm.w, lane);
     if (lane == 0 && blockIdx.x == 0)
       for (int j = 0; j < g.top_k; ++j) g.top_idx[j] = sm.idx[j], g.top_w[j] = sm.w[j];
   }
-  if (g.kmode) {
+  if constexpr (STAGE == kStageK) {
     if (tid < g.top_k) sm.idx[tid] = g.top_idx[tid];
     if (tid < g.nparts) {
       const Part& P = g.part[tid];
       sm.fac[tid] = P.fac == 1 ? g.top_w[P.expert] : P.fac == 2 ? 1.f / (1.f + expf(-g.sgate[0])) : 1.f;
     }
-  } else if (g.xmode == kXNorm) {
+  } else if constexpr (STAGE == kStageNorm) {
     float ss = 0.f;
 #pragma unroll 4
     for (int i = 4 * tid; i < n; i += 4 * nth) {
@@ -191,7 +199,7 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
       v = warp_sum(v);
       if (lane == 0) sm.inv[0] = rsqrtf(v / static_cast<float>(n) + g.eps);
     }
-  } else if (g.xmode == kXGated) {
+  } else if constexpr (STAGE == kStageGated) {
 #pragma unroll 4
     for (int h = warp; h < n / g.gdim; h += nw) {
       const float* yr = g.xf + static_cast<int64_t>(h) * g.gdim;
@@ -206,9 +214,10 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
   }
 }
 
+template <int STAGE>
 __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
   const int tid = threadIdx.x, nth = blockDim.x;
-  const int n = g.kmode ? g.units * 32 : g.in;
+  const int n = STAGE == kStageK ? g.units * 32 : g.in;
   // 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued
   // before any is used: a step that waited for its load before the next would pay an L2 round trip each.
   constexpr int kStageUnroll = 2;
@@ -223,12 +232,12 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
       fac[r] = 1.f;
       raw[r][0] = raw[r][1] = make_uint4(0u, 0u, 0u, 0u);
       if (base + r * nth >= groups || i >= n) continue;
-      if (g.kmode) {
+      if constexpr (STAGE == kStageK) {
         int p = 0;
         while (p + 1 < g.nparts && (i >> 5) >= g.part[p + 1].first) ++p;
         raw[r][0] = *reinterpret_cast<const uint4*>(g.part[p].xsrc + (i - g.part[p].first * 32));
         fac[r] = sm.fac[p];
-      } else if (g.xmode == kXBf16) {
+      } else if constexpr (STAGE == kStageBf16) {
         raw[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
       } else {
         raw[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
@@ -245,13 +254,13 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
       if (i >= n) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = 0.f;
-      } else if (g.kmode || g.xmode == kXBf16) {
+      } else if constexpr (STAGE == kStageK || STAGE == kStageBf16) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           v[2 * k] = __uint_as_float(w8[k] << 16) * fac[r];
           v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * fac[r];
         }
-      } else if (g.xmode == kXNorm) {
+      } else if constexpr (STAGE == kStageNorm) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * g.nw[i + k]);
@@ -278,7 +287,7 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
 // This warp's tiles [t0, t1) of part P (local tile indices), partial sums into `partial`; the staging (all
 // threads) happens in here, after the first loads: those of parts that do not depend on the routing go out before
 // the PDL wait (overlapping the previous kernel's tail), the routed parts' once the prologue has the routing.
-template <int FMT>
+template <int FMT, int STAGE>
 __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
                          float* partial, Smem& sm) {
   using F = FmtTraits<FMT>;
@@ -293,7 +302,7 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
   }
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
-  stage_prologue(g, sm);
+  stage_prologue<STAGE>(g, sm);
   __syncthreads();
   // The routed parts' loads go out now that the expert is known, in flight while the row is staged. (ptxas
   // reports 4 bytes of spill for the kernel since this split, from the 8-bit path: it is 0 with that path
@@ -302,7 +311,7 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
-  stage_rows(g, xs, sm);
+  stage_rows<STAGE>(g, xs, sm);
   __syncthreads();
   const int sl = (threadIdx.x >> 5) % g.slices;
   const float4* xl = reinterpret_cast<const float4*>(xs) + sl * 8 * 32 + lane;
@@ -363,7 +372,9 @@ __device__ __forceinline__ void epilogue(const Launch& g, const Part& P, int64_t
   }
 }
 
+template <int SET, int STAGE>
 __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_constant__ Launch g) {
+  constexpr bool kK = STAGE == kStageK;
   extern __shared__ __align__(16) float smem[];
   __shared__ Smem sm;
   const int tid = threadIdx.x, warp = tid >> 5;
@@ -378,7 +389,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   // This warp's part and tiles.
   const int wt0 = (blockIdx.x * g.mwarps + m) * g.tpw;  // first logical tile
   int p = 0, t0 = 0, t1 = 0, u = 0;
-  if (g.kmode) {
+  if constexpr (kK) {
     const int uc = unit < g.units ? unit : 0;  // a lane past the end reads unit 0; its x is zero
     while (p + 1 < g.nparts && uc >= g.part[p + 1].first) ++p;
     u = uc - g.part[p].first;
@@ -392,11 +403,18 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   if (t1 < t0) t1 = t0;
   const Part& P = g.part[p];
   const int pslot = m * g.tpw;
-  switch (P.fmt) {
-    case kQ4: run_warp<kQ4>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-    case kQ8: run_warp<kQ8>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-    case kBF16: run_warp<kBF16>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-    default: run_warp<kF32>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+  if constexpr (SET == kSetQ4) {
+    run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+  } else if constexpr (SET == kSetQ4Q8) {
+    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+    else run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+  } else {
+    switch (P.fmt) {
+      case kQ4: run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+    }
   }
   __syncthreads();
   for (int i = tid; i < nrow; i += blockDim.x) {
@@ -409,23 +427,23 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   const int bt0 = blockIdx.x * g.mwarps * g.tpw;
   for (int i = tid; i < nrow; i += blockDim.x) {
     const int T = bt0 + i / kR, r4 = i % kR;
-    if (g.kmode) {
+    if constexpr (kK) {
       const int64_t row = static_cast<int64_t>(T) * kR + r4;
       if (row < g.rows) g.xacc[row] += rowv[i];
-      continue;
-    }
-    int q = 0;
-    while (q + 1 < g.nparts && T >= g.part[q + 1].first) ++q;
-    const Part& Q = g.part[q];
-    const int lt = T - Q.first;
-    if (lt >= Q.tiles) continue;
-    if (Q.dual) {
-      if (r4 >= 2) continue;
-      const int64_t row = 2 * lt + r4;
-      if (row < Q.rows) epilogue(g, Q, row, rowv[i], rowv[i + 2], key);
     } else {
-      const int64_t row = static_cast<int64_t>(lt) * kR + r4;
-      if (row < Q.rows) epilogue(g, Q, row, rowv[i], 0.f, key);
+      int q = 0;
+      while (q + 1 < g.nparts && T >= g.part[q + 1].first) ++q;
+      const Part& Q = g.part[q];
+      const int lt = T - Q.first;
+      if (lt >= Q.tiles) continue;
+      if (Q.dual) {
+        if (r4 >= 2) continue;
+        const int64_t row = 2 * lt + r4;
+        if (row < Q.rows) epilogue(g, Q, row, rowv[i], rowv[i + 2], key);
+      } else {
+        const int64_t row = static_cast<int64_t>(lt) * kR + r4;
+        if (row < Q.rows) epilogue(g, Q, row, rowv[i], 0.f, key);
+      }
     }
   }
   if (g.amax) {  // block maximum of (logit, -row): the greedy head
@@ -472,14 +490,40 @@ struct Geometry {
   size_t smem = 0;
 };
 
-// Resident blocks per SM for a block of `threads` threads and `smem` bytes of dynamic shared memory.
-int blocks_per_sm(int threads, size_t smem) {
-  static int cache[kBlockWarps + 1][8] = {};
+using Kernel = void (*)(const Launch);
+
+// The instantiation for a launch: the smallest format set that holds its parts' formats, its staging.
+struct KernelKind {
+  int set, stage;
+};
+KernelKind kind_of(const Launch& g) {
+  int set = kSetQ4;
+  for (int p = 0; p < g.nparts; ++p)
+    set = std::max<int>(set, g.part[p].fmt == kQ4 ? kSetQ4 : g.part[p].fmt == kQ8 ? kSetQ4Q8 : kSetAny);
+  return {set, g.kmode ? static_cast<int>(kStageK) : g.xmode};
+}
+template <int SET>
+Kernel kernel_in_set(int stage) {
+  switch (stage) {
+    case kStageBf16: return gemv_kernel<SET, kStageBf16>;
+    case kStageNorm: return gemv_kernel<SET, kStageNorm>;
+    case kStageGated: return gemv_kernel<SET, kStageGated>;
+    default: return gemv_kernel<SET, kStageK>;
+  }
+}
+Kernel kernel_of(const KernelKind& k) {
+  return k.set == kSetQ4 ? kernel_in_set<kSetQ4>(k.stage)
+                         : k.set == kSetQ4Q8 ? kernel_in_set<kSetQ4Q8>(k.stage) : kernel_in_set<kSetAny>(k.stage);
+}
+
+// Resident blocks per SM of kernel kind k for a block of `threads` threads and `smem` bytes of dynamic shared memory.
+int blocks_per_sm(const KernelKind& k, int threads, size_t smem) {
+  static int cache[kSets][kStages][kBlockWarps + 1][8] = {};
   const int sb = static_cast<int>(std::min<size_t>(7, smem / 8192));
-  int& c = cache[threads / 32][sb];
+  int& c = cache[k.set][k.stage][threads / 32][sb];
   if (!c) {
     int n = 0;
-    LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_kernel, threads, (sb + 1) * 8192));
+    LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_of(k), threads, (sb + 1) * 8192));
     c = std::max(1, n);
   }
   return c;
@@ -510,7 +554,7 @@ Geometry plan(Launch& g, int64_t units) {
   g.mwarps = std::max(1, kBlockWarps / g.slices);
   Geometry geo;
   geo.threads = 32 * g.slices * g.mwarps;
-  const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm(geo.threads, 24 * 1024);
+  const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm(kind_of(g), geo.threads, 24 * 1024);
   // makespan ~ waves x (tiles per warp + 1): the +1 is a warp's staging and epilogue, about one tile's time
   int64_t best = -1;
   for (int t = 1; t <= kMaxTpw; ++t) {
@@ -539,7 +583,7 @@ Geometry plan(Launch& g, int64_t units) {
 
 void launch(cudaStream_t st, const Launch& g, const Geometry& geo) {
   if (geo.smem > 48 * 1024) throw std::logic_error("[lily] cuda decode gemv: shared memory over 48 KB");
-  launch_pdl(gemv_kernel, dim3(geo.grid), dim3(geo.threads), geo.smem, st, g);
+  launch_pdl(kernel_of(kind_of(g)), dim3(geo.grid), dim3(geo.threads), geo.smem, st, g);
 }
 
 }  // namespace
