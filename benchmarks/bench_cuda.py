@@ -147,6 +147,31 @@ class FlagStub:
         self._vals[name] = int(value)
 
 
+# The server row's client (its own process): an untimed 4-token request, then the timed one: prints
+# [seconds from the first chunk to the last, completion tokens].
+SERVE_CLIENT = r"""
+import json, sys, time
+import openai
+url, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+client = openai.OpenAI(base_url=url, api_key="-")
+name = client.models.list().data[0].id
+def run(n):
+    first = last = None
+    tokens = 0
+    for ch in client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}):
+        now = time.perf_counter()
+        if ch.usage is not None:
+            tokens = ch.usage.completion_tokens
+        if ch.choices:
+            first = now if first is None else first
+            last = now
+    return (last - first) if first is not None else 0.0, tokens
+run(4)
+print(json.dumps(run(n)))
+"""
+
+
 class LilyRunner:
     """Prefill / decode timing on one engine; tokens are fixed random ids (teacher input, argmax fed back)."""
 
@@ -214,6 +239,42 @@ class LilyRunner:
             n += 1
             stats = c.stats
         return stats.decode_s, n - 1
+
+    def serve_stream(self, model, L):
+        """The server end to end: `lily serve`'s app on this model (uvicorn in a thread of this process), the openai
+        client in a process of its own (SERVE_CLIENT; in this one it would share the GIL with the server and the
+        token loop), /v1/completions of the L prompt tokens (as ids), greedy, streamed; an untimed 4-token request
+        first (its prefill; the timed one takes the prompt from the prefix cache), then the seconds from the timed
+        request's first chunk to its last and the tokens after the first (the usage block's count)."""
+        import json
+        import socket
+        import subprocess
+        import threading
+
+        import uvicorn
+        from lily.server.app import create_app
+        with socket.socket() as sk:  # a free port
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(model), host="127.0.0.1", port=port, log_level="warning"))
+        th = threading.Thread(target=server.run, daemon=True)
+        th.start()
+        try:
+            t_end = time.time() + 60
+            while not server.started:
+                if time.time() > t_end or not th.is_alive():
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.02)
+            r = subprocess.run([sys.executable, "-c", SERVE_CLIENT, f"http://127.0.0.1:{port}/v1",
+                                json.dumps([int(t) for t in self.toks[:L]]), str(self.n + 1)],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"client: {r.stderr[-400:]}")
+            sec, tokens = json.loads(r.stdout.strip().splitlines()[-1])
+            return sec, tokens - 1
+        finally:
+            server.should_exit = True
+            th.join(10)
 
     def decode_greedy(self, st, tok):
         self.eng.decode_greedy(st, tok, 3)
@@ -347,6 +408,13 @@ def main(argv=None):
                                "engine's token loop, detokenizing, stop checks), beside the raw step rate")
                 except Exception as e:  # noqa: BLE001
                     checks[f"generate_stream@{L}"] = repr(e)[:200]
+                try:
+                    sec, n = lily.serve_stream(model, L)
+                    add(lily.name + "-serve", "decode", L, sec, n,
+                        method="lily serve's app (uvicorn, in process) streaming /v1/completions to the openai "
+                               "client, greedy, prompt from the prefix cache: first chunk to last")
+                except Exception as e:  # noqa: BLE001
+                    checks[f"serve_stream@{L}"] = repr(e)[:200]
             for device in (False, True):
                 try:
                     st.restore(snap)
