@@ -171,6 +171,12 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   SUMMARY+=("ncu gemv rc=$?")
   printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+  # the whole decode step at 4K, warm (dev/decode_step_profile.py: each step graph one ncu result)
+  timeout 120 ncu --profile-from-start off --graph-profiling graph --cache-control none --clock-control none \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_imc_miss,smsp__pcsamp_warps_issue_stalled_selected \
+    --csv --page raw python3 dev/decode_step_profile.py --length 4096 > "$LOG/ncu_step.csv" 2> "$LOG/ncu_step.err"
+  SUMMARY+=("ncu decode step rc=$?")
+  python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_step.csv") --stalls 8 | tee "$OUT/ncu_step.md"
   cp "$LOG/check_decode.txt" "$LOG/check_sample.txt" "$OUT/" 2>/dev/null
   ;;
 sanitize)  # racecheck alone on the GPU (it ran past 100-200 s on tiny_odd on 2026-12-01; 42 s at 49fe207)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Per-launch table from `ncu --csv --page raw` (units read from the CSV's units row, not assumed).
-usage: ncu_table.py NCU_CSV [LABELS]  -> markdown: label (or kernel), grid x block, us, DRAM MB read, GB/s,
-DRAM % of peak, warps active %, registers, top two stall reasons (share of PC samples). LABELS: a file with one
-label per profiled launch, in launch order (optional)."""
+usage: ncu_table.py NCU_CSV [LABELS] [--stalls N]  -> markdown: label (or kernel), grid x block, us, DRAM MB read,
+GB/s, DRAM % of peak, warps active %, registers, the top N stall reasons (default 2; share of PC samples).
+LABELS: a file with one label per profiled launch, in launch order (optional)."""
 import csv
 import sys
 
@@ -26,8 +26,14 @@ def num(r, k):
 
 
 def main():
-    rows, units = load(sys.argv[1])
-    labels = [ln.strip() for ln in open(sys.argv[2])] if len(sys.argv) > 2 else []
+    argv = sys.argv[1:]
+    n_stalls = 2
+    if "--stalls" in argv:
+        i = argv.index("--stalls")
+        n_stalls = int(argv[i + 1])
+        del argv[i:i + 2]
+    rows, units = load(argv[0])
+    labels = [ln.strip() for ln in open(argv[1])] if len(argv) > 1 else []
     tu = TIME_US.get(units.get("gpu__time_duration.sum", "ns"), 1e-3)
     bu = BYTES_MB.get(units.get("dram__bytes_read.sum", "byte"), 1e-6)
     print("| launch | grid x block | us | DRAM MB read | GB/s | DRAM % peak | warps active % | regs | top stalls |")
@@ -37,7 +43,7 @@ def main():
         mb = num(r, "dram__bytes_read.sum") * bu
         st = {k[len(PRE):]: num(r, k) for k in r if k.startswith(PRE) and "not_issued" not in k}
         tot = sum(v for v in st.values() if v == v) or 1
-        top = sorted(((v, k) for k, v in st.items() if v == v and k != "selected"), reverse=True)[:2]
+        top = sorted(((v, k) for k, v in st.items() if v == v and k != "selected"), reverse=True)[:n_stalls]
         tops = ", ".join(f"{k} {100 * v / tot:.0f}%" for v, k in top)
         name = labels[i] if i < len(labels) else r.get("Kernel Name", "?")[:40]
         grid = f"{r.get('Grid Size', '?')} x {r.get('Block Size', '?')}".replace(", 1, 1)", ")")
