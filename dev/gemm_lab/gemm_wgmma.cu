@@ -15,7 +15,8 @@
 // output finite) and an fp64 host reference on sampled entries; outputs NaN-poisoned first. Timed on the real prefill shapes.
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/gemm_lab dev/gemm_lab/gemm_wgmma.cu
 //   /tmp/gemm_lab [M]                (H200; M defaults to 4096)
-// Written without a GPU (2026-12-01): compiled only.
+// v1 ran on the H200 (2026-12-02): correct, 177-195 TFLOP/s at M = 4096. v2 (below v1) streams both operands by
+// cp.async several stages ahead and keeps a wgmma group in flight; compiled only. Both run on every shape.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -200,6 +201,126 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
   }
 }
 
+// ---- v2 (2026-12-02, after v1 ran at 18-20% of 990 on the H200): the producer never waits on a global load ----
+// v1's producer held one stage of loads in registers, so every stage paid most of a global round trip (~1 us against
+// the ~0.35 us of MMA a stage holds), and its consumers drained the tensor pipe after every stage (wait_group 0).
+// v2: the producer streams A (raw bf16, straight into the swizzled tile) and the raw 4-bit codes with their scale and
+// bias words (into a small raw tile) by cp.async, kV2Ahead stages ahead of the stage it dequantises; a stage's slot
+// is refilled once the consumers release it (empty barrier; refilling the slot of the stage just before would wait
+// on consumers who wait on this stage: two slots of slack). The consumers keep one wgmma group in flight
+// (wait_group 1) and release the stage before it.
+constexpr int kV2Stages = 6;
+constexpr int kV2Ahead = kV2Stages - 2;  // stage kt + 4 refills stage kt - 2's slot, released one iteration earlier
+constexpr int kRawBytes = kBN * 32 + kBN * 8;                 // codes [128][32 B] + words of scale, bias [128][2]
+constexpr int kV2StageBytes = 2 * kTileBytes + kRawBytes;     // A, B (bf16), raw B
+constexpr int kV2Smem = kV2Stages * kV2StageBytes + 1024;
+
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ uint4 ld_s128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_s32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ const void* word_of(const uint16_t* p) {  // the aligned word holding a bf16
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
+}
+__device__ __forceinline__ uint32_t half_of(uint32_t w, const uint16_t* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 2) ? w >> 16 : w & 0xFFFFu;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid_constant__ Args g) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kV2Stages], empty[kV2Stages];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const uint32_t sbase = smem_u32(smem);
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
+  if (tid == 0) {
+    for (int s = 0; s < kV2Stages; ++s) {
+      bar_init(&full[s], 128);
+      bar_init(&empty[s], 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer: thread t streams A row m0 + t and B row n0 + t ----
+    const int ra = min(m0 + t, g.M - 1), rb = min(n0 + t, g.N - 1);
+    const unsigned char* xa = reinterpret_cast<const unsigned char*>(g.x + static_cast<int64_t>(ra) * g.K);
+    const uint32_t* cw = g.codes + static_cast<int64_t>(rb) * (g.K / 8);
+    const uint16_t* sc = g.scales + static_cast<int64_t>(rb) * (g.K / 64);
+    const uint16_t* bi = g.biases + static_cast<int64_t>(rb) * (g.K / 64);
+    auto slot = [&](int kt) { return sbase + (kt % kV2Stages) * kV2StageBytes; };
+    auto issue = [&](int kt) {  // stage kt's bytes of this thread, one commit group (empty past the end)
+      if (kt < ktiles) {
+        const uint32_t a_s = slot(kt), raw = a_s + 2 * kTileBytes;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) cp16(a_s + swz(t, c), xa + kt * 128 + c * 16);
+        cp16(raw + t * 32, cw + kt * 8);
+        cp16(raw + t * 32 + 16, cw + kt * 8 + 4);
+        cp4(raw + kBN * 32 + t * 8, word_of(sc + kt));
+        cp4(raw + kBN * 32 + t * 8 + 4, word_of(bi + kt));
+      }
+      cp_commit();
+    };
+    for (int j = 0; j < kV2Ahead; ++j) issue(j);  // the slots start empty
+    for (int kt = 0; kt < ktiles; ++kt) {
+      // refill the slot of stage kt + ahead once its last readers (stage kt - 2's consumers) released it
+      const int kn = kt + kV2Ahead;
+      if (kn < ktiles && kn >= kV2Stages) bar_wait(&empty[kn % kV2Stages], ((kn / kV2Stages) - 1) & 1);
+      issue(kn);
+      cp_wait<kV2Ahead>();  // this thread's copies of stage kt have landed
+      const uint32_t a_s = slot(kt), b_s = a_s + kTileBytes, raw = a_s + 2 * kTileBytes;
+      const uint4 c0 = ld_s128(raw + t * 32), c1 = ld_s128(raw + t * 32 + 16);
+      const float sf = bf16f(half_of(ld_s32(raw + kBN * 32 + t * 8), sc + kt));
+      const float bf = bf16f(half_of(ld_s32(raw + kBN * 32 + t * 8 + 4), bi + kt));
+      const uint32_t w8[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+      for (int c = 0; c < 8; ++c) st_s128(b_s + swz(t, c), dequant8(w8[c], sf, bf));
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // A (cp.async) and B (stores) -> wgmma's proxy
+      bar_arrive(&full[kt % kV2Stages]);
+    }
+    cp_wait<0>();
+  } else {  // ---- consumers: rows 64 (wg - 1) .. + 63; one wgmma group in flight ----
+    const int half = wg - 1;
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % kV2Stages;
+      bar_wait(&full[s], (kt / kV2Stages) & 1);
+      const uint32_t a_s = sbase + s * kV2StageBytes + half * 64 * 128, b_s = sbase + s * kV2StageBytes + kTileBytes;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) wgmma_m64n128k16(d, desc(a_s + kk * 32), desc(b_s + kk * 32));
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // stage kt - 1's group is done
+      if (kt > 0 && t % 32 == 0) bar_arrive(&empty[(kt - 1) % kV2Stages]);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    const int warp = t / 32, lane = t % 32;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int row = m0 + half * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
+      const int col = n0 + (i / 4) * 8 + (lane % 4) * 2 + (i % 2);
+      if (row < g.M && col < g.N) g.y[static_cast<int64_t>(row) * g.N + col] = d[i];
+    }
+  }
+}
+
 // The plain twin: one thread per output, the same bf16-rounded weights, fp32 accumulation.
 __global__ void gemm_ref_kernel(const __grid_constant__ Args g) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
@@ -227,6 +348,9 @@ int main(int argc, char** argv) {
   LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("gemm_lab: %s, %d SMs, M = %d\n", prop.name, prop.multiProcessorCount, M);
   LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kV2Smem));
+  struct Variant { const char* name; void (*kernel)(const Args); int smem; };
+  const Variant variants[] = {{"v1", gemm_wgmma_kernel, kSmem}, {"v2", gemm_wgmma_v2_kernel, kV2Smem}};
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.f, 1.f);
   int fails = 0;
@@ -259,58 +383,63 @@ int main(int argc, char** argv) {
     LILY_CUDA_CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
     g.x = dx, g.codes = dc, g.scales = dsc, g.biases = dbi, g.M = M, g.N = N, g.K = K;
     const dim3 grid((N + kBN - 1) / kBN, (M + kBM - 1) / kBM);
-    g.y = dy;
-    gemm_wgmma_kernel<<<grid, kThreads, kSmem>>>(g);
-    LILY_CUDA_CHECK(cudaGetLastError());
     g.y = dr;
     const int ref_rows = std::min(M, 256);  // the twin is slow (one thread per output): the first 256 rows
     gemm_ref_kernel<<<dim3((N + 127) / 128, ref_rows), 128>>>(g);
     LILY_CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> y(static_cast<size_t>(M) * N), r(y.size());
-    LILY_CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
     LILY_CUDA_CHECK(cudaMemcpy(r.data(), dr, r.size() * 4, cudaMemcpyDeviceToHost));
-    double num = 0, den = 0;
-    bool finite = true;
-    for (size_t i = 0; i < y.size(); ++i) finite = finite && std::isfinite(y[i]);
-    for (size_t i = 0; i < static_cast<size_t>(ref_rows) * N; ++i) {
-      num += (static_cast<double>(y[i]) - r[i]) * (y[i] - r[i]);
-      den += static_cast<double>(r[i]) * r[i];
-    }
-    const double rel = std::sqrt(num / std::max(den, 1e-300));
-    double host_worst = 0;  // fp64 host reference on 64 sampled entries (fp32 weights, not rounded)
-    for (int i = 0; i < 64; ++i) {
-      const int m = rng() % M, n = rng() % N;
-      double acc = 0, mag = 0;
-      for (int k = 0; k < K; ++k) {
-        const uint32_t q = (hc[static_cast<size_t>(n) * (K / 8) + k / 8] >> (4 * (k % 8))) & 15u;
-        const size_t gi = static_cast<size_t>(n) * (K / 64) + k / 64;
-        const double w = static_cast<double>(host_float(hs[gi])) * q + host_float(hb[gi]);
-        acc += w * host_float(hx[static_cast<size_t>(m) * K + k]);
-        mag += std::fabs(w * host_float(hx[static_cast<size_t>(m) * K + k]));
+    for (const Variant& var : variants) {
+      LILY_CUDA_CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
+      g.y = dy;
+      var.kernel<<<grid, kThreads, var.smem>>>(g);
+      LILY_CUDA_CHECK(cudaGetLastError());
+      LILY_CUDA_CHECK(cudaDeviceSynchronize());
+      LILY_CUDA_CHECK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+      double num = 0, den = 0;
+      bool finite = true;
+      for (size_t i = 0; i < y.size(); ++i) finite = finite && std::isfinite(y[i]);
+      for (size_t i = 0; i < static_cast<size_t>(ref_rows) * N; ++i) {
+        num += (static_cast<double>(y[i]) - r[i]) * (y[i] - r[i]);
+        den += static_cast<double>(r[i]) * r[i];
       }
-      host_worst = std::fmax(host_worst, std::fabs(y[static_cast<size_t>(m) * N + n] - acc) / std::fmax(mag, 1e-30));
+      const double rel = std::sqrt(num / std::max(den, 1e-300));
+      double host_worst = 0;  // fp64 host reference on 64 sampled entries (fp32 weights, not rounded)
+      for (int i = 0; i < 64; ++i) {
+        const int m = rng() % M, n = rng() % N;
+        double acc = 0, mag = 0;
+        for (int k = 0; k < K; ++k) {
+          const uint32_t q = (hc[static_cast<size_t>(n) * (K / 8) + k / 8] >> (4 * (k % 8))) & 15u;
+          const size_t gi = static_cast<size_t>(n) * (K / 64) + k / 64;
+          const double w = static_cast<double>(host_float(hs[gi])) * q + host_float(hb[gi]);
+          acc += w * host_float(hx[static_cast<size_t>(m) * K + k]);
+          mag += std::fabs(w * host_float(hx[static_cast<size_t>(m) * K + k]));
+        }
+        host_worst = std::fmax(host_worst, std::fabs(y[static_cast<size_t>(m) * N + n] - acc) / std::fmax(mag, 1e-30));
+      }
+      // the weights are rounded to bf16 (2^-9 relative); against the twin with the same rounding only the fp32
+      // summation order differs
+      const bool ok = finite && rel <= 1e-4 && host_worst <= 4e-3;
+      fails += !ok;
+      cudaEvent_t e0, e1;
+      LILY_CUDA_CHECK(cudaEventCreate(&e0));
+      LILY_CUDA_CHECK(cudaEventCreate(&e1));
+      g.y = dy;
+      const int reps = 10;
+      LILY_CUDA_CHECK(cudaEventRecord(e0));
+      for (int i = 0; i < reps; ++i) var.kernel<<<grid, kThreads, var.smem>>>(g);
+      LILY_CUDA_CHECK(cudaEventRecord(e1));
+      LILY_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      ms /= reps;
+      const double tflops = 2.0 * M * N * K / (ms * 1e-3) / 1e12;
+      std::printf("%s %s %-16s M=%d N=%d K=%d  vs twin rel_rms %.2e, vs fp64 (per |w x| sum) %.2e%s  |  %.3f ms  "
+                  "%.1f TFLOP/s  (%.0f%% of 990)\n",
+                  ok ? "PASS" : "FAIL", var.name, sh.name, M, N, K, rel, host_worst, finite ? "" : " NON-FINITE", ms,
+                  tflops, 100.0 * tflops / 990.0);
+      cudaEventDestroy(e0), cudaEventDestroy(e1);
     }
-    // the weights are rounded to bf16 (2^-9 relative); against the twin with the same rounding only the fp32
-    // summation order differs
-    const bool ok = finite && rel <= 1e-4 && host_worst <= 4e-3;
-    fails += !ok;
-    cudaEvent_t e0, e1;
-    LILY_CUDA_CHECK(cudaEventCreate(&e0));
-    LILY_CUDA_CHECK(cudaEventCreate(&e1));
-    g.y = dy;
-    const int reps = 10;
-    LILY_CUDA_CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < reps; ++i) gemm_wgmma_kernel<<<grid, kThreads, kSmem>>>(g);
-    LILY_CUDA_CHECK(cudaEventRecord(e1));
-    LILY_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    ms /= reps;
-    const double tflops = 2.0 * M * N * K / (ms * 1e-3) / 1e12;
-    std::printf("%s %-16s M=%d N=%d K=%d  vs twin rel_rms %.2e, vs fp64 (per |w x| sum) %.2e%s  |  %.3f ms  %.1f TFLOP/s  "
-                "(%.0f%% of 990)\n",
-                ok ? "PASS" : "FAIL", sh.name, M, N, K, rel, host_worst, finite ? "" : " NON-FINITE", ms, tflops,
-                100.0 * tflops / 990.0);
     cudaFree(dx), cudaFree(dc), cudaFree(dsc), cudaFree(dbi), cudaFree(dy), cudaFree(dr);
   }
   std::printf("SUMMARY gemm_lab %d failed\n", fails);
