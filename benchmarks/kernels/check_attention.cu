@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cuda/attention.cuh"
+#include "tolerances.h"
 
 using lily::cuda::bf16;
 namespace kp = lily::kp;
@@ -35,7 +36,7 @@ namespace kp = lily::kp;
     }                                                                                                    \
   } while (0)
 
-constexpr double kTol = 5e-3;
+constexpr double kTol = tolerances::attention_rel_rms;
 
 __device__ __forceinline__ float hash_uniform(uint64_t seed, int64_t i) {  // [-1, 1)
   uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;

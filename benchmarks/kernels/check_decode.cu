@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cuda/gemv.cuh"
+#include "tolerances.h"
 
 using namespace lily;
 using namespace lily::cuda;
@@ -186,7 +187,7 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
     char name[160];
     std::snprintf(name, sizeof name, "%s %d-bit in=%lld out=%lld seg%d/%d", tag, w0[s]->bits,
                   static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
-    report(name, ref, got, mode == kODual ? 8e-3 : 1e-4);
+    report(name, ref, got, mode == kODual ? tolerances::gemv_dual_rel_rms : tolerances::gemv_rel_rms);
   }
 }
 
@@ -231,7 +232,7 @@ static void check_down(int64_t H, int64_t I, int k, int E, int bits = 4, int64_t
   char name[160];
   std::snprintf(name, sizeof name, "down %d-bit H=%lld I=%lld Is=%lld k=%d E=%d", bits, static_cast<long long>(H),
                 static_cast<long long>(I), static_cast<long long>(Is), k, E);
-  report(name, ref, got, 1e-4);
+  report(name, ref, got, tolerances::gemv_rel_rms);
 }
 
 // Mean ms per call of launch(i) over `reps` back-to-back calls, after `warm` untimed ones (stream 0).

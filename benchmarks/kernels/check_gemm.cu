@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda/gemm.cuh"
+#include "tolerances.h"
 
 using namespace lily;
 using cuda::bf16;
@@ -36,7 +37,7 @@ using cuda::bf16;
 
 namespace {
 
-constexpr double kTolF32 = 2e-3, kTolBf16 = 5e-3;
+constexpr double kTolF32 = tolerances::gemm_rel_rms, kTolBf16 = tolerances::gemm_dual_rel_rms;
 int g_pass = 0, g_total = 0;
 
 // ---- host helpers ----------------------------------------------------------------------------------------

@@ -39,10 +39,11 @@
 
 #define CHECK_FAMILY "sample"
 #include "check_util.cuh"
+#include "tolerances.h"
 
 namespace ls = lily::cuda::sample;
 
-constexpr double kTol = 1e-5;
+constexpr double kTol = tolerances::sample_rel;
 constexpr int kGuard = 64;  // entries past V in x / seen / counts that nothing may write
 constexpr float kRep = 1.3f, kPres = 0.5f, kFreq = 0.3f;
 
@@ -333,7 +334,7 @@ static void check_case(const char* row, const Input& in, const Opts& o) {
       double err = std::isfinite(x64[i]) ? std::fabs(xs[i] - x64[i]) / std::max(scale[i], 1e-30)
                                          : (static_cast<double>(xs[i]) == x64[i] ? 0.0 : INFINITY);
       if (err != err) err = INFINITY;  // NaN left in the scratch
-      n_x += !(err <= 1e-6);
+      n_x += !(err <= tolerances::sample_scratch_rel);
       worst_x = std::max(worst_x, err);
     }
     if (n_state) bad += fmt(" seen/counts: %d entries wrong;", n_state);

@@ -37,6 +37,7 @@
 
 #define CHECK_FAMILY "small"
 #include "check_util.cuh"
+#include "tolerances.h"
 
 using namespace lily;
 namespace lc = lily::cuda;
@@ -88,7 +89,7 @@ static void report(const std::string& name, const std::vector<double>& ref, cons
   double num = 0, den = 0, mx = 0;
   int64_t nonfinite = 0, bad_elem = 0;
   for (double r : ref) den += r * r;
-  const double slack = 1e-5 * std::sqrt(den / std::max<size_t>(ref.size(), 1));
+  const double slack = tolerances::small_bf16_elem_slack * std::sqrt(den / std::max<size_t>(ref.size(), 1));
   den = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     if (!std::isfinite(got[i])) {
@@ -185,7 +186,7 @@ static void check_embed(int64_t V, int64_t in, int bits, int64_t S) {
       ref[s * in + k] = bf2d(sc[g]) * q + bf2d(bi[g]);
     }
   report(fmt("embed bits=%d V=%lld in=%lld S=%lld", bits, (long long)V, (long long)in, (long long)S), ref, to_d(got),
-         1e-5);
+         tolerances::small_fp32_rel_rms);
 }
 
 // ---------------------------------------------------------------- embed_norm.cu: rms_norm (fp32 -> bf16)
@@ -209,7 +210,7 @@ static void check_rms_norm(int64_t rows, int64_t n) {
     const double inv = 1.0 / std::sqrt(ss / n + eps);
     for (int64_t i = 0; i < n; ++i) ref[r * n + i] = x[r * n + i] * inv * w[i];
   }
-  report(fmt("rms_norm rows=%lld n=%lld", (long long)rows, (long long)n), ref, bf_to_d(get(dy, rows * n)), 0x1p-8,
+  report(fmt("rms_norm rows=%lld n=%lld", (long long)rows, (long long)n), ref, bf_to_d(get(dy, rows * n)), tolerances::small_bf16_rel_rms,
          true);
 }
 
@@ -260,7 +261,7 @@ static void check_route(int64_t S, int E, int k, int norm) {
   }
   const std::string tag = fmt("S=%lld E=%d k=%d norm=%d", (long long)S, E, k, norm);
   report_exact("moe_route idx " + tag, ri, to_d(gi));
-  report("moe_route w " + tag, rw, to_d(gw), 1e-5);
+  report("moe_route w " + tag, rw, to_d(gw), tolerances::small_fp32_rel_rms);
 }
 
 // A non-finite router row (NaN residual upstream) must not route to an expert index past E (an out-of-bounds
@@ -376,7 +377,7 @@ static void check_combine(int64_t S, int64_t H, int k) {
       for (int j = 0; j < k; ++j) acc += d[(s * k + j) * H + c];
       ref[s * H + c] = x0[s * H + c] + acc;
     }
-  report(fmt("moe_combine S=%lld H=%lld k=%d", (long long)S, (long long)H, k), ref, to_d(get(dx, S * H)), 1e-5);
+  report(fmt("moe_combine S=%lld H=%lld k=%d", (long long)S, (long long)H, k), ref, to_d(get(dx, S * H)), tolerances::small_fp32_rel_rms);
 }
 
 // ---------------------------------------------------------------- deltanet.cu
@@ -422,7 +423,7 @@ static void check_dn_conv(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
   std::vector<double> got_cs(gcs.size());
   for (size_t i = 0; i < gcs.size(); ++i) got_cs[i] = fbits(gcs[i]);
   const std::string tag = fmt("Hk=%d Hv=%d Dk=%d Dv=%d K=%d S=%lld", Hk, Hv, Dk, Dv, K, (long long)S);
-  report("deltanet_conv u " + tag, ref, to_d(get(du, S * C)), 1e-5);
+  report("deltanet_conv u " + tag, ref, to_d(get(du, S * C)), tolerances::small_fp32_rel_rms);
   report_exact("deltanet_conv state " + tag, ref_cs, got_cs);
 }
 
@@ -443,7 +444,7 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
     const double inv = 1.0 / std::sqrt(ss / Dv + p.norm_eps);
     for (int i = 0; i < Dv; ++i) ref[r * Dv + i] = y[r * Dv + i] * inv * w[i] * silu_d(z[r * Dv + i]);
   }
-  report(fmt("deltanet_gated_norm Hv=%d Dv=%d S=%lld", Hv, Dv, (long long)S), ref, bf_to_d(get(dout, n)), 0x1p-8,
+  report(fmt("deltanet_gated_norm Hv=%d Dv=%d S=%lld", Hv, Dv, (long long)S), ref, bf_to_d(get(dout, n)), tolerances::small_bf16_rel_rms,
          true);
 }
 
@@ -488,8 +489,8 @@ static void check_deltanet_decode_scan(int Hk, int Hv, int Dk, int Dv, bool zero
     }
   }
   const std::string tag = fmt("Hk=%d Hv=%d Dk=%d Dv=%d%s", Hk, Hv, Dk, Dv, zero_state ? " zero-state" : "");
-  report("deltanet_decode_scan y " + tag, ry, to_d(get(dy, int64_t(Hv) * Dv)), 1e-5);
-  report("deltanet_decode_scan state " + tag, rs, to_d(get(dssm, ns)), 1e-5);
+  report("deltanet_decode_scan y " + tag, ry, to_d(get(dy, int64_t(Hv) * Dv)), tolerances::small_fp32_rel_rms);
+  report("deltanet_decode_scan state " + tag, rs, to_d(get(dssm, ns)), tolerances::small_fp32_rel_rms);
 }
 
 // ---------------------------------------------------------------- attention.cu: attention_prep
@@ -546,8 +547,8 @@ static void check_prep(int Hq, int Hkv, int D, int rd, int64_t S, int64_t pos0, 
     }
   const std::string tag = fmt("Hq=%d Hkv=%d D=%d rd=%d S=%lld pos0=%lld%s", Hq, Hkv, D, rd, (long long)S,
                               (long long)pos0, use_dpos ? " dpos" : "");
-  report("attention_prep q " + tag, rq, to_d(get(dq, S * Hq * D)), 1e-5);
-  report("attention_prep k_cache " + tag, rk, got_k, 0x1p-8, true);
+  report("attention_prep q " + tag, rq, to_d(get(dq, S * Hq * D)), tolerances::small_fp32_rel_rms);
+  report("attention_prep k_cache " + tag, rk, got_k, tolerances::small_bf16_rel_rms, true);
   report_exact("attention_prep v_cache " + tag, ref_v, got_v);
   const bool pad_ok = pad_bad == 0;  // exact: no cache entry outside the new rows changed
   ++n_total;

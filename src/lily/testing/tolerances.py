@@ -31,6 +31,39 @@ TOLERANCES = {
     ("self_consistency", "bf16"): {"rel_rms": 2e-2},
 }
 
+# The CUDA kernel-check programs (benchmarks/kernels/check_*.cu) against their fp64 host twins, per kind of output
+# (each program's header gives the error budget in full). benchmarks/kernels/tolerances.h is generated from this
+# table (python3 -m lily.testing.tolerances --header; tests/test_cuda_kernel_checks_build.py keeps it in step), so
+# the C++ checks and the Python tests read one set of numbers.
+KERNEL_CHECKS = {
+    # small kernels' fp32 outputs (embed, routing weights, combine, conv + l2norm, prep q, the decode scan): a few
+    # fp32 roundings per element (expected 1e-7..1e-6)
+    "small_fp32_rel_rms": 1e-5,
+    # bf16 outputs (RMSNorm, gated norm, the k cache): one round-to-nearest, 2^-8 relative at most, checked as rel
+    # RMS and per element (2^-8 |ref| + the slack times rms(ref), for fp32 error on nearly cancelled elements)
+    "small_bf16_rel_rms": 2.0 ** -8,
+    "small_bf16_elem_slack": 1e-5,
+    # the decode GEMV's fp32 outputs: fp32 sums of 32-element units against fp64 (split-K order only)
+    "gemv_rel_rms": 1e-4,
+    # its SiLU(gate) * up outputs, rounded to bf16 (2^-8 relative)
+    "gemv_dual_rel_rms": 8e-3,
+    # the prefill GEMM's fp32 outputs: bf16 operands, fp32 accumulation (order only, ~1e-6): the bf16 band's low end
+    "gemm_rel_rms": 2e-3,
+    # its bf16 dual outputs: one more bf16 rounding (~1.1e-3)
+    "gemm_dual_rel_rms": 5e-3,
+    # attention: o rounded to bf16 (~1.1e-3) and P rounded to bf16 before P V (~1e-3); one key wrongly in or out
+    # of the window moves o by >= 8e-3 up to 16K keys
+    "attention_rel_rms": 5e-3,
+    # the sequential DeltaNet scans: an exact fp32 recurrence (expected ~1e-6)
+    "deltanet_seq_rel_rms": 1e-4,
+    # the chunked form: Gram and state products on TF32 operands (2^-11), ~3e-4 per product, contracted by decay
+    "deltanet_chunk_rel_rms": 4e-3,
+    # the device sampler: fp32 masses, thresholds and CDF steps, relative
+    "sample_rel": 1e-5,
+    # its processed-logits scratch against the fp64 processing
+    "sample_scratch_rel": 1e-6,
+}
+
 # Against mlx-lm in bf16, lily must be no worse than mlx-lm's own fp32-vs-bf16 envelope (design.md §8)
 # plus this slack; the envelope itself must be tight enough to mean something.
 ENVELOPE_SLACK_TOP1 = 0.01
@@ -40,3 +73,20 @@ ENVELOPE_MIN_TOP1 = 0.90
 
 def tol(comparison: str, dtype: str = "fp32") -> dict:
     return TOLERANCES[(comparison, dtype)]
+
+
+def header() -> str:
+    """benchmarks/kernels/tolerances.h: KERNEL_CHECKS as C++ constants (tolerances::<name>)."""
+    lines = ["// Generated from lily.testing.tolerances.KERNEL_CHECKS (python3 -m lily.testing.tolerances --header);",
+             "// edit the table there, not this file. tests/test_cuda_kernel_checks_build.py checks they agree.",
+             "#pragma once", "", "namespace tolerances {"]
+    lines += [f"constexpr double {name} = {value!r};" for name, value in KERNEL_CHECKS.items()]
+    lines += ["}  // namespace tolerances", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--header"]:
+        raise SystemExit("usage: python3 -m lily.testing.tolerances --header")
+    sys.stdout.write(header())
