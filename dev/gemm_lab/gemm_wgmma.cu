@@ -16,7 +16,9 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/gemm_lab dev/gemm_lab/gemm_wgmma.cu
 //   /tmp/gemm_lab [M]                (H200; M defaults to 4096)
 // v1 ran on the H200 (2026-12-02): correct, 177-195 TFLOP/s at M = 4096. v2 (below v1) streams both operands by
-// cp.async several stages ahead and keeps a wgmma group in flight; compiled only. Both run on every shape.
+// cp.async several stages ahead and keeps a wgmma group in flight; v3 is v2 with the dequantisation in bf16x2
+// arithmetic (dequant8_bf16x2). v2 and v3 compiled only. All three run on every shape.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -109,6 +111,34 @@ __device__ __forceinline__ uint4 dequant8(uint32_t v, float s, float b) {
     w[j] = fmaf(s, q, b);
   }
   return make_uint4(pack_bf16(w[0], w[1]), pack_bf16(w[2], w[3]), pack_bf16(w[4], w[5]), pack_bf16(w[6], w[7]));
+}
+
+// v3's dequantisation: the same 8 codes in bf16x2 arithmetic. The codes of nibbles j and j + 4 land in one word's two
+// bf16 halves with the 128.0 magic (one LOP3: 128 + q exactly), q = x - 128 is exact, and w = q s + b is one fused
+// bf16x2 FMA (a single rounding; v1 / v2 round fp32 s q + b to bf16, a double rounding that differs on rare ties);
+// four PRMTs put the pairs in k order. 19 instructions for 8 weights, against ~56 for dequant8.
+__device__ __forceinline__ uint32_t bf2_bits(__nv_bfloat162 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __nv_bfloat162 bits_bf2(uint32_t u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
+__device__ __forceinline__ uint32_t magic_pair(uint32_t v) {  // (v & 0x000F000F) | 0x43004300 in one LOP3
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "n"(0x000F000Fu), "n"(0x43004300u));
+  return d;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ uint4 dequant8_bf16x2(uint32_t v, __nv_bfloat162 s2, __nv_bfloat162 b2) {
+  const __nv_bfloat162 c128 = bits_bf2(0x43004300u);
+  uint32_t p[4];  // p[j] = (w_j, w_j+4)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 x = bits_bf2(magic_pair(v >> (4 * j)));
+    p[j] = bf2_bits(__hfma2(__hsub2(x, c128), s2, b2));
+  }
+  return make_uint4(prmt(p[0], p[1], 0x5410), prmt(p[2], p[3], 0x5410), prmt(p[0], p[1], 0x7632),
+                    prmt(p[2], p[3], 0x7632));
 }
 
 struct Args {
@@ -241,6 +271,7 @@ __device__ __forceinline__ uint32_t half_of(uint32_t w, const uint16_t* p) {
   return (reinterpret_cast<uintptr_t>(p) & 2) ? w >> 16 : w & 0xFFFFu;
 }
 
+template <bool kBf16Math>  // false: v2 (fp32 dequantisation), true: v3 (bf16x2, dequant8_bf16x2)
 __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid_constant__ Args g) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kV2Stages], empty[kV2Stages];
@@ -285,11 +316,18 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid
       cp_wait<kV2Ahead>();  // this thread's copies of stage kt have landed
       const uint32_t a_s = slot(kt), b_s = a_s + kTileBytes, raw = a_s + 2 * kTileBytes;
       const uint4 c0 = ld_s128(raw + t * 32), c1 = ld_s128(raw + t * 32 + 16);
-      const float sf = bf16f(half_of(ld_s32(raw + kBN * 32 + t * 8), sc + kt));
-      const float bf = bf16f(half_of(ld_s32(raw + kBN * 32 + t * 8 + 4), bi + kt));
+      const uint32_t sh = half_of(ld_s32(raw + kBN * 32 + t * 8), sc + kt);
+      const uint32_t bh = half_of(ld_s32(raw + kBN * 32 + t * 8 + 4), bi + kt);
       const uint32_t w8[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      if constexpr (kBf16Math) {
+        const __nv_bfloat162 s2 = bits_bf2(sh * 0x10001u), b2 = bits_bf2(bh * 0x10001u);  // the bf16 in both halves
 #pragma unroll
-      for (int c = 0; c < 8; ++c) st_s128(b_s + swz(t, c), dequant8(w8[c], sf, bf));
+        for (int c = 0; c < 8; ++c) st_s128(b_s + swz(t, c), dequant8_bf16x2(w8[c], s2, b2));
+      } else {
+        const float sf = bf16f(sh), bf = bf16f(bh);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) st_s128(b_s + swz(t, c), dequant8(w8[c], sf, bf));
+      }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // A (cp.async) and B (stores) -> wgmma's proxy
       bar_arrive(&full[kt % kV2Stages]);
     }
@@ -348,9 +386,12 @@ int main(int argc, char** argv) {
   LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("gemm_lab: %s, %d SMs, M = %d\n", prop.name, prop.multiProcessorCount, M);
   LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kV2Smem));
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v2_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kV2Smem));
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v2_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kV2Smem));
   struct Variant { const char* name; void (*kernel)(const Args); int smem; };
-  const Variant variants[] = {{"v1", gemm_wgmma_kernel, kSmem}, {"v2", gemm_wgmma_v2_kernel, kV2Smem}};
+  const Variant variants[] = {{"v1", gemm_wgmma_kernel, kSmem},
+                              {"v2", gemm_wgmma_v2_kernel<false>, kV2Smem},
+                              {"v3", gemm_wgmma_v2_kernel<true>, kV2Smem}};
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.f, 1.f);
   int fails = 0;
