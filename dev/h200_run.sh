@@ -171,6 +171,12 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   SUMMARY+=("ncu gemv rc=$?")
   printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+  if [ -x .h200/gemm_lab ]; then  # issue 15's wgmma GEMM candidates, if built
+    timeout 90 .h200/gemm_lab > "$LOG/gemm_lab.txt" 2>&1
+    SUMMARY+=("gemm_lab rc=$?: $(grep -m1 '^SUMMARY' "$LOG/gemm_lab.txt")")
+    grep -E "^(PASS|FAIL)" "$LOG/gemm_lab.txt" | cut -c1-170
+    cp "$LOG/gemm_lab.txt" "$OUT/" 2>/dev/null
+  fi
   # the whole decode step at 4K, warm (dev/decode_step_profile.py: each step graph one ncu result)
   timeout 120 ncu --profile-from-start off --graph-profiling graph --cache-control none --clock-control none \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_imc_miss,smsp__pcsamp_warps_issue_stalled_selected \
