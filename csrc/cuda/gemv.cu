@@ -23,6 +23,7 @@
 // reads 512 consecutive bytes, conflict-free), already multiplied by the part's factor (K mode).
 #include "cuda/gemv.cuh"
 #include "cuda/gemv_lane.cuh"
+#include "cuda/mma_bf16.cuh"  // cp.async
 
 namespace lily::cuda::gemv {
 namespace {
@@ -68,6 +69,8 @@ struct Launch {
   const float* xf = nullptr;
   const float* zf = nullptr;
   const float* nw = nullptr;
+  int32_t nw_len = 0;      // norm weight floats staged in shared memory before the PDL wait (0: read from global)
+  int32_t pad2_ = 0;
   const bf16* xb = nullptr;
   bf16* h_out = nullptr;
   // routing (row mode: the prologue; K mode: ids and weights from the previous kernel)
@@ -169,8 +172,15 @@ struct Smem {  // the statically sized part of the kernel's shared memory
 // memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel
 // and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
 // parts issue their first weight loads, so those are in flight while the row is staged.
+// The norm stagings keep the fp32 row they reduce in xs (lane-major, xpos) and stage_rows normalises it there, so the
+// row is read from L2 once; the norm weight was copied into nwbuf before the PDL wait (it does not depend on the
+// previous kernels), so no L2 round trip is left between the reduction and the math.
+__device__ __forceinline__ int xpos4(int i) {  // float4 index in xs of elements i..i+3 (i % 4 == 0)
+  return ((i >> 10) * 8 + ((i & 31) >> 2)) * 32 + ((i >> 5) & 31);
+}
+
 template <int STAGE>
-__device__ void stage_prologue(const Launch& g, Smem& sm) {
+__device__ void stage_prologue(const Launch& g, Smem& sm, float* xs) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
   const int n = STAGE == kStageK ? g.units * 32 : g.in;
   if (g.route && warp == 0) {
@@ -190,6 +200,7 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
     for (int i = 4 * tid; i < n; i += 4 * nth) {
       const float4 t = *reinterpret_cast<const float4*>(g.xf + i);
       ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+      reinterpret_cast<float4*>(xs)[xpos4(i)] = t;
     }
     ss = warp_sum(ss);
     if (lane == 0) sm.red[warp] = ss;
@@ -207,15 +218,18 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
       for (int i = 4 * lane; i < g.gdim; i += 128) {
         const float4 t = *reinterpret_cast<const float4*>(yr + i);
         ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+        reinterpret_cast<float4*>(xs)[xpos4(h * g.gdim + i)] = t;
       }
       ss = warp_sum(ss);
       if (lane == 0) sm.inv[h] = 1.f / sqrtf(ss / static_cast<float>(g.gdim) + g.eps);
     }
   }
+  if constexpr (STAGE == kStageNorm || STAGE == kStageGated)
+    if (g.nw_len) mma::cp_async_wait<0>();  // this thread's part of nwbuf (the caller's barrier publishes it)
 }
 
 template <int STAGE>
-__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
+__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, const float* nwbuf) {
   const int tid = threadIdx.x, nth = blockDim.x;
   const int n = STAGE == kStageK ? g.units * 32 : g.in;
   // 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued
@@ -239,9 +253,10 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
         fac[r] = sm.fac[p];
       } else if constexpr (STAGE == kStageBf16) {
         raw[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
-      } else {
-        raw[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
-        raw[r][1] = *reinterpret_cast<const uint4*>(g.xf + i + 4);
+      } else {  // the norms: the prologue left the fp32 row in xs
+        const uint4* x4 = reinterpret_cast<const uint4*>(xs) + xpos4(i);
+        raw[r][0] = x4[0];
+        raw[r][1] = x4[32];
       }
     }
 #pragma unroll
@@ -261,19 +276,21 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
           v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * fac[r];
         }
       } else if constexpr (STAGE == kStageNorm) {
+        const float* nwp = g.nw_len ? nwbuf : g.nw;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * g.nw[i + k]);
+          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * nwp[i + k]);
           if (write_h) g.h_out[i + k] = h;
           v[k] = __bfloat162float(h);
         }
       } else {  // gated: a group of 8 never straddles a head (gdim % 8 == 0)
         const int hd = i / g.gdim, c = i - hd * g.gdim;
+        const float* nwp = g.nw_len ? nwbuf : g.nw;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float zz = g.zf[i + k];
           v[k] = __bfloat162float(
-              __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[hd] * g.nw[c + k] * (zz / (1.f + expf(-zz)))));
+              __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[hd] * nwp[c + k] * (zz / (1.f + expf(-zz)))));
         }
       }
       // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
@@ -289,7 +306,7 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
 // the PDL wait (overlapping the previous kernel's tail), the routed parts' once the prologue has the routing.
 template <int FMT, int STAGE>
 __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
-                         float* partial, Smem& sm) {
+                         float* partial, Smem& sm, float* nwbuf) {
   using F = FmtTraits<FMT>;
   const int lane = threadIdx.x & 31;
   constexpr bool kQuant = FmtTraits<FMT>::kQuant;
@@ -300,9 +317,15 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     cur.setup(P, 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
+  if constexpr (STAGE == kStageNorm || STAGE == kStageGated) {
+    if (g.nw_len) {  // the norm weight into nwbuf: a model weight, so before the wait
+      for (int i = 4 * threadIdx.x; i < g.nw_len; i += 4 * blockDim.x) mma::cp_async16(nwbuf + i, g.nw + i);
+      mma::cp_async_commit();
+    }
+  }
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
-  stage_prologue<STAGE>(g, sm);
+  stage_prologue<STAGE>(g, sm, xs);
   __syncthreads();
   // The routed parts' loads go out now that the expert is known, in flight while the row is staged. (ptxas
   // reports 4 bytes of spill for the kernel since this split, from the 8-bit path: it is 0 with that path
@@ -311,7 +334,7 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
-  stage_rows<STAGE>(g, xs, sm);
+  stage_rows<STAGE>(g, xs, sm, nwbuf);
   __syncthreads();
   const int sl = (threadIdx.x >> 5) % g.slices;
   const float4* xl = reinterpret_cast<const float4*>(xs) + sl * 8 * 32 + lane;
@@ -384,6 +407,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   float* partial = smem + g.slices * 1024;            // [mwarps * tpw * kR][slices]
   const int nrow = g.mwarps * g.tpw * kR;
   float* rowv = partial + nrow * g.slices;            // [mwarps * tpw * kR]
+  float* nwbuf = rowv + (nrow + 3) / 4 * 4;            // [nw_len], 16-byte aligned
   if (tid == 0) sm.key = 0ull;
 
   // This warp's part and tiles.
@@ -404,16 +428,16 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   const Part& P = g.part[p];
   const int pslot = m * g.tpw;
   if constexpr (SET == kSetQ4) {
-    run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+    run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf);
   } else if constexpr (SET == kSetQ4Q8) {
-    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
-    else run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf);
+    else run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf);
   } else {
     switch (P.fmt) {
-      case kQ4: run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kQ4: run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
+      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
+      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
+      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
     }
   }
   __syncthreads();
@@ -541,7 +565,7 @@ int sm_count() {
 
 size_t smem_for(const Launch& g) {
   const size_t nrow = static_cast<size_t>(g.mwarps) * g.tpw * kR;
-  return (static_cast<size_t>(g.slices) * 1024 + nrow * g.slices + nrow) * sizeof(float);
+  return (static_cast<size_t>(g.slices) * 1024 + nrow * g.slices + (nrow + 3) / 4 * 4 + g.nw_len) * sizeof(float);
 }
 
 // Split K into slices, pick the tiles per warp, lay the parts' tiles out at multiples of it; returns the grid.
@@ -607,6 +631,10 @@ unsigned proj(cudaStream_t st, const ProjArgs& a) {
   Launch g;
   g.xmode = a.xmode, g.in = a.in, g.gdim = a.gdim, g.eps = a.eps;
   g.xf = a.xf, g.zf = a.zf, g.nw = a.nw, g.xb = a.xb, g.h_out = a.h_out;
+  // the norm weight staged before the PDL wait: whole (RMSNorm, up to 16 KB) or one head's (gated), when aligned
+  const bool nw_aligned = (reinterpret_cast<uintptr_t>(a.nw) & 15u) == 0;
+  if (a.xmode == kXNorm && a.in <= 4096 && nw_aligned) g.nw_len = a.in;
+  if (a.xmode == kXGated && nw_aligned) g.nw_len = a.gdim;
   g.route = a.route, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
   g.top_idx = a.top_idx, g.top_w = a.top_w;
   g.conv_w = a.conv_w, g.conv_state = a.conv_state, g.u = a.u, g.conv_dim = a.conv_dim, g.conv_k = a.conv_k;
