@@ -19,7 +19,7 @@
 #             full-size envelope (200 s), ncu of the decode GEMV (check_decode --profile), the generate rows at 4K
 #   ab        changed kernels in a short call: their check programs, cuda_check on two tiny configs, memcheck,
 #             compare_builds over BUILDS (several builds: ratios against the first), ncu of the decode GEMV
-#   sanitize  racecheck alone on tiny_odd and tiny_dk_ne_dv (270 s each, with per-check progress lines)
+#   sanitize  racecheck alone on tiny_odd and tiny_dk_ne_dv (230 and 340 s limits: they took 190 and 289 s)
 #   bench     3 before/after rounds and the generate rows at 512 and 4K
 #   sweep     benchmarks/bench_cuda.py ARGS on the full-size checkpoint (the benchmark JSON + PNG into $OUT)
 # A prebuilt extension is used only if it imports on the device; otherwise the script builds there (-j16).
@@ -185,9 +185,10 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_step.csv") --stalls 8 | tee "$OUT/ncu_step.md"
   cp "$LOG/check_decode.txt" "$LOG/check_sample.txt" "$OUT/" 2>/dev/null
   ;;
-sanitize)  # racecheck alone on the GPU (it ran past 100-200 s on tiny_odd on 2026-12-01; 42 s at 49fe207)
+sanitize)  # racecheck alone on the GPU: 190 s on tiny_odd and 289 s on tiny_dk_ne_dv at 27376e1 (2026-12-02)
   for cfg in tiny_odd tiny_dk_ne_dv; do
-    timeout 270 "$CS" --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+    lim=230; [ $cfg = tiny_dk_ne_dv ] && lim=340
+    timeout $lim "$CS" --tool racecheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
       --progress --no-bundled > "$LOG/racecheck_$cfg.txt" 2>&1
     SUMMARY+=("racecheck $cfg rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$LOG/racecheck_$cfg.txt")")
     grep -E "^  |Race|Error" "$LOG/racecheck_$cfg.txt" | tail -4
