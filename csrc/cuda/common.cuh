@@ -159,6 +159,34 @@ __device__ __forceinline__ void load_w8(const DLinear& W, int64_t e, int64_t row
   }
 }
 
+// Exclusive prefix sum of v over the block (blockDim a multiple of 32, <= 1024); *total (if given) = the sum.
+// ws: 33 ints of shared scratch.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* ws, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  int inc = v;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += n;
+  }
+  if (lane == 31) ws[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < nw ? ws[lane] : 0;
+    int winc = w;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, winc, off);
+      if (lane >= off) winc += n;
+    }
+    if (lane < nw) ws[lane] = winc - w;
+    if (lane == 31) ws[32] = winc;
+  }
+  __syncthreads();
+  const int r = ws[warp] + inc - v;
+  if (total) *total = ws[32];
+  __syncthreads();  // ws is reused by the next scan
+  return r;
+}
+
 // PDL: a kernel launched with programmatic stream serialisation may start while its predecessor is still
 // running. It must not read the predecessor's outputs (nor write anything the predecessor reads) before
 // pdl_wait(), which returns once the predecessor grid has completed and its memory is visible; without the

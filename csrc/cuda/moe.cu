@@ -11,34 +11,6 @@ __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_
                   top_w + s * p.top_k, threadIdx.x % 32);
 }
 
-// Exclusive prefix sum of v over the block (blockDim a multiple of 32, <= 1024); *total (if given) = the sum.
-// ws: 33 ints of shared scratch.
-__device__ int block_exclusive_scan(int v, int* ws, int* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
-  int inc = v;
-  for (int off = 1; off < 32; off <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, inc, off);
-    if (lane >= off) inc += n;
-  }
-  if (lane == 31) ws[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = lane < nw ? ws[lane] : 0;
-    int winc = w;
-    for (int off = 1; off < 32; off <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, winc, off);
-      if (lane >= off) winc += n;
-    }
-    if (lane < nw) ws[lane] = winc - w;
-    if (lane == 31) ws[32] = winc;
-  }
-  __syncthreads();
-  const int r = ws[warp] + inc - v;
-  if (total) *total = ws[32];
-  __syncthreads();  // ws is reused by the next scan
-  return r;
-}
-
 // One block of 1,024 threads: histogram -> exclusive scans (pairs and tiles per expert) -> tile map, one thread
 // per expert -> scatter of pairs. The pairs of a warp that share an expert meet in one shared-memory atomic
 // (__match_any_sync): routing is skewed, and one atomic per pair serialised on the popular experts.

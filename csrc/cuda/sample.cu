@@ -146,10 +146,10 @@ __global__ void __launch_bounds__(kGridThreads) process_kernel(Args a) {
 __device__ uint32_t span_kth_key(const float* x, int lo, int hi, int k) {
   constexpr int kPer = kSpan / kGridThreads;
   __shared__ uint32_t hist[256];
-  __shared__ uint32_t warp_tot[kGridThreads / 32];
+  __shared__ int scan_ws[33];
   __shared__ uint32_t s_prefix;
   __shared__ int s_need;
-  const int t = threadIdx.x, lane = t % 32, wid = t / 32;
+  const int t = threadIdx.x, lane = t % 32;
   if (hi - lo <= k) return 0u;
   uint32_t key[kPer];
 #pragma unroll
@@ -174,16 +174,8 @@ __device__ uint32_t span_kth_key(const float* x, int lo, int hi, int k) {
     // suffix sums over the bins (thread t owns bin 255 - t): S(b) = entries of the prefix in bins >= b
     const int b = 255 - t;
     const uint32_t c = hist[b];
-    uint32_t inc = c;
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t n = __shfl_up_sync(0xffffffffu, inc, off);
-      if (lane >= off) inc += n;
-    }
-    if (lane == 31) warp_tot[wid] = inc;
-    __syncthreads();
-    uint32_t before = 0u;
-    for (int w = 0; w < wid; ++w) before += warp_tot[w];
-    const uint32_t S = before + inc, need = static_cast<uint32_t>(s_need);
+    const uint32_t S = static_cast<uint32_t>(block_exclusive_scan(static_cast<int>(c), scan_ws, nullptr)) + c;
+    const uint32_t need = static_cast<uint32_t>(s_need);
     __syncthreads();  // every thread has read s_need
     if (S >= need && S - c < need) {  // the bin holding the need-th largest: unique (an empty bin has S = S - c)
       s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
