@@ -512,6 +512,7 @@ Part part_of(const DLinear& w, const DLinear& w1, bool dual) {
 struct Geometry {
   int threads = 0, grid = 0;
   size_t smem = 0;
+  void (*kernel)(const Launch) = nullptr;  // the launch kind's instantiation
 };
 
 using Kernel = void (*)(const Launch);
@@ -578,7 +579,9 @@ Geometry plan(Launch& g, int64_t units) {
   g.mwarps = std::max(1, kBlockWarps / g.slices);
   Geometry geo;
   geo.threads = 32 * g.slices * g.mwarps;
-  const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm(kind_of(g), geo.threads, 24 * 1024);
+  const KernelKind kind = kind_of(g);
+  geo.kernel = kernel_of(kind);
+  const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm(kind, geo.threads, 24 * 1024);
   // makespan ~ waves x (tiles per warp + 1): the +1 is a warp's staging and epilogue, about one tile's time
   int64_t best = -1;
   for (int t = 1; t <= kMaxTpw; ++t) {
@@ -607,7 +610,7 @@ Geometry plan(Launch& g, int64_t units) {
 
 void launch(cudaStream_t st, const Launch& g, const Geometry& geo) {
   if (geo.smem > 48 * 1024) throw std::logic_error("[lily] cuda decode gemv: shared memory over 48 KB");
-  launch_pdl(kernel_of(kind_of(g)), dim3(geo.grid), dim3(geo.threads), geo.smem, st, g);
+  launch_pdl(geo.kernel, dim3(geo.grid), dim3(geo.threads), geo.smem, st, g);
 }
 
 }  // namespace
