@@ -400,21 +400,19 @@ def main(argv=None):
                     method="Engine.decode_greedy: argmax on the device, no logits copies")
             except Exception as e:  # noqa: BLE001
                 checks[f"decode_greedy@{L}"] = repr(e)[:200]
-            if model is not None:
+            end_to_end = [
+                ("generate", lily.generate_stream,
+                 "Model.session().generate(stream=True), greedy: the Python API end to end (the engine's token "
+                 "loop, detokenizing, stop checks), beside the raw step rate"),
+                ("serve", lily.serve_stream,
+                 "lily serve's app (uvicorn, in process) streaming /v1/completions to the openai client, greedy, "
+                 "prompt from the prefix cache: first chunk to last")]
+            for suffix, run, method in (end_to_end if model is not None else []):
                 try:
-                    sec, n = lily.generate_stream(model, L)
-                    add(lily.name + "-generate", "decode", L, sec, n,
-                        method="Model.session().generate(stream=True), greedy: the Python API end to end (the "
-                               "engine's token loop, detokenizing, stop checks), beside the raw step rate")
+                    sec, n = run(model, L)
+                    add(f"{lily.name}-{suffix}", "decode", L, sec, n, method=method)
                 except Exception as e:  # noqa: BLE001
-                    checks[f"generate_stream@{L}"] = repr(e)[:200]
-                try:
-                    sec, n = lily.serve_stream(model, L)
-                    add(lily.name + "-serve", "decode", L, sec, n,
-                        method="lily serve's app (uvicorn, in process) streaming /v1/completions to the openai "
-                               "client, greedy, prompt from the prefix cache: first chunk to last")
-                except Exception as e:  # noqa: BLE001
-                    checks[f"serve_stream@{L}"] = repr(e)[:200]
+                    checks[f"{run.__name__}@{L}"] = repr(e)[:200]
             for device in (False, True):
                 try:
                     st.restore(snap)

@@ -80,6 +80,15 @@ model_checks() {  # model_checks TIMEOUT: the whole-model checks on the tiny con
   echo "[$(el)s] cuda_check"
 }
 
+ncu_gemv() {  # ncu_gemv CHECK_DECODE: the decode GEMV alone at the real shapes, one cold launch each (--profile)
+  timeout 60 ncu --clock-control none --cache-control all --kernel-name regex:gemv_kernel \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
+    --csv --page raw "$1" --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
+  SUMMARY+=("ncu gemv rc=$?")
+  printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
+  python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+}
+
 case "$MODE" in
 final)  # one call, sequential, most important first; a step starts only if DEADLINE seconds are not yet spent
   DEADLINE=${DEADLINE:-560}
@@ -126,12 +135,7 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     echo "[$(el)s] compare_builds"
   fi
   if go $((DEADLINE - 60)) "ncu"; then  # the decode GEMV alone at the real shapes: check_decode --profile
-    timeout 60 ncu --clock-control none --cache-control all --kernel-name regex:gemv_kernel \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
-      --csv --page raw .h200/kdec/check_decode --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
-    SUMMARY+=("ncu gemv rc=$?")
-    printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
-    python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+    ncu_gemv .h200/kdec/check_decode
   fi
   if go $((DEADLINE - 45)) "bench generate"; then
     timeout 60 python3 benchmarks/bench_cuda.py --checkpoint $CK --lengths 4096 --no-mlx --no-ablations \
@@ -165,12 +169,7 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
     > "$LOG/compare.txt" 2>&1
   SUMMARY+=("compare_builds rc=$?"); grep -E "^round|^\|" "$LOG/compare.txt" | tail -14
   echo "[$(el)s] compare_builds"
-  timeout 60 ncu --clock-control none --cache-control all --kernel-name regex:gemv_kernel \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
-    --csv --page raw .h200/kbin/check_decode --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
-  SUMMARY+=("ncu gemv rc=$?")
-  printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
-  python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
+  ncu_gemv .h200/kbin/check_decode
   if [ -x .h200/gemm_lab ]; then  # issue 15's wgmma GEMM candidates, if built
     timeout 90 .h200/gemm_lab > "$LOG/gemm_lab.txt" 2>&1
     SUMMARY+=("gemm_lab rc=$?: $(grep -m1 '^SUMMARY' "$LOG/gemm_lab.txt")")
