@@ -31,6 +31,9 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/mma_bf16.cuh"  // cp.async
+
+namespace mma = lily::cuda::mma;
 
 
 constexpr int kBM = 128, kBN = 128, kBK = 64;
@@ -157,28 +160,59 @@ struct Loads {
   uint32_t s, b;
 };
 
-__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_constant__ Args g) {
-  extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const uint32_t sbase = smem_u32(smem);
-  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
+// What both kernels share: the 1024-aligned dynamic shared memory, the stage barriers, a producer thread's rows
+// and the accumulator store.
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+}
+template <int S>
+__device__ void init_stage_barriers(uint64_t (&full)[S], uint64_t (&empty)[S]) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
       bar_init(&full[s], 128);  // every producer thread arrives
       bar_init(&empty[s], 8);   // lane 0 of each consumer warp, after its wgmma reads are done
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+}
+struct ProducerRows {  // producer thread t's A row m0 + t and B row n0 + t (clamped to the last rows)
+  const unsigned char* xa;
+  const uint32_t* cw;
+  const uint16_t *sc, *bi;
+  __device__ ProducerRows(const Args& g, int m0, int n0, int t) {
+    const int ra = min(m0 + t, g.M - 1), rb = min(n0 + t, g.N - 1);
+    xa = reinterpret_cast<const unsigned char*>(g.x + static_cast<int64_t>(ra) * g.K);
+    cw = g.codes + static_cast<int64_t>(rb) * (g.K / 8);
+    sc = g.scales + static_cast<int64_t>(rb) * (g.K / 64);
+    bi = g.biases + static_cast<int64_t>(rb) * (g.K / 64);
+  }
+};
+// Consumer warpgroup `half`'s 64 x 128 accumulators to Y: 8-column block i / 4; rows 16 warp + lane / 4 (+ 8 for
+// the second pair).
+__device__ void store_acc(const Args& g, const float (&d)[64], int m0, int n0, int half, int t) {
+  const int warp = t / 32, lane = t % 32;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int row = m0 + half * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
+    const int col = n0 + (i / 4) * 8 + (lane % 4) * 2 + (i % 2);
+    if (row < g.M && col < g.N) g.y[static_cast<int64_t>(row) * g.N + col] = d[i];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_constant__ Args g) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const uint32_t sbase = smem_u32(aligned_smem(smem_raw));
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
+  init_stage_barriers(full, empty);
 
   if (wg == 0) {  // ---- producer: thread t loads A row m0 + t and B row n0 + t ----
-    const int ra = min(m0 + t, g.M - 1), rb = min(n0 + t, g.N - 1);
-    const unsigned char* xa = reinterpret_cast<const unsigned char*>(g.x + static_cast<int64_t>(ra) * g.K);
-    const uint32_t* cw = g.codes + static_cast<int64_t>(rb) * (g.K / 8);
-    const uint16_t* sc = g.scales + static_cast<int64_t>(rb) * (g.K / 64);
-    const uint16_t* bi = g.biases + static_cast<int64_t>(rb) * (g.K / 64);
+    const ProducerRows rw(g, m0, n0, t);
+    const unsigned char* xa = rw.xa;
+    const uint32_t* cw = rw.cw;
+    const uint16_t *sc = rw.sc, *bi = rw.bi;
     auto load = [&](int kt, Loads& L) {
 #pragma unroll
       for (int c = 0; c < 8; ++c) L.a[c] = ld_nc(xa + kt * 128 + c * 16);
@@ -220,14 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
       if (t % 32 == 0) bar_arrive(&empty[s]);
     }
-    // accumulator fragment: 8-column block j / 4; rows 16 warp + lane / 4 (+ 8 for the second pair)
-    const int warp = t / 32, lane = t % 32;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      const int row = m0 + half * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
-      const int col = n0 + (i / 4) * 8 + (lane % 4) * 2 + (i % 2);
-      if (row < g.M && col < g.N) g.y[static_cast<int64_t>(row) * g.N + col] = d[i];
-    }
+    store_acc(g, d, m0, n0, half, t);
   }
 }
 
@@ -245,15 +272,9 @@ constexpr int kRawBytes = kBN * 32 + kBN * 8;                 // codes [128][32 
 constexpr int kV2StageBytes = 2 * kTileBytes + kRawBytes;     // A, B (bf16), raw B
 constexpr int kV2Smem = kV2Stages * kV2StageBytes + 1024;
 
-__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
 __device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ uint4 ld_s128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
@@ -275,37 +296,28 @@ template <bool kBf16Math>  // false: v2 (fp32 dequantisation), true: v3 (bf16x2,
 __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid_constant__ Args g) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kV2Stages], empty[kV2Stages];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const uint32_t sbase = smem_u32(smem);
+  const uint32_t sbase = smem_u32(aligned_smem(smem_raw));
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
-  if (tid == 0) {
-    for (int s = 0; s < kV2Stages; ++s) {
-      bar_init(&full[s], 128);
-      bar_init(&empty[s], 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty);
 
   if (wg == 0) {  // ---- producer: thread t streams A row m0 + t and B row n0 + t ----
-    const int ra = min(m0 + t, g.M - 1), rb = min(n0 + t, g.N - 1);
-    const unsigned char* xa = reinterpret_cast<const unsigned char*>(g.x + static_cast<int64_t>(ra) * g.K);
-    const uint32_t* cw = g.codes + static_cast<int64_t>(rb) * (g.K / 8);
-    const uint16_t* sc = g.scales + static_cast<int64_t>(rb) * (g.K / 64);
-    const uint16_t* bi = g.biases + static_cast<int64_t>(rb) * (g.K / 64);
+    const ProducerRows rw(g, m0, n0, t);
+    const unsigned char* xa = rw.xa;
+    const uint32_t* cw = rw.cw;
+    const uint16_t *sc = rw.sc, *bi = rw.bi;
     auto slot = [&](int kt) { return sbase + (kt % kV2Stages) * kV2StageBytes; };
     auto issue = [&](int kt) {  // stage kt's bytes of this thread, one commit group (empty past the end)
       if (kt < ktiles) {
         const uint32_t a_s = slot(kt), raw = a_s + 2 * kTileBytes;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) cp16(a_s + swz(t, c), xa + kt * 128 + c * 16);
-        cp16(raw + t * 32, cw + kt * 8);
-        cp16(raw + t * 32 + 16, cw + kt * 8 + 4);
+        for (int c = 0; c < 8; ++c) mma::cp_async16(a_s + swz(t, c), xa + kt * 128 + c * 16, true);
+        mma::cp_async16(raw + t * 32, cw + kt * 8, true);
+        mma::cp_async16(raw + t * 32 + 16, cw + kt * 8 + 4, true);
         cp4(raw + kBN * 32 + t * 8, word_of(sc + kt));
         cp4(raw + kBN * 32 + t * 8 + 4, word_of(bi + kt));
       }
-      cp_commit();
+      mma::cp_async_commit();
     };
     for (int j = 0; j < kV2Ahead; ++j) issue(j);  // the slots start empty
     for (int kt = 0; kt < ktiles; ++kt) {
@@ -313,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid
       const int kn = kt + kV2Ahead;
       if (kn < ktiles && kn >= kV2Stages) bar_wait(&empty[kn % kV2Stages], ((kn / kV2Stages) - 1) & 1);
       issue(kn);
-      cp_wait<kV2Ahead>();  // this thread's copies of stage kt have landed
+      mma::cp_async_wait<kV2Ahead>();  // this thread's copies of stage kt have landed
       const uint32_t a_s = slot(kt), b_s = a_s + kTileBytes, raw = a_s + 2 * kTileBytes;
       const uint4 c0 = ld_s128(raw + t * 32), c1 = ld_s128(raw + t * 32 + 16);
       const uint32_t sh = half_of(ld_s32(raw + kBN * 32 + t * 8), sc + kt);
@@ -331,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // A (cp.async) and B (stores) -> wgmma's proxy
       bar_arrive(&full[kt % kV2Stages]);
     }
-    cp_wait<0>();
+    mma::cp_async_wait<0>();
   } else {  // ---- consumers: rows 64 (wg - 1) .. + 63; one wgmma group in flight ----
     const int half = wg - 1;
     float d[64];
@@ -349,13 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid
       if (kt > 0 && t % 32 == 0) bar_arrive(&empty[(kt - 1) % kV2Stages]);
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    const int warp = t / 32, lane = t % 32;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      const int row = m0 + half * 64 + warp * 16 + lane / 4 + 8 * ((i / 2) % 2);
-      const int col = n0 + (i / 4) * 8 + (lane % 4) * 2 + (i % 2);
-      if (row < g.M && col < g.N) g.y[static_cast<int64_t>(row) * g.N + col] = d[i];
-    }
+    store_acc(g, d, m0, n0, half, t);
   }
 }
 
