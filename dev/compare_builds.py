@@ -1,9 +1,9 @@
 """Before/after on the H200 in one call (issue 17's "no slower than before, within 3 %"): two or more builds of
-lily (ratios against the first), each a folder with its `lily` package and `_lily*.so`, timed in alternating rounds (round r: the first build first when r
-is even), each run in its own process on the same in-memory full-size weights (lily.testing.fast_synthetic,
-seed 0): prefill of L random tokens (last-row logits) and greedy decode after it (Engine.decode_greedy: the
-engine's loop on the device; 3 untimed steps, then --steps timed). Only API both builds have is used. Prints a
-table (median per build, after/before ratio) and writes JSON.
+lily (ratios against the first), each a folder with its `lily` package and `_lily*.so`, timed in alternating
+rounds (round r: the build order reversed when r is odd), each run in its own process on the same in-memory
+full-size weights (lily.testing.fast_synthetic, seed 0): prefill of L random tokens (last-row logits) and greedy
+decode after it (Engine.decode_greedy: the engine's loop on the device; 3 untimed steps, then --steps timed). Only
+API every build has is used. Prints a table (median per build, the ratios to the first) and writes JSON.
 
     python3 dev/compare_builds.py --builds before=/tmp/before/src,after=src --rounds 3 --out $OUT/compare.json
 """
@@ -55,7 +55,8 @@ def run(path: str, lengths: str, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--builds", required=True, help="name=PYTHONPATH,... (two or more builds; ratios against the first)")
+    ap.add_argument("--builds", required=True,
+                    help="name=PYTHONPATH,... (two or more builds; ratios against the first)")
     ap.add_argument("--lengths", default="512,4096,32768,131072")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -82,8 +83,6 @@ def main() -> int:
             med = {n: statistics.median(samples[(n, L, k)]) for n in names}
             row = {"tokens": L, "metric": k, **{n: samples[(n, L, k)] for n in names}}
             row.update({f"ratio_{b}": med[b] / med[a] for b in names[1:]})
-            if len(names) == 2:
-                row["ratio"] = med[names[1]] / med[a]
             rows.append(row)
             print(f"| {L} | {k} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | " +
                   " | ".join(f"{med[b] / med[a]:.3f}" for b in names[1:]) + " |")

@@ -210,8 +210,8 @@ static void check_rms_norm(int64_t rows, int64_t n) {
     const double inv = 1.0 / std::sqrt(ss / n + eps);
     for (int64_t i = 0; i < n; ++i) ref[r * n + i] = x[r * n + i] * inv * w[i];
   }
-  report(fmt("rms_norm rows=%lld n=%lld", (long long)rows, (long long)n), ref, bf_to_d(get(dy, rows * n)), tolerances::small_bf16_rel_rms,
-         true);
+  report(fmt("rms_norm rows=%lld n=%lld", (long long)rows, (long long)n), ref, bf_to_d(get(dy, rows * n)),
+         tolerances::small_bf16_rel_rms, true);
 }
 
 // ---------------------------------------------------------------- moe.cu: moe_route
@@ -377,7 +377,8 @@ static void check_combine(int64_t S, int64_t H, int k) {
       for (int j = 0; j < k; ++j) acc += d[(s * k + j) * H + c];
       ref[s * H + c] = x0[s * H + c] + acc;
     }
-  report(fmt("moe_combine S=%lld H=%lld k=%d", (long long)S, (long long)H, k), ref, to_d(get(dx, S * H)), tolerances::small_fp32_rel_rms);
+  report(fmt("moe_combine S=%lld H=%lld k=%d", (long long)S, (long long)H, k), ref, to_d(get(dx, S * H)),
+         tolerances::small_fp32_rel_rms);
 }
 
 // ---------------------------------------------------------------- deltanet.cu
@@ -444,8 +445,8 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
     const double inv = 1.0 / std::sqrt(ss / Dv + p.norm_eps);
     for (int i = 0; i < Dv; ++i) ref[r * Dv + i] = y[r * Dv + i] * inv * w[i] * silu_d(z[r * Dv + i]);
   }
-  report(fmt("deltanet_gated_norm Hv=%d Dv=%d S=%lld", Hv, Dv, (long long)S), ref, bf_to_d(get(dout, n)), tolerances::small_bf16_rel_rms,
-         true);
+  report(fmt("deltanet_gated_norm Hv=%d Dv=%d S=%lld", Hv, Dv, (long long)S), ref, bf_to_d(get(dout, n)),
+         tolerances::small_bf16_rel_rms, true);
 }
 
 // ---------------------------------------------------------------- deltanet.cu: deltanet_step (decode)

@@ -270,8 +270,8 @@ void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSpli
   }
   // Rounded up to 16 bytes: the compiler may read the weights with vector loads past n_splits.
   const size_t smem = (sp.n_splits * sizeof(float) + 31) / 16 * 16;
-  launch_pdl(attn_combine_kernel, dim3(static_cast<unsigned>(p.S * p.n_heads)), dim3(std::min(p.head_dim, 256)), smem, st,
-             p, sp, part, qg, o);
+  launch_pdl(attn_combine_kernel, dim3(static_cast<unsigned>(p.S * p.n_heads)), dim3(std::min(p.head_dim, 256)), smem,
+             st, p, sp, part, qg, o);
 }
 
 }  // namespace lily::cuda
