@@ -23,7 +23,6 @@
 // reads 512 consecutive bytes, conflict-free), already multiplied by the part's factor (K mode).
 #include "cuda/gemv.cuh"
 #include "cuda/gemv_lane.cuh"
-#include "cuda/mma_bf16.cuh"  // cp.async
 
 namespace lily::cuda::gemv {
 namespace {
@@ -69,8 +68,6 @@ struct Launch {
   const float* xf = nullptr;
   const float* zf = nullptr;
   const float* nw = nullptr;
-  int32_t nw_len = 0;      // norm weight floats staged in shared memory before the PDL wait (0: read from global)
-  int32_t pad2_ = 0;
   const bf16* xb = nullptr;
   bf16* h_out = nullptr;
   // routing (row mode: the prologue; K mode: ids and weights from the previous kernel)
@@ -100,42 +97,45 @@ struct TileRegs {  // (dense formats stream row by row: Cursor::dense_dot)
   uint32_t s[kR], b[kR];
 };
 
-// A lane's position in one part: the unit's byte offset in each row and its group, the row pointers' bases.
+// A lane's position in one part: the bases of the rows it reads (the expert's matrices offset to the lane's unit
+// and group), set once per warp, so a tile's row addresses are one 32-bit multiply and a 64-bit add each from a
+// base (rows 0-1 of a tile: the gate matrix; rows 2-3: the up matrix of a dual part, the same matrix otherwise).
+// The byte offsets of an expert's rows fit in 32 bits (proj checks rows x row_bytes < 2^31).
 template <int FMT>
 struct Cursor {
-  const uint8_t *wg, *wu;  // the rows' bases: gate (or the only matrix) and, for a dual part, up
-  const uint16_t *sg, *su, *bg, *bu;
-  int32_t row_bytes, row_groups, rows, dual;
+  const uint8_t *wlo, *whi;  // codes or dense elements of rows 0-1 and 2-3 of a tile
+  const uint16_t *slo, *shi, *blo, *bhi;
+  int32_t row_bytes, row_groups, last, step, a2;  // last row; rows per tile (4, dual 2); row 2's offset (2, dual 0)
 
   __device__ __forceinline__ void setup(const Part& P, int64_t e, int unit) {
     const int64_t off = static_cast<int64_t>(unit) * 16 * FmtTraits<FMT>::kVec;
     const int64_t g = e * P.expert_groups + (unit >> P.gsh);
-    wg = P.w0 + e * P.expert_bytes + off;
-    wu = (P.dual ? P.w1 : P.w0) + e * P.expert_bytes + off;
+    wlo = P.w0 + e * P.expert_bytes + off;
+    whi = (P.dual ? P.w1 : P.w0) + e * P.expert_bytes + off;
     if constexpr (FmtTraits<FMT>::kQuant) {
-      sg = P.s0 + g, bg = P.b0 + g;
-      su = (P.dual ? P.s1 : P.s0) + g, bu = (P.dual ? P.b1 : P.b0) + g;
+      slo = P.s0 + g, blo = P.b0 + g;
+      shi = (P.dual ? P.s1 : P.s0) + g, bhi = (P.dual ? P.b1 : P.b0) + g;
     }
-    row_bytes = P.row_bytes, row_groups = P.row_groups, rows = P.rows, dual = P.dual;
+    row_bytes = P.row_bytes, row_groups = P.row_groups, last = P.rows - 1;
+    step = P.dual ? 2 : kR, a2 = P.dual ? 0 : 2;
   }
   // Row i of tile lt: row 4 lt + i, or (dual) gate row 2 lt + i and up row 2 lt + i - 2; clamped to the last
   // row (the epilogue drops rows past it).
   __device__ __forceinline__ int row(int lt, int i) const {
-    return min(dual ? 2 * lt + (i & 1) : kR * lt + i, rows - 1);
+    return min(step * lt + (i < 2 ? i : a2 + i - 2), last);
   }
   __device__ __forceinline__ const uint4* vec(int lt, int i) const {
-    return reinterpret_cast<const uint4*>((dual && i >= 2 ? wu : wg) + static_cast<int64_t>(row(lt, i)) * row_bytes);
+    return reinterpret_cast<const uint4*>((i < 2 ? wlo : whi) + static_cast<uint32_t>(row(lt, i) * row_bytes));
   }
   __device__ __forceinline__ void load(int lt, TileRegs<FMT>& t) const {  // quantized formats
 #pragma unroll
     for (int i = 0; i < kR; ++i) {
-      const bool up = dual && i >= 2;
       const uint4* p = vec(lt, i);
 #pragma unroll
       for (int v = 0; v < FmtTraits<FMT>::kVec; ++v) t.q[i][v] = ld_stream(p + v);
-      const int64_t gi = static_cast<int64_t>(row(lt, i)) * row_groups;
-      t.s[i] = __ldg((up ? su : sg) + gi);
-      t.b[i] = __ldg((up ? bu : bg) + gi);
+      const uint32_t gi = static_cast<uint32_t>(row(lt, i) * row_groups);
+      t.s[i] = __ldg((i < 2 ? slo : shi) + gi);
+      t.b[i] = __ldg((i < 2 ? blo : bhi) + gi);
     }
   }
   // Dense formats (test models): one row at a time, no tile held in registers.
@@ -172,15 +172,8 @@ struct Smem {  // the statically sized part of the kernel's shared memory
 // memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel
 // and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
 // parts issue their first weight loads, so those are in flight while the row is staged.
-// The norm stagings keep the fp32 row they reduce in xs (lane-major, xpos) and stage_rows normalises it there, so the
-// row is read from L2 once; the norm weight was copied into nwbuf before the PDL wait (it does not depend on the
-// previous kernels), so no L2 round trip is left between the reduction and the math.
-__device__ __forceinline__ int xpos4(int i) {  // float4 index in xs of elements i..i+3 (i % 4 == 0)
-  return ((i >> 10) * 8 + ((i & 31) >> 2)) * 32 + ((i >> 5) & 31);
-}
-
 template <int STAGE>
-__device__ void stage_prologue(const Launch& g, Smem& sm, float* xs) {
+__device__ void stage_prologue(const Launch& g, Smem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
   const int n = STAGE == kStageK ? g.units * 32 : g.in;
   if (g.route && warp == 0) {
@@ -200,7 +193,6 @@ __device__ void stage_prologue(const Launch& g, Smem& sm, float* xs) {
     for (int i = 4 * tid; i < n; i += 4 * nth) {
       const float4 t = *reinterpret_cast<const float4*>(g.xf + i);
       ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
-      reinterpret_cast<float4*>(xs)[xpos4(i)] = t;
     }
     ss = warp_sum(ss);
     if (lane == 0) sm.red[warp] = ss;
@@ -218,18 +210,15 @@ __device__ void stage_prologue(const Launch& g, Smem& sm, float* xs) {
       for (int i = 4 * lane; i < g.gdim; i += 128) {
         const float4 t = *reinterpret_cast<const float4*>(yr + i);
         ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
-        reinterpret_cast<float4*>(xs)[xpos4(h * g.gdim + i)] = t;
       }
       ss = warp_sum(ss);
       if (lane == 0) sm.inv[h] = 1.f / sqrtf(ss / static_cast<float>(g.gdim) + g.eps);
     }
   }
-  if constexpr (STAGE == kStageNorm || STAGE == kStageGated)
-    if (g.nw_len) mma::cp_async_wait<0>();  // this thread's part of nwbuf (the caller's barrier publishes it)
 }
 
 template <int STAGE>
-__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, const float* nwbuf) {
+__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
   const int tid = threadIdx.x, nth = blockDim.x;
   const int n = STAGE == kStageK ? g.units * 32 : g.in;
   // 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued
@@ -253,10 +242,9 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, const flo
         fac[r] = sm.fac[p];
       } else if constexpr (STAGE == kStageBf16) {
         raw[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
-      } else {  // the norms: the prologue left the fp32 row in xs
-        const uint4* x4 = reinterpret_cast<const uint4*>(xs) + xpos4(i);
-        raw[r][0] = x4[0];
-        raw[r][1] = x4[32];
+      } else {
+        raw[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
+        raw[r][1] = *reinterpret_cast<const uint4*>(g.xf + i + 4);
       }
     }
 #pragma unroll
@@ -276,21 +264,19 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, const flo
           v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * fac[r];
         }
       } else if constexpr (STAGE == kStageNorm) {
-        const float* nwp = g.nw_len ? nwbuf : g.nw;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * nwp[i + k]);
+          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * g.nw[i + k]);
           if (write_h) g.h_out[i + k] = h;
           v[k] = __bfloat162float(h);
         }
       } else {  // gated: a group of 8 never straddles a head (gdim % 8 == 0)
         const int hd = i / g.gdim, c = i - hd * g.gdim;
-        const float* nwp = g.nw_len ? nwbuf : g.nw;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float zz = g.zf[i + k];
           v[k] = __bfloat162float(
-              __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[hd] * nwp[c + k] * (zz / (1.f + expf(-zz)))));
+              __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[hd] * g.nw[c + k] * (zz / (1.f + expf(-zz)))));
         }
       }
       // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
@@ -306,7 +292,7 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, const flo
 // the PDL wait (overlapping the previous kernel's tail), the routed parts' once the prologue has the routing.
 template <int FMT, int STAGE>
 __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
-                         float* partial, Smem& sm, float* nwbuf) {
+                         float* partial, Smem& sm) {
   using F = FmtTraits<FMT>;
   const int lane = threadIdx.x & 31;
   constexpr bool kQuant = FmtTraits<FMT>::kQuant;
@@ -317,15 +303,9 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     cur.setup(P, 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
-  if constexpr (STAGE == kStageNorm || STAGE == kStageGated) {
-    if (g.nw_len) {  // the norm weight into nwbuf: a model weight, so before the wait
-      for (int i = 4 * threadIdx.x; i < g.nw_len; i += 4 * blockDim.x) mma::cp_async16(nwbuf + i, g.nw + i);
-      mma::cp_async_commit();
-    }
-  }
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
-  stage_prologue<STAGE>(g, sm, xs);
+  stage_prologue<STAGE>(g, sm);
   __syncthreads();
   // The routed parts' loads go out now that the expert is known, in flight while the row is staged. (ptxas
   // reports 4 bytes of spill for the kernel since this split, from the 8-bit path: it is 0 with that path
@@ -334,7 +314,7 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
-  stage_rows<STAGE>(g, xs, sm, nwbuf);
+  stage_rows<STAGE>(g, xs, sm);
   __syncthreads();
   const int sl = (threadIdx.x >> 5) % g.slices;
   const float4* xl = reinterpret_cast<const float4*>(xs) + sl * 8 * 32 + lane;
@@ -347,22 +327,36 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
   float xe = 0.f, xo = 0.f;
 #pragma unroll
   for (int k = 0; k < 32; k += 2) xe += x[k], xo += x[k + 1];
+  // (opaque to the compiler, which otherwise recomputed the 32-term sums inside the tile loop to save registers)
+  asm volatile("" : "+f"(xe), "+f"(xo));
   const float xa = xe + xo;
-  for (int t = t0; t < t1; ++t) {
-    TileRegs<FMT> nxt;
-    if (F::kPrefetch && t + 1 < t1) cur.load(t + 1, nxt);  // the next tile's loads go out before this math
+  // One tile's math and its row sums into `partial`.
+  auto tile = [&](int t, const TileRegs<FMT>& tr) {
     float tot[kR];
     if constexpr (kQuant) {
 #pragma unroll
-      for (int i = 0; i < kR; ++i) tot[i] = unit_dot<FMT>(cur_t.q[i], cur_t.s[i], cur_t.b[i], x, xe, xo, xa);
+      for (int i = 0; i < kR; ++i) tot[i] = unit_dot<FMT>(tr.q[i], tr.s[i], tr.b[i], x, xe, xo, xa);
     } else {
       cur.dense_dot(t, x, tot);
     }
     const float r = reduce_rows4(tot, lane);
     if ((lane & 7) == 0) partial[((pslot + (t - t0)) * kR + reduced_row(lane)) * g.slices + sl] = r;
-    if (kQuant && t + 1 < t1) {
-      if (F::kPrefetch) cur_t = nxt;
-      else cur.load(t + 1, cur_t);
+  };
+  if constexpr (F::kPrefetch) {
+    // The register double buffer as two named tiles, the loop unrolled by two: the next tile's loads go out
+    // before this tile's math, and no tile is copied between buffers (a conditional copy was 24 SELs per tile).
+    TileRegs<FMT> nxt;
+    for (int t = t0; t < t1; t += 2) {
+      if (t + 1 < t1) cur.load(t + 1, nxt);
+      tile(t, cur_t);
+      if (t + 1 >= t1) break;
+      if (t + 2 < t1) cur.load(t + 2, cur_t);
+      tile(t + 1, nxt);
+    }
+  } else {
+    for (int t = t0; t < t1; ++t) {
+      tile(t, cur_t);
+      if (kQuant && t + 1 < t1) cur.load(t + 1, cur_t);
     }
   }
 }
@@ -407,7 +401,6 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   float* partial = smem + g.slices * 1024;            // [mwarps * tpw * kR][slices]
   const int nrow = g.mwarps * g.tpw * kR;
   float* rowv = partial + nrow * g.slices;            // [mwarps * tpw * kR]
-  float* nwbuf = rowv + (nrow + 3) / 4 * 4;            // [nw_len], 16-byte aligned
   if (tid == 0) sm.key = 0ull;
 
   // This warp's part and tiles.
@@ -428,16 +421,16 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   const Part& P = g.part[p];
   const int pslot = m * g.tpw;
   if constexpr (SET == kSetQ4) {
-    run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf);
+    run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
   } else if constexpr (SET == kSetQ4Q8) {
-    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf);
-    else run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf);
+    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+    else run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
   } else {
     switch (P.fmt) {
-      case kQ4: run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
-      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
-      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
-      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, nwbuf); break;
+      case kQ4: run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
     }
   }
   __syncthreads();
@@ -566,7 +559,7 @@ int sm_count() {
 
 size_t smem_for(const Launch& g) {
   const size_t nrow = static_cast<size_t>(g.mwarps) * g.tpw * kR;
-  return (static_cast<size_t>(g.slices) * 1024 + nrow * g.slices + (nrow + 3) / 4 * 4 + g.nw_len) * sizeof(float);
+  return (static_cast<size_t>(g.slices) * 1024 + nrow * g.slices + nrow) * sizeof(float);
 }
 
 // Split K into slices, pick the tiles per warp, lay the parts' tiles out at multiples of it; returns the grid.
@@ -634,10 +627,6 @@ unsigned proj(cudaStream_t st, const ProjArgs& a) {
   Launch g;
   g.xmode = a.xmode, g.in = a.in, g.gdim = a.gdim, g.eps = a.eps;
   g.xf = a.xf, g.zf = a.zf, g.nw = a.nw, g.xb = a.xb, g.h_out = a.h_out;
-  // the norm weight staged before the PDL wait: whole (RMSNorm, up to 16 KB) or one head's (gated), when aligned
-  const bool nw_aligned = (reinterpret_cast<uintptr_t>(a.nw) & 15u) == 0;
-  if (a.xmode == kXNorm && a.in <= 4096 && nw_aligned) g.nw_len = a.in;
-  if (a.xmode == kXGated && nw_aligned) g.nw_len = a.gdim;
   g.route = a.route, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
   g.top_idx = a.top_idx, g.top_w = a.top_w;
   g.conv_w = a.conv_w, g.conv_state = a.conv_state, g.u = a.u, g.conv_dim = a.conv_dim, g.conv_k = a.conv_k;
@@ -651,6 +640,11 @@ unsigned proj(cudaStream_t st, const ProjArgs& a) {
     const Seg& sg = a.seg[s];
     if (sg.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode gemv: segment input length mismatch");
     if (!fits(sg.w0)) throw std::invalid_argument("[lily] cuda decode gemv: segment weight format not supported");
+    const int64_t matrix_bytes = sg.w0.p.out * part_of(sg.w0, sg.w1, false).row_bytes;
+    if (matrix_bytes >= (int64_t{1} << 31))  // (the kernel's row offsets are 32-bit)
+      throw std::invalid_argument("[lily] cuda decode gemv: a " + std::to_string(sg.w0.p.out) + " x " +
+                                  std::to_string(sg.w0.p.in) + " matrix of " + std::to_string(matrix_bytes) +
+                                  " bytes, expected under 2^31");
     g.y[s] = sg.y, g.yb[s] = sg.yb, g.y_step[s] = sg.y_step, g.mode[s] = sg.mode;
     const bool dual = sg.mode == kODual;
     for (int j = 0; j < sg.slots; ++j) {
