@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda_ablate import ABLATIONS, Ablator, scaled, write_markdown  # noqa: E402
 from bench_cuda_peer import MlxPeer  # noqa: E402
 from bench_cuda_util import (CostModel, format_profile, kernel_profile, measure_ceilings, plot_sweep,  # noqa: E402
-                             short_table)
+                             short_table, add_peer_ratios, llamacpp_rows)
 
 BF16_ONE = 0x3F80
 
@@ -303,6 +303,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile-length", type=int, default=4096)
     ap.add_argument("--budget-s", type=float, default=480, help="wall-clock budget from the start of main")
     ap.add_argument("--replot", default="", help="only redraw the PNG and the ablation table from this JSON")
+    ap.add_argument("--llamacpp-json", default="", help="the llama.cpp peer's results of the same H200 run "
+                    "(../shared/peers/llamacpp/run_h200.sh: llamacpp_h200.json), added as rows of engine llama.cpp "
+                    "(with --replot: added to that JSON, which is rewritten)")
     args = ap.parse_args(argv)
     dry = args.backend != "cuda"
     args.lengths = [int(x) for x in (args.lengths or ("32,64,96,128" if dry else LILY_LENGTHS)).split(",") if x]
@@ -323,6 +326,17 @@ def main(argv=None):
     md_path = out / ("cuda_ablations_h200.md" if args.backend == "cuda" else "cuda_ablations_dryrun.md")
     if args.replot:
         res = json.loads(Path(args.replot).read_text())
+        if args.llamacpp_json:
+            from lily.config import ModelConfig
+            from lily.testing.synthetic import config_dict
+            hw = res["hardware"]
+            cost = CostModel(ModelConfig.from_dict(config_dict(res["settings"]["config"])))
+            res["rows"] = [r for r in res["rows"] if r["engine"] != "llama.cpp"] + llamacpp_rows(
+                args.llamacpp_json, cost, hw["copy_bandwidth_Bps"], hw["bf16_matmul_flops"])
+            add_peer_ratios(res["rows"])
+            res["settings"]["peer"] = {"llama.cpp": json.loads(Path(args.llamacpp_json).read_text()).get("meta", {})}
+            Path(args.replot).write_text(json.dumps(res, indent=1, default=float))
+            print(short_table(res["rows"]))
         plot_sweep(res["rows"], res["settings"].get("title", ""), Path(args.replot).with_suffix(".png"))
         write_markdown(res, md_path)
         return 0
@@ -506,6 +520,10 @@ def main(argv=None):
                                   "steps, then steps of forward + logits to host + argmax"},
            "rows": rows, "ablations": ablator.rows if ablator else [], "kernel_profiles": profiles,
            "counters": checks, "elapsed_s": time.time() - t_start}
+    if args.llamacpp_json:
+        rows.extend(llamacpp_rows(args.llamacpp_json, cost, bw, mflops))
+        add_peer_ratios(rows)
+        res["settings"]["peer"] = {"llama.cpp": json.loads(Path(args.llamacpp_json).read_text()).get("meta", {})}
     path = out / f"{args.name}.json"
     path.write_text(json.dumps(res, indent=1, default=float))
     plot_sweep(rows, title, out / f"{args.name}.png")

@@ -183,12 +183,46 @@ def plot_sweep(rows: list[dict], title: str, path) -> bool:
     return True
 
 
+def llamacpp_rows(path, cost: "CostModel", bw: float, mflops: float) -> list[dict]:
+    """The llama.cpp peer's llama-bench results (../shared/peers/llamacpp/run_h200.sh: llamacpp_h200.json) as this
+    benchmark's rows: engine "llama.cpp", prefill rows for n_gen == 0 (tokens = n_prompt), decode rows for n_gen > 0
+    (tokens = n_depth, the context the tg128 run starts from), with the same fractions of the ceilings as lily's."""
+    import json as _json
+    d = _json.loads(open(path).read())
+    meta = d.get("meta", {})
+    rows = []
+    for x in d.get("results", []):
+        decode = int(x.get("n_gen", 0)) > 0
+        L = int(x["n_depth"] if decode else x["n_prompt"])
+        r = {"engine": "llama.cpp", "phase": "decode" if decode else "prefill", "tokens": L, "tok_s": float(x["avg_ts"]),
+             "stddev_tok_s": float(x.get("stddev_ts", 0.0)), "n_ubatch": x.get("n_ubatch"),
+             "note": f"llama-bench {meta.get('type', x.get('type_k', ''))} -fa 1 -ngl 99, "
+                     + (f"tg{x['n_gen']} at depth {L}" if decode else f"pp{L} ubatch {x.get('n_ubatch')}")}
+        r["ms"] = 1e3 / r["tok_s"] if decode else 1e3 * L / r["tok_s"]
+        if decode:
+            r["frac_bandwidth"] = cost.decode_bytes(L) * r["tok_s"] / bw
+        else:
+            r["frac_matrix_rate"] = cost.prefill_flops_per_token(L) * r["tok_s"] / mflops
+        rows.append(r)
+    return rows
+
+
+def add_peer_ratios(rows: list[dict]) -> None:
+    """ratio_to_llamacpp on each lily row with a llama.cpp row of the same phase and length."""
+    peer = {(r["phase"], r["tokens"]): r["tok_s"] for r in rows if r["engine"] == "llama.cpp" and r.get("tok_s")}
+    for r in rows:
+        p = peer.get((r["phase"], r["tokens"]))
+        if r["engine"].startswith("lily") and r.get("tok_s") and p:
+            r["ratio_to_llamacpp"] = r["tok_s"] / p
+
+
 def short_table(rows: list[dict]) -> str:
     """phase, tokens, lily tok/s, MLX-LM tok/s, ratio, fraction of the limit: one line per (phase, length)."""
     by = {}
     for r in rows:
         by.setdefault((r["phase"], r["tokens"]), {})[r["engine"]] = r
-    lines = [f"{'phase':7s} {'tokens':>6s} {'lily tok/s':>11s} {'mlx-lm':>9s} {'ratio':>7s} {'of limit':>8s}"]
+    lines = [f"{'phase':7s} {'tokens':>6s} {'lily tok/s':>11s} {'mlx-lm':>9s} {'ratio':>7s} {'of limit':>8s} "
+             f"{'llama.cpp':>9s} {'ratio':>7s}"]
     for (ph, n) in sorted(by, key=lambda k: (k[0] != "prefill", k[1])):
         d = by[(ph, n)]
         lily = next((v for k, v in d.items() if k.startswith("lily") and "greedy" not in k), None)
@@ -197,5 +231,8 @@ def short_table(rows: list[dict]) -> str:
         mt = f"{mlx['tok_s']:9.1f}" if mlx and mlx.get("tok_s") else f"{(mlx or {}).get('note', '-')[:9]:>9s}"
         ratio = f"{lily['ratio_to_mlx']:6.1f}x" if lily and lily.get("ratio_to_mlx") else f"{'-':>7s}"
         frac = (lily or {}).get("frac_bandwidth", (lily or {}).get("frac_matrix_rate"))
-        lines.append(f"{ph:7s} {n:6d} {lt} {mt} {ratio} {frac if frac is None else round(frac, 3)!s:>8s}")
+        lc = d.get("llama.cpp")
+        lct = f"{lc['tok_s']:9.1f}" if lc and lc.get("tok_s") else f"{'-':>9s}"
+        lr = f"{lily['ratio_to_llamacpp']:6.2f}x" if lily and lily.get("ratio_to_llamacpp") else f"{'-':>7s}"
+        lines.append(f"{ph:7s} {n:6d} {lt} {mt} {ratio} {frac if frac is None else round(frac, 3)!s:>8s} {lct} {lr}")
     return "\n".join(lines)

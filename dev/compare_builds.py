@@ -36,8 +36,8 @@ for L in lengths:
     t0 = time.perf_counter(); lg = eng.forward(st, toks[:L], logits="last"); pf = time.perf_counter() - t0
     tok = int(np.argmax(lg[-1]))
     eng.decode_greedy(st, tok, 3)
-    t0 = time.perf_counter(); eng.decode_greedy(st, tok, steps); dec = time.perf_counter() - t0
-    out[L] = {"prefill_tok_s": L / pf, "decode_tok_s": steps / dec}
+    t0 = time.perf_counter(); ids = eng.decode_greedy(st, tok, steps); dec = time.perf_counter() - t0
+    out[L] = {"prefill_tok_s": L / pf, "decode_tok_s": steps / dec, "tokens": [int(t) for t in ids]}
     del st
 print("RESULT " + json.dumps(out), flush=True)
 """
@@ -64,11 +64,13 @@ def main() -> int:
     args = ap.parse_args()
     builds = [tuple(b.split("=", 1)) for b in args.builds.split(",")]
     samples: dict[tuple[str, int, str], list[float]] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}  # each build's greedy tokens (first round) per length
     for rnd in range(args.rounds):
         for name, path in (builds if rnd % 2 == 0 else builds[::-1]):
             t0 = time.time()
             res = run(path, args.lengths, args.steps)
             for L, v in res.items():
+                tokens.setdefault((name, L), v.pop("tokens"))
                 for k, x in v.items():
                     samples.setdefault((name, L, k), []).append(x)
             print(f"round {rnd} {name}: {time.time() - t0:.0f} s " +
@@ -86,9 +88,20 @@ def main() -> int:
             rows.append(row)
             print(f"| {L} | {k} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | " +
                   " | ".join(f"{med[b] / med[a]:.3f}" for b in names[1:]) + " |")
+    # The builds' greedy tokens against the first build's: a variant that keeps the arithmetic (same per-lane math,
+    # same reduction order) decodes the same tokens; the first differing step says how soon a numerical one drifts.
+    same = {}
+    for L in [int(x) for x in args.lengths.split(",")]:
+        ref = tokens[(a, L)]
+        for b in names[1:]:
+            t = tokens[(b, L)]
+            d = next((i for i, (x, y) in enumerate(zip(ref, t)) if x != y), None)
+            same[f"{b}@{L}"] = "same" if d is None else f"first differs at step {d}"
+    print("greedy tokens against " + a + ": " + ", ".join(f"{k} {v}" for k, v in same.items()))
+    sys.path.insert(0, builds[0][1])  # lily.bench from the first build, whatever this process's path
     from lily.bench import git_sha, hardware
     json.dump({"benchmark": "compare_builds", "git_sha": git_sha(), "hardware": hardware(), "settings": vars(args),
-               "rows": rows}, open(args.out, "w"), indent=1)
+               "rows": rows, "tokens_vs_first": same}, open(args.out, "w"), indent=1)
     return 0
 
 

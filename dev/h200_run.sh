@@ -167,7 +167,7 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   timeout ${COMPARE_TIMEOUT:-200} python3 dev/compare_builds.py --builds "${BUILDS:-before=.before/src,after=src}" \
     --lengths ${COMPARE_LENGTHS:-512,4096} --rounds ${COMPARE_ROUNDS:-2} --out "$OUT/compare_builds_h200.json" \
     > "$LOG/compare.txt" 2>&1
-  SUMMARY+=("compare_builds rc=$?"); grep -E "^round|^\|" "$LOG/compare.txt" | tail -14
+  SUMMARY+=("compare_builds rc=$?"); grep -E "^round|^\||^greedy" "$LOG/compare.txt" | tail -14
   echo "[$(el)s] compare_builds"
   ncu_gemv .h200/kbin/check_decode
   if [ -x .h200/gemm_lab ]; then  # issue 15's wgmma GEMM candidates, if built
@@ -194,6 +194,19 @@ sanitize)  # racecheck alone on the GPU: 190 s on tiny_odd and 289 s on tiny_dk_
     echo "[$(el)s] racecheck $cfg"
   done
   cp "$LOG"/racecheck_*.txt "$OUT/" 2>/dev/null
+  ;;
+families)  # the decode step's time by kernel family at LENGTHS (default 4096,131072): every kernel of the greedy step
+           # graph profiled alone (--graph-profiling node), warm caches (dev/decode_step_profile.py), families summed
+  for L in $(echo ${LENGTHS:-4096,131072} | tr , ' '); do
+    timeout ${FAMILY_TIMEOUT:-170} ncu --profile-from-start off --graph-profiling node --cache-control none --clock-control none \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_selected \
+      --csv --page raw python3 dev/decode_step_profile.py --length $L --steps 1 > "$LOG/ncu_node_$L.csv" 2> "$LOG/ncu_node_$L.err"
+    SUMMARY+=("ncu node $L rc=$?")
+    { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_node_$L.csv") --families --stalls 3; echo
+      python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_node_$L.csv") --stalls 3; } > "$OUT/ncu_step_families_$L.md"
+    head -24 "$OUT/ncu_step_families_$L.md"
+    echo "[$(el)s] families $L"
+  done
   ;;
 sweep)  # the benchmark's full sweep (benchmarks/bench_cuda.py with the arguments after the mode), e.g.
         #   bash dev/h200_run.sh sweep --lengths 512,4096,32768,131072 --no-mlx --budget-s 400

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Per-launch table from `ncu --csv --page raw` (units read from the CSV's units row, not assumed).
-usage: ncu_table.py NCU_CSV [LABELS] [--stalls N]  -> markdown: label (or kernel), grid x block, us, DRAM MB read,
-GB/s, DRAM % of peak, warps active %, registers, the top N stall reasons (default 2; share of PC samples).
-LABELS: a file with one label per profiled launch, in launch order (optional)."""
+usage: ncu_table.py NCU_CSV [LABELS] [--stalls N] [--families]  -> markdown: label (or kernel), grid x block, us,
+DRAM MB read, GB/s, DRAM % of peak, warps active %, registers, the top N stall reasons (default 2; share of PC
+samples). LABELS: a file with one label per profiled launch, in launch order (optional).
+--families: one row per kernel (template arguments dropped) instead: launches, total us and its share, DRAM MB,
+GB/s over the family's time, the time-weighted DRAM % and warps active, the stall samples summed over its launches
+(for `--graph-profiling node` of a step graph: the step's time by kernel family, each launch timed alone)."""
 import csv
 import sys
 
@@ -25,9 +28,59 @@ def num(r, k):
         return float("nan")
 
 
+def family(name):
+    """The kernel without its return type, namespaces and arguments, template arguments kept (they are the launch
+    kinds of one kernel): "void a::<unnamed>::k<0, 1>(Launch)" -> "k<0, 1>"."""
+    depth, cut = 0, len(name)
+    for i, c in enumerate(name):  # the argument list: the first '(' outside template brackets
+        depth = max(0, depth + (c == "<") - (c == ">"))  # (ncu may cut a name inside "<unnamed>")
+        if c == "(" and depth == 0:
+            cut = i
+            break
+    head = name[:cut].strip()
+    head = head[5:] if head.startswith("void ") else head
+    depth, start = 0, 0
+    for i, c in enumerate(head):  # the last '::' outside template brackets
+        depth = max(0, depth + (c == "<") - (c == ">"))
+        if depth == 0 and head.startswith("::", i):
+            start = i + 2
+    return head[start:] or name[:40]
+
+
+def families(rows, tu, bu, n_stalls):
+    fam = {}
+    for r in rows:
+        f = fam.setdefault(family(r.get("Kernel Name", "?")), {"n": 0, "us": 0.0, "mb": 0.0, "dram": 0.0, "warps": 0.0,
+                                                               "st": {}})
+        us = num(r, "gpu__time_duration.sum") * tu
+        f["n"] += 1
+        f["us"] += us
+        f["mb"] += num(r, "dram__bytes_read.sum") * bu
+        f["dram"] += us * num(r, "dram__throughput.avg.pct_of_peak_sustained_elapsed")
+        f["warps"] += us * num(r, "sm__warps_active.avg.pct_of_peak_sustained_active")
+        for k in r:
+            if k.startswith(PRE) and "not_issued" not in k and num(r, k) == num(r, k):
+                f["st"][k[len(PRE):]] = f["st"].get(k[len(PRE):], 0.0) + num(r, k)
+    total = sum(f["us"] for f in fam.values()) or 1
+    print(f"{len(rows)} launches, {total:.1f} us summed (each launch timed alone)\n")
+    print("| kernel | launches | us | share | DRAM MB read | GB/s | DRAM % peak | warps active % | top stalls |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, f in sorted(fam.items(), key=lambda kv: -kv[1]["us"]):
+        st = f["st"]
+        tot = sum(st.values()) or 1
+        top = sorted(((v, k) for k, v in st.items() if k != "selected"), reverse=True)[:n_stalls]
+        tops = ", ".join(f"{k} {100 * v / tot:.0f}%" for v, k in top)
+        us = f["us"] or 1
+        print(f"| {name} | {f['n']} | {f['us']:.1f} | {100 * f['us'] / total:.1f}% | {f['mb']:.1f} | "
+              f"{f['mb'] * 1e3 / us:.0f} | {f['dram'] / us:.1f} | {f['warps'] / us:.1f} | {tops} |")
+
+
 def main():
     argv = sys.argv[1:]
     n_stalls = 2
+    by_family = "--families" in argv
+    if by_family:
+        argv.remove("--families")
     if "--stalls" in argv:
         i = argv.index("--stalls")
         n_stalls = int(argv[i + 1])
@@ -36,6 +89,9 @@ def main():
     labels = [ln.strip() for ln in open(argv[1])] if len(argv) > 1 else []
     tu = TIME_US.get(units.get("gpu__time_duration.sum", "ns"), 1e-3)
     bu = BYTES_MB.get(units.get("dram__bytes_read.sum", "byte"), 1e-6)
+    if by_family:
+        families(rows, tu, bu, n_stalls)
+        return
     print("| launch | grid x block | us | DRAM MB read | GB/s | DRAM % peak | warps active % | regs | top stalls |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for i, r in enumerate(rows):
