@@ -222,7 +222,7 @@ def short_table(rows: list[dict]) -> str:
     for r in rows:
         by.setdefault((r["phase"], r["tokens"]), {})[r["engine"]] = r
     lines = [f"{'phase':7s} {'tokens':>6s} {'lily tok/s':>11s} {'mlx-lm':>9s} {'ratio':>7s} {'of limit':>8s} "
-             f"{'llama.cpp':>9s} {'ratio':>7s}"]
+             f"{'greedy':>8s} {'of limit':>8s} {'llama.cpp':>9s} {'ratio':>7s}"]
     for (ph, n) in sorted(by, key=lambda k: (k[0] != "prefill", k[1])):
         d = by[(ph, n)]
         lily = next((v for k, v in d.items() if k.startswith("lily") and "greedy" not in k), None)
@@ -231,8 +231,15 @@ def short_table(rows: list[dict]) -> str:
         mt = f"{mlx['tok_s']:9.1f}" if mlx and mlx.get("tok_s") else f"{(mlx or {}).get('note', '-')[:9]:>9s}"
         ratio = f"{lily['ratio_to_mlx']:6.1f}x" if lily and lily.get("ratio_to_mlx") else f"{'-':>7s}"
         frac = (lily or {}).get("frac_bandwidth", (lily or {}).get("frac_matrix_rate"))
+        # the llama.cpp ratio against lily's greedy step (the device argmax: llama-bench's tg is greedy too) where
+        # there is one, else against the row above
+        gr = d.get("lily-cuda-greedy")
+        gt = f"{gr['tok_s']:8.1f}" if gr and gr.get("tok_s") else f"{'-':>8s}"
+        gf = f"{round(gr['frac_bandwidth'], 3)!s:>8s}" if gr and gr.get("frac_bandwidth") else f"{'-':>8s}"
         lc = d.get("llama.cpp")
         lct = f"{lc['tok_s']:9.1f}" if lc and lc.get("tok_s") else f"{'-':>9s}"
-        lr = f"{lily['ratio_to_llamacpp']:6.2f}x" if lily and lily.get("ratio_to_llamacpp") else f"{'-':>7s}"
-        lines.append(f"{ph:7s} {n:6d} {lt} {mt} {ratio} {frac if frac is None else round(frac, 3)!s:>8s} {lct} {lr}")
+        base = gr if gr and gr.get("ratio_to_llamacpp") else lily
+        lr = f"{base['ratio_to_llamacpp']:6.2f}x" if base and base.get("ratio_to_llamacpp") else f"{'-':>7s}"
+        lines.append(f"{ph:7s} {n:6d} {lt} {mt} {ratio} {frac if frac is None else round(frac, 3)!s:>8s} {gt} {gf} "
+                     f"{lct} {lr}")
     return "\n".join(lines)
