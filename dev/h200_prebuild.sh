@@ -6,7 +6,7 @@
 # (.h200/exp_persistent_gemv, .h200/exp_deltanet_step) and the wgmma GEMM lab (.h200/gemm_lab). nvcc
 # builds sm_90a code here as well as there; the device builds itself if a prebuilt extension does not import.
 #   git archive 82eaca8 | (mkdir -p .before && tar -x -C .before)
-#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp|gemm_lab ...]
+#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp|gemm_lab|wheels ...]
 set -euo pipefail
 PY12=${PY12:-python3.12}
 # the build folders are ignored here only (they travel when a run names them in carry, not with the tree)
@@ -28,6 +28,15 @@ for w in $what; do
   exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_persistent_gemv dev/exp_persistent_gemv.cu
        nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_deltanet_step dev/exp_deltanet_step.cu ;;
   gemm_lab) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/gemm_lab dev/gemm_lab/gemm_wgmma.cu ;;
+  # the server's and the openai client's packages, which the H200 image lacks (bench_cuda's lily-cuda-serve row), as
+  # wheels for its Python 3.12 in .whl/ (carry it; h200_run.sh installs them): the closure of fastapi, uvicorn,
+  # openai and llguidance over what the image holds, each once
+  wheels) grep -qxF /.whl/ .git/info/exclude || echo /.whl/ >> .git/info/exclude
+    "$PY12" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+      fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection typing-extensions \
+      opentelemetry-api uvicorn click h11 openai httpx2 httpcore2 truststore idna anyio sniffio jiter certifi \
+      llguidance ;;
   esac
 done
 du -sh .h200/*

@@ -61,6 +61,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 install_ext . .h200/after build/h200 || { echo "BUILD FAILED"; exit 1; }
 echo "[$(el)s] extension ready"
 export PYTHONPATH=src
+if ls .whl/*.whl >/dev/null 2>&1; then  # the server's packages (dev/h200_prebuild.sh wheels), if carried
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$LOG/wheels.txt" 2>&1 && export PYTHONPATH=src:/tmp/site && echo "wheels installed (.whl)"
+fi
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 
 kernel_checks() {  # kernel_checks TIMEOUT: every family's check programs if .h200/kbin is carried, else the decode
