@@ -191,6 +191,131 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
   }
 }
 
+// The producer's normalisation staged in the launch (RMSNorm of the fp32 residual, its bf16 copy h_out from block 0;
+// the DeltaNet gated RMSNorm per head of gdim with SiLU(z)) and the routing prologue (softmax top-k of E router
+// logits, optional renormalisation; the segment's k slots read the chosen experts, block 0 writes the routing).
+// The twin normalises in fp64 and rounds to bf16 as the kernel does; the routing is checked as ids (exact) and
+// weights, the outputs as in check_proj.
+struct StageSpec {
+  int xmode;            // kXNorm or kXGated
+  int64_t gdim = 0;     // gated: elements per head
+  int E = 0, k = 0;     // routing prologue when k > 0: E experts, top k (the one segment is routed over k slots)
+  bool norm_topk = true;
+};
+static double silu_d(double v) { return v / (1 + std::exp(-v)); }
+static void check_staged(const char* tag, const StageSpec& sp, int64_t in, int64_t out, int mode) {
+  using namespace lily::cuda::gemv;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> u(0.5f, 1.5f);
+  const float eps = 1e-6f;
+  std::vector<float> xf(in), zf(in), nw(sp.xmode == kXGated ? sp.gdim : in);
+  for (auto& v : xf) v = 3.f * nd(rng);
+  for (auto& v : zf) v = nd(rng);
+  for (auto& v : nw) v = u(rng);
+  // the staged row as the kernel rounds it: bf16(x * inv * w [* silu(z)]); a bf16 staging reads it as is
+  std::vector<uint16_t> xs(in);
+  if (sp.xmode == kXBf16) {
+    xs = rand_x(in);
+  } else if (sp.xmode == kXNorm) {
+    double ss = 0;
+    for (float v : xf) ss += static_cast<double>(v) * v;
+    const double inv = 1 / std::sqrt(ss / static_cast<double>(in) + eps);
+    for (int64_t i = 0; i < in; ++i) xs[i] = host_bf16(static_cast<float>(xf[i] * inv * nw[i]));
+  } else {
+    for (int64_t h = 0; h < in / sp.gdim; ++h) {
+      double ss = 0;
+      for (int64_t c = 0; c < sp.gdim; ++c) ss += static_cast<double>(xf[h * sp.gdim + c]) * xf[h * sp.gdim + c];
+      const double inv = 1 / std::sqrt(ss / static_cast<double>(sp.gdim) + eps);
+      for (int64_t c = 0; c < sp.gdim; ++c) {
+        const int64_t i = h * sp.gdim + c;
+        xs[i] = host_bf16(static_cast<float>(xf[i] * inv * nw[c] * silu_d(zf[i])));
+      }
+    }
+  }
+  const int E = sp.k > 0 ? sp.E : 1, slots = sp.k > 0 ? sp.k : 1;
+  QW w0(E, out, in), *w1 = mode == kODual ? new QW(E, out, in) : &w0;
+  ProjArgs a;
+  a.in = static_cast<int32_t>(in);
+  a.xmode = sp.xmode;
+  a.gdim = static_cast<int32_t>(sp.gdim);
+  a.eps = eps;
+  a.xb = reinterpret_cast<bf16*>(dnew(xs));
+  a.xf = dnew(xf);
+  a.zf = dnew(zf);
+  a.nw = dnew(nw);
+  uint16_t* dh = dnew(std::vector<uint16_t>(in, 0xFFFF));
+  if (sp.xmode == kXNorm) a.h_out = reinterpret_cast<bf16*>(dh);
+  std::vector<float> logits(E);
+  std::vector<int32_t> idx(slots, 0);
+  std::vector<double> tw(slots, 1.0);
+  int32_t* didx = dnew(std::vector<int32_t>(slots, -1));
+  float* dtw = dnew(std::vector<float>(slots, NAN));
+  if (sp.k > 0) {
+    for (auto& v : logits) v = 2.f * nd(rng);
+    a.route = 1, a.rlogits = dnew(logits), a.E = E, a.top_k = sp.k, a.norm_topk = sp.norm_topk ? 1 : 0;
+    a.top_idx = didx, a.top_w = dtw;
+    double mx = -1e300, den = 0, chosen = 0;
+    for (float v : logits) mx = std::max(mx, static_cast<double>(v));
+    std::vector<double> p(E);
+    for (int e = 0; e < E; ++e) den += p[e] = std::exp(logits[e] - mx);
+    std::vector<int> order(E);
+    for (int e = 0; e < E; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int i, int j) { return p[i] > p[j]; });
+    for (int j = 0; j < sp.k; ++j) idx[j] = order[j], tw[j] = p[order[j]] / den, chosen += tw[j];
+    if (sp.norm_topk)
+      for (auto& v : tw) v /= chosen;
+  }
+  std::vector<float> y0(slots * out);
+  for (auto& v : y0) v = mode == kOAccum ? nd(rng) : NAN;
+  float* dy = dnew(y0);
+  uint16_t* dyb = dnew(std::vector<uint16_t>(slots * out, 0xFFFF));
+  a.nseg = 1;
+  Seg& g = a.seg[0];
+  g.w0 = w0.d, g.w1 = w1->d, g.mode = mode, g.y = dy, g.yb = reinterpret_cast<bf16*>(dyb);
+  if (sp.k > 0) g.routed = 1, g.slots = slots, g.y_step = out;
+  proj(0, a);
+  LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  char name[160];
+  if (sp.xmode == kXNorm) {  // block 0's bf16 copy of the normed row, per element within one rounding
+    auto h = dget(dh, in);
+    std::vector<double> ref(in), got(in);
+    for (int64_t i = 0; i < in; ++i) ref[i] = host_float(xs[i]), got[i] = host_float(h[i]);
+    std::snprintf(name, sizeof name, "%s h_out in=%lld", tag, static_cast<long long>(in));
+    report(name, ref, got, tolerances::small_bf16_rel_rms);
+  }
+  if (sp.k > 0) {
+    auto gi = dget(didx, slots);
+    auto gw = dget(dtw, slots);
+    std::vector<double> ref(tw), got(slots);
+    bool ids = true;
+    for (int j = 0; j < slots; ++j) ids = ids && gi[j] == idx[j], got[j] = gw[j];
+    ++n_total;
+    n_pass += ids;
+    std::printf("%s %-44s ids %d %d %d ... (host %d %d %d ...)\n", ids ? "PASS" : "FAIL", tag, gi[0], gi[1 % slots],
+                gi[2 % slots], idx[0], idx[1 % slots], idx[2 % slots]);
+    std::snprintf(name, sizeof name, "%s routing weights E=%d k=%d", tag, E, sp.k);
+    report(name, ref, got, tolerances::small_fp32_rel_rms);
+  }
+  std::vector<double> ref(slots * out), got(slots * out);
+  auto y = dget(dy, slots * out);
+  auto yb = dget(dyb, slots * out);
+  for (int j = 0; j < slots; ++j)
+    for (int64_t r = 0; r < out; ++r) {
+      const int64_t o = j * out + r;
+      const double d0 = w0.dot(idx[j], r, xs);
+      if (mode == kODual) {
+        ref[o] = silu_d(d0) * w1->dot(idx[j], r, xs);
+        got[o] = host_float(yb[o]);
+      } else {
+        ref[o] = d0 + (mode == kOAccum ? y0[o] : 0.0);
+        got[o] = y[o];
+      }
+    }
+  std::snprintf(name, sizeof name, "%s in=%lld out=%lld x%d", tag, static_cast<long long>(in),
+                static_cast<long long>(out), slots);
+  report(name, ref, got, mode == kODual ? tolerances::gemv_dual_rel_rms : tolerances::gemv_staged_rel_rms);
+}
+
 // Routed experts' down + shared down + combine into the residual.
 static void check_down(int64_t H, int64_t I, int k, int E, int bits = 4, int64_t Is = 0) {
   using namespace lily::cuda::gemv;
@@ -369,6 +494,13 @@ int main(int argc, char** argv) {
     check_proj("dual", 96, {9}, kODual, {16});
     check_proj("store", 8192, {33}, kOStore);                        // the longest input: 8 slices
     check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
+    check_staged("rmsnorm store", {kXNorm}, 2048, 8192 + 4096 + 64, kOStore);         // the DeltaNet in-proj's staging
+    check_staged("rmsnorm store", {kXNorm}, 192, 33, kOStore);
+    check_staged("gated accum", {kXGated, 128}, 4096, 2048, kOAccum);                 // the DeltaNet out-proj's
+    check_staged("gated accum", {kXGated, 64}, 320, 17, kOAccum);                      // 5 heads of 64
+    check_staged("routed dual", {kXBf16, 0, 256, 8, true}, 2048, 512, kODual);         // the experts' gate/up
+    check_staged("routed dual", {kXBf16, 0, 5, 3, false}, 128, 9, kODual);
+    check_staged("rmsnorm routed dual", {kXNorm, 0, 64, 4, true}, 512, 40, kODual);
     check_down(2048, 512, 8, 256);
     check_down(96, 128, 3, 5);
     check_down(17, 64, 1, 1);

@@ -8,6 +8,7 @@ constexpr double small_bf16_rel_rms = 0.00390625;
 constexpr double small_bf16_elem_slack = 1e-05;
 constexpr double gemv_rel_rms = 0.0001;
 constexpr double gemv_dual_rel_rms = 0.008;
+constexpr double gemv_staged_rel_rms = 0.0005;
 constexpr double gemm_rel_rms = 0.002;
 constexpr double gemm_dual_rel_rms = 0.005;
 constexpr double attention_rel_rms = 0.005;
