@@ -89,7 +89,7 @@ ncu_gemv() {  # ncu_gemv CHECK_DECODE: the decode GEMV alone at the real shapes,
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
     --csv --page raw "$1" --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
   SUMMARY+=("ncu gemv rc=$?")
-  printf '%s\n' dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv moe_down > "$LOG/ncu_labels.txt"
+  printf "%s\n" dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv dn_in_norm dn_out_gated sh_gate_up_norm moe_down > "$LOG/ncu_labels.txt"
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
 }
 

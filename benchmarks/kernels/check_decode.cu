@@ -378,18 +378,29 @@ static double ms_per_launch(int warm, int reps, F&& launch) {
   return ms / reps;
 }
 
-// Time per launch (median of 30) of proj over `copies` weight copies of shape outs x in, both paths.
-static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies) {
+// Time per launch of proj over `copies` weight copies of shape outs x in (mean of g_reps back-to-back launches),
+// with the bf16 staging or, xmode kXNorm / kXGated (heads of gdim), the step's normalisations.
+static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies,
+                      int xmode = lily::cuda::gemv::kXBf16, int64_t gdim = 0) {
   using namespace lily::cuda::gemv;
   std::vector<ProjArgs> args(copies);
   auto x = rand_x(in);
   bf16* dx = reinterpret_cast<bf16*>(dnew(x));
+  std::vector<float> xf(in), nw(xmode == kXGated ? gdim : in, 1.f);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& v : xf) v = nd(rng);
+  float* dxf = dnew(xf);
+  float* dnw = dnew(nw);
   double bytes = 0;
   for (int c = 0; c < copies; ++c) {
     ProjArgs& a = args[c];
     a.in = static_cast<int32_t>(in);
-    a.xmode = kXBf16;
+    a.xmode = xmode;
     a.xb = dx;
+    a.xf = a.zf = dxf;
+    a.nw = dnw;
+    a.gdim = static_cast<int32_t>(gdim);
+    a.eps = 1e-6f;
     a.nseg = static_cast<int>(outs.size());
     for (int s = 0; s < a.nseg; ++s) {
       QW* w = new QW(1, outs[s], in);
@@ -404,7 +415,7 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
   }
   // every decode launch carries the PDL attribute (as in the step): back-to-back launches overlap their tails
   const double ms = ms_per_launch(g_warm, g_reps, [&](int i) { proj(0, args[i % copies]); });
-  std::printf("TIME proj %-26s %6.1f MB | %6.2f us %.2f TB/s\n", tag, bytes / 1e6, ms * 1e3, bytes / ms / 1e9);
+  std::printf("TIME proj %-30s %6.1f MB | %6.2f us %.2f TB/s\n", tag, bytes / 1e6, ms * 1e3, bytes / ms / 1e9);
 }
 
 // Calibration: a plain streaming read of n uint4 (8 independent 16-byte loads per thread in flight).
@@ -515,6 +526,9 @@ int main(int argc, char** argv) {
   time_proj("expert gate/up x8 (dual)", 2048, {4096}, kODual, 16);
   time_proj("lm_head 248320", 2048, {248320}, kOStore, 2);
   time_proj("attn q+k+v", 2048, {8192, 512, 512}, kOStore, 8);
+  time_proj("dn in-proj, RMSNorm staging", 2048, {8192, 4096, 32, 32}, kOStore, 8, kXNorm);
+  time_proj("dn out-proj, gated staging", 4096, {2048}, kOAccum, 24, kXGated, 128);
+  time_proj("shared gate/up, RMSNorm", 2048, {512}, kODual, 64, kXNorm);
   time_down();
   if (profile) return 0;
   time_read(286LL << 20);
