@@ -138,3 +138,11 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(model, env, tmp_path):
     child.close()
     assert child.exitstatus == 0
     assert model.load_session(path).metadata["messages"] == []  # the stopped turn was dropped
+
+
+def test_ctrl_c_works_when_started_with_sigint_ignored(env):
+    """A background job of a non-interactive shell (or nohup) starts with SIGINT ignored; Ctrl-C must still leave."""
+    cmd = f"trap '' INT; exec {sys.executable} -m lily chat -t 0 -n 4"
+    child = pexpect.spawn("bash", ["-c", cmd], env=env, encoding="utf-8", timeout=60, dimensions=(40, 250))
+    child.expect_exact(">>> ")
+    quit_with_ctrl_c(child)

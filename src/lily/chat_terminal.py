@@ -217,6 +217,10 @@ def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
 
     previous = {s: signal.signal(s, _raise_system_exit) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
                 if s is not None}
+    # Ctrl-C stops a reply or leaves at the prompt through KeyboardInterrupt, which Python arranges only when the
+    # process did not start with SIGINT ignored: a background job of a non-interactive shell or nohup inherits it
+    # ignored, and the chat would not hear Ctrl-C at all.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             try:
