@@ -100,7 +100,7 @@ struct TileRegs {  // (dense formats stream row by row: Cursor::dense_dot)
 // A lane's position in one part: the bases of the rows it reads (the expert's matrices offset to the lane's unit
 // and group), set once per warp, so a tile's row addresses are one 32-bit multiply and a 64-bit add each from a
 // base (rows 0-1 of a tile: the gate matrix; rows 2-3: the up matrix of a dual part, the same matrix otherwise).
-// The byte offsets of an expert's rows fit in 32 bits (proj checks rows x row_bytes < 2^31).
+// The byte offsets of an expert's rows fit in 32 bits (check_row_offsets, at every launch).
 template <int FMT>
 struct Cursor {
   const uint8_t *wlo, *whi;  // codes or dense elements of rows 0-1 and 2-3 of a tile
@@ -502,6 +502,15 @@ Part part_of(const DLinear& w, const DLinear& w1, bool dual) {
   return P;
 }
 
+// The kernel's row offsets within an expert's matrix are 32-bit (Cursor): a matrix must stay under 2^31 bytes.
+void check_row_offsets(const Part& P, const DLinear& w) {
+  const int64_t bytes = static_cast<int64_t>(P.rows) * P.row_bytes;
+  if (bytes >= (int64_t{1} << 31))
+    throw std::invalid_argument("[lily] cuda decode gemv: a " + std::to_string(w.p.out) + " x " +
+                                std::to_string(w.p.in) + " matrix of " + std::to_string(bytes) +
+                                " bytes, expected under 2^31");
+}
+
 struct Geometry {
   int threads = 0, grid = 0;
   size_t smem = 0;
@@ -640,17 +649,13 @@ unsigned proj(cudaStream_t st, const ProjArgs& a) {
     const Seg& sg = a.seg[s];
     if (sg.w0.p.in != a.in) throw std::invalid_argument("[lily] cuda decode gemv: segment input length mismatch");
     if (!fits(sg.w0)) throw std::invalid_argument("[lily] cuda decode gemv: segment weight format not supported");
-    const int64_t matrix_bytes = sg.w0.p.out * part_of(sg.w0, sg.w1, false).row_bytes;
-    if (matrix_bytes >= (int64_t{1} << 31))  // (the kernel's row offsets are 32-bit)
-      throw std::invalid_argument("[lily] cuda decode gemv: a " + std::to_string(sg.w0.p.out) + " x " +
-                                  std::to_string(sg.w0.p.in) + " matrix of " + std::to_string(matrix_bytes) +
-                                  " bytes, expected under 2^31");
     g.y[s] = sg.y, g.yb[s] = sg.yb, g.y_step[s] = sg.y_step, g.mode[s] = sg.mode;
     const bool dual = sg.mode == kODual;
     for (int j = 0; j < sg.slots; ++j) {
       if (g.nparts == kMaxParts) throw std::invalid_argument("[lily] cuda decode gemv: more than 20 parts");
       Part P = part_of(sg.w0, sg.w1, dual);
       P.rows = static_cast<int32_t>(sg.w0.p.out);
+      check_row_offsets(P, sg.w0);
       P.tiles = static_cast<int32_t>(dual ? (sg.w0.p.out + 1) / 2 : (sg.w0.p.out + kR - 1) / kR);
       P.seg = s, P.slot = j;
       P.expert = sg.routed ? j : -1;
@@ -680,6 +685,7 @@ void moe_down(cudaStream_t st, const DownArgs& a) {
     P.expert = j < a.k ? j : -1;
     P.fac = j < a.k ? 1 : 2;
     P.rows = static_cast<int32_t>(w.p.out);
+    check_row_offsets(P, w);
     unit += static_cast<int32_t>(w.p.in / 32);
     g.part[g.nparts++] = P;
   }
