@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cuda_ablate import ABLATIONS, Ablator, scaled, write_markdown  # noqa: E402
 from bench_cuda_peer import MlxPeer  # noqa: E402
 from bench_cuda_util import (CostModel, format_profile, kernel_profile, measure_ceilings, plot_sweep,  # noqa: E402
-                             short_table, add_peer_ratios, llamacpp_rows)
+                             short_table, add_llamacpp)
 
 BF16_ONE = 0x3F80
 
@@ -331,10 +331,8 @@ def main(argv=None):
             from lily.testing.synthetic import config_dict
             hw = res["hardware"]
             cost = CostModel(ModelConfig.from_dict(config_dict(res["settings"]["config"])))
-            res["rows"] = [r for r in res["rows"] if r["engine"] != "llama.cpp"] + llamacpp_rows(
-                args.llamacpp_json, cost, hw["copy_bandwidth_Bps"], hw["bf16_matmul_flops"])
-            add_peer_ratios(res["rows"])
-            res["settings"]["peer"] = {"llama.cpp": json.loads(Path(args.llamacpp_json).read_text()).get("meta", {})}
+            add_llamacpp(res["rows"], res["settings"], args.llamacpp_json, cost, hw["copy_bandwidth_Bps"],
+                         hw["bf16_matmul_flops"])
             Path(args.replot).write_text(json.dumps(res, indent=1, default=float))
             print(short_table(res["rows"]))
         plot_sweep(res["rows"], res["settings"].get("title", ""), Path(args.replot).with_suffix(".png"))
@@ -521,9 +519,7 @@ def main(argv=None):
            "rows": rows, "ablations": ablator.rows if ablator else [], "kernel_profiles": profiles,
            "counters": checks, "elapsed_s": time.time() - t_start}
     if args.llamacpp_json:
-        rows.extend(llamacpp_rows(args.llamacpp_json, cost, bw, mflops))
-        add_peer_ratios(rows)
-        res["settings"]["peer"] = {"llama.cpp": json.loads(Path(args.llamacpp_json).read_text()).get("meta", {})}
+        add_llamacpp(rows, res["settings"], args.llamacpp_json, cost, bw, mflops)
     path = out / f"{args.name}.json"
     path.write_text(json.dumps(res, indent=1, default=float))
     plot_sweep(rows, title, out / f"{args.name}.png")

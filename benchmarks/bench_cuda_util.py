@@ -207,6 +207,14 @@ def llamacpp_rows(path, cost: "CostModel", bw: float, mflops: float) -> list[dic
     return rows
 
 
+def add_llamacpp(rows: list[dict], settings: dict, path, cost: "CostModel", bw: float, mflops: float) -> None:
+    """The peer's rows (replacing any earlier llama.cpp rows), the ratios on lily's rows, its meta in the settings."""
+    import json as _json
+    rows[:] = [r for r in rows if r["engine"] != "llama.cpp"] + llamacpp_rows(path, cost, bw, mflops)
+    add_peer_ratios(rows)
+    settings["peer"] = {"llama.cpp": _json.loads(open(path).read()).get("meta", {})}
+
+
 def add_peer_ratios(rows: list[dict]) -> None:
     """ratio_to_llamacpp on each lily row with a llama.cpp row of the same phase and length."""
     peer = {(r["phase"], r["tokens"]): r["tok_s"] for r in rows if r["engine"] == "llama.cpp" and r.get("tok_s")}

@@ -65,6 +65,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # the server's packages (dev/h200_prebui
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$LOG/wheels.txt" 2>&1 && export PYTHONPATH=src:/tmp/site && echo "wheels installed (.whl)"
 fi
+# every ncu run here collects the same metrics (dev/ncu_table.py reads what it finds)
+NCU_METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_imc_miss,smsp__pcsamp_warps_issue_stalled_selected
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 
 kernel_checks() {  # kernel_checks TIMEOUT: every family's check programs if .h200/kbin is carried, else the decode
@@ -86,7 +88,7 @@ model_checks() {  # model_checks TIMEOUT: the whole-model checks on the tiny con
 
 ncu_gemv() {  # ncu_gemv CHECK_DECODE: the decode GEMV alone at the real shapes, one cold launch each (--profile)
   timeout 60 ncu --clock-control none --cache-control all --kernel-name regex:gemv_kernel \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle \
+    --metrics "$NCU_METRICS" \
     --csv --page raw "$1" --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
   SUMMARY+=("ncu gemv rc=$?")
   printf "%s\n" dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv dn_in_norm dn_out_gated sh_gate_up_norm moe_down > "$LOG/ncu_labels.txt"
@@ -182,7 +184,7 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   fi
   # the whole decode step at 4K, warm (dev/decode_step_profile.py: each step graph one ncu result)
   timeout 120 ncu --profile-from-start off --graph-profiling graph --cache-control none --clock-control none \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_imc_miss,smsp__pcsamp_warps_issue_stalled_selected \
+    --metrics "$NCU_METRICS" \
     --csv --page raw python3 dev/decode_step_profile.py --length 4096 > "$LOG/ncu_step.csv" 2> "$LOG/ncu_step.err"
   SUMMARY+=("ncu decode step rc=$?")
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_step.csv") --stalls 8 | tee "$OUT/ncu_step.md"
@@ -203,7 +205,7 @@ families)  # the decode step's time by kernel family at LENGTHS (default 4096,13
            # graph profiled alone (--graph-profiling node), warm caches (dev/decode_step_profile.py), families summed
   for L in $(echo ${LENGTHS:-4096,131072} | tr , ' '); do
     timeout ${FAMILY_TIMEOUT:-170} ncu --profile-from-start off --graph-profiling node --cache-control none --clock-control none \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_selected \
+      --metrics "$NCU_METRICS" \
       --csv --page raw python3 dev/decode_step_profile.py --length $L --steps 1 > "$LOG/ncu_node_$L.csv" 2> "$LOG/ncu_node_$L.err"
     SUMMARY+=("ncu node $L rc=$?")
     { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_node_$L.csv") --families --stalls 3; echo

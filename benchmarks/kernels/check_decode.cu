@@ -113,6 +113,8 @@ static void report(const char* name, const std::vector<double>& ref, const std::
               finite ? "" : " NON-FINITE");
 }
 
+static double silu_d(double v) { return v / (1 + std::exp(-v)); }
+
 // Store / accumulate / dual on one or several segments (bits[s]: 4, 8 or 16 = dense bf16), bf16 input (x staged as
 // is); store launches also check the greedy head's block argmax keys.
 static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, std::vector<int> bits = {}) {
@@ -174,7 +176,7 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
       auto yb = dget(ybs[s], outs[s]);
       for (int64_t r = 0; r < outs[s]; ++r) {
         const double g = w0[s]->dot(0, r, x), u = w1[s]->dot(0, r, x);
-        ref[r] = g / (1 + std::exp(-g)) * u;
+        ref[r] = silu_d(g) * u;
         got[r] = host_float(yb[r]);
       }
     } else {
@@ -202,7 +204,6 @@ struct StageSpec {
   int E = 0, k = 0;     // routing prologue when k > 0: E experts, top k (the one segment is routed over k slots)
   bool norm_topk = true;
 };
-static double silu_d(double v) { return v / (1 + std::exp(-v)); }
 static void check_staged(const char* tag, const StageSpec& sp, int64_t in, int64_t out, int mode) {
   using namespace lily::cuda::gemv;
   std::normal_distribution<float> nd(0.f, 1.f);
