@@ -91,7 +91,7 @@ ncu_gemv() {  # ncu_gemv CHECK_DECODE: the decode GEMV alone at the real shapes,
     --metrics "$NCU_METRICS" \
     --csv --page raw "$1" --profile > "$LOG/ncu_gemv.csv" 2> "$LOG/ncu_gemv.err"
   SUMMARY+=("ncu gemv rc=$?")
-  printf "%s\n" dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv dn_in_norm dn_out_gated sh_gate_up_norm moe_down > "$LOG/ncu_labels.txt"
+  printf "%s\n" dn_in dn_out sh_gate_up moe_gate_up_x8 lm_head attn_qkv dn_in_norm sh_gate_up_norm moe_down > "$LOG/ncu_labels.txt"
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
 }
 

@@ -193,14 +193,13 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
   }
 }
 
-// The producer's normalisation staged in the launch (RMSNorm of the fp32 residual, its bf16 copy h_out from block 0;
-// the DeltaNet gated RMSNorm per head of gdim with SiLU(z)) and the routing prologue (softmax top-k of E router
+// The producer's normalisation staged in the launch (RMSNorm of the fp32 residual, its bf16 copy h_out from block 0)
+// and the routing prologue (softmax top-k of E router
 // logits, optional renormalisation; the segment's k slots read the chosen experts, block 0 writes the routing).
 // The twin normalises in fp64 and rounds to bf16 as the kernel does; the routing is checked as ids (exact) and
 // weights, the outputs as in check_proj.
 struct StageSpec {
-  int xmode;            // kXNorm or kXGated
-  int64_t gdim = 0;     // gated: elements per head
+  int xmode;            // kXBf16 or kXNorm
   int E = 0, k = 0;     // routing prologue when k > 0: E experts, top k (the one segment is routed over k slots)
   bool norm_topk = true;
 };
@@ -209,11 +208,10 @@ static void check_staged(const char* tag, const StageSpec& sp, int64_t in, int64
   std::normal_distribution<float> nd(0.f, 1.f);
   std::uniform_real_distribution<float> u(0.5f, 1.5f);
   const float eps = 1e-6f;
-  std::vector<float> xf(in), zf(in), nw(sp.xmode == kXGated ? sp.gdim : in);
+  std::vector<float> xf(in), nw(in);
   for (auto& v : xf) v = 3.f * nd(rng);
-  for (auto& v : zf) v = nd(rng);
   for (auto& v : nw) v = u(rng);
-  // the staged row as the kernel rounds it: bf16(x * inv * w [* silu(z)]); a bf16 staging reads it as is
+  // the staged row as the kernel rounds it: bf16(x * inv * w); a bf16 staging reads it as is
   std::vector<uint16_t> xs(in);
   if (sp.xmode == kXBf16) {
     xs = rand_x(in);
@@ -222,27 +220,15 @@ static void check_staged(const char* tag, const StageSpec& sp, int64_t in, int64
     for (float v : xf) ss += static_cast<double>(v) * v;
     const double inv = 1 / std::sqrt(ss / static_cast<double>(in) + eps);
     for (int64_t i = 0; i < in; ++i) xs[i] = host_bf16(static_cast<float>(xf[i] * inv * nw[i]));
-  } else {
-    for (int64_t h = 0; h < in / sp.gdim; ++h) {
-      double ss = 0;
-      for (int64_t c = 0; c < sp.gdim; ++c) ss += static_cast<double>(xf[h * sp.gdim + c]) * xf[h * sp.gdim + c];
-      const double inv = 1 / std::sqrt(ss / static_cast<double>(sp.gdim) + eps);
-      for (int64_t c = 0; c < sp.gdim; ++c) {
-        const int64_t i = h * sp.gdim + c;
-        xs[i] = host_bf16(static_cast<float>(xf[i] * inv * nw[c] * silu_d(zf[i])));
-      }
-    }
   }
   const int E = sp.k > 0 ? sp.E : 1, slots = sp.k > 0 ? sp.k : 1;
   QW w0(E, out, in), *w1 = mode == kODual ? new QW(E, out, in) : &w0;
   ProjArgs a;
   a.in = static_cast<int32_t>(in);
   a.xmode = sp.xmode;
-  a.gdim = static_cast<int32_t>(sp.gdim);
   a.eps = eps;
   a.xb = reinterpret_cast<bf16*>(dnew(xs));
   a.xf = dnew(xf);
-  a.zf = dnew(zf);
   a.nw = dnew(nw);
   uint16_t* dh = dnew(std::vector<uint16_t>(in, 0xFFFF));
   if (sp.xmode == kXNorm) a.h_out = reinterpret_cast<bf16*>(dh);
@@ -380,14 +366,14 @@ static double ms_per_launch(int warm, int reps, F&& launch) {
 }
 
 // Time per launch of proj over `copies` weight copies of shape outs x in (mean of g_reps back-to-back launches),
-// with the bf16 staging or, xmode kXNorm / kXGated (heads of gdim), the step's normalisations.
+// with the bf16 staging or, xmode kXNorm, the step's RMSNorm.
 static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies,
-                      int xmode = lily::cuda::gemv::kXBf16, int64_t gdim = 0) {
+                      int xmode = lily::cuda::gemv::kXBf16) {
   using namespace lily::cuda::gemv;
   std::vector<ProjArgs> args(copies);
   auto x = rand_x(in);
   bf16* dx = reinterpret_cast<bf16*>(dnew(x));
-  std::vector<float> xf(in), nw(xmode == kXGated ? gdim : in, 1.f);
+  std::vector<float> xf(in), nw(in, 1.f);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (auto& v : xf) v = nd(rng);
   float* dxf = dnew(xf);
@@ -398,9 +384,8 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
     a.in = static_cast<int32_t>(in);
     a.xmode = xmode;
     a.xb = dx;
-    a.xf = a.zf = dxf;
+    a.xf = dxf;
     a.nw = dnw;
-    a.gdim = static_cast<int32_t>(gdim);
     a.eps = 1e-6f;
     a.nseg = static_cast<int>(outs.size());
     for (int s = 0; s < a.nseg; ++s) {
@@ -508,11 +493,9 @@ int main(int argc, char** argv) {
     check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
     check_staged("rmsnorm store", {kXNorm}, 2048, 8192 + 4096 + 64, kOStore);         // the DeltaNet in-proj's staging
     check_staged("rmsnorm store", {kXNorm}, 192, 33, kOStore);
-    check_staged("gated accum", {kXGated, 128}, 4096, 2048, kOAccum);                 // the DeltaNet out-proj's
-    check_staged("gated accum", {kXGated, 64}, 320, 17, kOAccum);                      // 5 heads of 64
-    check_staged("routed dual", {kXBf16, 0, 256, 8, true}, 2048, 512, kODual);         // the experts' gate/up
-    check_staged("routed dual", {kXBf16, 0, 5, 3, false}, 128, 9, kODual);
-    check_staged("rmsnorm routed dual", {kXNorm, 0, 64, 4, true}, 512, 40, kODual);
+    check_staged("routed dual", {kXBf16, 256, 8, true}, 2048, 512, kODual);         // the experts' gate/up
+    check_staged("routed dual", {kXBf16, 5, 3, false}, 128, 9, kODual);
+    check_staged("rmsnorm routed dual", {kXNorm, 64, 4, true}, 512, 40, kODual);
     check_down(2048, 512, 8, 256);
     check_down(96, 128, 3, 5);
     check_down(17, 64, 1, 1);
@@ -528,7 +511,6 @@ int main(int argc, char** argv) {
   time_proj("lm_head 248320", 2048, {248320}, kOStore, 2);
   time_proj("attn q+k+v", 2048, {8192, 512, 512}, kOStore, 8);
   time_proj("dn in-proj, RMSNorm staging", 2048, {8192, 4096, 32, 32}, kOStore, 8, kXNorm);
-  time_proj("dn out-proj, gated staging", 4096, {2048}, kOAccum, 24, kXGated, 128);
   time_proj("shared gate/up, RMSNorm", 2048, {512}, kODual, 64, kXNorm);
   time_down();
   if (profile) return 0;

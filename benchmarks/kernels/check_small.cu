@@ -1,6 +1,6 @@
 // build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu
 // The small CUDA kernel families (embed_norm.cu, moe.cu, deltanet.cu conv / gated norm, attention.cu
-// prep; deltanet.cuh: deltanet_step) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
+// prep; deltanet.cuh: deltanet_step with its fused gated norm) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes
 // and awkward ones, every output poisoned with 0xFF bytes (NaN / -1) before the launch so unwritten elements fail,
 // one line per case, then "SUMMARY small <pass>/<total>"; exit code 1 on any failure.
@@ -451,23 +451,25 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
 
 // ---------------------------------------------------------------- deltanet.cu: deltanet_step (decode)
 // One token: l2 norm of q (times Dk^-0.5), k fused in, then the gated delta rule (model.md 4.3):
-// S *= g; delta = beta (v - S k); S += delta k^T; o = S q. u = silu(N(0, 1.5)) (post-conv, q/k not normalised),
-// b in [-4, 4], a in [-3, 0.5], dt_bias in [-1, 0.5], A_log in [-1.5, 0]; state ~ U(-0.5, 0.5) or zero.
+// S *= g; delta = beta (v - S k); S += delta k^T; o = S q; then, fused, out = bf16(RMSNorm(o_h; w) * silu(z_h)) per
+// head. u = silu(N(0, 1.5)) (post-conv, q/k not normalised), b in [-4, 4], a in [-3, 0.5], dt_bias in [-1, 0.5],
+// A_log in [-1.5, 0]; state ~ U(-0.5, 0.5) or zero. Launched twice from the same inputs with the same head counters
+// (a graph replays the step): both launches must give the reference, and the counters must be left at zero.
 static void check_deltanet_decode_scan(int Hk, int Hv, int Dk, int Dv, bool zero_state) {
   Dev dv;
   const kp::DeltaNetParams p = deltanet_params(Hk, Hv, Dk, Dv, 4, 1);
-  const int64_t C = p.conv_dim, key_dim = int64_t(Hk) * Dk, ns = int64_t(Hv) * Dv * Dk;
+  const int64_t C = p.conv_dim, key_dim = int64_t(Hk) * Dk, ns = int64_t(Hv) * Dv * Dk, n = int64_t(Hv) * Dv;
   auto u = randn(C, 1.5f);
   for (auto& x : u) x = static_cast<float>(silu_d(x));
   const auto b = randu(Hv, -4.f, 4.f), a = randu(Hv, -3.f, 0.5f), dtb = randu(Hv, -1.f, 0.5f),
              alog = randu(Hv, -1.5f, 0.f);
+  const auto z = randn(n, 1.5f), w = randu(Dv, 0.3f, 1.5f);
   const auto ssm0 = zero_state ? std::vector<float>(ns, 0.f) : randu(ns, -0.5f, 0.5f);
   const float *du = dv.put(u), *db = dv.put(b), *da = dv.put(a), *ddt = dv.put(dtb), *dal = dv.put(alog);
+  const float *dz = dv.put(z), *dw = dv.put(w);
   float* dssm = dv.put(ssm0);
-  float* dy = dv.alloc<float>(int64_t(Hv) * Dv);
-  lc::deltanet_step(0, p, du, db, da, ddt, dal, dssm, dy);
-  after_launch();
-  std::vector<double> ry(int64_t(Hv) * Dv), rs(ns), q(Dk), k(Dk), st(Dk);
+  int32_t* done = dv.put(std::vector<int32_t>(Hv, 0));
+  std::vector<double> ry(n), rs(ns), rout(n), q(Dk), k(Dk), st(Dk);
   for (int h = 0; h < Hv; ++h) {
     const int kh = h / (Hv / Hk);
     double sq = 0, sk = 0;
@@ -488,10 +490,28 @@ static void check_deltanet_decode_scan(int Hk, int Hv, int Dk, int Dv, bool zero
       for (int i = 0; i < Dk; ++i) st[i] += delta * k[i], o += st[i] * q[i], rs[row + i] = st[i];
       ry[int64_t(h) * Dv + d] = o;
     }
+    double ss = 0;
+    for (int d = 0; d < Dv; ++d) ss += ry[int64_t(h) * Dv + d] * ry[int64_t(h) * Dv + d];
+    const double inv = 1.0 / std::sqrt(ss / Dv + p.norm_eps);
+    for (int d = 0; d < Dv; ++d) {
+      const int64_t i = int64_t(h) * Dv + d;
+      rout[i] = ry[i] * inv * w[d] * silu_d(z[i]);
+    }
   }
   const std::string tag = fmt("Hk=%d Hv=%d Dk=%d Dv=%d%s", Hk, Hv, Dk, Dv, zero_state ? " zero-state" : "");
-  report("deltanet_decode_scan y " + tag, ry, to_d(get(dy, int64_t(Hv) * Dv)), tolerances::small_fp32_rel_rms);
-  report("deltanet_decode_scan state " + tag, rs, to_d(get(dssm, ns)), tolerances::small_fp32_rel_rms);
+  for (int launch = 0; launch < 2; ++launch) {
+    float* dy = dv.alloc<float>(n);
+    uint16_t* dout = dv.alloc<uint16_t>(n);
+    if (launch) CK(cudaMemcpy(dssm, ssm0.data(), ns * sizeof(float), cudaMemcpyHostToDevice));
+    lc::deltanet_step(0, p, du, db, da, ddt, dal, dssm, dy, dz, dw, reinterpret_cast<lc::bf16*>(dout), done);
+    after_launch();
+    const std::string lt = launch ? " (again)" : "";
+    report("deltanet_decode_scan y " + tag + lt, ry, to_d(get(dy, n)), tolerances::small_fp32_rel_rms);
+    report("deltanet_decode_scan state " + tag + lt, rs, to_d(get(dssm, ns)), tolerances::small_fp32_rel_rms);
+    report("deltanet_decode_scan gated out " + tag + lt, rout, bf_to_d(get(dout, n)), tolerances::small_bf16_rel_rms,
+           true);
+  }
+  report_exact("deltanet_decode_scan head counters " + tag, std::vector<double>(Hv, 0.0), to_d(get(done, Hv)));
 }
 
 // ---------------------------------------------------------------- attention.cu: attention_prep
@@ -636,13 +656,15 @@ int main(int argc, char** argv) {
   C("deltanet_gated_norm", [] { check_dn_gated_norm(1, 40, 3); });
   C("deltanet_gated_norm", [] { check_dn_gated_norm(5, 200, 2); });
 
-  // deltanet_scan (decode): real heads, zero and nonzero state; Dk != Dv; Dk not a multiple of 32; odd head counts.
+  // deltanet_scan (decode): real heads, zero and nonzero state; Dk != Dv; Dk not a multiple of 32; odd head counts;
+  // Dv not a multiple of the 4 rows per block (17, 97: a head's last block holds idle warps).
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, true); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(3, 6, 64, 96, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(1, 5, 96, 64, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 4, 100, 40, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 2, 32, 17, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(1, 3, 128, 97, false); });
 
   // attention_prep: real (Hq 16, Hkv 2, D 256, rotary 64, theta 1e7) prefill / decode / long position / device
   // position; awkward head counts, D, rotary dims (full rotary, rotary not a multiple of 64).

@@ -174,36 +174,49 @@ __global__ void attn_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const
   for (int i = 0; i < NO; ++i) out[2 + lane + 32 * i] = o[i];
 }
 
-// One block per (row, query head): warp 0 turns the split maxima into merge weights in shared memory, then
-// threads over d merge, normalise, apply the sigmoid output gate and write bf16.
-__global__ void attn_combine_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* part, const float* qg,
-                                    bf16* o) {
+// One block per (row, query head, 32 output dims): warp 0 turns the split maxima into merge weights in shared
+// memory, then warp w merges splits w, w + 8, ... for the block's 32 dims (a lane per dim), the 8 warps' sums are
+// added, normalised, gated by the sigmoid output gate and written as bf16. (One block per (row, head) with a thread
+// per dim walked all the splits serially: 10.8 us per decode launch at 4K, 16 blocks; this is 8x the blocks and an
+// eighth of the chain.)
+constexpr int kCombineWarps = 8;
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    attn_combine_kernel(kp::AttentionParams p, kp::AttnSplitParams sp, const float* part, const float* qg, bf16* o) {
   extern __shared__ float wts[];  // [n_splits]
+  __shared__ float red[kCombineWarps][32];
   pdl_trigger();
   pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
   const int64_t wid = blockIdx.x;
-  const int D = p.head_dim, ns = sp.n_splits;
+  const int D = p.head_dim, ns = sp.n_splits, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int d = blockIdx.y * 32 + lane;  // D is a multiple of 32
   const float* pp = part + wid * ns * (D + 2);
-  if (threadIdx.x < 32) {
+  if (warp == 0) {
     float M = -INFINITY;
-    for (int s = threadIdx.x; s < ns; s += 32) M = fmaxf(M, pp[s * (D + 2)]);
+    for (int s = lane; s < ns; s += 32) M = fmaxf(M, pp[s * (D + 2)]);
     M = warp_max(M);
     float L = 0.f;
-    for (int s = threadIdx.x; s < ns; s += 32) {
+    for (int s = lane; s < ns; s += 32) {
       const float ms = pp[s * (D + 2)];
       wts[s] = ms == -INFINITY ? 0.f : expf(ms - M);
       L += wts[s] * pp[s * (D + 2) + 1];
     }
     L = warp_sum(L);
     __syncwarp();
-    for (int s = threadIdx.x; s < ns; s += 32) wts[s] /= L;
+    for (int s = lane; s < ns; s += 32) wts[s] /= L;
   }
   __syncthreads();
-  const float* gate = qg + wid * 2 * D + D;  // row t, head h: qg[(t*Hq + h)*2D + D ..]
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < ns; ++s) acc += pp[s * (D + 2) + 2 + d] * wts[s];
-    o[wid * D + d] = __float2bfloat16(acc * (1.f / (1.f + expf(-gate[d]))));
+  float acc = 0.f;
+#pragma unroll 4
+  for (int s = warp; s < ns; s += kCombineWarps) acc += pp[s * (D + 2) + 2 + d] * wts[s];
+  red[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    // the sum in split order groups (w, w + 8, ...) then over w: a fixed order, deterministic
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) v += red[w][lane];
+    const float gate = qg[wid * 2 * D + D + d];  // row t, head h: qg[(t*Hq + h)*2D + D ..]
+    o[wid * D + d] = __float2bfloat16(v * (1.f / (1.f + expf(-gate))));
   }
 }
 
@@ -270,8 +283,8 @@ void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSpli
   }
   // Rounded up to 16 bytes: the compiler may read the weights with vector loads past n_splits.
   const size_t smem = (sp.n_splits * sizeof(float) + 31) / 16 * 16;
-  launch_pdl(attn_combine_kernel, dim3(static_cast<unsigned>(p.S * p.n_heads)), dim3(std::min(p.head_dim, 256)), smem,
-             st, p, sp, part, qg, o);
+  launch_pdl(attn_combine_kernel, dim3(static_cast<unsigned>(p.S * p.n_heads), static_cast<unsigned>(p.head_dim / 32)),
+             dim3(kCombineWarps * 32), smem, st, p, sp, part, qg, o);
 }
 
 }  // namespace lily::cuda

@@ -519,6 +519,9 @@ class CudaBackend final : public Backend {
     du_ = dalloc<float>(cfg_.conv_dim(), true);
     dz_ = dalloc<float>(cfg_.value_dim(), true);
     dy_ = dalloc<float>(cfg_.value_dim(), true);
+    dyb_ = dalloc<bf16>(cfg_.value_dim(), true);
+    dhead_done_ = dalloc<int32_t>(cfg_.deltanet_v_heads, false);  // deltanet_step's counters: zero, and left zero
+    LILY_CUDA_CHECK(cudaMemset(dhead_done_, 0, std::max<int64_t>(cfg_.deltanet_v_heads, 1) * sizeof(int32_t)));
     db_ = dalloc<float>(cfg_.deltanet_v_heads, true);
     da_ = dalloc<float>(cfg_.deltanet_v_heads, true);
     dqg_ = dalloc<float>(2 * Hq * D, true);
@@ -559,7 +562,7 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  // x += DeltaNet(RMSNorm(x)) for one token: [norm + qkv/z/b/a + conv] -> scan -> [gated norm + out + residual].
+  // x += DeltaNet(RMSNorm(x)) for one token: [norm + qkv/z/b/a + conv] -> [scan + gated norm] -> [out + residual].
   void fused_deltanet(const DLayer& L, DeltaNetState& s) {
     namespace d = cuda::gemv;
     d::ProjArgs a = norm_args(L.in_norm);
@@ -574,16 +577,13 @@ class CudaBackend final : public Backend {
     a.conv_dim = cfg_.conv_dim();
     a.conv_k = cfg_.conv_kernel;
     run_proj(a);
-    cuda::deltanet_step(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_);
+    cuda::deltanet_step(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, dz_,
+                        L.deltanet_norm, dyb_, dhead_done_);
     d::ProjArgs o;
     o.nseg = 1;
-    o.xmode = d::kXGated;
+    o.xmode = d::kXBf16;
     o.in = cfg_.value_dim();
-    o.gdim = cfg_.deltanet_v_dim;
-    o.eps = cfg_.rms_eps;
-    o.xf = dy_;
-    o.zf = dz_;
-    o.nw = L.deltanet_norm;
+    o.xb = dyb_;
     o.seg[0] = seg(L.out, d::kOAccum, dx_);
     run_proj(o);
     step_launches_ += 3;
@@ -780,8 +780,8 @@ class CudaBackend final : public Backend {
   float *dx_ = nullptr, *du_ = nullptr, *dz_ = nullptr, *dy_ = nullptr, *db_ = nullptr, *da_ = nullptr;
   float *dqg_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *drl_ = nullptr, *dtop_w_ = nullptr;
   float *dsg_ = nullptr, *dpart_ = nullptr, *dlg_ = nullptr;  // dlg_: [2, V] logits per step slot
-  bf16 *dh_ = nullptr, *dob_ = nullptr, *dact_ = nullptr, *dsact_ = nullptr;
-  int32_t* dtop_idx_ = nullptr;
+  bf16 *dh_ = nullptr, *dob_ = nullptr, *dact_ = nullptr, *dsact_ = nullptr, *dyb_ = nullptr;
+  int32_t *dtop_idx_ = nullptr, *dhead_done_ = nullptr;
   unsigned long long* damax_ = nullptr;
   int64_t max_splits_ = 0, head_blocks_ = 0;
   int64_t graph_nodes_ = 0, graph_kernels_ = 0, graph_captures_ = 0, step_launches_ = 0;

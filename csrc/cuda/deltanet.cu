@@ -1,6 +1,6 @@
 // The Gated DeltaNet family (model.md §4.3), in the order a layer runs it: the causal conv (+ SiLU, q/k l2 norm),
 // the recurrence (prefill: deltanet_scan, whose forms live in deltanet_chunk.cu; one token: deltanet_step, with the
-// l2 norm fused in), the gated RMSNorm.
+// l2 norm and the gated RMSNorm fused in), the gated RMSNorm (prefill).
 #include "cuda/deltanet.cuh"
 
 namespace lily::cuda {
@@ -88,58 +88,94 @@ __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const fl
 }
 
 // DeltaNet recurrence for one token: one warp per state row (h, dv), q/k l2 normalisation fused in (the
-// arithmetic of l2norm_kernel and scan_kernel at S = 1).
+// arithmetic of l2norm_kernel and scan_kernel at S = 1), then the gated RMSNorm of the head fused in: the head's
+// last block to finish (counted in head_done[h], which it resets to zero) normalises the head's Dv outputs
+// (gated_norm_kernel's arithmetic), so the out-projection stages a plain bf16 row. (The norm in the
+// out-projection's staging cost every one of its 256 blocks two dependent passes over y and z: 11.7 us against
+// 6.7 for the same bytes with a bf16 row, benchmarks/results/ncu_step_families_4096_h200.md.)
 template <int NK>
 __global__ void __launch_bounds__(kStepWarps * 32)
     deltanet_step_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,
-                    const float* a_log, float* ssm, float* y) {
+                         const float* a_log, float* ssm, float* y, const float* z, const float* nw, bf16* out,
+                         int32_t* head_done) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = blockIdx.y, dv = blockIdx.x * kStepWarps + warp;
   pdl_trigger();
   pdl_wait();
-  if (dv >= p.v_dim) return;
-  const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
-  const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
-  float st[NK], q[NK], k[NK];
+  if (dv < p.v_dim) {
+    const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
+    const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
+    float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
+    float st[NK], q[NK], k[NK];
 #pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    const bool in = lane + 32 * i < Dk;
-    st[i] = in ? sp[lane + 32 * i] : 0.f;
-    q[i] = in ? u[static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
-    k[i] = in ? u[key_dim + static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+    for (int i = 0; i < NK; ++i) {
+      const bool in = lane + 32 * i < Dk;
+      st[i] = in ? sp[lane + 32 * i] : 0.f;
+      q[i] = in ? u[static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+      k[i] = in ? u[key_dim + static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
+    }
+    const float v = u[2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv];
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int i = 0; i < NK; ++i) sq += q[i] * q[i], sk += k[i] * k[i];
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    const float iq = 1.f / sqrtf(sq + p.qk_eps) * rsqrtf(static_cast<float>(Dk));
+    const float ik = 1.f / sqrtf(sk + p.qk_eps);
+#pragma unroll
+    for (int i = 0; i < NK; ++i) q[i] *= iq, k[i] *= ik;
+    const float A = expf(a_log[h]), dtb = dt_bias[h];
+    const float beta = 1.f / (1.f + expf(-b[h]));
+    const float g = expf(-A * softplusf_(a[h] + dtb));
+    float kst = 0.f;
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      st[i] *= g;
+      kst += st[i] * k[i];
+    }
+    const float delta = beta * (v - warp_sum(kst));
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      st[i] += delta * k[i];
+      o += st[i] * q[i];
+    }
+    o = warp_sum(o);
+    if (lane == 0) {
+      y[static_cast<int64_t>(h) * p.v_dim + dv] = o;
+      __threadfence();  // visible to the head's last block before this block counts itself
+    }
+#pragma unroll
+    for (int i = 0; i < NK; ++i)
+      if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
   }
-  const float v = u[2 * key_dim + static_cast<int64_t>(h) * p.v_dim + dv];
-  float sq = 0.f, sk = 0.f;
-#pragma unroll
-  for (int i = 0; i < NK; ++i) sq += q[i] * q[i], sk += k[i] * k[i];
-  sq = warp_sum(sq);
-  sk = warp_sum(sk);
-  const float iq = 1.f / sqrtf(sq + p.qk_eps) * rsqrtf(static_cast<float>(Dk));
-  const float ik = 1.f / sqrtf(sk + p.qk_eps);
-#pragma unroll
-  for (int i = 0; i < NK; ++i) q[i] *= iq, k[i] *= ik;
-  const float A = expf(a_log[h]), dtb = dt_bias[h];
-  const float beta = 1.f / (1.f + expf(-b[h]));
-  const float g = expf(-A * softplusf_(a[h] + dtb));
-  float kst = 0.f;
-#pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    st[i] *= g;
-    kst += st[i] * k[i];
+  __shared__ int last;
+  __shared__ float red[kStepWarps];
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&head_done[h], 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int Dv = p.v_dim;
+  const float* yr = y + static_cast<int64_t>(h) * Dv;
+  const float* zr = z + static_cast<int64_t>(h) * Dv;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < Dv; i += blockDim.x) {
+    const float t = __ldcg(yr + i);
+    ss += t * t;
   }
-  const float delta = beta * (v - warp_sum(kst));
-  float o = 0.f;
+  ss = warp_sum(ss);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  ss = 0.f;
 #pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    st[i] += delta * k[i];
-    o += st[i] * q[i];
+  for (int w = 0; w < kStepWarps; ++w) ss += red[w];
+  const float inv = 1.f / sqrtf(ss / static_cast<float>(Dv) + p.norm_eps);
+  for (int i = threadIdx.x; i < Dv; i += blockDim.x) {
+    const float zz = zr[i];
+    out[static_cast<int64_t>(h) * Dv + i] = __float2bfloat16(__ldcg(yr + i) * inv * nw[i] * (zz / (1.f + expf(-zz))));
   }
-  o = warp_sum(o);
-  if (lane == 0) y[static_cast<int64_t>(h) * p.v_dim + dv] = o;
-#pragma unroll
-  for (int i = 0; i < NK; ++i)
-    if (lane + 32 * i < Dk) sp[lane + 32 * i] = st[i];
+  if (threadIdx.x == 0) head_done[h] = 0;  // ready for the next launch (graph replays included)
 }
 
 }  // namespace
@@ -200,16 +236,20 @@ void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const flo
 }
 
 void deltanet_step(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                   const float* dt_bias, const float* a_log, float* ssm, float* y) {
+                   const float* dt_bias, const float* a_log, float* ssm, float* y, const float* z, const float* norm_w,
+                   bf16* out, int32_t* head_done) {
   const dim3 grid(static_cast<unsigned>((p.v_dim + kStepWarps - 1) / kStepWarps), p.v_heads);
   const dim3 block(kStepWarps * 32);
+#define LILY_STEP(NK) \
+  launch_pdl(deltanet_step_kernel<NK>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y, z, norm_w, out, head_done)
   switch ((p.k_dim + 31) / 32) {
-    case 1: launch_pdl(deltanet_step_kernel<1>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 2: launch_pdl(deltanet_step_kernel<2>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 3: launch_pdl(deltanet_step_kernel<3>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
-    case 4: launch_pdl(deltanet_step_kernel<4>, grid, block, 0, st, p, u, b, a, dt_bias, a_log, ssm, y); break;
+    case 1: LILY_STEP(1); break;
+    case 2: LILY_STEP(2); break;
+    case 3: LILY_STEP(3); break;
+    case 4: LILY_STEP(4); break;
     default: throw std::invalid_argument("[lily] cuda deltanet_step: linear_key_head_dim > 128 is not supported");
   }
+#undef LILY_STEP
 }
 
 }  // namespace lily::cuda

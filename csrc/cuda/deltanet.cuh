@@ -42,9 +42,13 @@ void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const f
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out);
 
-// One token (the decode step; deltanet.cu): the recurrence with the q/k l2 normalisation fused in. u [C] post-conv
-// (q, k not yet l2-normalised), b/a [Hv] raw, ssm [Hv, Dv, Dk] updated, y [Hv*Dv]. PDL launch.
+// One token (the decode step; deltanet.cu): the recurrence with the q/k l2 normalisation and the gated RMSNorm
+// fused in. u [C] post-conv (q, k not yet l2-normalised), b/a [Hv] raw, ssm [Hv, Dv, Dk] updated, y [Hv*Dv] fp32
+// (before the norm), z [Hv*Dv] fp32, norm_w [Dv] -> out [Hv*Dv] bf16 = bf16(RMSNorm(y_h; norm_w) * silu(z_h)) per
+// head (deltanet_gated_norm's arithmetic). head_done: int32 [Hv] device counters, zero before the first launch and
+// left zero by every launch (one array serves every layer of a stream). PDL launch.
 void deltanet_step(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                   const float* dt_bias, const float* a_log, float* ssm, float* y);
+                   const float* dt_bias, const float* a_log, float* ssm, float* y, const float* z, const float* norm_w,
+                   bf16* out, int32_t* head_done);
 
 }  // namespace lily::cuda

@@ -32,12 +32,11 @@ constexpr int kMaxParts = 20;    // 16 expert slots + the MoE entry's router / s
 constexpr int kBlockWarps = 8;
 constexpr int kMaxSlices = 8;    // input length <= 8192
 constexpr int kMaxTpw = 64;
-constexpr int kMaxHeads = 64;    // gated staging: heads per row
 
 // The kernel is specialised at compile time per launch kind, so a launch runs a short body of its own: one generic
 // body for every format, staging and K mode was 302 KB of SASS, and Nsight Compute showed the short launches
 // stalled on instruction fetch (53-80% of the samples, cold; benchmarks/results/decode_gemv_h200.md).
-enum Stage : int32_t { kStageBf16 = kXBf16, kStageNorm = kXNorm, kStageGated = kXGated, kStageK = 3, kStages = 4 };
+enum Stage : int32_t { kStageBf16 = kXBf16, kStageNorm = kXNorm, kStageK = 2, kStages = 3 };
 enum FmtSet : int32_t { kSetQ4 = 0, kSetQ4Q8 = 1, kSetAny = 2, kSets = 3 };  // the parts' formats
 struct Part {
   const uint8_t* w0;      // codes or dense elements of expert 0 (the stack's base)
@@ -63,10 +62,9 @@ struct Launch {
   Part part[kMaxParts];
   int32_t nparts = 0, kmode = 0, units = 0, slices = 0, mwarps = 0, tpw = 1, rows = 0, route = 0;
   // staging
-  int32_t xmode = kXBf16, in = 0, gdim = 0;
+  int32_t xmode = kXBf16, in = 0;
   float eps = 0.f;
   const float* xf = nullptr;
-  const float* zf = nullptr;
   const float* nw = nullptr;
   const bf16* xb = nullptr;
   bf16* h_out = nullptr;
@@ -159,7 +157,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
 
 struct Smem {  // the statically sized part of the kernel's shared memory
   float red[kBlockWarps];
-  float inv[kMaxHeads];
+  float inv;
   float fac[kMaxParts];
   int32_t idx[kMaxTopK];
   float w[kMaxTopK];
@@ -168,9 +166,9 @@ struct Smem {  // the statically sized part of the kernel's shared memory
 
 // Staging, in two halves with a block barrier between them (the caller's): stage_prologue is what the routed
 // parts' weight loads and the element loop depend on (the routing: the prologue in row mode or the previous
-// kernel's ids in K mode; the K parts' factors; the norms' reductions); stage_rows writes the input row into shared
-// memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel
-// and gated_norm_kernel: the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
+// kernel's ids in K mode; the K parts' factors; the norm's reduction); stage_rows writes the input row into shared
+// memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel:
+// the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
 // parts issue their first weight loads, so those are in flight while the row is staged.
 template <int STAGE>
 __device__ void stage_prologue(const Launch& g, Smem& sm) {
@@ -200,19 +198,7 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
     if (warp == 0) {
       float v = lane < nw ? sm.red[lane] : 0.f;
       v = warp_sum(v);
-      if (lane == 0) sm.inv[0] = rsqrtf(v / static_cast<float>(n) + g.eps);
-    }
-  } else if constexpr (STAGE == kStageGated) {
-#pragma unroll 4
-    for (int h = warp; h < n / g.gdim; h += nw) {
-      const float* yr = g.xf + static_cast<int64_t>(h) * g.gdim;
-      float ss = 0.f;
-      for (int i = 4 * lane; i < g.gdim; i += 128) {
-        const float4 t = *reinterpret_cast<const float4*>(yr + i);
-        ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
-      }
-      ss = warp_sum(ss);
-      if (lane == 0) sm.inv[h] = 1.f / sqrtf(ss / static_cast<float>(g.gdim) + g.eps);
+      if (lane == 0) sm.inv = rsqrtf(v / static_cast<float>(n) + g.eps);
     }
   }
 }
@@ -266,17 +252,9 @@ __device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
       } else if constexpr (STAGE == kStageNorm) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[0] * g.nw[i + k]);
+          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv * g.nw[i + k]);
           if (write_h) g.h_out[i + k] = h;
           v[k] = __bfloat162float(h);
-        }
-      } else {  // gated: a group of 8 never straddles a head (gdim % 8 == 0)
-        const int hd = i / g.gdim, c = i - hd * g.gdim;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const float zz = g.zf[i + k];
-          v[k] = __bfloat162float(
-              __float2bfloat16(__uint_as_float(w8[k]) * sm.inv[hd] * g.nw[c + k] * (zz / (1.f + expf(-zz)))));
         }
       }
       // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
@@ -534,7 +512,6 @@ Kernel kernel_in_set(int stage) {
   switch (stage) {
     case kStageBf16: return gemv_kernel<SET, kStageBf16>;
     case kStageNorm: return gemv_kernel<SET, kStageNorm>;
-    case kStageGated: return gemv_kernel<SET, kStageGated>;
     default: return gemv_kernel<SET, kStageK>;
   }
 }
@@ -634,16 +611,14 @@ int64_t head_blocks(int64_t rows) { return (rows + kR - 1) / kR; }  // at most o
 
 unsigned proj(cudaStream_t st, const ProjArgs& a) {
   Launch g;
-  g.xmode = a.xmode, g.in = a.in, g.gdim = a.gdim, g.eps = a.eps;
-  g.xf = a.xf, g.zf = a.zf, g.nw = a.nw, g.xb = a.xb, g.h_out = a.h_out;
+  g.xmode = a.xmode, g.in = a.in, g.eps = a.eps;
+  g.xf = a.xf, g.nw = a.nw, g.xb = a.xb, g.h_out = a.h_out;
   g.route = a.route, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
   g.top_idx = a.top_idx, g.top_w = a.top_w;
   g.conv_w = a.conv_w, g.conv_state = a.conv_state, g.u = a.u, g.conv_dim = a.conv_dim, g.conv_k = a.conv_k;
   g.amax = a.amax;
-  if (a.xmode == kXGated && (a.gdim < 8 || a.gdim % 8 != 0 || a.in % a.gdim != 0 || a.in / a.gdim > kMaxHeads))
-    throw std::invalid_argument("[lily] cuda decode gemv: gated input of " + std::to_string(a.in) +
-                                " elements in heads of " + std::to_string(a.gdim) +
-                                ", expected at most 64 heads of a multiple of 8");
+  if (a.xmode != kXBf16 && a.xmode != kXNorm)
+    throw std::invalid_argument("[lily] cuda decode gemv: staging mode " + std::to_string(a.xmode) + ", expected 0 (bf16) or 1 (RMSNorm)");
   if (a.route && (a.top_k < 1 || a.top_k > kMaxTopK)) throw std::invalid_argument("[lily] cuda decode gemv: top_k");
   for (int s = 0; s < a.nseg; ++s) {
     const Seg& sg = a.seg[s];

@@ -4,8 +4,9 @@
 //
 //   proj     : y = x W^T over up to kMaxSegs weight matrices that read the same input row ("segments", row
 //              ranges of one launch), with the input staged in shared memory by a prologue that also does the
-//              producer's normalisation: RMSNorm of the fp32 residual, the DeltaNet gated RMSNorm, or a plain
-//              bf16 copy. Output per segment: store, accumulate (residual add), SiLU(gate)*up (bf16), or the
+//              producer's normalisation: RMSNorm of the fp32 residual, or a plain bf16 copy (the DeltaNet
+//              gated RMSNorm is deltanet_step's, which writes the out-projection's bf16 row). Output per
+//              segment: store, accumulate (residual add), SiLU(gate)*up (bf16), or the
 //              DeltaNet causal conv + SiLU with its state update. Optional routing prologue (softmax top-k
 //              of the router logits; segment slot j reads expert top_idx[j]) and block argmax (greedy head).
 //   moe_down : x[r] += sum_j w_j (act_j . Wdown[e_j][r]) + sigmoid(g) (sact . Wsh_down[r])  (MoE combine fused):
@@ -20,7 +21,7 @@ namespace lily::cuda::gemv {
 constexpr int kMaxSegs = 4;
 constexpr int kMaxTopK = 16;
 
-enum XMode : int32_t { kXBf16 = 0, kXNorm = 1, kXGated = 2 };
+enum XMode : int32_t { kXBf16 = 0, kXNorm = 1 };
 enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2, kOConv = 3 };
 
 struct Seg {
@@ -39,11 +40,9 @@ struct ProjArgs {
   int32_t nseg = 0;
   int32_t xmode = kXBf16;
   int32_t in = 0;          // input length (every segment's W.p.in)
-  int32_t gdim = 0;        // gated: elements per head (Dv)
   float eps = 0.f;
   int32_t route = 0;       // routing prologue (segments with routed = 1 need it)
-  const float* xf = nullptr;   // norm: fp32 residual row; gated: y
-  const float* zf = nullptr;   // gated: z
+  const float* xf = nullptr;   // norm: fp32 residual row
   const float* nw = nullptr;   // norm weight
   const bf16* xb = nullptr;    // bf16 input row
   bf16* h_out = nullptr;       // norm: block 0 also writes the normed row (bf16) here

@@ -47,7 +47,7 @@ KERNEL_CHECKS = {
     "gemv_rel_rms": 1e-4,
     # its SiLU(gate) * up outputs, rounded to bf16 (2^-8 relative)
     "gemv_dual_rel_rms": 8e-3,
-    # its fp32 outputs of a staged input (RMSNorm, gated norm): the kernel rounds the normed element to bf16 after an
+    # its fp32 outputs of a staged input (RMSNorm): the kernel rounds the normed element to bf16 after an
     # fp32 norm (block sum order, rsqrtf), so an element near a rounding boundary may round the other way than the
     # fp64 twin's: 2^-8 of it, ~1e-4 of a 2048-term dot per such element (expected 0-2 per row)
     "gemv_staged_rel_rms": 5e-4,
