@@ -365,6 +365,33 @@ static double ms_per_launch(int warm, int reps, F&& launch) {
   return ms / reps;
 }
 
+// An RMSNorm staging past kMaxNormIn elements (5 slices: one fetch per thread no longer covers the row) must be
+// refused with an invalid_argument, not launched.
+static void check_norm_refused(int64_t in) {
+  using namespace lily::cuda::gemv;
+  QW w(1, 8, in);
+  ProjArgs a;
+  a.in = static_cast<int32_t>(in);
+  a.xmode = kXNorm;
+  a.eps = 1e-6f;
+  a.xf = dnew(std::vector<float>(in, 1.f));
+  a.nw = dnew(std::vector<float>(in, 1.f));
+  a.nseg = 1;
+  a.seg[0].w0 = a.seg[0].w1 = w.d;
+  a.seg[0].mode = kOStore;
+  a.seg[0].y = dnew(std::vector<float>(8, 0.f));
+  bool refused = false;
+  try {
+    proj(0, a);
+  } catch (const std::invalid_argument&) {
+    refused = true;
+  }
+  LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  ++n_total;
+  n_pass += refused;
+  std::printf("%s rmsnorm staging of %lld elements refused\n", refused ? "PASS" : "FAIL", static_cast<long long>(in));
+}
+
 // Time per launch of proj over `copies` weight copies of shape outs x in (mean of g_reps back-to-back launches),
 // with the bf16 staging or, xmode kXNorm, the step's RMSNorm.
 static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies,
@@ -493,6 +520,9 @@ int main(int argc, char** argv) {
     check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
     check_staged("rmsnorm store", {kXNorm}, 2048, 8192 + 4096 + 64, kOStore);         // the DeltaNet in-proj's staging
     check_staged("rmsnorm store", {kXNorm}, 192, 33, kOStore);
+    check_staged("rmsnorm store", {kXNorm}, 4096, 300, kOStore);   // the longest RMSNorm row: 4 slices, 256 threads
+    check_staged("rmsnorm store", {kXNorm}, 2560, 77, kOStore);    // 3 slices, 192 threads: two fetches a thread
+    check_norm_refused(4128);
     check_staged("routed dual", {kXBf16, 256, 8, true}, 2048, 512, kODual);         // the experts' gate/up
     check_staged("routed dual", {kXBf16, 5, 3, false}, 128, 9, kODual);
     check_staged("rmsnorm routed dual", {kXNorm, 64, 4, true}, 512, 40, kODual);

@@ -657,7 +657,7 @@ int main(int argc, char** argv) {
   C("deltanet_gated_norm", [] { check_dn_gated_norm(5, 200, 2); });
 
   // deltanet_scan (decode): real heads, zero and nonzero state; Dk != Dv; Dk not a multiple of 32; odd head counts;
-  // Dv not a multiple of the 4 rows per block (17, 97: a head's last block holds idle warps).
+  // Dv not a multiple of the 4 rows per block (17, 97, 1: a head's last block holds idle warps), Dv 200 and 256.
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(16, 32, 128, 128, true); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(3, 6, 64, 96, false); });
@@ -665,6 +665,9 @@ int main(int argc, char** argv) {
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 4, 100, 40, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 2, 32, 17, false); });
   C("deltanet_decode_scan", [] { check_deltanet_decode_scan(1, 3, 128, 97, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(2, 2, 64, 200, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(1, 1, 128, 256, false); });
+  C("deltanet_decode_scan", [] { check_deltanet_decode_scan(1, 2, 16, 1, false); });
 
   // attention_prep: real (Hq 16, Hkv 2, D 256, rotary 64, theta 1e7) prefill / decode / long position / device
   // position; awkward head counts, D, rotary dims (full rotary, rotary not a multiple of 64).

@@ -63,53 +63,66 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Router top-k of one token row, by one warp: fp32 softmax over E (<= 256) logits, then k rounds of a warp argmax
-// (ties -> lower index), renormalised over the chosen k when `norm`. Lane 0 writes idx_out[0..k) and w_out[0..k).
-// Absent (e >= E) and already-taken experts hold -1, which never beats the start value -1 (probabilities are >= 0):
-// a non-finite row (every comparison with NaN false) picks expert 0 with a NaN weight, so the NaN reaches the
-// output and no index past E ever serves as a weight offset or histogram slot.
+// Router top-k of one token row, by one warp: the k largest of E (<= 256) logits (ties -> lower index), each round
+// one warp max of order-preserving integer keys (redux.sync) and one warp min of the holders' indices, then the
+// softmax weights of the chosen, renormalised over them when `norm` (exp(l_j - l_max) / sum over the chosen: the
+// softmax's denominator cancels) or divided by the full softmax denominator otherwise. Lane j < k writes idx_out[j]
+// and w_out[j]. Selecting on logits rather than on rounded probabilities is the fp64 twin's order. (The earlier form,
+// a softmax of all E and k rounds of a shuffle argmax, took ~2.3 us on the decode step's critical path: the
+// experts' launch waited on it in every block, barrier stalls 44%, ncu_step_families_4096_h200.md.)
+// A non-finite row (a NaN or +inf logit, or every logit -inf) picks expert 0 with a NaN weight in every slot, so the
+// NaN reaches the output and no index past E ever serves as a weight offset or histogram slot; absent experts
+// (e >= E) hold key 0, below every real logit's.
+__device__ __forceinline__ uint32_t order_key(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 __device__ __forceinline__ void route_topk_warp(const float* logits, int E, int k, bool norm, int32_t* idx_out,
                                                 float* w_out, int lane) {
   float v[8];
-  float mx = -INFINITY;
+  uint32_t key[8];
+  bool bad = false;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int e = lane + 32 * i;
     v[i] = e < E ? logits[e] : -INFINITY;
-    mx = fmaxf(mx, v[i]);
+    key[i] = e < E ? order_key(v[i]) : 0u;
+    bad = bad || isnan(v[i]) || v[i] == INFINITY;
   }
-  mx = warp_max(mx);
-  float den = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
-    den += v[i];
-  }
-  den = warp_sum(den);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = lane + 32 * i < E ? v[i] / den : -1.f;
-  float chosen = 0.f;
+  float mx = 0.f, chosen = 0.f, my_w = 0.f;
+  int my_idx = 0;
   for (int j = 0; j < k; ++j) {
-    float bv = -1.f;
-    int bi = 0;
+    uint32_t lk = key[0];  // this lane's best: the first of equal keys has the lower index
+    float lv = v[0];
+    int li = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (v[i] > bv) bv = v[i], bi = lane + 32 * i;
+    for (int i = 1; i < 8; ++i)
+      if (key[i] > lk) lk = key[i], lv = v[i], li = i;
+    const uint32_t m = __reduce_max_sync(0xffffffffu, lk);
+    const int win = __reduce_min_sync(0xffffffffu, lk == m ? lane + 32 * li : 0x7fffffff);
+    if (lane == (win & 31)) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+      for (int i = 0; i < 8; ++i)
+        if (i == li) key[i] = 0u;
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (lane + 32 * i == bi) v[i] = -1.f;
-    if (!(bv >= 0.f)) bv = __int_as_float(0x7fc00000);  // nothing beat the start value
-    if (lane == 0) idx_out[j] = bi, w_out[j] = bv;
-    chosen += bv;
+    const float wv = __shfl_sync(0xffffffffu, lv, win & 31);
+    if (j == 0) mx = wv;
+    const float ev = expf(wv - mx);
+    if (lane == j) my_idx = win, my_w = ev;
+    chosen += ev;
   }
-  if (lane == 0 && norm)
-    for (int j = 0; j < k; ++j) w_out[j] /= chosen;
+  bad = __any_sync(0xffffffffu, bad) || mx == -INFINITY;
+  float den = chosen;
+  if (!norm) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t += lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
+    den = warp_sum(t);
+  }
+  if (lane < k) {
+    idx_out[lane] = bad ? 0 : my_idx;
+    w_out[lane] = bad ? __int_as_float(0x7fc00000) : my_w / den;
+  }
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }

@@ -168,16 +168,49 @@ struct Smem {  // the statically sized part of the kernel's shared memory
 // parts' weight loads and the element loop depend on (the routing: the prologue in row mode or the previous
 // kernel's ids in K mode; the K parts' factors; the norm's reduction); stage_rows writes the input row into shared
 // memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel:
-// the value is rounded to bf16 as the unfused path rounds it). Between the two the routed
-// parts issue their first weight loads, so those are in flight while the row is staged.
+// the value is rounded to bf16 as the unfused path rounds it). Between the two the routed parts issue their first
+// weight loads, so those are in flight while the row is staged. The RMSNorm reads its row once: the thread's
+// elements (one step of stage_fetch, at most kStageUnroll x 8, the host's check) are loaded before the prologue,
+// which sums their squares, and stage_rows normalises them from registers (a second pass over the row from L2 cost
+// the launch 1.2-1.7 us, check_decode's RMSNorm rows against the bf16 ones).
+// 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued before
+// any is used: a step that waited for its load before the next would pay an L2 round trip each.
+constexpr int kStageUnroll = 2;
+struct StageRaw {
+  uint4 v[kStageUnroll][2];
+  float fac[kStageUnroll];
+};
+
+// The loads of the step at group `base` (groups of 8 elements base + r * blockDim.x), zeros past the row's end.
 template <int STAGE>
-__device__ void stage_prologue(const Launch& g, Smem& sm) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
-  const int n = STAGE == kStageK ? g.units * 32 : g.in;
+__device__ __forceinline__ void stage_fetch(const Launch& g, const Smem& sm, int base, StageRaw& raw) {
+  const int nth = blockDim.x, n = STAGE == kStageK ? g.units * 32 : g.in, groups = g.slices * 128;
+#pragma unroll
+  for (int r = 0; r < kStageUnroll; ++r) {
+    const int i = (base + r * nth) * 8;
+    raw.fac[r] = 1.f;
+    raw.v[r][0] = raw.v[r][1] = make_uint4(0u, 0u, 0u, 0u);
+    if (base + r * nth >= groups || i >= n) continue;
+    if constexpr (STAGE == kStageK) {
+      int p = 0;
+      while (p + 1 < g.nparts && (i >> 5) >= g.part[p + 1].first) ++p;
+      raw.v[r][0] = *reinterpret_cast<const uint4*>(g.part[p].xsrc + (i - g.part[p].first * 32));
+      raw.fac[r] = sm.fac[p];
+    } else if constexpr (STAGE == kStageBf16) {
+      raw.v[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
+    } else {
+      raw.v[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
+      raw.v[r][1] = *reinterpret_cast<const uint4*>(g.xf + i + 4);
+    }
+  }
+}
+
+template <int STAGE>
+__device__ void stage_prologue(const Launch& g, Smem& sm, const StageRaw& raw) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   if (g.route && warp == 0) {
     route_topk_warp(g.rlogits, g.E, g.top_k, g.norm_topk != 0, sm.idx, sm.w, lane);
-    if (lane == 0 && blockIdx.x == 0)
-      for (int j = 0; j < g.top_k; ++j) g.top_idx[j] = sm.idx[j], g.top_w[j] = sm.w[j];
+    if (blockIdx.x == 0 && lane < g.top_k) g.top_idx[lane] = sm.idx[lane], g.top_w[lane] = sm.w[lane];  // its own slot
   }
   if constexpr (STAGE == kStageK) {
     if (tid < g.top_k) sm.idx[tid] = g.top_idx[tid];
@@ -187,10 +220,12 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
     }
   } else if constexpr (STAGE == kStageNorm) {
     float ss = 0.f;
-#pragma unroll 4
-    for (int i = 4 * tid; i < n; i += 4 * nth) {
-      const float4 t = *reinterpret_cast<const float4*>(g.xf + i);
-      ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+#pragma unroll
+    for (int r = 0; r < kStageUnroll; ++r) {
+      const uint32_t w8[8] = {raw.v[r][0].x, raw.v[r][0].y, raw.v[r][0].z, raw.v[r][0].w,
+                              raw.v[r][1].x, raw.v[r][1].y, raw.v[r][1].z, raw.v[r][1].w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ss = fmaf(__uint_as_float(w8[k]), __uint_as_float(w8[k]), ss);
     }
     ss = warp_sum(ss);
     if (lane == 0) sm.red[warp] = ss;
@@ -198,69 +233,55 @@ __device__ void stage_prologue(const Launch& g, Smem& sm) {
     if (warp == 0) {
       float v = lane < nw ? sm.red[lane] : 0.f;
       v = warp_sum(v);
-      if (lane == 0) sm.inv = rsqrtf(v / static_cast<float>(n) + g.eps);
+      if (lane == 0) sm.inv = rsqrtf(v / static_cast<float>(g.in) + g.eps);
     }
   }
 }
 
+// The fetched step's elements (converted, scaled or normalised) into shared memory.
 template <int STAGE>
-__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm) {
-  const int tid = threadIdx.x, nth = blockDim.x;
-  const int n = STAGE == kStageK ? g.units * 32 : g.in;
-  // 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued
-  // before any is used: a step that waited for its load before the next would pay an L2 round trip each.
-  constexpr int kStageUnroll = 2;
+__device__ __forceinline__ void stage_put(const Launch& g, float* xs, const Smem& sm, int base, const StageRaw& raw) {
+  const int nth = blockDim.x, n = STAGE == kStageK ? g.units * 32 : g.in, groups = g.slices * 128;
   const bool write_h = g.h_out != nullptr && blockIdx.x == 0;
-  const int groups = g.slices * 128;
-  for (int base = tid; base < groups; base += kStageUnroll * nth) {
-    uint4 raw[kStageUnroll][2];
-    float fac[kStageUnroll];
 #pragma unroll
-    for (int r = 0; r < kStageUnroll; ++r) {
-      const int i = (base + r * nth) * 8;
-      fac[r] = 1.f;
-      raw[r][0] = raw[r][1] = make_uint4(0u, 0u, 0u, 0u);
-      if (base + r * nth >= groups || i >= n) continue;
-      if constexpr (STAGE == kStageK) {
-        int p = 0;
-        while (p + 1 < g.nparts && (i >> 5) >= g.part[p + 1].first) ++p;
-        raw[r][0] = *reinterpret_cast<const uint4*>(g.part[p].xsrc + (i - g.part[p].first * 32));
-        fac[r] = sm.fac[p];
-      } else if constexpr (STAGE == kStageBf16) {
-        raw[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
-      } else {
-        raw[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
-        raw[r][1] = *reinterpret_cast<const uint4*>(g.xf + i + 4);
+  for (int r = 0; r < kStageUnroll; ++r) {
+    const int i = (base + r * nth) * 8;
+    if (base + r * nth >= groups) continue;
+    float v[8];
+    const uint32_t w8[8] = {raw.v[r][0].x, raw.v[r][0].y, raw.v[r][0].z, raw.v[r][0].w,
+                            raw.v[r][1].x, raw.v[r][1].y, raw.v[r][1].z, raw.v[r][1].w};
+    if (i >= n) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = 0.f;
+    } else if constexpr (STAGE == kStageK || STAGE == kStageBf16) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[2 * k] = __uint_as_float(w8[k] << 16) * raw.fac[r];
+        v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * raw.fac[r];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv * g.nw[i + k]);
+        if (write_h) g.h_out[i + k] = h;
+        v[k] = __bfloat162float(h);
       }
     }
-#pragma unroll
-    for (int r = 0; r < kStageUnroll; ++r) {
-      const int i = (base + r * nth) * 8;
-      if (base + r * nth >= groups) continue;
-      float v[8];
-      const uint32_t w8[8] = {raw[r][0].x, raw[r][0].y, raw[r][0].z, raw[r][0].w,
-                              raw[r][1].x, raw[r][1].y, raw[r][1].z, raw[r][1].w};
-      if (i >= n) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = 0.f;
-      } else if constexpr (STAGE == kStageK || STAGE == kStageBf16) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          v[2 * k] = __uint_as_float(w8[k] << 16) * fac[r];
-          v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * fac[r];
-        }
-      } else if constexpr (STAGE == kStageNorm) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv * g.nw[i + k]);
-          if (write_h) g.h_out[i + k] = h;
-          v[k] = __bfloat162float(h);
-        }
-      }
-      // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
-      float4* dst = reinterpret_cast<float4*>(xs) + ((i >> 10) * 8 + ((i & 31) >> 2)) * 32 + ((i >> 5) & 31);
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[32] = make_float4(v[4], v[5], v[6], v[7]);
+    // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
+    float4* dst = reinterpret_cast<float4*>(xs) + ((i >> 10) * 8 + ((i & 31) >> 2)) * 32 + ((i >> 5) & 31);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[32] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+template <int STAGE>
+__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, StageRaw& raw) {
+  if constexpr (STAGE == kStageNorm) {
+    stage_put<STAGE>(g, xs, sm, threadIdx.x, raw);  // fetched before the prologue: one step covers the row
+  } else {
+    for (int base = threadIdx.x; base < g.slices * 128; base += kStageUnroll * blockDim.x) {
+      stage_fetch<STAGE>(g, sm, base, raw);
+      stage_put<STAGE>(g, xs, sm, base, raw);
     }
   }
 }
@@ -283,7 +304,9 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
   }
   pdl_trigger();
   pdl_wait();  // everything below reads the previous kernels' outputs
-  stage_prologue<STAGE>(g, sm);
+  StageRaw raw;
+  if constexpr (STAGE == kStageNorm) stage_fetch<STAGE>(g, sm, threadIdx.x, raw);
+  stage_prologue<STAGE>(g, sm, raw);
   __syncthreads();
   // The routed parts' loads go out now that the expert is known, in flight while the row is staged. (ptxas
   // reports 4 bytes of spill for the kernel since this split, from the 8-bit path: it is 0 with that path
@@ -292,7 +315,7 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
   }
-  stage_rows<STAGE>(g, xs, sm);
+  stage_rows<STAGE>(g, xs, sm, raw);
   __syncthreads();
   const int sl = (threadIdx.x >> 5) % g.slices;
   const float4* xl = reinterpret_cast<const float4*>(xs) + sl * 8 * 32 + lane;
@@ -638,6 +661,9 @@ unsigned proj(cudaStream_t st, const ProjArgs& a) {
     }
   }
   const Geometry geo = plan(g, a.in / 32);
+  if (a.xmode == kXNorm && g.slices * 128 > kStageUnroll * geo.threads)  // the norm's one fetch step (stage_rows)
+    throw std::invalid_argument("[lily] cuda decode gemv: RMSNorm staging of " + std::to_string(a.in) +
+                                " elements, expected at most " + std::to_string(kMaxNormIn));
   launch(st, g, geo);
   return static_cast<unsigned>(geo.grid);
 }

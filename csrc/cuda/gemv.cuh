@@ -79,6 +79,8 @@ void moe_down(cudaStream_t st, const DownArgs& a);
 // Whether the decode GEMV takes this weight: MLX affine 4- or 8-bit with a power-of-two group >= 32, or dense
 // bf16 / fp32, and an input length that is a multiple of 32 (at most 8192).
 bool fits(const DLinear& w);
+// The RMSNorm staging takes inputs of at most this many elements (each thread's share fetched once).
+constexpr int kMaxNormIn = 4096;
 // Whether moe_down takes this pair (both fit and share one format: the kernel's lanes stream them side by side).
 bool down_fits(const DLinear& wd, const DLinear& ws);
 // Upper bound of the blocks proj launches for `rows` output rows (the size of the greedy head's amax array).

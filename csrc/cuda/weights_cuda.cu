@@ -89,7 +89,7 @@ bool same_format(const DLinear& a, const DLinear& b) {
 }  // namespace
 
 bool fused_decode_fits(const Config& cfg, const DeviceWeights& w) {
-  if (cfg.top_k > gemv::kMaxTopK || cfg.n_experts > 256) return false;
+  if (cfg.top_k > gemv::kMaxTopK || cfg.n_experts > 256 || cfg.hidden > gemv::kMaxNormIn) return false;
   if (!gemv::fits(w.lm_head)) return false;
   for (const DeviceLayer& L : w.layers) {
     if (!same_format(L.gate, L.up) || !same_format(L.sh_gate, L.sh_up)) return false;
