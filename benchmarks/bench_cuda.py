@@ -152,7 +152,8 @@ class FlagStub:
 SERVE_CLIENT = r"""
 import json, sys, time
 import openai
-url, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+url, n = sys.argv[1], int(sys.argv[2])
+prompt = json.loads(sys.stdin.read())  # stdin: a 128K-token prompt is over the command line limit
 client = openai.OpenAI(base_url=url, api_key="-")
 name = client.models.list().data[0].id
 def run(n):
@@ -265,9 +266,9 @@ class LilyRunner:
                 if time.time() > t_end or not th.is_alive():
                     raise RuntimeError("the server did not start")
                 time.sleep(0.02)
-            r = subprocess.run([sys.executable, "-c", SERVE_CLIENT, f"http://127.0.0.1:{port}/v1",
-                                json.dumps([int(t) for t in self.toks[:L]]), str(self.n + 1)],
-                               capture_output=True, text=True, timeout=300)
+            r = subprocess.run([sys.executable, "-c", SERVE_CLIENT, f"http://127.0.0.1:{port}/v1", str(self.n + 1)],
+                               input=json.dumps([int(t) for t in self.toks[:L]]), capture_output=True, text=True,
+                               timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"client: {r.stderr[-400:]}")
             sec, tokens = json.loads(r.stdout.strip().splitlines()[-1])
