@@ -69,10 +69,12 @@ __device__ __forceinline__ float warp_max(float v) {
 // softmax's denominator cancels) or divided by the full softmax denominator otherwise. Lane j < k writes idx_out[j]
 // and w_out[j]. Selecting on logits rather than on rounded probabilities is the fp64 twin's order. (The earlier form,
 // a softmax of all E and k rounds of a shuffle argmax, took ~2.3 us on the decode step's critical path: the
-// experts' launch waited on it in every block, barrier stalls 44%, ncu_step_families_4096_h200.md.)
+// experts' launch waited on it in every block: barrier stalls 35% of that launch kind, 27% after; +2.4% of the decode
+// step, benchmarks/results/decode_gemv_h200.md.)
 // A non-finite row (a NaN or +inf logit, or every logit -inf) picks expert 0 with a NaN weight in every slot, so the
 // NaN reaches the output and no index past E ever serves as a weight offset or histogram slot; absent experts
 // (e >= E) hold key 0, below every real logit's.
+// Float -> uint32 with the same order (the router's keys, the greedy head's argmax keys).
 __device__ __forceinline__ uint32_t order_key(float v) {
   const uint32_t u = __float_as_uint(v);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);

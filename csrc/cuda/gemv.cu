@@ -150,9 +150,7 @@ struct Cursor {
 };
 
 __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
-  const uint32_t u = __float_as_uint(v);
-  const uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // order-preserving
-  return (static_cast<unsigned long long>(k) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
+  return (static_cast<unsigned long long>(order_key(v)) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
 }
 
 struct Smem {  // the statically sized part of the kernel's shared memory
