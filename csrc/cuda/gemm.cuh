@@ -1,8 +1,9 @@
 // Linear layers on the GPU: y = x W^T with bf16 activations, weights dequantized on the fly, fp32 accumulate.
-// One row (outside the fused decode step) takes the warp-per-row GEMV; prefill a tensor-core GEMM: the mma.sync one
-// of gemm.cu (raw codes pipelined, dequantized in registers) where gemm_mma_supported, else the wmma one that
-// dequantizes each weight tile into shared memory (dense weights, other groups). Both also run the MoE experts
-// (expert ids read on the device).
+// One row (outside the fused decode step) takes the warp-per-row GEMV; prefill a tensor-core GEMM: on Hopper the
+// wgmma one of gemm_wgmma.cu for 4-bit weights and tiles of 64+ rows, else the mma.sync one of gemm.cu (raw codes
+// pipelined, dequantized in registers) where gemm_mma_supported, else the wmma one that dequantizes each weight
+// tile into shared memory (dense weights, other groups). All three also run the MoE experts (expert ids read on
+// the device).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -103,5 +104,14 @@ int gemm_mma_plain_rows(int64_t M, int64_t cols, bool dual);
 
 // Launches the kernel with `bm` rows per tile (16, 32, 64 or 128). Grouped tiles must hold <= bm rows.
 void gemm_mma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int bm);
+
+// ---- the wgmma GEMM (gemm_wgmma.cu; the prefill GEMM for 4-bit weights on Hopper) ----
+// The same products and epilogues as gemm_mma (GemmMmaArgs), the weights as warpgroup MMA's register operand:
+// 4-bit, group 64, in % 64 == 0, 16-byte aligned codes and A rows, compute capability 9.0 built for sm_90a.
+// linear() / linear_silu_mul() take it from 64 rows, grouped_*() for expert tiles of more than 32 rows; smaller
+// products (bandwidth-bound: few rows per weight) and 8-bit weights keep the mma.sync GEMM.
+bool gemm_wgmma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda);
+// Launches with `tokens` (64 or 128) rows of A per tile; grouped tiles must hold <= tokens rows.
+void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens);
 
 }  // namespace lily::cuda

@@ -1,0 +1,385 @@
+// The prefill GEMM on Hopper warpgroup MMA (gemm.cuh: gemm_wgmma_*), for MLX affine 4-bit weights (group 64).
+//
+// The problem is computed transposed, D[weight rows x tokens] = W[rows x K] . X[tokens x K]^T, so the weights are
+// wgmma's *register* operand (Machete's structure) and the activations its shared-memory operand:
+//   * each consumer thread dequantises exactly its own A fragment (rows gid, gid + 8 of its warp's 16; k pairs
+//     2c, 2c+1 and 2c+8, 2c+9 of each k16 step = byte c of each 4-bit word of those rows) straight into the
+//     registers wgmma reads (shift, PRMT, LOP3, two bf16x2 FMAs per pair: q exact, one rounding, the same values
+//     as the mma.sync GEMM), one step ahead of the tensor pipe (one wgmma group in flight, two fragment buffers);
+//   * one producer warpgroup only issues cp.async (activation rows into the 128-byte-swizzled tile wgmma reads,
+//     the raw code rows, the scale / bias words) and signals each stage with cp.async.mbarrier.arrive.noinc: it
+//     never waits on a load, only on the consumers' release of a slot;
+//   * CTA tile 128 MB weight rows (2 consumer warpgroups x MB m64 blocks) x TN tokens x 64 k, kStages stages;
+//     setmaxnreg moves registers from the producer (64) to the consumers (216; spills at 56 / 232).
+// Measured on the H200 (dev/gemm_lab/gemm_wgmma.cu v4, M = 4096): 470 TFLOP/s on the DeltaNet in-projection and
+// the attention q/k/v (48% of 990), 2.4x the mma.sync GEMM's shape of kernel that dequantised into a shared tile
+// (whose ncu showed the L1/shared pipe at 90%, the tensor pipe idle).
+// Plain rows (tokens) or grouped tiles (MoE experts: one expert per token tile, rows gathered through a_rows,
+// outputs scattered through y_rows and scaled); fp32 store / accumulate, or the dual gate/up epilogue (block 0 of
+// each warpgroup holds W0's rows, block 1 the same rows of W1: silu(gate) * up in registers, bf16 out).
+#include "cuda/gemm.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kBK = 64;        // k per stage = one quantisation group
+constexpr int kStages = 6;
+
+template <int TN, int MB>
+struct WgTile {
+  static constexpr int kRows = 128 * MB;          // weight rows per CTA
+  static constexpr int kXBytes = TN * kBK * 2;    // activation tile (TN x 64 bf16, swizzled)
+  static constexpr int kCBytes = kRows * 32;      // code rows (32 bytes = 64 4-bit codes each)
+  static constexpr int kSBytes = kRows * 8;       // the scale word and the bias word of each row
+  static constexpr int kSmem = kStages * (kXBytes + kCBytes + kSBytes) + 1024;  // + 1024-byte alignment slack
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LILY_WGMMA 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t phase) {
+  asm volatile(
+      "{\n .reg .pred p;\n W_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void cp_bar_arrive(uint64_t* b) {  // arrives once this thread's cp.asyncs have landed
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_s32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
+}
+// The 4-byte word holding a bf16 (cp.async moves 4 bytes at least); half_bit: which half of it the bf16 is.
+__device__ __forceinline__ const void* word_of(const uint16_t* p) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
+}
+__device__ __forceinline__ uint32_t half_bit(const uint16_t* p) { return (reinterpret_cast<uintptr_t>(p) >> 1) & 1u; }
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a K-major 128-byte-swizzled tile (what wgmma's descriptor reads).
+__device__ __forceinline__ uint32_t swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+// wgmma shared-memory descriptor: K-major, 128-byte swizzle, 8-row core-matrix groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t desc(uint32_t addr) {
+  return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// D[64 x TN] += A[64 x 16] (registers: the m16n8k16 A fragment per warp) . B[TN x 16]^T (shared descriptor).
+#define LILY_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+#ifdef LILY_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : LILY_D8(0), LILY_D8(8), LILY_D8(16), LILY_D8(24), LILY_D8(32), LILY_D8(40), LILY_D8(48), LILY_D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#endif
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+#ifdef LILY_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : LILY_D8(0), LILY_D8(8), LILY_D8(16), LILY_D8(24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#endif
+}
+#undef LILY_D8
+// Keeps registers live and in place across an asynchronous wgmma that reads or writes them.
+template <int N>
+__device__ __forceinline__ void keep(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void keep(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// Byte p (codes 2p, 2p+1) of a 4-bit word as bf16x2 s q + b (low half = lower k): (q | 0x4300) is the bf16
+// 128 + q exactly, 1 * x - 128 is exact, the last FMA rounds once. sel = p | p << 4 | (4 + p) << 8 | (4 + p) << 12.
+__device__ __forceinline__ uint32_t dq_pair(uint32_t w, uint32_t sel, uint32_t s2, uint32_t b2) {
+  const uint32_t v = (__byte_perm(w, w >> 4, sel) & 0x000F000Fu) | 0x43004300u;
+  return fma_bf16x2(fma_bf16x2(v, 0x3F803F80u, 0xC300C300u), s2, b2);
+}
+
+// Weight row of tile row r (0 .. 128 MB - 1): plain rows n0 + r; dual: warpgroup half r / 128, block (r / 64) % 2
+// picks W0 / W1, the feature n0 + 64 (r / 128) + r % 64.
+template <bool DUAL>
+__device__ __forceinline__ int64_t tile_feature(int64_t n0, int r, bool& w1) {
+  w1 = DUAL && ((r / 64) & 1);
+  return DUAL ? n0 + 64 * (r / 128) + r % 64 : n0 + r;
+}
+
+template <int TN, int MB, bool DUAL>
+__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_constant__ GemmMmaArgs args) {
+#ifdef LILY_WGMMA
+  using T = WgTile<TN, MB>;
+  static_assert(!DUAL || MB == 2, "dual tiles hold W0's and W1's rows of 128 features");
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  __shared__ int64_t a_off[TN], y_row[TN];  // per tile token: A element offset, output row (-1: none)
+  __shared__ float y_scale[TN];
+  const kp::GemmParams& gp = args.gp;
+  const GroupMap& g = args.g;
+  int64_t r0, e;
+  int nrows;
+  if (!gemm_tile_rows(gp, g, TN, r0, e, nrows) || nrows <= 0) return;
+  const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t xs0 = sbase, cs0 = xs0 + kStages * T::kXBytes, ss0 = cs0 + kStages * T::kCBytes;
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+  const int64_t N = args.W0.p.out, K = args.W0.p.in;
+  const int ktiles = static_cast<int>(K / kBK);
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * (DUAL ? 128 : T::kRows);
+  const int64_t wpr = K / 8, gpr = K / kBK;  // u32 code words, groups per weight row
+  const int64_t e_words = e * args.W0.p.expert_words, e_groups = e * args.W0.p.expert_groups;
+  if (tid < TN) {
+    const int m = min(tid, nrows - 1);  // rows past the tile repeat its last row; never stored
+    const int64_t pr = r0 + m;
+    a_off[tid] = (gp.grouped && g.a_rows ? g.a_rows[pr] : pr) * gp.lda;
+    y_row[tid] = tid < nrows ? (gp.grouped && g.y_rows ? g.y_rows[pr] : pr) : -1;
+    y_scale[tid] = gp.grouped && g.scale ? g.scale[pr] : 1.f;
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      bar_init(&full[s], 128);  // every producer thread's cp.async arrival
+      bar_init(&empty[s], 8);   // lane 0 of each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer: cp.async only ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n" ::: "memory");
+    const int xc = t % 8, xr = t / 8;  // activations: chunk xc of tile tokens xr + 16 i
+    const int ch = t % 2, cr = t / 2;  // codes: half ch of tile rows cr + 64 i
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const int s = kt % kStages;
+      if (kt >= kStages) bar_wait(&empty[s], ((kt / kStages) - 1) & 1);
+      const uint32_t xs = xs0 + s * T::kXBytes, cs = cs0 + s * T::kCBytes, ss = ss0 + s * T::kSBytes;
+#pragma unroll
+      for (int i = 0; i < TN / 16; ++i) {
+        const int r = xr + 16 * i;
+        cp16(xs + swz(r, xc), args.A + a_off[r] + kt * kBK + xc * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < 2 * MB; ++i) {
+        const int r = cr + 64 * i;
+        bool w1;
+        const int64_t n = min64(tile_feature<DUAL>(n0, r, w1), N - 1);
+        const uint32_t* codes = (w1 ? args.W1.codes : args.W0.codes) + e_words + n * wpr + kt * 8 + ch * 4;
+        cp16(cs + r * 32 + ((ch ^ ((r >> 2) & 1)) << 4), codes);  // halves swapped on rows with bit 2: no conflicts
+      }
+#pragma unroll
+      for (int i = 0; i < MB; ++i) {
+        const int r = t + 128 * i;
+        bool w1;
+        const int64_t gi = e_groups + min64(tile_feature<DUAL>(n0, r, w1), N - 1) * gpr + kt;
+        cp4(ss + r * 8, word_of((w1 ? args.W1.scales : args.W0.scales) + gi));
+        cp4(ss + r * 8 + 4, word_of((w1 ? args.W1.biases : args.W0.biases) + gi));
+      }
+      cp_bar_arrive(&full[s]);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {  // ---- consumers: warpgroup cw owns tile rows 64 MB cw .. + 64 MB - 1 as MB m64 blocks ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
+    const int cw = wg - 1, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
+    const uint32_t sel = c | (c << 4) | ((4 + c) << 8) | ((4 + c) << 12);
+    // fragment row (j, rr) is tile row rb + 64 j + 8 rr; bit 2 of it (the code tile's half swap) is gid's
+    const int rb = 64 * MB * cw + 16 * warp + gid, swap = (gid >> 2) & 1;
+    uint32_t half0 = 0;  // bit 2 (2j + rr) + {0: scale, 1: bias}: the half of k-tile 0's word holding the bf16
+#pragma unroll
+    for (int j = 0; j < MB; ++j)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        bool w1;
+        const int64_t gi = e_groups + min64(tile_feature<DUAL>(n0, rb + 64 * j + 8 * rr, w1), N - 1) * gpr;
+        half0 |= half_bit((w1 ? args.W1.scales : args.W0.scales) + gi) << (2 * (2 * j + rr));
+        half0 |= half_bit((w1 ? args.W1.biases : args.W0.biases) + gi) << (2 * (2 * j + rr) + 1);
+      }
+    float d[MB][TN / 2];
+#pragma unroll
+    for (int j = 0; j < MB; ++j)
+#pragma unroll
+      for (int i = 0; i < TN / 2; ++i) d[j][i] = 0.f;
+    uint32_t fr[2][MB][4];  // [buffer][m64 block][a0..a3]
+    uint32_t s2[MB][2], b2[MB][2];
+    auto load_sb = [&](int kt) {  // this stage's scale and bias of the fragment rows, the bf16 in both halves
+      const uint32_t ss = ss0 + (kt % kStages) * T::kSBytes + rb * 8;
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const uint32_t a = ss + (64 * j + 8 * rr) * 8, h = half0 >> (2 * (2 * j + rr));
+          s2[j][rr] = __byte_perm(ld_s32(a), 0u, ((h ^ kt) & 1) ? 0x3232u : 0x1010u);
+          b2[j][rr] = __byte_perm(ld_s32(a + 4), 0u, (((h >> 1) ^ kt) & 1) ? 0x3232u : 0x1010u);
+        }
+    };
+    auto load_frag = [&](int kt, int step, uint32_t (&f)[MB][4]) {  // words 2 step, 2 step + 1 of each row
+      const uint32_t cs = cs0 + (kt % kStages) * T::kCBytes + rb * 32 + (((step >> 1) ^ swap) << 4) + (step & 1) * 8;
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          uint32_t v0, v1;
+          asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v0), "=r"(v1) : "r"(cs + (64 * j + 8 * rr) * 32) : "memory");
+          f[j][rr] = dq_pair(v0, sel, s2[j][rr], b2[j][rr]);      // a0 / a1: k 2c, 2c+1
+          f[j][2 + rr] = dq_pair(v1, sel, s2[j][rr], b2[j][rr]);  // a2 / a3: k 2c+8, 2c+9
+        }
+    };
+    bar_wait(&full[0], 0);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes -> wgmma's async proxy
+    load_sb(0);
+    load_frag(0, 0, fr[0]);
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const uint32_t xs = xs0 + (kt % kStages) * T::kXBytes;
+#pragma unroll
+      for (int step = 0; step < kBK / 16; ++step) {
+        const int b = step & 1;
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < MB; ++j) wgmma_rs(d[j], fr[b][j], desc(xs + step * 32));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the previous step's group is done
+#pragma unroll
+        for (int j = 0; j < MB; ++j) keep(fr[b ^ 1][j]);
+        if (step == 0 && kt > 0 && lane == 0) bar_arrive(&empty[(kt - 1) % kStages]);
+        if (step + 1 < kBK / 16) {
+          load_frag(kt, step + 1, fr[b ^ 1]);
+        } else if (kt + 1 < ktiles) {
+          bar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          load_sb(kt + 1);
+          load_frag(kt + 1, 0, fr[b ^ 1]);
+        }
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < MB; ++j) keep(d[j]);
+    // accumulator i of block j: tile row rb + 64 j + 8 ((i / 2) % 2), tile token (i / 4) 8 + 2 c + i % 2
+    const int64_t ldy = gp.ldy;
+#pragma unroll
+    for (int i = 0; i < TN / 2; ++i) {
+      const int m = (i / 4) * 8 + 2 * c + (i % 2);
+      const int64_t orow = y_row[m];
+      if (orow < 0) continue;
+      if constexpr (DUAL) {
+        bool w1;
+        const int64_t n = tile_feature<true>(n0, rb + 8 * ((i / 2) % 2), w1);
+        if (n < N) args.yb[orow * ldy + n] = __float2bfloat16(siluf_(d[0][i]) * d[1][i]);
+      } else {
+        const float sc = y_scale[m];
+#pragma unroll
+        for (int j = 0; j < MB; ++j) {
+          const int64_t n = n0 + rb + 64 * j + 8 * ((i / 2) % 2);
+          if (n >= N) continue;
+          float* dst = args.y + orow * ldy + n;
+          const float v = d[j][i] * sc;
+          *dst = gp.accumulate ? *dst + v : v;
+        }
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a: gemm_wgmma_supported() is false there
+#endif
+}
+
+template <int TN, int MB, bool DUAL>
+void launch(cudaStream_t st, const GemmMmaArgs& a) {
+  using T = WgTile<TN, MB>;
+  auto* kernel = gemm_wgmma_kernel<TN, MB, DUAL>;
+  static const bool attr_set = [kernel] {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem), "gemm_wgmma smem attribute");
+    return true;
+  }();
+  (void)attr_set;
+  const int64_t tiles = a.gp.grouped ? a.g.max_tiles : (a.gp.M + TN - 1) / TN;
+  const int64_t cols = DUAL ? 128 : T::kRows;
+  const int64_t nblocks = (a.W0.p.out + cols - 1) / cols;
+  if (tiles <= 0 || nblocks <= 0) return;
+  if (nblocks > 65535) throw std::invalid_argument("[lily] gemm_wgmma: more than 65535 column blocks");
+  kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(nblocks)), kThreads, T::kSmem, st>>>(a);
+  LILY_LAUNCH_CHECK();
+}
+
+bool is_sm90() {
+  static const bool v = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+      return false;
+    return major == 9 && minor == 0;
+  }();
+  return v;
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 132;
+    return v;
+  }();
+  return n;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool gemm_wgmma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda) {
+  const kp::LinearParams& p = W0.p;
+  if (!is_sm90() || p.kind != 0 || p.bits != 4 || p.group != kBK || p.in <= 0 || p.in % kBK != 0 || p.out <= 0)
+    return false;
+  if (!aligned16(W0.codes) || (p.expert_words * 4) % 16 != 0 || lda % 8 != 0 || !aligned16(A)) return false;
+  if (W1) {
+    const kp::LinearParams& q = W1->p;
+    if (q.kind != p.kind || q.bits != p.bits || q.group != p.group || q.in != p.in || q.out != p.out ||
+        q.expert_words != p.expert_words || q.expert_groups != p.expert_groups || !aligned16(W1->codes))
+      return false;
+  }
+  return true;
+}
+
+void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens) {
+  if (tokens != 64 && tokens != 128) throw std::invalid_argument("[lily] gemm_wgmma: tokens per tile must be 64 or 128");
+  if (dual) return tokens == 128 ? launch<128, 2, true>(st, a) : launch<64, 2, true>(st, a);
+  // 256 weight rows per CTA unless that leaves fewer than two CTAs per SM (plain) or the tile map is small
+  const int64_t tiles = a.gp.grouped ? a.g.max_tiles : (a.gp.M + tokens - 1) / tokens;
+  const bool wide = tiles * ((a.W0.p.out + 255) / 256) >= 2 * sm_count();
+  if (tokens == 128) return wide ? launch<128, 2, false>(st, a) : launch<128, 1, false>(st, a);
+  return wide ? launch<64, 2, false>(st, a) : launch<64, 1, false>(st, a);
+}
+
+}  // namespace lily::cuda
