@@ -24,7 +24,7 @@ from lily import _lily
 from lily.config import ModelConfig
 from lily.testing.fast_synthetic import conditioned_weights
 from lily.testing.synthetic import config_dict
-lengths, steps = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2])
+lengths, steps, chunk = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2]), int(sys.argv[3])
 cfg = ModelConfig.from_dict(config_dict("full"))
 tensors, quant = conditioned_weights(cfg)
 eng = _lily.Engine(cfg.to_dict(), tensors, quant, threads=0, max_context=max(lengths) + steps + 16, backend="cuda")
@@ -33,7 +33,7 @@ warm = eng.new_state(); eng.forward(warm, toks[:512], logits="last"); eng.decode
 out = {}
 for L in lengths:
     st = eng.new_state()
-    t0 = time.perf_counter(); lg = eng.forward(st, toks[:L], logits="last"); pf = time.perf_counter() - t0
+    t0 = time.perf_counter(); lg = eng.forward(st, toks[:L], logits="last", chunk_size=chunk); pf = time.perf_counter() - t0
     tok = int(np.argmax(lg[-1]))
     eng.decode_greedy(st, tok, 3)
     t0 = time.perf_counter(); ids = eng.decode_greedy(st, tok, steps); dec = time.perf_counter() - t0
@@ -44,8 +44,9 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def run(path: str, lengths: str, steps: int) -> dict:
+    path, _, chunk = path.partition("#")  # PATH#N: prefill in chunks of N rows (0 / none: the backend's default)
     env = {**os.environ, "PYTHONPATH": path}
-    r = subprocess.run([sys.executable, "-c", CHILD, lengths, str(steps)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", CHILD, lengths, str(steps), chunk or "0"], env=env, capture_output=True, text=True,
                        timeout=900)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -56,7 +57,8 @@ def run(path: str, lengths: str, steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--builds", required=True,
-                    help="name=PYTHONPATH,... (two or more builds; ratios against the first)")
+                    help="name=PYTHONPATH[#CHUNK],... (two or more builds; ratios against the first; #CHUNK: the "
+                         "prefill chunk rows for that build, the chunk-size ablation)")
     ap.add_argument("--lengths", default="512,4096,32768,131072")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)

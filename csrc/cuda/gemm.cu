@@ -307,12 +307,17 @@ bool mma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda)
   return !force_wmma && gemm_mma_supported(W0, W1, A, lda);
 }
 
-}  // namespace
+int sm_count();  // below, with the mma GEMM
 
-// The wgmma GEMM takes products of `rows` rows per tile (plain M or expert tile rows) from 64 up.
-bool wgmma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda, int64_t rows) {
-  return !force_wmma && rows >= 64 && gemm_wgmma_supported(W0, W1, A, lda);
+// The wgmma GEMM takes products of `rows` rows per tile (plain M or expert tile rows) from 64 up; plain products
+// only when its tiles (64/128 rows x 128 outputs at least) cover half the SMs: a narrow product (the shared expert's
+// gate, one output) would run one K pass on a few SMs, where the mma GEMM shrinks its tiles to fill the GPU.
+bool wgmma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda, int64_t rows, bool plain) {
+  if (force_wmma || rows < 64 || !gemm_wgmma_supported(W0, W1, A, lda)) return false;
+  const int64_t tiles = (rows + (rows >= 128 ? 127 : 63)) / (rows >= 128 ? 128 : 64);
+  return !plain || tiles * ((W0.p.out + 127) / 128) * 2 >= sm_count();
 }
+}  // namespace
 
 void force_gemm_fallback(bool on) { force_wmma = on; }
 
@@ -334,7 +339,7 @@ void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64
             bool accumulate) {
   if (S == 1) return launch_gemv<false>(st, W, W, x, 0, nullptr, 1, y, nullptr, 0, nullptr, accumulate);
   kp::GemmParams gp{S, ldx, ldy, 0, accumulate ? 1 : 0};
-  if (wgmma_takes(W, nullptr, x, ldx, S))
+  if (wgmma_takes(W, nullptr, x, ldx, S, true))
     return gemm_wgmma(st, GemmMmaArgs{W, W, gp, GroupMap{}, x, y, nullptr}, false, S >= 128 ? 128 : 64);
   if (mma_takes(W, nullptr, x, ldx))
     return gemm_mma(st, GemmMmaArgs{W, W, gp, GroupMap{}, x, y, nullptr}, false, gemm_mma_plain_rows(S, W.p.out, false));
@@ -345,7 +350,7 @@ void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, cons
                      bf16* y, int64_t ldy) {
   if (S == 1) return launch_gemv<true>(st, W0, W1, x, 0, nullptr, 1, nullptr, y, 0, nullptr, false);
   kp::GemmParams gp{S, ldx, ldy, 0, 0};
-  if (wgmma_takes(W0, &W1, x, ldx, S))
+  if (wgmma_takes(W0, &W1, x, ldx, S, true))
     return gemm_wgmma(st, GemmMmaArgs{W0, W1, gp, GroupMap{}, x, nullptr, y}, true, S >= 128 ? 128 : 64);
   if (mma_takes(W0, &W1, x, ldx))
     return gemm_mma(st, GemmMmaArgs{W0, W1, gp, GroupMap{}, x, nullptr, y}, true, gemm_mma_plain_rows(S, W0.p.out, true));
@@ -368,7 +373,7 @@ void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, cons
   m.y_rows = nullptr;
   m.scale = nullptr;
   kp::GemmParams gp{0, ldh, W0.p.out, 1, 0};
-  if (wgmma_takes(W0, &W1, h, ldh, expert_tile_bm(tile_rows)))
+  if (wgmma_takes(W0, &W1, h, ldh, expert_tile_bm(tile_rows), false))
     return gemm_wgmma(st, GemmMmaArgs{W0, W1, gp, m, h, nullptr, act}, true, expert_tile_bm(tile_rows));
   if (mma_takes(W0, &W1, h, ldh))
     return gemm_mma(st, GemmMmaArgs{W0, W1, gp, m, h, nullptr, act}, true, expert_tile_bm(tile_rows));
@@ -381,7 +386,7 @@ void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const b
   GroupMap m = g;
   m.a_rows = nullptr;
   kp::GemmParams gp{0, W2.p.in, W2.p.out, 1, 0};
-  if (wgmma_takes(W2, nullptr, act, W2.p.in, expert_tile_bm(tile_rows)))
+  if (wgmma_takes(W2, nullptr, act, W2.p.in, expert_tile_bm(tile_rows), false))
     return gemm_wgmma(st, GemmMmaArgs{W2, W2, gp, m, act, d, nullptr}, false, expert_tile_bm(tile_rows));
   if (mma_takes(W2, nullptr, act, W2.p.in))
     return gemm_mma(st, GemmMmaArgs{W2, W2, gp, m, act, d, nullptr}, false, expert_tile_bm(tile_rows));
