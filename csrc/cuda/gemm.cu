@@ -307,15 +307,13 @@ bool mma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda)
   return !force_wmma && gemm_mma_supported(W0, W1, A, lda);
 }
 
-int sm_count();  // below, with the mma GEMM
-
 // The wgmma GEMM takes products of `rows` rows per tile (plain M or expert tile rows) from 64 up; plain products
 // only when its tiles (64/128 rows x 128 outputs at least) cover half the SMs: a narrow product (the shared expert's
 // gate, one output) would run one K pass on a few SMs, where the mma GEMM shrinks its tiles to fill the GPU.
 bool wgmma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda, int64_t rows, bool plain) {
   if (force_wmma || rows < 64 || !gemm_wgmma_supported(W0, W1, A, lda)) return false;
   const int64_t tiles = (rows + (rows >= 128 ? 127 : 63)) / (rows >= 128 ? 128 : 64);
-  return !plain || tiles * ((W0.p.out + 127) / 128) * 2 >= sm_count();
+  return !plain || tiles * ((W0.p.out + 127) / 128) * 2 >= device_sm_count();
 }
 }  // namespace
 
@@ -720,7 +718,9 @@ void launch_bm(cudaStream_t st, const GemmMmaArgs& a, int bm) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-int sm_count() {
+}  // namespace
+
+int device_sm_count() {
   static const int n = [] {
     int dev = 0, v = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
@@ -729,8 +729,6 @@ int sm_count() {
   }();
   return n;
 }
-
-}  // namespace
 
 bool gemm_mma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda) {
   const kp::LinearParams& p = W0.p;
@@ -751,7 +749,7 @@ int gemm_mma_plain_rows(int64_t M, int64_t cols, bool dual) {
   // Smaller row tiles when M is small (less wasted mma work) or the grid would not fill the GPU once.
   const int64_t nblocks = (cols + (dual ? kBN / 2 : kBN) - 1) / (dual ? kBN / 2 : kBN);
   int bm = 128;
-  while (bm > 16 && (M <= bm / 2 || (M + bm - 1) / bm * nblocks < sm_count())) bm /= 2;
+  while (bm > 16 && (M <= bm / 2 || (M + bm - 1) / bm * nblocks < device_sm_count())) bm /= 2;
   return bm;
 }
 

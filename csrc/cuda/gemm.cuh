@@ -21,6 +21,9 @@ struct GroupMap {
   int64_t max_tiles = 0;                 // grid bound
 };
 
+// Streaming multiprocessors of the current device (cached; 132 if the query fails).
+int device_sm_count();
+
 // Rows per tile of the wmma GEMM (the fallback for weights the mma GEMM does not take: dense, other groups); also
 // the most rows per expert tile it holds.
 constexpr int kGemmBM = 64;

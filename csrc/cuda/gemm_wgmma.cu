@@ -344,32 +344,11 @@ bool is_sm90() {
   return v;
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 132;
-    return v;
-  }();
-  return n;
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool gemm_wgmma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda) {
-  const kp::LinearParams& p = W0.p;
-  if (!is_sm90() || p.kind != 0 || p.bits != 4 || p.group != kBK || p.in <= 0 || p.in % kBK != 0 || p.out <= 0)
-    return false;
-  if (!aligned16(W0.codes) || (p.expert_words * 4) % 16 != 0 || lda % 8 != 0 || !aligned16(A)) return false;
-  if (W1) {
-    const kp::LinearParams& q = W1->p;
-    if (q.kind != p.kind || q.bits != p.bits || q.group != p.group || q.in != p.in || q.out != p.out ||
-        q.expert_words != p.expert_words || q.expert_groups != p.expert_groups || !aligned16(W1->codes))
-      return false;
-  }
-  return true;
+  // the mma GEMM's format and alignment conditions (group 64, in % 64, 16-byte codes and A rows), 4-bit only
+  return is_sm90() && W0.p.bits == 4 && gemm_mma_supported(W0, W1, A, lda);
 }
 
 void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens) {
@@ -377,7 +356,7 @@ void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens) {
   if (dual) return tokens == 128 ? launch<128, 2, true>(st, a) : launch<64, 2, true>(st, a);
   // 256 weight rows per CTA unless that leaves fewer than two CTAs per SM (plain) or the tile map is small
   const int64_t tiles = a.gp.grouped ? a.g.max_tiles : (a.gp.M + tokens - 1) / tokens;
-  const bool wide = tiles * ((a.W0.p.out + 255) / 256) >= 2 * sm_count();
+  const bool wide = tiles * ((a.W0.p.out + 255) / 256) >= 2 * device_sm_count();
   if (tokens == 128) return wide ? launch<128, 2, false>(st, a) : launch<128, 1, false>(st, a);
   return wide ? launch<64, 2, false>(st, a) : launch<64, 1, false>(st, a);
 }
