@@ -308,12 +308,14 @@ bool mma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda)
 }
 
 // The wgmma GEMM takes products of `rows` rows per tile (plain M or expert tile rows) from 64 up; plain products
-// only when its tiles (64/128 rows x 128 outputs at least) cover half the SMs: a narrow product (the shared expert's
-// gate, one output) would run one K pass on a few SMs, where the mma GEMM shrinks its tiles to fill the GPU.
+// only when its tiles (64/128 rows x 128 outputs at least) reach a quarter of the SMs: a narrow product (the shared
+// expert's one-output gate) would run one K pass on a few SMs, where the mma GEMM shrinks its tiles to fill the GPU.
+// (A/B on the H200, compare_builds_chunk_h200.json: half the SMs sent the 512-output k/v and shared gate/up at
+// 2,048 rows (64 CTAs) back to the mma GEMM, 28 -> 37 us each, 0.95x on a 4K prefill.)
 bool wgmma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda, int64_t rows, bool plain) {
   if (force_wmma || rows < 64 || !gemm_wgmma_supported(W0, W1, A, lda)) return false;
   const int64_t tiles = (rows + (rows >= 128 ? 127 : 63)) / (rows >= 128 ? 128 : 64);
-  return !plain || tiles * ((W0.p.out + 127) / 128) * 2 >= device_sm_count();
+  return !plain || tiles * ((W0.p.out + 127) / 128) * 4 >= device_sm_count();
 }
 }  // namespace
 
