@@ -94,8 +94,7 @@ class CudaBackend final : public Backend {
   int threads() const override { return 1; }
   std::shared_ptr<Memory> memory() const override { return mem_; }
   Elem kv_elem() const override { return Elem::BF16; }
-  // Prefill chunk rows: 8192 (compare_builds_chunk_h200.json, the wgmma GEMM: 2048 / 4096 / 8192 rows gave 22.3K /
-  // 25.6K / 25.7K tok/s at 4K and 20.7K / 23.7K / 25.9K at 16K: 128-token expert tiles fill, fewer launches per token).
+  // Prefill chunk rows (compare_builds_chunk_h200.json: 2048 / 4096 / 8192 gave 20.7K / 23.7K / 25.9K tok/s at 16K)
   int64_t default_chunk() const override { return 8192; }
   void sync() override { LILY_CUDA_CHECK(cudaStreamSynchronize(st_)); }
 
