@@ -438,21 +438,6 @@ __device__ __forceinline__ void mma_16816(float c[4], uint32_t a0, uint32_t a1, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-// Codes 2p, 2p+1 of a 4-bit word as bf16x2 s*q + b (low half = lower k): the exact value rounded once to
-// bf16, as the wmma path stores it. w4 = w >> 4 puts code 2p+1 in the low nibble of byte p. (q | 0x4300) is
-// the bf16 128 + q exactly; subtracting 128 is exact too, so only the final fma rounds.
-__device__ __forceinline__ uint32_t dequant4_pair(uint32_t w, uint32_t w4, int p, uint32_t s2, uint32_t b2) {
-  const uint32_t sel = p | (p << 4) | ((4 + p) << 8) | ((4 + p) << 12);
-  const uint32_t v = (__byte_perm(w, w4, sel) & 0x000F000Fu) | 0x43004300u;
-  return bf16x2_fma(bf16x2_fma(v, 0x3F803F80u, 0xC300C300u), s2, b2);
-}
-
 // Bytes 2p, 2p+1 of an 8-bit word as bf16x2 s*q + b: 8-bit codes do not fit the bf16 mantissa, so the
 // codes go through fp32 ((q | 0x4B000000) is the float 2^23 + q) and the fp32 fma rounds to bf16.
 __device__ __forceinline__ uint32_t dequant8_pair(uint32_t w, int p, float s, float b) {

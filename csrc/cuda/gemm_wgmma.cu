@@ -4,8 +4,8 @@
 // wgmma's *register* operand (Machete's structure) and the activations its shared-memory operand:
 //   * each consumer thread dequantises exactly its own A fragment (rows gid, gid + 8 of its warp's 16; k pairs
 //     2c, 2c+1 and 2c+8, 2c+9 of each k16 step = byte c of each 4-bit word of those rows) straight into the
-//     registers wgmma reads (shift, PRMT, LOP3, two bf16x2 FMAs per pair: q exact, one rounding, the same values
-//     as the mma.sync GEMM), one step ahead of the tensor pipe (one wgmma group in flight, two fragment buffers);
+//     registers wgmma reads (gemm.cuh's dequant4_pair: shift, PRMT, LOP3, two bf16x2 FMAs per pair, the mma.sync
+//     GEMM's own function), one step ahead of the tensor pipe (one wgmma group in flight, two fragment buffers);
 //   * one producer warpgroup only issues cp.async (activation rows into the 128-byte-swizzled tile wgmma reads,
 //     the raw code rows, the scale / bias words) and signals each stage with cp.async.mbarrier.arrive.noinc: it
 //     never waits on a load, only on the consumers' release of a slot;
@@ -119,18 +119,6 @@ __device__ __forceinline__ void keep(uint32_t (&a)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-// Byte p (codes 2p, 2p+1) of a 4-bit word as bf16x2 s q + b (low half = lower k): (q | 0x4300) is the bf16
-// 128 + q exactly, 1 * x - 128 is exact, the last FMA rounds once. sel = p | p << 4 | (4 + p) << 8 | (4 + p) << 12.
-__device__ __forceinline__ uint32_t dq_pair(uint32_t w, uint32_t sel, uint32_t s2, uint32_t b2) {
-  const uint32_t v = (__byte_perm(w, w >> 4, sel) & 0x000F000Fu) | 0x43004300u;
-  return fma_bf16x2(fma_bf16x2(v, 0x3F803F80u, 0xC300C300u), s2, b2);
-}
-
 // Weight row of tile row r (0 .. 128 MB - 1): plain rows n0 + r; dual: warpgroup half r / 128, block (r / 64) % 2
 // picks W0 / W1, the feature n0 + 64 (r / 128) + r % 64.
 template <bool DUAL>
@@ -212,7 +200,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
   } else {  // ---- consumers: warpgroup cw owns tile rows 64 MB cw .. + 64 MB - 1 as MB m64 blocks ----
     asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
     const int cw = wg - 1, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
-    const uint32_t sel = c | (c << 4) | ((4 + c) << 8) | ((4 + c) << 12);
     // fragment row (j, rr) is tile row rb + 64 j + 8 rr; bit 2 of it (the code tile's half swap) is gid's
     const int rb = 64 * MB * cw + 16 * warp + gid, swap = (gid >> 2) & 1;
     uint32_t half0 = 0;  // bit 2 (2j + rr) + {0: scale, 1: bias}: the half of k-tile 0's word holding the bf16
@@ -251,8 +238,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
         for (int rr = 0; rr < 2; ++rr) {
           uint32_t v0, v1;
           asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v0), "=r"(v1) : "r"(cs + (64 * j + 8 * rr) * 32) : "memory");
-          f[j][rr] = dq_pair(v0, sel, s2[j][rr], b2[j][rr]);      // a0 / a1: k 2c, 2c+1
-          f[j][2 + rr] = dq_pair(v1, sel, s2[j][rr], b2[j][rr]);  // a2 / a3: k 2c+8, 2c+9
+          f[j][rr] = dequant4_pair(v0, v0 >> 4, c, s2[j][rr], b2[j][rr]);      // a0 / a1: k 2c, 2c+1
+          f[j][2 + rr] = dequant4_pair(v1, v1 >> 4, c, s2[j][rr], b2[j][rr]);  // a2 / a3: k 2c+8, 2c+9
         }
     };
     bar_wait(&full[0], 0);

@@ -17,8 +17,8 @@
 //   /tmp/gemm_lab [M]                (H200; M defaults to 4096)
 // v1 ran on the H200 (2026-12-02): correct, 177-195 TFLOP/s at M = 4096. v2 (below v1) streams both operands by
 // cp.async several stages ahead and keeps a wgmma group in flight; v3 is v2 with the dequantisation in bf16x2
-// arithmetic (dequant8_bf16x2): 177-181 TFLOP/s. v4 (weights as the register operand) ran 2026-12-03 at 421-473
-// TFLOP/s and became csrc/cuda/gemm_wgmma.cu (keep the two in step, or drop this lab). Every variant runs on every shape.
+// arithmetic (dequant8_bf16x2): 177-181 TFLOP/s. v4 (the weights as the register operand) ran 2026-12-02 at 421-473
+// TFLOP/s and became csrc/cuda/gemm_wgmma.cu; its lab form is in git (`git show 92ce5fc:dev/gemm_lab/gemm_wgmma.cu`).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -366,196 +366,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid
   }
 }
 
-// ---- v4 (2026-12-03): the weights as wgmma's register operand (Machete's structure), no dequantised tile ----
-// v1-v3 dequantise the weights into a shared bf16 tile that wgmma then reads: 16 KB of stores + a proxy fence +
-// 32 KB of tensor reads per stage, all by one producer warpgroup, and the tensor pipe waits on that hand-off.
-// v4 swaps the operands: D[weights 64 x tokens 128] = W[64 x 16] (registers) . X[tokens 128 x 16]^T (shared), so
-//   * each consumer thread dequantises exactly its own A fragment (rows gid, gid + 8 of its warp's 16, k pairs
-//     2c, 2c+1 and 2c+8, 2c+9 of each k16 step = byte c of each 4-bit word of those rows) straight into the
-//     registers wgmma reads (dequant4_pair: shift, PRMT, LOP3, two bf16x2 FMAs per pair, the mma.sync GEMM's
-//     exact numerics), overlapped with the previous step's wgmma (one group in flight, two fragment buffers);
-//   * the producer warpgroup only issues cp.async (X rows into the 128-byte-swizzled tile, raw code rows, the
-//     scale / bias words) and signals each stage with cp.async.mbarrier.arrive.noinc: it never waits on a load;
-//   * CTA tile 256 weight rows (2 consumer warpgroups x 2 m64 blocks) x 128 tokens x 64 k, 6 stages (156 KB);
-//     setmaxnreg moves registers from the producer (64) to the consumers (216: 128 accumulators each; no spills at 64 / 216, spills at 56 / 232).
-// Output Y[token, weight row] fp32: a thread's accumulators are 8 consecutive weight rows of one token per store
-// instruction (whole 32-byte sectors), so no shared-memory transpose.
-constexpr int kV4Rows = 256, kV4Tok = 128, kV4Stages = 6;
-constexpr int kV4XBytes = kV4Tok * kBK * 2;     // 16 KB: X tile (tokens x 64 k, bf16, swizzled)
-constexpr int kV4CBytes = kV4Rows * 32;         // 8 KB: 4-bit code rows (32 bytes each)
-constexpr int kV4SBytes = kV4Rows * 8;          // 2 KB: the scale word and the bias word of each row
-constexpr int kV4Smem = kV4Stages * (kV4XBytes + kV4CBytes + kV4SBytes) + 1024;
-
-// D[64 x 128] += A[64 x 16] (registers: the m16n8k16 A fragment per warp) . B[128 x 16]^T (shared descriptor).
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.eq.u32 p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-// Keeps registers live (and in place) across an asynchronous wgmma that reads or writes them.
-__device__ __forceinline__ void keep(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void keep(uint32_t (&a)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
-__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-// Byte p (codes 2p, 2p+1) of a 4-bit word as bf16x2 s q + b: (q | 0x4300) is 128 + q exactly, minus 128 exact,
-// one rounding in the last FMA (the mma.sync GEMM's dequant4_pair). sel = p | p << 4 | (4 + p) << 8 | (4 + p) << 12.
-__device__ __forceinline__ uint32_t dq_pair(uint32_t w, uint32_t sel, uint32_t s2, uint32_t b2) {
-  const uint32_t v = (__byte_perm(w, w >> 4, sel) & 0x000F000Fu) | 0x43004300u;
-  return fma_bf16x2(fma_bf16x2(v, 0x3F803F80u, 0xC300C300u), s2, b2);
-}
-__device__ __forceinline__ void cp_bar_arrive(uint64_t* b) {  // arrives when this thread's cp.asyncs have landed
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-
-__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v4_kernel(const __grid_constant__ Args g) {
-  extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t full[kV4Stages], empty[kV4Stages];
-  const uint32_t sbase = smem_u32(aligned_smem(smem_raw));
-  const uint32_t xs0 = sbase, cs0 = xs0 + kV4Stages * kV4XBytes, ss0 = cs0 + kV4Stages * kV4CBytes;
-  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
-  const int n0 = blockIdx.x * kV4Rows, m0 = blockIdx.y * kV4Tok, ktiles = g.K / kBK;
-  const int wpr = g.K / 8, gpr = g.K / 64;  // code words, groups per weight row
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kV4Stages; ++s) {
-      bar_init(&full[s], 128);  // every producer thread's cp.async arrival
-      bar_init(&empty[s], 8);   // lane 0 of each consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (wg == 0) {  // ---- producer: cp.async only ----
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n" ::: "memory");
-    const int xc = t % 8, xr = t / 8;    // X: chunk xc of tile rows xr + 16 i
-    const int ch = t % 2, cr = t / 2;    // codes: half ch of tile rows cr + 64 i
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const int s = kt % kV4Stages;
-      if (kt >= kV4Stages) bar_wait(&empty[s], ((kt / kV4Stages) - 1) & 1);
-      const uint32_t xs = xs0 + s * kV4XBytes, cs = cs0 + s * kV4CBytes, ss = ss0 + s * kV4SBytes;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = xr + 16 * i, m = min(m0 + r, g.M - 1);
-        mma::cp_async16(xs + swz(r, xc), g.x + static_cast<int64_t>(m) * g.K + kt * kBK + xc * 8, true);
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = cr + 64 * i, n = min(n0 + r, g.N - 1);
-        mma::cp_async16(cs + r * 32 + ((ch ^ ((r >> 2) & 1)) << 4), g.codes + static_cast<int64_t>(n) * wpr + kt * 8 + ch * 4, true);
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = t + 128 * i, n = min(n0 + r, g.N - 1);
-        const int64_t gi = static_cast<int64_t>(n) * gpr + kt;
-        cp4(ss + r * 8, word_of(g.scales + gi));
-        cp4(ss + r * 8 + 4, word_of(g.biases + gi));
-      }
-      cp_bar_arrive(&full[s]);
-    }
-    mma::cp_async_wait<0>();
-  } else {  // ---- consumers: warpgroup cw owns tile rows 128 cw .. + 127 as two m64 blocks ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
-    const int cw = wg - 1, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
-    const uint32_t sel = c | (c << 4) | ((4 + c) << 8) | ((4 + c) << 12);
-    // tile row of fragment row (j, rr) = r0 + 64 j + 8 rr; the code tile's 16-byte halves are swapped for rows
-    // with bit 2 set (conflict-free 8-byte reads), the same bit for all four rows of this thread
-    const int r0 = cw * 128 + 16 * warp + gid, swap = (gid >> 2) & 1;
-    float d[2][64];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int i = 0; i < 64; ++i) d[j][i] = 0.f;
-    uint32_t fr[2][2][4];  // [buffer][m64 block][a0..a3]
-    uint32_t s2[2][2], b2[2][2];
-    auto load_sb = [&](int kt) {  // this stage's scale and bias of the 4 fragment rows, bf16 in both halves
-      const uint32_t ss = ss0 + (kt % kV4Stages) * kV4SBytes + r0 * 8;
-      const uint32_t pick = (kt & 1) ? 0x3232u : 0x1010u;  // gpr even: the group's half = k-tile parity
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const uint32_t a = ss + (64 * j + 8 * rr) * 8;
-          s2[j][rr] = __byte_perm(ld_s32(a), 0u, pick);
-          b2[j][rr] = __byte_perm(ld_s32(a + 4), 0u, pick);
-        }
-    };
-    auto load_frag = [&](int kt, int step, uint32_t (&f)[2][4]) {  // words 2 step, 2 step + 1 of each row
-      const uint32_t cs = cs0 + (kt % kV4Stages) * kV4CBytes + r0 * 32 + ((((step >> 1) ^ swap)) << 4) + (step & 1) * 8;
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          uint2 v;
-          asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(cs + (64 * j + 8 * rr) * 32) : "memory");
-          f[j][rr] = dq_pair(v.x, sel, s2[j][rr], b2[j][rr]);      // a0 / a1: k 2c, 2c+1
-          f[j][2 + rr] = dq_pair(v.y, sel, s2[j][rr], b2[j][rr]);  // a2 / a3: k 2c+8, 2c+9
-        }
-    };
-    bar_wait(&full[0], 0);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    load_sb(0);
-    load_frag(0, 0, fr[0]);
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const uint32_t xs = xs0 + (kt % kV4Stages) * kV4XBytes;
-#pragma unroll
-      for (int step = 0; step < kBK / 16; ++step) {
-        const int b = step & 1;
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-        wgmma_rs_m64n128k16(d[0], fr[b][0], desc(xs + step * 32));
-        wgmma_rs_m64n128k16(d[1], fr[b][1], desc(xs + step * 32));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the previous step's group is done
-        keep(fr[b ^ 1][0]), keep(fr[b ^ 1][1]);
-        if (step == 0 && kt > 0 && lane == 0) bar_arrive(&empty[(kt - 1) % kV4Stages]);
-        if (step + 1 < kBK / 16) {
-          load_frag(kt, step + 1, fr[b ^ 1]);
-        } else if (kt + 1 < ktiles) {
-          bar_wait(&full[(kt + 1) % kV4Stages], ((kt + 1) / kV4Stages) & 1);
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          load_sb(kt + 1);
-          load_frag(kt + 1, 0, fr[b ^ 1]);
-        }
-      }
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    keep(d[0]), keep(d[1]);
-    // accumulator i of block j: weight row 64 j + 16 warp + gid + 8 ((i / 2) % 2), token (i / 4) 8 + 2 c + i % 2
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        const int n = n0 + cw * 128 + 64 * j + 16 * warp + gid + 8 * ((i / 2) % 2);
-        const int m = m0 + (i / 4) * 8 + 2 * c + (i % 2);
-        if (m < g.M && n < g.N) g.y[static_cast<int64_t>(m) * g.N + n] = d[j][i];
-      }
-  }
-}
-
 // The plain twin: one thread per output, the same bf16-rounded weights, fp32 accumulation.
 __global__ void gemm_ref_kernel(const __grid_constant__ Args g) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
@@ -585,11 +395,9 @@ int main(int argc, char** argv) {
   LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v2_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kV2Smem));
   LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v2_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kV2Smem));
-  LILY_CUDA_CHECK(cudaFuncSetAttribute(gemm_wgmma_v4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kV4Smem));
-  struct Variant { const char* name; void (*kernel)(const Args); int smem; bool swapped; };
-  const Variant variants[] = {{"v1", gemm_wgmma_kernel, kSmem, false},
-                              {"v3", gemm_wgmma_v2_kernel<true>, kV2Smem, false},
-                              {"v4", gemm_wgmma_v4_kernel, kV4Smem, true}};
+  struct Variant { const char* name; void (*kernel)(const Args); int smem; };
+  const Variant variants[] = {{"v1", gemm_wgmma_kernel, kSmem},
+                              {"v3", gemm_wgmma_v2_kernel<true>, kV2Smem}};
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.f, 1.f);
   int fails = 0;
@@ -621,7 +429,7 @@ int main(int argc, char** argv) {
     LILY_CUDA_CHECK(cudaMemcpy(dbi, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
     LILY_CUDA_CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
     g.x = dx, g.codes = dc, g.scales = dsc, g.biases = dbi, g.M = M, g.N = N, g.K = K;
-    const dim3 grid_mn((N + kBN - 1) / kBN, (M + kBM - 1) / kBM), grid_v4((N + kV4Rows - 1) / kV4Rows, (M + kV4Tok - 1) / kV4Tok);
+    const dim3 grid((N + kBN - 1) / kBN, (M + kBM - 1) / kBM);
     g.y = dr;
     const int ref_rows = std::min(M, 256);  // the twin is slow (one thread per output): the first 256 rows
     gemm_ref_kernel<<<dim3((N + 127) / 128, ref_rows), 128>>>(g);
@@ -631,7 +439,6 @@ int main(int argc, char** argv) {
     for (const Variant& var : variants) {
       LILY_CUDA_CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(M) * N * 4));  // NaN first
       g.y = dy;
-      const dim3 grid = var.swapped ? grid_v4 : grid_mn;
       var.kernel<<<grid, kThreads, var.smem>>>(g);
       LILY_CUDA_CHECK(cudaGetLastError());
       LILY_CUDA_CHECK(cudaDeviceSynchronize());
