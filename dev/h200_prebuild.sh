@@ -2,8 +2,8 @@
 # Build on the calling machine what dev/h200_run.sh runs on the H200, into the ignored folder .h200/ (carried):
 # the extension for the device's Python (3.12 there; PY12 names an interpreter of that version here, with
 # nanobind installed) from this tree (.h200/after) and from .before (.h200/before), the kernel check programs
-# (.h200/kbin), gemv_lab (.h200/gemv_lab) the experiments
-# (.h200/exp_persistent_gemv, .h200/exp_deltanet_step) and the wgmma GEMM lab (.h200/gemm_lab). nvcc
+# (.h200/kbin), gemv_lab (.h200/gemv_lab) the experiment
+# (.h200/exp_deltanet_step) and the wgmma GEMM lab (.h200/gemm_lab). nvcc
 # builds sm_90a code here as well as there; the device builds itself if a prebuilt extension does not import.
 #   git archive 82eaca8 | (mkdir -p .before && tar -x -C .before)
 #   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp|gemm_lab|wheels ...]
@@ -25,8 +25,7 @@ for w in $what; do
   before) ext .before build/h200_before .h200/before ;;
   kbin) BUILD_ONLY=1 KBIN=.h200/kbin OUT=/tmp/lily_kbuild bash benchmarks/kernels/run.sh ;;
   gemv_lab) BUILD_ONLY=1 BIN=.h200/gemv_lab bash dev/gemv_lab/run.sh | grep -v "^ *$" | tail -3 ;;
-  exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_persistent_gemv dev/exp_persistent_gemv.cu
-       nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_deltanet_step dev/exp_deltanet_step.cu ;;
+  exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_deltanet_step dev/exp_deltanet_step.cu ;;
   gemm_lab) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/gemm_lab dev/gemm_lab/gemm_wgmma.cu ;;
   # the server's and the openai client's packages, which the H200 image lacks (bench_cuda's lily-cuda-serve row), as
   # wheels for its Python 3.12 in .whl/ (carry it; h200_run.sh installs them): the closure of fastapi, uvicorn,

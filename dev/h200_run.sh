@@ -116,11 +116,6 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     SUMMARY+=("memcheck $cfg rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_$cfg.txt")")
     echo "[$(el)s] memcheck $cfg"
   done
-  if [ -x .h200/exp_persistent_gemv ] && go $((DEADLINE - 230)) "exp_persistent_gemv"; then  # issue 14 step 2
-    timeout 60 .h200/exp_persistent_gemv > "$LOG/exp_persistent_gemv.txt" 2>&1
-    SUMMARY+=("exp_persistent_gemv rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_persistent_gemv.txt")")
-    grep -E "^(TIME|FAIL|PASS|--)" "$LOG/exp_persistent_gemv.txt" | head -8
-  fi
   if [ -x .h200/exp_deltanet_step ] && go $((DEADLINE - 230)) "exp_deltanet_step"; then  # issue 14 step 3
     timeout 30 .h200/exp_deltanet_step > "$LOG/exp_deltanet_step.txt" 2>&1
     SUMMARY+=("exp_deltanet_step rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_deltanet_step.txt")")

@@ -7,86 +7,28 @@
 // factor) and sum into the same rows. The input is cut into units of 32 elements; lane l of slice s owns unit
 // 32 s + l, so the slices = ceil(units / 32) warps of a row group split K (split-K inside the block, partials
 // summed in shared memory at the end: plain stores, deterministic). A warp streams tiles of kR = 4 rows: per tile
-// and lane one 16-byte vector per row (4-bit; 8-bit two, bf16 four, fp32 eight), the next tile's loads issued
-// before this tile's math (a register double buffer, no shared-memory ring: the bytes in flight come from many
-// warps, 16 per SM). A dual segment's tile holds 2 gate rows and the same 2 up rows, so SiLU(gate) * up is
+// and lane 16 bytes per row (4-bit: two 8-byte loads; 8-bit two 16-byte vectors, bf16 four, fp32 eight), the next
+// 4-bit tile's loads issued before this tile's math (a register double buffer, no shared-memory ring: the bytes in
+// flight come from many warps, 16 per SM). A dual segment's tile holds 2 gate rows and the same 2 up rows, so SiLU(gate) * up is
 // applied in the block's epilogue. Each part's tiles start at a multiple of the tiles per warp (tpw), so no warp
 // crosses a part; the host picks tpw to minimise the makespan over the resident block slots.
 //
-// Dequantisation without int -> float conversions. A code q placed in the mantissa of 1.0f at bit p is the float
-// 1 + q 2^(p-23): 4-bit nibbles go to bits 16-19 (even nibbles: 1 + q/128) or 12-15 (odd: 1 + q/2048) with one
-// LOP3 each (the shifted copies v << 8, v >> 8, rot16(v) hold all 8 nibbles at those windows), 8-bit bytes to
-// bits 15-22 with a shift and a LOP3 (1 + q/256). Two accumulators per row (even / odd windows) take fma(f, x, acc), so
-//   sum q x = 128 (acc_e - X_e) + 2048 (acc_o - X_o)   (4-bit),   256 (acc - X) (8-bit),
-// with X_e, X_o the lane's sums of x over its unit's even / odd positions, computed once per lane; the group
-// term is s * sum q x + b * X. x is fp32 in shared memory, lane-major ([slice][8 float4][lane]: a warp's LDS.128
-// reads 512 consecutive bytes, conflict-free), already multiplied by the part's factor (K mode).
+// 4-bit weights run on the tensor cores (gemv_lane.cuh: 16 mma.sync per tile, each lane holding 16 elements of two
+// 64-element groups instead of a 32-element unit; the tile's rows and slices are the same): exact against the fp64
+// twin to fp32 rounding, where the FFMA form it replaced (1 + q/2048 windows) erred by ~3e-5 absolute. 8-bit and dense
+// weights take the FFMA lane: dequantisation without int -> float conversions, a byte q placed in the mantissa of
+// 1.0f at bits 15-22 is 1 + q/256 (a shift and one LOP3), so sum q x = 256 (acc - X) with X the lane's sum of x;
+// the group term is s * sum q x + b * X. x is fp32 in shared memory, lane-major ([slice][8 float4][lane]: a warp's
+// LDS.128 reads 512 consecutive bytes, conflict-free), multiplied by the part's factor in K mode (8-bit; the 4-bit
+// fold applies it in fp32).
 #include "cuda/gemv.cuh"
 #include "cuda/gemv_lane.cuh"
+#include "cuda/gemv_launch.cuh"
+#include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda::gemv {
 namespace {
 
-constexpr int kR = 4;            // rows per tile (the transpose reduction below is written for 4)
-constexpr int kMaxParts = 20;    // 16 expert slots + the MoE entry's router / shared / gate segments
-constexpr int kBlockWarps = 8;
-constexpr int kMaxSlices = 8;    // input length <= 8192
-constexpr int kMaxTpw = 64;
-
-// The kernel is specialised at compile time per launch kind, so a launch runs a short body of its own: one generic
-// body for every format, staging and K mode was 302 KB of SASS, and Nsight Compute showed the short launches
-// stalled on instruction fetch (53-80% of the samples, cold; benchmarks/results/decode_gemv_h200.md).
-enum Stage : int32_t { kStageBf16 = kXBf16, kStageNorm = kXNorm, kStageK = 2, kStages = 3 };
-enum FmtSet : int32_t { kSetQ4 = 0, kSetQ4Q8 = 1, kSetAny = 2, kSets = 3 };  // the parts' formats
-struct Part {
-  const uint8_t* w0;      // codes or dense elements of expert 0 (the stack's base)
-  const uint16_t* s0;
-  const uint16_t* b0;
-  const uint8_t* w1;      // dual: the up matrix
-  const uint16_t* s1;
-  const uint16_t* b1;
-  const bf16* xsrc;       // K mode: this part's input segment
-  int64_t expert_bytes, expert_groups;
-  int32_t row_bytes, row_groups;
-  int32_t fmt, gsh;       // format; log2(group / 32)
-  int32_t rows;           // output rows (row mode); input elements (K mode)
-  int32_t tiles;          // row mode: tiles holding real rows
-  int32_t first;          // row mode: first logical tile (a multiple of tpw); K mode: first unit along K
-  int32_t seg, slot;      // row mode: segment and output slot
-  int32_t expert;         // -1: expert 0; >= 0: the routing's slot `expert`
-  int32_t dual;
-  int32_t fac;            // K mode: 0 none, 1 routing weight of slot `expert`, 2 sigmoid(shared gate)
-};
-
-struct Launch {
-  Part part[kMaxParts];
-  int32_t nparts = 0, kmode = 0, units = 0, slices = 0, mwarps = 0, tpw = 1, rows = 0, route = 0;
-  // staging
-  int32_t xmode = kXBf16, in = 0;
-  float eps = 0.f;
-  const float* xf = nullptr;
-  const float* nw = nullptr;
-  const bf16* xb = nullptr;
-  bf16* h_out = nullptr;
-  // routing (row mode: the prologue; K mode: ids and weights from the previous kernel)
-  const float* rlogits = nullptr;
-  int32_t E = 0, top_k = 0, norm_topk = 0, pad_ = 0;
-  int32_t* top_idx = nullptr;
-  float* top_w = nullptr;
-  const float* sgate = nullptr;
-  // epilogue
-  float* y[kMaxSegs] = {};
-  bf16* yb[kMaxSegs] = {};
-  int64_t y_step[kMaxSegs] = {};
-  int32_t mode[kMaxSegs] = {};
-  const float* conv_w = nullptr;
-  float* conv_state = nullptr;
-  float* u = nullptr;
-  int32_t conv_dim = 0, conv_k = 0;
-  unsigned long long* amax = nullptr;
-  float* xacc = nullptr;  // K mode: the residual row
-};
-static_assert(sizeof(Launch) <= 4000, "Launch must fit the kernel parameter space");
 
 // A lane's loads of one tile: kR rows x kVec vectors (+ scale and bias per row when quantized).
 template <int FMT>
@@ -144,7 +86,7 @@ struct Cursor {
       const uint4* p = vec(lt, i);
 #pragma unroll
       for (int v = 0; v < FmtTraits<FMT>::kVec; ++v) q[v] = ld_stream(p + v);
-      tot[i] = unit_dot<FMT>(q, 0u, 0u, x, 0.f, 0.f, 0.f);
+      tot[i] = unit_dot<FMT>(q, 0u, 0u, x, 0.f);
     }
   }
 };
@@ -153,168 +95,20 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(order_key(v)) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(row));
 }
 
-struct Smem {  // the statically sized part of the kernel's shared memory
-  float red[kBlockWarps];
-  float inv;
-  float fac[kMaxParts];
-  int32_t idx[kMaxTopK];
-  float w[kMaxTopK];
-  unsigned long long key;
-};
-
-// Staging, in two halves with a block barrier between them (the caller's): stage_prologue is what the routed
-// parts' weight loads and the element loop depend on (the routing: the prologue in row mode or the previous
-// kernel's ids in K mode; the K parts' factors; the norm's reduction); stage_rows writes the input row into shared
-// memory (fp32, lane-major, zero past its end) with the producer's normalisation (same arithmetic as rms_norm_kernel:
-// the value is rounded to bf16 as the unfused path rounds it). Between the two the routed parts issue their first
-// weight loads, so those are in flight while the row is staged. The RMSNorm reads its row once: the thread's
-// elements (one step of stage_fetch, at most kStageUnroll x 8, the host's check) are loaded before the prologue,
-// which sums their squares, and stage_rows normalises them from registers (a second pass over the row from L2 cost
-// the launch 1.2-1.7 us, check_decode's RMSNorm rows against the bf16 ones).
-// 8 elements per thread and step (one 16-byte load of bf16, two of fp32), kStageUnroll steps' loads issued before
-// any is used: a step that waited for its load before the next would pay an L2 round trip each.
-constexpr int kStageUnroll = 2;
-struct StageRaw {
-  uint4 v[kStageUnroll][2];
-  float fac[kStageUnroll];
-};
-
-// The loads of the step at group `base` (groups of 8 elements base + r * blockDim.x), zeros past the row's end.
-template <int STAGE>
-__device__ __forceinline__ void stage_fetch(const Launch& g, const Smem& sm, int base, StageRaw& raw) {
-  const int nth = blockDim.x, n = STAGE == kStageK ? g.units * 32 : g.in, groups = g.slices * 128;
-#pragma unroll
-  for (int r = 0; r < kStageUnroll; ++r) {
-    const int i = (base + r * nth) * 8;
-    raw.fac[r] = 1.f;
-    raw.v[r][0] = raw.v[r][1] = make_uint4(0u, 0u, 0u, 0u);
-    if (base + r * nth >= groups || i >= n) continue;
-    if constexpr (STAGE == kStageK) {
-      int p = 0;
-      while (p + 1 < g.nparts && (i >> 5) >= g.part[p + 1].first) ++p;
-      raw.v[r][0] = *reinterpret_cast<const uint4*>(g.part[p].xsrc + (i - g.part[p].first * 32));
-      raw.fac[r] = sm.fac[p];
-    } else if constexpr (STAGE == kStageBf16) {
-      raw.v[r][0] = *reinterpret_cast<const uint4*>(g.xb + i);
-    } else {
-      raw.v[r][0] = *reinterpret_cast<const uint4*>(g.xf + i);
-      raw.v[r][1] = *reinterpret_cast<const uint4*>(g.xf + i + 4);
-    }
-  }
-}
-
-template <int STAGE>
-__device__ void stage_prologue(const Launch& g, Smem& sm, const StageRaw& raw) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-  if (g.route && warp == 0) {
-    route_topk_warp(g.rlogits, g.E, g.top_k, g.norm_topk != 0, sm.idx, sm.w, lane);
-    if (blockIdx.x == 0 && lane < g.top_k) g.top_idx[lane] = sm.idx[lane], g.top_w[lane] = sm.w[lane];  // its own slot
-  }
-  if constexpr (STAGE == kStageK) {
-    if (tid < g.top_k) sm.idx[tid] = g.top_idx[tid];
-    if (tid < g.nparts) {
-      const Part& P = g.part[tid];
-      sm.fac[tid] = P.fac == 1 ? g.top_w[P.expert] : P.fac == 2 ? 1.f / (1.f + expf(-g.sgate[0])) : 1.f;
-    }
-  } else if constexpr (STAGE == kStageNorm) {
-    float ss = 0.f;
-#pragma unroll
-    for (int r = 0; r < kStageUnroll; ++r) {
-      const uint32_t w8[8] = {raw.v[r][0].x, raw.v[r][0].y, raw.v[r][0].z, raw.v[r][0].w,
-                              raw.v[r][1].x, raw.v[r][1].y, raw.v[r][1].z, raw.v[r][1].w};
-#pragma unroll
-      for (int k = 0; k < 8; ++k) ss = fmaf(__uint_as_float(w8[k]), __uint_as_float(w8[k]), ss);
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) sm.red[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-      float v = lane < nw ? sm.red[lane] : 0.f;
-      v = warp_sum(v);
-      if (lane == 0) sm.inv = rsqrtf(v / static_cast<float>(g.in) + g.eps);
-    }
-  }
-}
-
-// The fetched step's elements (converted, scaled or normalised) into shared memory.
-template <int STAGE>
-__device__ __forceinline__ void stage_put(const Launch& g, float* xs, const Smem& sm, int base, const StageRaw& raw) {
-  const int nth = blockDim.x, n = STAGE == kStageK ? g.units * 32 : g.in, groups = g.slices * 128;
-  const bool write_h = g.h_out != nullptr && blockIdx.x == 0;
-#pragma unroll
-  for (int r = 0; r < kStageUnroll; ++r) {
-    const int i = (base + r * nth) * 8;
-    if (base + r * nth >= groups) continue;
-    float v[8];
-    const uint32_t w8[8] = {raw.v[r][0].x, raw.v[r][0].y, raw.v[r][0].z, raw.v[r][0].w,
-                            raw.v[r][1].x, raw.v[r][1].y, raw.v[r][1].z, raw.v[r][1].w};
-    if (i >= n) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = 0.f;
-    } else if constexpr (STAGE == kStageK || STAGE == kStageBf16) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        v[2 * k] = __uint_as_float(w8[k] << 16) * raw.fac[r];
-        v[2 * k + 1] = __uint_as_float(w8[k] & 0xFFFF0000u) * raw.fac[r];
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const bf16 h = __float2bfloat16(__uint_as_float(w8[k]) * sm.inv * g.nw[i + k]);
-        if (write_h) g.h_out[i + k] = h;
-        v[k] = __bfloat162float(h);
-      }
-    }
-    // lane-major: elements i..i+3 and i+4..i+7 are float4s 32 apart (xpos)
-    float4* dst = reinterpret_cast<float4*>(xs) + ((i >> 10) * 8 + ((i & 31) >> 2)) * 32 + ((i >> 5) & 31);
-    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-    dst[32] = make_float4(v[4], v[5], v[6], v[7]);
-  }
-}
-
-template <int STAGE>
-__device__ void stage_rows(const Launch& g, float* xs, const Smem& sm, StageRaw& raw) {
-  if constexpr (STAGE == kStageNorm) {
-    stage_put<STAGE>(g, xs, sm, threadIdx.x, raw);  // fetched before the prologue: one step covers the row
-  } else {
-    for (int base = threadIdx.x; base < g.slices * 128; base += kStageUnroll * blockDim.x) {
-      stage_fetch<STAGE>(g, sm, base, raw);
-      stage_put<STAGE>(g, xs, sm, base, raw);
-    }
-  }
-}
-
-// This warp's tiles [t0, t1) of part P (local tile indices), partial sums into `partial`; the staging (all
-// threads) happens in here, after the first loads: those of parts that do not depend on the routing go out before
-// the PDL wait (overlapping the previous kernel's tail), the routed parts' once the prologue has the routing.
+// 8-bit and dense weights: this warp's tiles [t0, t1) of part P (local tile indices), lane `unit` of the slice,
+// partial sums into `partial`.
 template <int FMT, int STAGE>
 __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
                          float* partial, Smem& sm) {
-  using F = FmtTraits<FMT>;
   const int lane = threadIdx.x & 31;
   constexpr bool kQuant = FmtTraits<FMT>::kQuant;
   Cursor<FMT> cur;
   TileRegs<FMT> cur_t;
-  const bool early = P.expert < 0 && t0 < t1;
-  if (early) {
-    cur.setup(P, 0, unit);
+  warp_prologue<STAGE>(g, P.expert < 0, xs, sm, [&](bool routed) {
+    if (t0 >= t1) return;
+    cur.setup(P, routed && P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
-  }
-  pdl_trigger();
-  pdl_wait();  // everything below reads the previous kernels' outputs
-  StageRaw raw;
-  if constexpr (STAGE == kStageNorm) stage_fetch<STAGE>(g, sm, threadIdx.x, raw);
-  stage_prologue<STAGE>(g, sm, raw);
-  __syncthreads();
-  // The routed parts' loads go out now that the expert is known, in flight while the row is staged. (ptxas
-  // reports 4 bytes of spill for the kernel since this split, from the 8-bit path: it is 0 with that path
-  // compiled out; the 8-bit launches are the router and the shared-expert gate.)
-  if (!early && t0 < t1) {
-    cur.setup(P, P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
-    if constexpr (kQuant) cur.load(t0, cur_t);
-  }
-  stage_rows<STAGE>(g, xs, sm, raw);
-  __syncthreads();
+  });
   const int sl = (threadIdx.x >> 5) % g.slices;
   const float4* xl = reinterpret_cast<const float4*>(xs) + sl * 8 * 32 + lane;
   float x[32];
@@ -323,40 +117,184 @@ __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int uni
     const float4 t = xl[k * 32];
     x[4 * k] = t.x, x[4 * k + 1] = t.y, x[4 * k + 2] = t.z, x[4 * k + 3] = t.w;
   }
-  float xe = 0.f, xo = 0.f;
+  float xa = 0.f;
 #pragma unroll
-  for (int k = 0; k < 32; k += 2) xe += x[k], xo += x[k + 1];
-  // (opaque to the compiler, which otherwise recomputed the 32-term sums inside the tile loop to save registers)
-  asm volatile("" : "+f"(xe), "+f"(xo));
-  const float xa = xe + xo;
-  // One tile's math and its row sums into `partial`.
-  auto tile = [&](int t, const TileRegs<FMT>& tr) {
+  for (int k = 0; k < 32; ++k) xa += x[k];
+  for (int t = t0; t < t1; ++t) {
     float tot[kR];
     if constexpr (kQuant) {
 #pragma unroll
-      for (int i = 0; i < kR; ++i) tot[i] = unit_dot<FMT>(tr.q[i], tr.s[i], tr.b[i], x, xe, xo, xa);
+      for (int i = 0; i < kR; ++i) tot[i] = unit_dot<FMT>(cur_t.q[i], cur_t.s[i], cur_t.b[i], x, xa);
+      if (t + 1 < t1) cur.load(t + 1, cur_t);
     } else {
       cur.dense_dot(t, x, tot);
     }
     const float r = reduce_rows4(tot, lane);
     if ((lane & 7) == 0) partial[((pslot + (t - t0)) * kR + reduced_row(lane)) * g.slices + sl] = r;
+  }
+}
+
+// 4-bit weights (gemv_lane.cuh's tensor-core tile): lane (gid, tig) of slice sl reads groups 2 gid + h of the
+// slice, 8 bytes per row at element 16 tig of the group. In row mode both groups lie in the warp's part P; in K
+// mode each group has its own part (an expert's segment along K may be a single group), found here.
+template <int STAGE>
+struct Q4Cursor {
+  static constexpr bool kK = STAGE == kStageK;
+  const uint8_t* w[2];        // row mode: rows 0-1 / 2-3 of a tile (gate / up of a dual part); K mode: group h's part
+  const uint16_t *s[2], *b[2];
+  int32_t rb[2], rg[2];       // their row bytes and row groups
+  int32_t o[2], go[2];        // row mode: group h's byte and group offsets (K mode: inside w, s and b)
+  int32_t last, step, a2;
+
+  __device__ __forceinline__ void set(int k, const Part& P, const uint8_t* wm, const uint16_t* sm_, const uint16_t* bm,
+                                      int64_t e, int u, int tig) {
+    const int64_t gofs = e * P.expert_groups + (kK ? (u >> P.gsh) : 0);
+    w[k] = wm + e * P.expert_bytes + (kK ? static_cast<int64_t>(u) * 16 : 0) + 8 * tig;
+    s[k] = sm_ + gofs, b[k] = bm + gofs;
+    rb[k] = P.row_bytes, rg[k] = P.row_groups;
+  }
+  // Row mode: part P, expert e, the lane's group units u[h] (32-element units within the part).
+  __device__ __forceinline__ void setup_rows(const Part& P, int64_t e, const int (&u)[2], int tig) {
+    set(0, P, P.w0, P.s0, P.b0, e, 0, tig);
+    set(1, P, P.dual ? P.w1 : P.w0, P.dual ? P.s1 : P.s0, P.dual ? P.b1 : P.b0, e, 0, tig);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) o[h] = u[h] * 16, go[h] = u[h] >> P.gsh;
+    last = P.rows - 1, step = P.dual ? 2 : kR, a2 = P.dual ? 0 : 2;
+  }
+  // K mode: group h in part Ph[h] at unit u[h] of it, expert e[h].
+  __device__ __forceinline__ void setup_k(const Part* const (&Ph)[2], const int64_t (&e)[2], const int (&u)[2], int rows,
+                                          int tig) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) set(h, *Ph[h], Ph[h]->w0, Ph[h]->s0, Ph[h]->b0, e[h], u[h], tig), o[h] = go[h] = 0;
+    last = rows - 1, step = kR, a2 = 2;
+  }
+  __device__ __forceinline__ int row(int lt, int i) const { return min(step * lt + (i < 2 ? i : a2 + i - 2), last); }
+  // Tile lt's codes, and the scales and biases of its row `mine` (the lane's tig).
+  __device__ __forceinline__ void load(int lt, int mine, Q4Tile& T) const {
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      const int r = row(lt, i);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = kK ? h : i >> 1;
+        T.q[i][h] = ld_stream8(w[k] + static_cast<uint32_t>(r * rb[k] + o[h]));
+      }
+    }
+    const int r = row(lt, mine);
+    const bool hi = mine >> 1;  // (selects, not an index: a runtime index puts the arrays in local memory)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = kK ? h : 0;
+      const uint32_t gi = static_cast<uint32_t>(r * (kK || !hi ? rg[k] : rg[1]) + go[h]);
+      T.s[h] = __ldg((kK || !hi ? s[k] : s[1]) + gi), T.b[h] = __ldg((kK || !hi ? b[k] : b[1]) + gi);
+    }
+  }
+};
+
+template <int STAGE>
+__device__ void run_warp_q4(const Launch& g, const Part& P, int t0, int t1, int pslot, float* xs, float* partial,
+                            Smem& sm) {
+  constexpr bool kK = STAGE == kStageK;
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int sl = (threadIdx.x >> 5) % g.slices;
+  const bool odd = gid & 1;
+  const int diag = 4 * gid + (gid >> 1);  // the lane holding this gid's diagonal
+  // The lane's groups: units uc[h] of the launch's input (a group past its end reads unit 0; its x is zero).
+  int uc[2], pk[2] = {0, 0};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uc[h] = sl * 32 + 4 * gid + 2 * h;
+    if (uc[h] >= g.units) uc[h] = 0;
+    if constexpr (kK)
+      while (pk[h] + 1 < g.nparts && uc[h] >= g.part[pk[h] + 1].first) ++pk[h];
+  }
+  Q4Cursor<STAGE> cur;
+  Q4Tile cur_t, nxt;  // the register double buffer
+  bool early = P.expert < 0;
+  if constexpr (kK) early = g.part[pk[0]].expert < 0 && g.part[pk[1]].expert < 0;
+  warp_prologue<STAGE>(g, early, xs, sm, [&](bool routed) {
+    if (t0 >= t1) return;
+    if constexpr (kK) {
+      const Part* Ph[2] = {&g.part[pk[0]], &g.part[pk[1]]};
+      const int64_t e[2] = {routed && Ph[0]->expert >= 0 ? sm.idx[Ph[0]->expert] : 0,
+                            routed && Ph[1]->expert >= 0 ? sm.idx[Ph[1]->expert] : 0};
+      const int u[2] = {uc[0] - Ph[0]->first, uc[1] - Ph[1]->first};
+      cur.setup_k(Ph, e, u, g.rows, tig);
+    } else {
+      cur.setup_rows(P, routed && P.expert >= 0 ? sm.idx[P.expert] : 0, uc, tig);
+    }
+    cur.load(t0, tig, cur_t);
+  });
+  // The B fragments (the lane's x at its k slots, packed to bf16 without rounding), the groups' sums of exactly
+  // those values, and (K mode) the groups' factors.
+  uint32_t bx[2][4][2];
+  float X[2], X128[2], fac[2];
+  {
+    const float4* x4 = reinterpret_cast<const float4*>(xs);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float xv[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 t = x4[(sl * 8 + 4 * (tig & 1) + q) * 32 + 4 * gid + 2 * h + (tig >> 1)];
+        xv[4 * q] = t.x, xv[4 * q + 1] = t.y, xv[4 * q + 2] = t.z, xv[4 * q + 3] = t.w;
+      }
+      float sum = 0.f;  // (the staged values are bf16 already: RMSNorm rounds, K mode leaves the factor to the fold)
+#pragma unroll
+      for (int m = 0; m < 16; ++m) sum += xv[m];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int w = q4_word(i), j0 = q4_j0(i);
+        bx[h][i][0] = mma::pack_bf16x2(xv[8 * w + j0], xv[8 * w + j0 + 4]);
+        bx[h][i][1] = mma::pack_bf16x2(xv[8 * w + j0 + 1], xv[8 * w + j0 + 5]);
+      }
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      X[h] = sum, X128[h] = 128.f * sum;
+      fac[h] = kK ? sm.fac[pk[h]] : 1.f;
+    }
+  }
+  auto tile = [&](int t, const Q4Tile& T) {
+    float tot = 0.f;  // row tig's sum over this lane's gid's groups
+    float c[2][2][4] = {};  // [h][row pair]: four independent accumulator chains
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int w = q4_word(i), j0 = q4_j0(i);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          const uint32_t r0 = w ? T.q[2 * p][h].y : T.q[2 * p][h].x, r1 = w ? T.q[2 * p + 1][h].y : T.q[2 * p + 1][h].x;
+          const uint32_t a[4] = {q4_pair(r0, j0), q4_pair(r1, j0), q4_pair(r0, j0 + 1), q4_pair(r1, j0 + 1)};
+          mma::mma_bf16(c[h][p], a, bx[h][i][0], bx[h][i][1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float d[kR];  // the diagonal's rows 0..3, from the diagonal lane
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        const float* cp = c[h][r >> 1];
+        d[r] = __shfl_sync(0xFFFFFFFFu, (r & 1) ? (odd ? cp[3] : cp[2]) : (odd ? cp[1] : cp[0]), diag);
+      }
+      const float D = tig == 0 ? d[0] : tig == 1 ? d[1] : tig == 2 ? d[2] : d[3];
+      const float term = fmaf(u16f(T.s[h]), D - X128[h], u16f(T.b[h]) * X[h]);
+      tot = kK ? fmaf(fac[h], term, tot) : tot + term;
+    }
+    tot += __shfl_xor_sync(0xFFFFFFFFu, tot, 4);
+    tot += __shfl_xor_sync(0xFFFFFFFFu, tot, 8);
+    tot += __shfl_xor_sync(0xFFFFFFFFu, tot, 16);
+    if (lane < kR) partial[((pslot + (t - t0)) * kR + lane) * g.slices + sl] = tot;
   };
-  if constexpr (F::kPrefetch) {
-    // The register double buffer as two named tiles, the loop unrolled by two: the next tile's loads go out
-    // before this tile's math, and no tile is copied between buffers (a conditional copy was 24 SELs per tile).
-    TileRegs<FMT> nxt;
-    for (int t = t0; t < t1; t += 2) {
-      if (t + 1 < t1) cur.load(t + 1, nxt);
-      tile(t, cur_t);
-      if (t + 1 >= t1) break;
-      if (t + 2 < t1) cur.load(t + 2, cur_t);
-      tile(t + 1, nxt);
-    }
-  } else {
-    for (int t = t0; t < t1; ++t) {
-      tile(t, cur_t);
-      if (kQuant && t + 1 < t1) cur.load(t + 1, cur_t);
-    }
+  // The register double buffer as two named tiles, the loop unrolled by two: the next tile's loads go out before
+  // this tile's math, and no tile is copied between buffers (a conditional copy was 24 SELs per tile).
+  for (int t = t0; t < t1; t += 2) {
+    if (t + 1 < t1) cur.load(t + 1, tig, nxt);
+    tile(t, cur_t);
+    if (t + 1 >= t1) break;
+    if (t + 2 < t1) cur.load(t + 2, tig, cur_t);
+    tile(t + 1, nxt);
   }
 }
 
@@ -420,13 +358,13 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   const Part& P = g.part[p];
   const int pslot = m * g.tpw;
   if constexpr (SET == kSetQ4) {
-    run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+    run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm);
   } else if constexpr (SET == kSetQ4Q8) {
     if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
-    else run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
+    else run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm);
   } else {
     switch (P.fmt) {
-      case kQ4: run_warp<kQ4, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kQ4: run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm); break;
       case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
       case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
       default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
@@ -620,7 +558,8 @@ bool fits(const DLinear& w) {
   if (p.in % 32 != 0 || p.in > kMaxSlices * 1024 || p.out < 1) return false;
   if (p.kind != 0) return p.kind == 1 || p.kind == 2;
   if (p.bits != 4 && p.bits != 8) return false;
-  return p.group >= 32 && (p.group & (p.group - 1)) == 0 && p.in % p.group == 0;
+  // 4-bit: the tensor-core tile sums 64 elements under one scale (gemv_lane.cuh)
+  return p.group >= (p.bits == 4 ? 64 : 32) && (p.group & (p.group - 1)) == 0 && p.in % p.group == 0;
 }
 
 bool down_fits(const DLinear& wd, const DLinear& ws) {
@@ -675,6 +614,7 @@ void moe_down(cudaStream_t st, const DownArgs& a) {
   g.top_k = a.k, g.top_idx = const_cast<int32_t*>(a.top_idx), g.top_w = const_cast<float*>(a.top_w);
   g.sgate = a.sgate;
   g.xacc = a.x;
+  g.xfac = fmt_of(a.wd.p) == kQ4 ? 0 : 1;
   int32_t unit = 0;
   for (int j = 0; j <= a.k; ++j) {
     const DLinear& w = j < a.k ? a.wd : a.ws;

@@ -76,7 +76,8 @@ struct DownArgs {
 // proj returns the number of blocks launched: the length of the amax array the greedy head writes.
 unsigned proj(cudaStream_t st, const ProjArgs& a);
 void moe_down(cudaStream_t st, const DownArgs& a);
-// Whether the decode GEMV takes this weight: MLX affine 4- or 8-bit with a power-of-two group >= 32, or dense
+// Whether the decode GEMV takes this weight: MLX affine 4-bit with a power-of-two group >= 64 (the tensor-core
+// tile sums 64 elements under one scale) or 8-bit with one >= 32, or dense
 // bf16 / fp32, and an input length that is a multiple of 32 (at most 8192).
 bool fits(const DLinear& w);
 // The RMSNorm staging takes inputs of at most this many elements (each thread's share fetched once).

@@ -1,7 +1,6 @@
-// The decode GEMV's lane arithmetic (gemv.cu; dev/exp_persistent_gemv.cu runs the same): one row's 32-element unit
-// of 4-bit, 8-bit, bf16 or fp32 weights against a lane's 32 fp32 inputs, the codes turned into floats without
-// int -> float instructions (see gemv.cu's header), the 4-row transpose reduction over a warp, and the streaming
-// 16-byte load.
+// The decode GEMV's lane arithmetic (gemv.cu): one row's 32-element unit of 8-bit, bf16 or fp32 weights against a
+// lane's 32 fp32 inputs (codes turned into floats without int -> float instructions, see gemv.cu's header), the
+// 4-row transpose reduction over a warp, the streaming loads, and the pieces of the 4-bit tensor-core tile.
 #pragma once
 #include <cstdint>
 
@@ -18,17 +17,12 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: do n
                : "l"(p));
   return v;
 }
-// (v & MASK) | 1.0f as ONE lop3 (written in C, the compiler emits two instructions) and rot16 as one PRMT.
+// (v & MASK) | 1.0f as ONE lop3 (written in C, the compiler emits two instructions).
 template <uint32_t MASK>
 __device__ __forceinline__ float mask_one(uint32_t v) {
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "n"(MASK), "r"(kOne));
   return __uint_as_float(d);
-}
-__device__ __forceinline__ uint32_t rot16(uint32_t v) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %1, 0x1032;" : "=r"(d) : "r"(v));
-  return d;
 }
 __device__ __forceinline__ float u16f(uint32_t h) { return __uint_as_float(h << 16); }
 
@@ -36,33 +30,14 @@ template <int FMT>
 struct FmtTraits {
   static constexpr int kVec = FMT == kQ4 ? 1 : FMT == kQ8 ? 2 : FMT == kBF16 ? 4 : 8;  // 16-byte vectors per unit
   static constexpr bool kQuant = FMT <= kQ8;
-  // the register double buffer: 4-bit only (8-bit holds twice the registers per tile and is the small router and
-  // shared-expert gate, where dev/gemv_lab's double buffer gained nothing; dense: test models only)
-  static constexpr bool kPrefetch = kVec == 1;
 };
 
-// One row's 32-element unit against the lane's x (32 floats); xe / xo / xa: sums of x over even / odd / all.
+// One row's 32-element unit of 8-bit or dense weights against the lane's x (32 floats); xa: the sum of x (the
+// 4-bit weights take the tensor-core tile below).
 template <int FMT>
 __device__ __forceinline__ float unit_dot(const uint4 (&q)[FmtTraits<FMT>::kVec], uint32_t s, uint32_t b, const float* x,
-                                          float xe, float xo, float xa) {
-  if constexpr (FMT == kQ4) {
-    float ae = 0.f, ao = 0.f;
-    const uint32_t w4[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t v = w4[w], l8 = v << 8, r8 = v >> 8, rt = rot16(v);
-      const float* xp = x + 8 * w;
-      ae = fmaf(mask_one<0x000F0000u>(rt), xp[0], ae);  // nibble 0: bits 0-3 -> 16-19
-      ao = fmaf(mask_one<0x0000F000u>(l8), xp[1], ao);  // 1: 4-7 -> 12-15
-      ae = fmaf(mask_one<0x000F0000u>(l8), xp[2], ae);  // 2: 8-11 -> 16-19
-      ao = fmaf(mask_one<0x0000F000u>(v), xp[3], ao);   // 3: in place
-      ae = fmaf(mask_one<0x000F0000u>(v), xp[4], ae);   // 4: in place
-      ao = fmaf(mask_one<0x0000F000u>(r8), xp[5], ao);  // 5: 20-23 -> 12-15
-      ae = fmaf(mask_one<0x000F0000u>(r8), xp[6], ae);  // 6: 24-27 -> 16-19
-      ao = fmaf(mask_one<0x0000F000u>(rt), xp[7], ao);  // 7: 28-31 -> 12-15
-    }
-    return fmaf(u16f(s), fmaf(128.f, ae - xe, 2048.f * (ao - xo)), u16f(b) * xa);
-  } else if constexpr (FMT == kQ8) {
+                                          float xa) {
+  if constexpr (FMT == kQ8) {
     // byte j -> bits 15-22 (1 + q/256): a shift and one LOP3 (a PRMT to bits 8-15 is one instruction but leaves
     // 1 + q/32768, 8 bits of the accumulator's mantissa lost to the constant part; this is the small router)
     float a = 0.f;
@@ -118,5 +93,42 @@ __device__ __forceinline__ float reduce_rows4(const float (&t)[4], int lane) {
   return r;
 }
 __device__ __forceinline__ int reduced_row(int lane) { return ((lane & 16) ? 2 : 0) + ((lane & 8) ? 1 : 0); }
+
+// ---- 4-bit weights on the tensor cores ----
+// A warp's tile of 4 rows x 1024 elements (one slice) is 16 mma.sync m16n8k16 (bf16 in, fp32 accumulation). Lane
+// (gid = lane / 4, tig = lane % 4) owns the 64-element groups 2 gid + h (h = 0, 1) of the slice and, in each, the
+// 16 elements 16 tig .. 16 tig + 15: 8 bytes of codes per row and group (one 8-byte load). The 4 lanes of one gid
+// thus hold one whole group, the k extent an mma sums over, so one scale applies to each sum. A = codes (tile rows
+// 0/1 or 2/3 as fragment rows gid and gid + 8, the lane's own elements in its k slots), B = the lane's own x
+// (fragment column gid), so D[gid][gid] and D[gid + 8][gid] are the two rows' dot products over the group, held by
+// the diagonal lane (gid, gid / 2) in c[gid % 2] and c[2 + gid % 2]; the other 7 columns pair one lane's weights with
+// another lane's x and are discarded (1/8 of the tensor pipe's work is used: it has the room, ~26 weights per SM
+// cycle at the bandwidth floor). A code enters as the bf16 128 + q (one LOP3 on the shifted word, exact), so
+// D = 128 X + sum q x with X the group's sum of x, and the group's term is s (D - 128 X) + b X in fp32, folded by
+// lane (gid, r) for tile row r: it loads that row's scales and biases, and the diagonal lane's four values are
+// shuffled to the four lanes of its gid. Per tile and lane: 8 loads of codes, 4 of scales, 112 LOP3/SHF, 16 MMA,
+// the fold and the row sums (3 shuffles): ~2x fewer instructions than the FFMA form it replaced (unit_dot's 4-bit
+// branch, 3.3 per weight; git show c48133a:csrc/cuda/gemv_lane.cuh).
+__device__ __forceinline__ uint2 ld_stream8(const uint8_t* p) {  // read once: do not allocate in L1
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+// Nibbles j and j + 4 of v as bf16x2 (128 + q): the low half holds nibble j.
+__device__ __forceinline__ uint32_t q4_pair(uint32_t v, int j) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v >> (4 * j)), "n"(0x000F000Fu), "r"(0x43004300u));
+  return d;
+}
+// mma k slot i (0..3) of a group takes word i / 2 of the lane's 8 bytes and the nibble pairs (j0, j0 + 4),
+// (j0 + 1, j0 + 5), j0 = 2 (i % 2); B carries x at the same element positions.
+__device__ __forceinline__ int q4_word(int i) { return i >> 1; }
+__device__ __forceinline__ int q4_j0(int i) { return 2 * (i & 1); }
+
+// One lane's loads of a tile: rows x groups h (8 bytes of codes each), and row tig's scales and biases per h.
+struct Q4Tile {
+  uint2 q[4][2];
+  uint32_t s[2], b[2];
+};
 
 }  // namespace lily::cuda::gemv
