@@ -41,15 +41,16 @@ static std::vector<T> dget(const T* d, size_t n) {
   return h;
 }
 
-// A host + device weight [E, out, in]: MLX affine 4- or 8-bit (group 64, scale ~ 1/(2^bits sqrt(in)), bias
-// centring the codes) or dense bf16 (bits 16).
+// A host + device weight [E, out, in]: MLX affine 4- or 8-bit (group 64 unless given, scale ~ 1/(2^bits sqrt(in)),
+// bias centring the codes) or dense bf16 (bits 16).
 struct QW {
   int64_t E, out, in;
-  int bits;
+  int bits, group;
   std::vector<uint32_t> codes;
   std::vector<uint16_t> sc, bi, dense;
   DLinear d;
-  QW(int64_t E_, int64_t out_, int64_t in_, int bits_ = 4) : E(E_), out(out_), in(in_), bits(bits_) {
+  QW(int64_t E_, int64_t out_, int64_t in_, int bits_ = 4, int group_ = 64)
+      : E(E_), out(out_), in(in_), bits(bits_), group(group_) {
     std::uniform_real_distribution<float> u(0.5f, 1.5f);
     if (bits == 16) {
       std::normal_distribution<float> nd(0.f, 1.f / std::sqrt(static_cast<float>(in)));
@@ -60,7 +61,7 @@ struct QW {
       return;
     }
     codes.resize(E * out * in * bits / 32);
-    sc.resize(E * out * in / 64);
+    sc.resize(E * out * in / group);
     bi.resize(sc.size());
     for (auto& c : codes) c = static_cast<uint32_t>(rng());
     const float qmax = static_cast<float>((1 << bits) - 1);
@@ -69,7 +70,7 @@ struct QW {
       sc[i] = host_bf16(s);
       bi[i] = host_bf16(-0.5f * qmax * s * u(rng));
     }
-    d.p = kp::LinearParams{0, bits, 64, 0, out, in, out * in * bits / 32, out * in / 64, out * in};
+    d.p = kp::LinearParams{0, bits, group, 0, out, in, out * in * bits / 32, out * in / group, out * in};
     d.codes = dnew(codes);
     d.scales = dnew(sc);
     d.biases = dnew(bi);
@@ -79,7 +80,7 @@ struct QW {
     const int per = 32 / bits;
     const uint32_t word = codes[(e * out + r) * (in / per) + k / per];
     const int q = (word >> (bits * (k % per))) & ((1 << bits) - 1);
-    const int64_t g = (e * out + r) * (in / 64) + k / 64;
+    const int64_t g = (e * out + r) * (in / group) + k / group;
     return static_cast<double>(host_float(sc[g])) * q + host_float(bi[g]);
   }
   double dot(int64_t e, int64_t r, const std::vector<uint16_t>& x, int64_t off = 0) const {
@@ -117,7 +118,8 @@ static double silu_d(double v) { return v / (1 + std::exp(-v)); }
 
 // Store / accumulate / dual on one or several segments (bits[s]: 4, 8 or 16 = dense bf16), bf16 input (x staged as
 // is); store launches also check the greedy head's block argmax keys.
-static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, std::vector<int> bits = {}) {
+static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, std::vector<int> bits = {},
+                       int group = 64) {
   using namespace lily::cuda::gemv;
   ProjArgs a;
   a.in = static_cast<int32_t>(in);
@@ -132,8 +134,8 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
   std::vector<std::vector<float>> y0;
   for (int s = 0; s < a.nseg; ++s) {
     const int b = s < static_cast<int>(bits.size()) ? bits[s] : 4;
-    w0.push_back(new QW(1, outs[s], in, b));
-    w1.push_back(mode == kODual ? new QW(1, outs[s], in, b) : w0.back());
+    w0.push_back(new QW(1, outs[s], in, b, b == 16 ? 64 : group));
+    w1.push_back(mode == kODual ? new QW(1, outs[s], in, b, b == 16 ? 64 : group) : w0.back());
     Seg& g = a.seg[s];
     g.w0 = w0[s]->d;
     g.w1 = w1[s]->d;
@@ -187,7 +189,8 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
       }
     }
     char name[160];
-    std::snprintf(name, sizeof name, "%s %d-bit in=%lld out=%lld seg%d/%d", tag, w0[s]->bits,
+    std::snprintf(name, sizeof name, "%s %d-bit%s in=%lld out=%lld seg%d/%d", tag, w0[s]->bits,
+                  w0[s]->group != 64 && w0[s]->bits != 16 ? (w0[s]->group == 128 ? " g128" : " g256") : "",
                   static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
     report(name, ref, got, mode == kODual ? tolerances::gemv_dual_rel_rms : tolerances::gemv_rel_rms);
   }
@@ -394,8 +397,8 @@ static void check_norm_refused(int64_t in) {
 
 // Time per launch of proj over `copies` weight copies of shape outs x in (mean of g_reps back-to-back launches),
 // with the bf16 staging or, xmode kXNorm, the step's RMSNorm.
-static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies,
-                      int xmode = lily::cuda::gemv::kXBf16) {
+static double time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies,
+                        int xmode = lily::cuda::gemv::kXBf16) {
   using namespace lily::cuda::gemv;
   std::vector<ProjArgs> args(copies);
   auto x = rand_x(in);
@@ -429,6 +432,36 @@ static void time_proj(const char* tag, int64_t in, std::vector<int64_t> outs, in
   // every decode launch carries the PDL attribute (as in the step): back-to-back launches overlap their tails
   const double ms = ms_per_launch(g_warm, g_reps, [&](int i) { proj(0, args[i % copies]); });
   std::printf("TIME proj %-30s %6.1f MB | %6.2f us %.2f TB/s\n", tag, bytes / 1e6, ms * 1e3, bytes / ms / 1e9);
+  return ms;
+}
+
+// 4-bit weights with a group under 64 are refused (the tensor-core tile sums 64 elements under one scale); the
+// engine then takes its unfused decode path.
+static void check_group32_refused() {
+  QW w(1, 8, 256, 4, 32), w8(1, 8, 256, 8, 32);
+  const bool ok = !lily::cuda::gemv::fits(w.d) && lily::cuda::gemv::fits(w8.d);
+  ++n_total;
+  n_pass += ok;
+  std::printf("%s %-44s\n", ok ? "PASS" : "FAIL", "fits: 4-bit group 32 refused, 8-bit group 32 taken");
+}
+
+// The fixed cost of one launch: the DeltaNet in-projection's input (2048) at 128 .. 12,352 output rows, each timed
+// over enough weight copies to exceed the L2, and a least-squares line t = a + bytes / B through the points
+// (a: the launch's start and tail, B: the streaming rate inside it).
+static void time_fixed_cost() {
+  const int64_t rows[] = {128, 512, 2048, 4096, 8192, 12352};
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  int n = 0;
+  for (int64_t r : rows) {
+    const double mb = r * 2048 * (0.5 + 4.0 / 64) / 1e6;
+    const int copies = static_cast<int>(std::max(2.0, std::ceil(240.0 / mb)));
+    char tag[64];
+    std::snprintf(tag, sizeof tag, "fixed cost, %lld rows", static_cast<long long>(r));
+    const double us = time_proj(tag, 2048, {r}, lily::cuda::gemv::kOStore, copies) * 1e3;
+    sx += mb, sy += us, sxx += mb * mb, sxy += mb * us, ++n;
+  }
+  const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx), icpt = (sy - slope * sx) / n;
+  std::printf("TIME fixed cost per launch %.2f us + bytes at %.2f TB/s (fit over %d shapes)\n", icpt, 1.0 / slope, n);
 }
 
 // Calibration: a plain streaming read of n uint4 (8 independent 16-byte loads per thread in flight).
@@ -518,6 +551,10 @@ int main(int argc, char** argv) {
     check_proj("dual", 96, {9}, kODual, {16});
     check_proj("store", 8192, {33}, kOStore);                        // the longest input: 8 slices
     check_proj("store", 2048, {248320 / 16 + 3}, kOStore);           // a head-like launch: many tiles per warp
+    check_proj("store", 2048, {300, 7}, kOStore, {4, 4}, 128);       // groups of 128 (two lanes' groups share one)
+    check_proj("dual", 256, {9}, kODual, {}, 128);
+    check_proj("store", 1024, {33, 5}, kOStore, {4, 8}, 256);      // groups of 256, 4- and 8-bit
+    check_group32_refused();
     check_staged("rmsnorm store", {kXNorm}, 2048, 8192 + 4096 + 64, kOStore);         // the DeltaNet in-proj's staging
     check_staged("rmsnorm store", {kXNorm}, 192, 33, kOStore);
     check_staged("rmsnorm store", {kXNorm}, 4096, 300, kOStore);   // the longest RMSNorm row: 4 slices, 256 threads
@@ -544,6 +581,7 @@ int main(int argc, char** argv) {
   time_proj("shared gate/up, RMSNorm", 2048, {512}, kODual, 64, kXNorm);
   time_down();
   if (profile) return 0;
+  time_fixed_cost();
   time_read(286LL << 20);
   time_read(14LL << 20);
   std::printf("SUMMARY decode_gemv %d/%d\n", n_pass, n_total);
