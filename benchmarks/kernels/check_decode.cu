@@ -188,9 +188,9 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
         got[r] = y[r];
       }
     }
-    char name[160];
-    std::snprintf(name, sizeof name, "%s %d-bit%s in=%lld out=%lld seg%d/%d", tag, w0[s]->bits,
-                  w0[s]->group != 64 && w0[s]->bits != 16 ? (w0[s]->group == 128 ? " g128" : " g256") : "",
+    char name[160], grp[16] = "";
+    if (w0[s]->bits != 16 && w0[s]->group != 64) std::snprintf(grp, sizeof grp, " g%d", w0[s]->group);
+    std::snprintf(name, sizeof name, "%s %d-bit%s in=%lld out=%lld seg%d/%d", tag, w0[s]->bits, grp,
                   static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
     report(name, ref, got, mode == kODual ? tolerances::gemv_dual_rel_rms : tolerances::gemv_rel_rms);
   }

@@ -18,9 +18,12 @@
 // outputs scattered through y_rows and scaled); fp32 store / accumulate, or the dual gate/up epilogue (block 0 of
 // each warpgroup holds W0's rows, block 1 the same rows of W1: silu(gate) * up in registers, bf16 out).
 #include "cuda/gemm.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace lily::cuda {
 namespace {
+
+using namespace wg;  // mbarriers, cp.async, the swizzle and descriptor (wgmma.cuh)
 
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kBK = 64;        // k per stage = one quantisation group
@@ -38,47 +41,6 @@ struct WgTile {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LILY_WGMMA 1
 #endif
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t phase) {
-  asm volatile(
-      "{\n .reg .pred p;\n W_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
-}
-__device__ __forceinline__ void cp_bar_arrive(uint64_t* b) {  // arrives once this thread's cp.asyncs have landed
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_s32(uint32_t a) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
-  return v;
-}
-// The 4-byte word holding a bf16 (cp.async moves 4 bytes at least); half_bit: which half of it the bf16 is.
-__device__ __forceinline__ const void* word_of(const uint16_t* p) {
-  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
-}
-__device__ __forceinline__ uint32_t half_bit(const uint16_t* p) { return (reinterpret_cast<uintptr_t>(p) >> 1) & 1u; }
-
-// Byte offset of 16-byte chunk c (0..7) of row r in a K-major 128-byte-swizzled tile (what wgmma's descriptor reads).
-__device__ __forceinline__ uint32_t swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
-// wgmma shared-memory descriptor: K-major, 128-byte swizzle, 8-row core-matrix groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t desc(uint32_t addr) {
-  return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
 
 // D[64 x TN] += A[64 x 16] (registers: the m16n8k16 A fragment per warp) . B[TN x 16]^T (shared descriptor).
 #define LILY_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -141,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
   int64_t r0, e;
   int nrows;
   if (!gemm_tile_rows(gp, g, TN, r0, e, nrows) || nrows <= 0) return;
-  const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t xs0 = sbase, cs0 = xs0 + kStages * T::kXBytes, ss0 = cs0 + kStages * T::kCBytes;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   const int64_t N = args.W0.p.out, K = args.W0.p.in;

@@ -212,8 +212,6 @@ __device__ __forceinline__ void warp_prologue(const Launch& g, bool early, float
   if constexpr (STAGE == kStageNorm) stage_fetch<STAGE>(g, sm, threadIdx.x, raw);
   stage_prologue<STAGE>(g, sm, raw);
   __syncthreads();
-  // (ptxas reported 4 bytes of spill for the kernel since this split, from the 8-bit path: it is 0 with that path
-  // compiled out; the 8-bit launches are the router and the shared-expert gate.)
   if (!early) load0(true);
   stage_rows<STAGE>(g, xs, sm, raw);
   __syncthreads();

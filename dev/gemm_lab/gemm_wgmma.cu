@@ -33,9 +33,10 @@
 
 #include "cuda/common.cuh"
 #include "cuda/mma_bf16.cuh"  // cp.async
+#include "cuda/wgmma.cuh"     // mbarriers, cp4, ld_s32, word_of, the swizzle and descriptor (the engine kernel's)
 
 namespace mma = lily::cuda::mma;
-
+using namespace lily::cuda::wg;
 
 constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kStages = 4;
@@ -44,7 +45,6 @@ constexpr int kStageBytes = 2 * kTileBytes;         // A + B
 constexpr int kSmem = kStages * kStageBytes + 1024;  // + alignment slack (swizzled tiles need 1024-byte alignment)
 constexpr int kThreads = 384;                        // 3 warpgroups
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ uint4 ld_nc(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -53,28 +53,6 @@ __device__ __forceinline__ uint4 ld_nc(const void* p) {
 __device__ __forceinline__ void st_s128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-__device__ __forceinline__ void bar_init(uint64_t* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t phase) {
-  asm volatile(
-      "{\n .reg .pred p;\n W_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra W_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
-}
-
-// Byte offset of 16-byte chunk c (0..7) of row r in a K-major 128-byte-swizzled tile.
-__host__ __device__ __forceinline__ uint32_t swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
-
-// wgmma shared-memory descriptor: K-major, 128-byte swizzle, 8-row core-matrix groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t desc(uint32_t addr) {
-  return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
 // D[64 x 128] += A[64 x 16] . B[128 x 16]^T, both from shared memory; 64 fp32 accumulators per thread.
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db) {
   asm volatile(
@@ -204,7 +182,7 @@ __device__ void store_acc(const Args& g, const float (&d)[64], int m0, int n0, i
 __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_constant__ Args g) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
-  const uint32_t sbase = smem_u32(aligned_smem(smem_raw));
+  const uint32_t sbase = smem_addr(aligned_smem(smem_raw));
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
   init_stage_barriers(full, empty);
@@ -273,21 +251,10 @@ constexpr int kRawBytes = kBN * 32 + kBN * 8;                 // codes [128][32 
 constexpr int kV2StageBytes = 2 * kTileBytes + kRawBytes;     // A, B (bf16), raw B
 constexpr int kV2Smem = kV2Stages * kV2StageBytes + 1024;
 
-__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
 __device__ __forceinline__ uint4 ld_s128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
   return v;
-}
-__device__ __forceinline__ uint32_t ld_s32(uint32_t a) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ const void* word_of(const uint16_t* p) {  // the aligned word holding a bf16
-  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
 }
 __device__ __forceinline__ uint32_t half_of(uint32_t w, const uint16_t* p) {
   return (reinterpret_cast<uintptr_t>(p) & 2) ? w >> 16 : w & 0xFFFFu;
@@ -297,7 +264,7 @@ template <bool kBf16Math>  // false: v2 (fp32 dequantisation), true: v3 (bf16x2,
 __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_v2_kernel(const __grid_constant__ Args g) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kV2Stages], empty[kV2Stages];
-  const uint32_t sbase = smem_u32(aligned_smem(smem_raw));
+  const uint32_t sbase = smem_addr(aligned_smem(smem_raw));
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN, ktiles = g.K / kBK;
   init_stage_barriers(full, empty);
