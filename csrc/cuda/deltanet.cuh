@@ -20,8 +20,8 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
 // The chunked form needs deltanet_chunk_scratch_bytes(p) bytes of device scratch: pass it (required under
 // graph capture); otherwise a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
 enum DeltaNetScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };
-// Auto threshold, predicted (chunked ~= 2 launches + ceil(S/64) chunk steps of ~2.5 us vs ~0.125 us per token
-// sequential); benchmarks/kernels/check_deltanet.cu prints the measured crossover.
+// Auto threshold, measured (benchmarks/kernels/check_deltanet.cu prints the crossover): on the H200 the chunked form
+// (3 launches + ceil(S/64) sequential chunk steps) ties the sequential one at S = 128 and wins from 256 on.
 constexpr int64_t kScanChunkMinRows = 128;
 void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                    const float* dt_bias, const float* a_log, float* ssm, float* y, int form = kScanAuto,
@@ -32,8 +32,8 @@ int deltanet_scan_pick(const kp::DeltaNetParams& p, int form);
 // Sequential: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
 void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                        const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row = 8);
-// Chunked (TF32 tensor cores): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
-// (Hv * ceil(S/64) * 64 * (Dk + Dv + 65) floats).
+// Chunked (TF32 tensor cores, three launches): scratch fp32 of deltanet_chunk_scratch_bytes(p) bytes
+// (Hv * ceil(S/64) * (64 * (Dk + Dv + 1) + Dv * Dk) floats: W, U/Delta, decays, the state at each chunk start).
 size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
 void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
                            const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,

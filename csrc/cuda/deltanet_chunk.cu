@@ -2,8 +2,8 @@
 //   sequential (seq_scan_kernel): the exact per-token fp32 recurrence with 8 lanes per state row (3 shuffle steps
 //          per reduction, 4 rows per warp) and the token inputs staged into shared memory 32 tokens ahead with
 //          cp.async, so no global load sits on the per-token critical path.
-//   chunked (chunk_prep_kernel + chunk_state_mma_kernel): the chunked WY/UT form (Gated DeltaNet paper;
-//          fla chunk_gated_delta_rule), chunk C = 64, its matrix products on TF32 mma.sync.
+//   chunked (chunk_prep_kernel, chunk_state_kernel, chunk_out_kernel): the chunked WY/UT form (Gated DeltaNet
+//          paper; fla chunk_gated_delta_rule's split), chunk C = 64, its matrix products on TF32 mma.sync.
 // The dispatcher deltanet_scan (auto, sequential, chunked) lives in deltanet.cu; benchmarks/kernels/check_deltanet.cu
 // compares both forms with an fp64 host recurrence.
 //
@@ -15,9 +15,13 @@
 //   O[i]  = gamma_i S0 q_i + sum_{j<=i} P[i,j] delta_j,   P[i,j] = (gamma_i/gamma_j)(q_i.k_j) (j <= i),
 //   S_end = gamma_last S0 + sum_j (gamma_last/gamma_j) delta_j k_j^T.
 // Every ratio is exp(lg_i - lg_j) with lg_i <= lg_j, so nothing overflows and tiny decays underflow to 0
-// instead of producing 0/0. The prep kernel (all chunks in parallel) forms A, solves for W and U by forward
-// substitution in registers, and writes W, U, P, lg to scratch; the state kernel walks the chunks in order,
-// one block per (value head, 32 state rows), with its state slice in shared memory.
+// instead of producing 0/0. Only Delta and S_end depend on the previous chunk, so the work splits three ways:
+//   1. prep (all chunks in parallel): lg, A, T, then W and U as two mma products, to scratch;
+//   2. state (the chunks in order, one block per value head and 32 state rows, the state in registers): S_n
+//      to scratch, Delta = U - W S_n^T (over U), the state update; the next chunk's tiles load meanwhile;
+//   3. out (all chunks in parallel): P from Q and K, then O = gamma Q S_n^T + P Delta.
+// The sequential kernel does two 64x32x128 products per chunk and nothing else (before, it also formed
+// Q S^T and P Delta and waited on its own loads each chunk: ~8 us per chunk at the real shape, H200).
 #include "cuda/deltanet.cuh"
 #include "cuda/mma_bf16.cuh"
 
@@ -43,10 +47,10 @@ struct ScanArgs {
 
 // Scratch of the chunked form, per (value head h, chunk n), index hn = h * n_chunks + n.
 struct ChunkScratch {
-  float* w;   // [Hv, NC, C, Dk]  W = T diag(beta gamma) K
-  float* uu;  // [Hv, NC, C, Dv]  U = T diag(beta) V
-  float* pm;  // [Hv, NC, C, C]   P = causal (gamma_i/gamma_j) q_i.k_j, zero above the diagonal
+  float* w;   // [Hv, NC, C, Dk]  W = T diag(beta gamma) K, TF32-rounded (kernel 1)
+  float* ud;  // [Hv, NC, C, Dv]  U = T diag(beta) V (kernel 1), overwritten by Delta = U - W S_n^T (kernel 2)
   float* lg;  // [Hv, NC, C]      cumulative log decay inside the chunk (constant over padded rows)
+  float* hs;  // [Hv, NC, Dv, Dk] the state at the chunk's start, S_n (kernel 2, read by kernel 3)
 };
 
 __device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
@@ -256,41 +260,51 @@ __global__ void __launch_bounds__(kThreads) seq_scan_kernel(ScanArgs args) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Forms 2 and 4, kernel 1: per (chunk, value head), all chunks in parallel.
+// Chunked form, kernel 1 of 3 (all chunks in parallel, one block per (chunk, value head)): lg, the Gram A, the
+// inverse T = (I + A)^-1 by forward substitution (4 lanes per column), then W = T diag(beta gamma) K and
+// U = T diag(beta) V on TF32 mma in column blocks of 32, streamed through a double buffer that reuses K's tile.
 template <int DKP>
 struct PrepLayout {
-  static constexpr int kStride = DKP + 4;  // float4 rows; +4 floats shifts consecutive rows by 4 banks
-  static constexpr int kK = 0, kQ = kChunk * kStride, kAt = 2 * kChunk * kStride;  // At: A transposed [j][i]
-  static constexpr int kLg = kAt + kChunk * kChunk, kBeta = kLg + kChunk;
+  static constexpr int kKStride = DKP + 4;     // K rows: A and B(n, k) operands of the Gram (4 mod 32 banks)
+  static constexpr int kTStride = kChunk + 4;  // Tw, Tu rows: A operands
+  static constexpr int kRStride = 32 + 8;      // a [C][32] column block of K or V: B(k, n) operand (8 mod 32)
+  // K's tile, later the two column-block buffers
+  static constexpr int kKRegion = kChunk * (kKStride > 2 * kRStride ? kKStride : 2 * kRStride);
+  static constexpr int kK = 0, kAt = kKRegion, kTw = kAt + kChunk * kChunk, kTu = kTw + kChunk * kTStride;
+  static constexpr int kLg = kTu + kChunk * kTStride, kBeta = kLg + kChunk;
   static constexpr size_t kSmemBytes = (kBeta + kChunk) * sizeof(float);
 };
 
-struct ChunkPrepArgs {
+struct ChunkArgs {
   ScanArgs s;
   ChunkScratch x;
   int n_chunks;
 };
 
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(tf32(x)); }
+
 template <int DKP>
-__global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args) {
+__global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args) {
   using L = PrepLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const kp::DeltaNetParams& p = args.s.p;
-  const int tid = threadIdx.x, n = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int n = blockIdx.x, h = blockIdx.y;
   const int Dk = p.k_dim, Dv = p.v_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
   const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk, t0 = static_cast<int64_t>(n) * kChunk;
   const int len = static_cast<int>(min64(kChunk, p.S - t0));
   const int64_t hn = static_cast<int64_t>(h) * args.n_chunks + n;
+  const bool vec4 = args.s.vec4;
   float* sK = smem + L::kK;
-  float* sQ = smem + L::kQ;
-  float* sAt = smem + L::kAt;
+  float* sAt = smem + L::kAt;  // A transposed, sAt[j][i] = A[i][j]; zero for j >= i
+  float* sTw = smem + L::kTw;  // T diag(beta gamma)
+  float* sTu = smem + L::kTu;  // T diag(beta)
   float* sLg = smem + L::kLg;
   float* sBeta = smem + L::kBeta;
 
-  const float* qg = args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk;  // rows past len, columns past Dk: 0
-  load_tile_async<DKP>(sQ, L::kStride, qg, C, len, Dk, args.s.vec4);
-  load_tile_async<DKP>(sK, L::kStride, qg + key_dim, C, len, Dk, args.s.vec4);
+  const float* kg = args.s.u + t0 * C + key_dim + static_cast<int64_t>(kh) * Dk;  // rows past len, cols past Dk: 0
+  load_tile_async<DKP>(sK, L::kKStride, kg, C, len, Dk, vec4);
   cp_async_commit();
   if (tid < kChunk) {  // log g = -exp(A_log) softplus(a + dt_bias); padded rows: g = 1, beta = 0
     const bool in = tid < len;
@@ -298,118 +312,150 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(ChunkPrepArgs args
     sLg[tid] = in ? -expf(args.s.a_log[h]) * softplusf_(araw + args.s.dt_bias[h]) : 0.f;
     sBeta[tid] = in ? 1.f / (1.f + expf(-braw)) : 0.f;
   }
+  __syncthreads();
+  if (warp == 0) {  // inclusive prefix sum of the 64 log decays: lane l holds 2l, 2l + 1
+    const float a0 = sLg[2 * lane], a1 = sLg[2 * lane + 1];
+    float s = a0 + a1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    sLg[2 * lane] = s - a1;
+    sLg[2 * lane + 1] = s;
+  }
   cp_async_wait<0>();
   __syncthreads();
-  if (tid == 0) {  // inclusive prefix sum (64 adds; not worth a parallel scan)
-    float acc = 0.f;
-    for (int c = 0; c < kChunk; ++c) sLg[c] = acc += sLg[c];
-  }
-  __syncthreads();
+  if (tid < kChunk) args.x.lg[hn * kChunk + tid] = sLg[tid];
 
-  float* pm = args.x.pm + hn * kChunk * kChunk;
-  // Scales the Gram entries kk = k_i.k_j, qk = q_i.k_j into A (transposed, sAt[j][i]) and P.
-  auto store_a_p = [&](int i, int j, float kk, float qk) {
-    const float ratio = j <= i ? expf(sLg[i] - sLg[j]) : 0.f;
-    sAt[j * kChunk + i] = j < i ? sBeta[i] * ratio * kk : 0.f;
-    pm[i * kChunk + j] = ratio * qk;
-  };
-  {  // TF32 mma
-    // warp w owns rows i = 16 (w / 2) .. +15 and columns j = 32 (w % 2) .. +31 of K K^T and Q K^T.
-    const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4, mi = warp / 2, nj0 = 4 * (warp % 2);
-    float kk[4][4] = {}, qk[4][4] = {};
+  {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i) on TF32 mma; warp: rows 16 (w / 2), cols 32 (w % 2) ..
+    const int mi = warp / 2, nj0 = 4 * (warp % 2);
+    float kk[4][4] = {};
+    if (8 * nj0 < 16 * (mi + 1)) {  // else the whole block is on or above the diagonal: A = 0 there
 #pragma unroll 2
-    for (int k0 = 0; k0 < DKP; k0 += 8) {
-      uint32_t ak[4], aq[4];
-      load_a(ak, sK, L::kStride, 16 * mi, k0, g, t);
-      load_a(aq, sQ, L::kStride, 16 * mi, k0, g, t);
+      for (int k0 = 0; k0 < DKP; k0 += 8) {
+        uint32_t ak[4];
+        load_a(ak, sK, L::kKStride, 16 * mi, k0, g, t);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t b[2];
-        load_b_nk(b, sK, L::kStride, 8 * (nj0 + j), k0, g, t);
-        mma_tf32(kk[j], ak, b);
-        mma_tf32(qk[j], aq, b);
+        for (int j = 0; j < 4; ++j) {
+          uint32_t b[2];
+          load_b_nk(b, sK, L::kKStride, 8 * (nj0 + j), k0, g, t);
+          mma_tf32(kk[j], ak, b);
+        }
       }
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) store_a_p(16 * mi + g + 8 * (e / 2), 8 * (nj0 + j) + 2 * t + e % 2, kk[j][e], qk[j][e]);
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * mi + g + 8 * (e / 2), jj = 8 * (nj0 + j) + 2 * t + e % 2;
+        sAt[jj * kChunk + i] = jj < i ? sBeta[i] * expf(sLg[i] - sLg[jj]) * kk[j][e] : 0.f;
+      }
   }
-  if (tid < kChunk) args.x.lg[hn * kChunk + tid] = sLg[tid];
-  __syncthreads();
+  __syncthreads();  // sAt complete; K's tile is dead (its buffer becomes the column-block ring)
 
-  // W and U columns by forward substitution of (I + A) X = R, one column per thread, held in registers.
-  // Right-looking order (x_i -= A[i, j] x_j for all i > j once x_j is final) gives 63 - j independent FMAs
-  // per step instead of one long dependent chain.
-  for (int col = tid; col < Dk + Dv; col += kThreads) {
-    const bool is_w = col < Dk;
-    float x[kChunk];
+  // Column blocks: W's DKP / 32 blocks of K columns, then U's ceil(Dv / 32) blocks of V columns, each a [C][32]
+  // tile copied by cp.async into one of two buffers in K's old tile while the previous block multiplies.
+  const int n_wblk = DKP / 32, n_blk = n_wblk + (Dv + 31) / 32;
+  float* sR = smem + L::kK;
+  auto issue = [&](int blk) {
+    float* dst = sR + (blk & 1) * kChunk * L::kRStride;
+    if (blk < n_wblk)
+      load_tile_async<32>(dst, L::kRStride, kg + 32 * blk, C, len, Dk - 32 * blk, vec4);
+    else
+      load_tile_async<32>(dst, L::kRStride, args.s.u + t0 * C + 2 * key_dim + static_cast<int64_t>(h) * Dv +
+                                                32 * (blk - n_wblk),
+                          C, len, Dv - 32 * (blk - n_wblk), vec4);
+    cp_async_commit();
+  };
+  issue(0);
+
+  {  // T = (I + A)^-1, unit lower triangular: (I + A) T = I column by column, lanes 4c .. 4c + 3 own column c,
+    // lane r holds rows 4 m + r. Right-looking: once x_j is final (it lives on lane j % 4 of the group) every row
+    // i > j subtracts A[i][j] x_j; rows i <= j read A = 0 there, so no guards are needed.
+    const int c = tid / 4, r = tid % 4;
+    float x[kChunk / 4];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const float r = is_w ? expf(sLg[i]) * sK[i * L::kStride + col]
-                           : (i < len ? args.s.u[(t0 + i) * C + 2 * key_dim + static_cast<int64_t>(h) * Dv + col - Dk]
-                                      : 0.f);
-      x[i] = sBeta[i] * r;
-    }
+    for (int m = 0; m < kChunk / 4; ++m) x[m] = 4 * m + r == c ? 1.f : 0.f;
 #pragma unroll
     for (int j = 0; j < kChunk - 1; ++j) {
-      const float* acol = sAt + j * kChunk;
+      const float xj = __shfl_sync(0xffffffffu, x[j / 4], (lane & ~3) | (j % 4));
+      const float* at = sAt + j * kChunk + r;
 #pragma unroll
-      for (int i = j + 1; i < kChunk; ++i) x[i] = fmaf(-acol[i], x[j], x[i]);
+      for (int m = j / 4; m < kChunk / 4; ++m) x[m] = fmaf(-at[4 * m], xj, x[m]);
     }
-    float* dst = is_w ? args.x.w + hn * kChunk * Dk + col : args.x.uu + hn * kChunk * Dv + (col - Dk);
-    const int ld = is_w ? Dk : Dv;
+    const float bw = sBeta[c] * expf(sLg[c]), bu = sBeta[c];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) dst[i * ld] = x[i];
+    for (int m = 0; m < kChunk / 4; ++m) {
+      sTw[(4 * m + r) * L::kTStride + c] = x[m] * bw;
+      sTu[(4 * m + r) * L::kTStride + c] = x[m] * bu;
+    }
+  }
+
+  // X[:, block] = T' R[:, block]; warp: rows 16 (w % 4) .., n-tiles 2 (w / 4) + {0, 1}. T' is lower triangular,
+  // so the k-steps stop at the m-tile's last row.
+  const int mt = warp % 4, nt0 = 2 * (warp / 4);
+  for (int blk = 0; blk < n_blk; ++blk) {
+    cp_async_wait<0>();
+    __syncthreads();  // block blk landed; Tw, Tu written (first pass); blk - 1's readers are done with its buffer
+    if (blk + 1 < n_blk) issue(blk + 1);
+    const bool is_w = blk < n_wblk;
+    const float* sT = is_w ? sTw : sTu;
+    const float* rb = sR + (blk & 1) * kChunk * L::kRStride;
+    float acc[2][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
+      uint32_t a[4];
+      load_a(a, sT, L::kTStride, 16 * mt, k0, g, t);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t b[2];
+        load_b_kn(b, rb, L::kRStride, 8 * (nt0 + j), k0, g, t);
+        mma_tf32(acc[j], a, b);
+      }
+    }
+    const int col0 = 32 * (is_w ? blk : blk - n_wblk), cols = is_w ? Dk : Dv;
+    float* dst = is_w ? args.x.w + hn * kChunk * Dk : args.x.ud + hn * kChunk * Dv;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * mt + g + 8 * (e / 2), col = col0 + 8 * (nt0 + j) + 2 * t + e % 2;
+        if (col < cols) dst[i * cols + col] = tf32_round(acc[j][e]);  // the state kernel's operands, pre-rounded
+      }
   }
 }
 
-struct ChunkStateArgs {
-  ScanArgs s;
-  ChunkScratch x;
-  int n_chunks;
-};
-
-// Kernel 2 of the chunked form: one block per (32 state rows, value head) walks the chunks in order, the three
-// products on mma.sync m16n8k8 TF32
-// (fp32 accumulate). Operands are rounded to TF32 (10-bit mantissa, cvt.rna): each product carries ~2^-11
-// relative rounding, sums of 64..128 products with fp32 accumulation land near 3e-4 rel RMS on Delta and O,
-// and the per-chunk state rounding is contracted by later decays instead of accumulating, so y and the state
-// stay inside 2e-3 rel RMS (the check's tolerance for this form); y is rounded to bf16 (2^-9) right after the
-// gated norm anyway, which is 5x coarser. In this form the prep kernel forms the Gram
-// products K K^T and Q K^T with the same TF32 mma; its forward substitution stays fp32.
-// Shared strides are chosen so each fragment load hits 32 distinct banks: A-operand rows (W, Q, S) use
-// stride = 4 mod 32, B-operand rows read along k (K, Delta) use stride = 8 mod 32, P uses 68.
+// Kernel 2 of 3: one block per (32 state rows, value head) walks the chunks in order, the only sequential part:
+//   S_n is stored (kernel 3's S0), Delta = U - W S^T overwrites U, S <- gamma_last S + (Delta gamma_last/gamma)^T K.
+// Chunk n + 1's W, K, U and lg are copied by cp.async into the other buffer during chunk n, so no load latency
+// sits on the chain. TF32 operands (cvt.rna), fp32 accumulators; the state itself stays fp32 in registers:
+// each product carries ~2^-11 relative rounding, sums of 64..128 products land near 3e-4 rel RMS on Delta and O,
+// and the per-chunk state rounding is contracted by later decays instead of accumulating, so y and the state stay
+// inside the check's 4e-3 rel RMS; y is rounded to bf16 (2^-9) right after the gated norm anyway.
 template <int DKP>
-struct MmaStateLayout {
-  static constexpr int kAStride = DKP + 4, kKStride = DKP + 8, kPStride = kChunk + 4, kDStride = kStateRows + 8;
+struct StateLayout {
+  static constexpr int kWStride = DKP + 4, kKStride = DKP + 8, kSStride = DKP + 4, kDStride = kStateRows + 8;
   static constexpr int kNPerWarp = DKP / 32;  // state n-tiles (8 columns each) per warp in the update
-  static constexpr int kW = 0, kQ = kChunk * kAStride, kK = 2 * kChunk * kAStride;
-  static constexpr int kS = kK + kChunk * kKStride, kP = kS + kStateRows * kAStride;
-  static constexpr int kU = kP + kChunk * kPStride, kD = kU + kChunk * kStateRows, kDd = kD + kChunk * kDStride;
-  static constexpr int kLg = kDd + kChunk * kDStride;
-  static constexpr size_t kSmemBytes = (kLg + kChunk) * sizeof(float);
+  static constexpr int kW = 0, kK = kChunk * kWStride, kU = kK + kChunk * kKStride, kLg = kU + kChunk * kStateRows;
+  static constexpr int kBuf = kLg + kChunk;  // one chunk's W | K | U | lg
+  static constexpr int kS = 2 * kBuf, kDd = kS + kStateRows * kSStride;
+  static constexpr size_t kSmemBytes = (kDd + kChunk * kDStride) * sizeof(float);
 };
 
 template <int DKP>
-__global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkStateArgs args) {
-  using L = MmaStateLayout<DKP>;
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(ChunkArgs args) {
+  using L = StateLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
   const kp::DeltaNetParams& p = args.s.p;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, dv0 = blockIdx.x * kStateRows;
-  const int Dk = p.k_dim, Dv = p.v_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
+  const int Dk = p.k_dim, Dv = p.v_dim, kh = h / (p.v_heads / p.k_heads);
   const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-  float* sW = smem + L::kW;    // [C][kAStride]
-  float* sQ = smem + L::kQ;    // [C][kAStride]
-  float* sK = smem + L::kK;    // [C][kKStride]
-  float* sS = smem + L::kS;    // [32][kAStride] state slice S[v][d]
-  float* sP = smem + L::kP;    // [C][kPStride]
-  float* sU = smem + L::kU;    // [C][32]
-  float* sD = smem + L::kD;    // [C][kDStride] Delta
+  const bool vec4 = args.s.vec4;
+  float* sS = smem + L::kS;    // [32][kSStride] the state slice S[v][d], TF32-rounded copy of acc
   float* sDd = smem + L::kDd;  // [C][kDStride] Delta * gamma_last / gamma_c
-  float* sLg = smem + L::kLg;
 
   // State accumulators of the update: m-tile mv (rows v = 16 mv + ...), n-tiles nd = (warp/2) kNPerWarp + i.
   const int mv = warp % 2, nd0 = (warp / 2) * L::kNPerWarp;
@@ -421,88 +467,70 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkState
     for (int e = 0; e < 4; ++e) {
       const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
       acc[i][e] = dv0 + v < Dv && d < Dk ? ssm_h[static_cast<int64_t>(dv0 + v) * Dk + d] : 0.f;
-      sS[v * L::kAStride + d] = acc[i][e];
+      sS[v * L::kSStride + d] = tf32_round(acc[i][e]);
     }
-  float* y_h = args.s.y + static_cast<int64_t>(h) * Dv + dv0;
-  const int64_t y_stride = static_cast<int64_t>(Hv) * Dv;
-  // Step 1/2 tiles: m-tile mc (chunk rows 16 mc ..), n-tiles nv = 2 (warp % 2) + {0, 1} (state rows).
+  // Step 1 tiles: m-tile mc (chunk rows 16 mc ..), n-tiles nv = 2 (warp % 2) + {0, 1} (state rows).
   const int mc = warp / 2, nv0 = 2 * (warp % 2);
 
-  // Chunk tiles arrive by cp.async in two sets: W, Q, U and lg are last read by step 1's epilogue, so chunk n+1's
-  // go out right after it and land while steps 2 and 3 of chunk n run; K and P are read until the chunk's end,
-  // so theirs go out at the top of chunk n+1. None of them depends on the state, only the order of the buffers.
-  const bool vec4 = args.s.vec4;
-  auto issue_early = [&](int n) {
+  auto issue = [&](int n) {
+    float* buf = smem + (n & 1) * L::kBuf;
     const int64_t t0 = static_cast<int64_t>(n) * kChunk, hn = static_cast<int64_t>(h) * args.n_chunks + n;
     const int len = static_cast<int>(min64(kChunk, p.S - t0));
-    load_tile_async<DKP>(sW, L::kAStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
-    load_tile_async<DKP>(sQ, L::kAStride, args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk, C, len, Dk, vec4);
-    load_tile_async<kStateRows>(sU, kStateRows, args.x.uu + hn * kChunk * Dv + dv0, Dv, kChunk, Dv - dv0, vec4);
-    if (tid < kChunk) cp_async4(sLg + tid, args.x.lg + hn * kChunk + tid);
+    load_tile_async<DKP>(buf + L::kW, L::kWStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
+    load_tile_async<DKP>(buf + L::kK, L::kKStride, args.s.u + t0 * C + key_dim + static_cast<int64_t>(kh) * Dk, C,
+                         len, Dk, vec4);
+    load_tile_async<kStateRows>(buf + L::kU, kStateRows, args.x.ud + hn * kChunk * Dv + dv0, Dv, kChunk, Dv - dv0,
+                                vec4);
+    if (tid < kChunk) cp_async4(buf + L::kLg + tid, args.x.lg + hn * kChunk + tid);
     cp_async_commit();
   };
-  issue_early(0);
+  issue(0);
 
   for (int n = 0; n < args.n_chunks; ++n) {
-    const int64_t t0 = static_cast<int64_t>(n) * kChunk, hn = static_cast<int64_t>(h) * args.n_chunks + n;
-    const int len = static_cast<int>(min64(kChunk, p.S - t0));
-    __syncthreads();  // the previous chunk is done with K, P, D, Dd and S
-    const float* qg = args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk;
-    load_tile_async<DKP>(sK, L::kKStride, qg + key_dim, C, len, Dk, vec4);
-    load_tile_async<kChunk>(sP, L::kPStride, args.x.pm + hn * kChunk * kChunk, kChunk, kChunk, kChunk, vec4);
-    cp_async_commit();
+    const int64_t hn = static_cast<int64_t>(h) * args.n_chunks + n;
     cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // chunk n landed; sS holds S_n; chunk n - 1 is done with the other buffer
+    if (n + 1 < args.n_chunks) issue(n + 1);
+    const float* buf = smem + (n & 1) * L::kBuf;
+    const float* sW = buf + L::kW;
+    const float* sK = buf + L::kK;
+    const float* sU = buf + L::kU;
+    const float* sLg = buf + L::kLg;
 
-    // Step 1: WS = W S^T and QS = Q S^T, [C][32], this warp's 16x16 block.
-    float ws[2][4] = {}, qs[2][4] = {};
+    float* hs = args.x.hs + (hn * Dv + dv0) * Dk;  // S_n for kernel 3 (fp32, from the accumulators)
+#pragma unroll
+    for (int i = 0; i < L::kNPerWarp; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
+        if (dv0 + v < Dv && d < Dk) hs[static_cast<int64_t>(v) * Dk + d] = acc[i][e];
+      }
+
+    // Step 1: Delta = U - W S^T, [C][32], this warp's 16x16 block.
+    float ws[2][4] = {};
 #pragma unroll 4
     for (int k0 = 0; k0 < DKP; k0 += 8) {
-      uint32_t aw[4], aq[4], b[2][2];
-      load_a(aw, sW, L::kAStride, 16 * mc, k0, g, t);
-      load_a(aq, sQ, L::kAStride, 16 * mc, k0, g, t);
+      uint32_t aw[4], b[2][2];
+      load_a(aw, sW, L::kWStride, 16 * mc, k0, g, t);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) load_b_nk(b[j], sS, L::kAStride, 8 * (nv0 + j), k0, g, t);
+      for (int j = 0; j < 2; ++j) load_b_nk(b[j], sS, L::kSStride, 8 * (nv0 + j), k0, g, t);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        mma_tf32(ws[j], aw, b[j]);
-        mma_tf32(qs[j], aq, b[j]);
-      }
+      for (int j = 0; j < 2; ++j) mma_tf32(ws[j], aw, b[j]);
     }
     const float lg_last = sLg[kChunk - 1];
+    float* ud = args.x.ud + hn * kChunk * Dv + dv0;
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = 16 * mc + g + 8 * (e / 2), v = 8 * (nv0 + j) + 2 * t + e % 2;
         const float delta = sU[c * kStateRows + v] - ws[j][e];
-        sD[c * L::kDStride + v] = delta;
-        sDd[c * L::kDStride + v] = delta * expf(lg_last - sLg[c]);
-        qs[j][e] *= expf(sLg[c]);
+        if (dv0 + v < Dv) ud[static_cast<int64_t>(c) * Dv + v] = delta;
+        sDd[c * L::kDStride + v] = tf32_round(delta * expf(lg_last - sLg[c]));
       }
-    __syncthreads();
-    if (n + 1 < args.n_chunks) issue_early(n + 1);  // W, Q, U and lg are free now (see above)
+    __syncthreads();  // sDd complete; every warp is done reading sS
 
-    // Step 2: O = gamma QS + P Delta; P is causal, so only k-steps up to this m-tile's last row.
-#pragma unroll 2
-    for (int k0 = 0; k0 < 16 * (mc + 1); k0 += 8) {
-      uint32_t ap[4], b[2];
-      load_a(ap, sP, L::kPStride, 16 * mc, k0, g, t);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        load_b_kn(b, sD, L::kDStride, 8 * (nv0 + j), k0, g, t);
-        mma_tf32(qs[j], ap, b);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 16 * mc + g + 8 * (e / 2), v = 8 * (nv0 + j) + 2 * t + e % 2;
-        if (c < len && dv0 + v < Dv) y_h[(t0 + c) * y_stride + v] = qs[j][e];
-      }
-
-    // Step 3: S = gamma_last S + Dd^T K; A = Dd^T (v, c), B = K (c, d).
+    // Step 2: S = gamma_last S + Dd^T K; A = Dd^T (v, c), B = K (c, d).
     const float gl = expf(lg_last);
 #pragma unroll
     for (int i = 0; i < L::kNPerWarp; ++i)
@@ -511,10 +539,10 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkState
 #pragma unroll 2
     for (int k0 = 0; k0 < kChunk; k0 += 8) {
       uint32_t a[4];
-      a[0] = tf32(sDd[(k0 + t) * L::kDStride + 16 * mv + g]);
-      a[1] = tf32(sDd[(k0 + t) * L::kDStride + 16 * mv + g + 8]);
-      a[2] = tf32(sDd[(k0 + t + 4) * L::kDStride + 16 * mv + g]);
-      a[3] = tf32(sDd[(k0 + t + 4) * L::kDStride + 16 * mv + g + 8]);
+      a[0] = __float_as_uint(sDd[(k0 + t) * L::kDStride + 16 * mv + g]);
+      a[1] = __float_as_uint(sDd[(k0 + t) * L::kDStride + 16 * mv + g + 8]);
+      a[2] = __float_as_uint(sDd[(k0 + t + 4) * L::kDStride + 16 * mv + g]);
+      a[3] = __float_as_uint(sDd[(k0 + t + 4) * L::kDStride + 16 * mv + g + 8]);
 #pragma unroll
       for (int i = 0; i < L::kNPerWarp; ++i) {
         uint32_t b[2];
@@ -522,12 +550,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkState
         mma_tf32(acc[i], a, b);
       }
     }
-    // sS was last read in step 1 (before the previous barrier), so the slice can be refreshed now.
 #pragma unroll
     for (int i = 0; i < L::kNPerWarp; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        sS[(16 * mv + g + 8 * (e / 2)) * L::kAStride + 8 * (nd0 + i) + 2 * t + e % 2] = acc[i][e];
+        sS[(16 * mv + g + 8 * (e / 2)) * L::kSStride + 8 * (nd0 + i) + 2 * t + e % 2] = tf32_round(acc[i][e]);
   }
 #pragma unroll
   for (int i = 0; i < L::kNPerWarp; ++i)
@@ -536,6 +563,125 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_mma_kernel(ChunkState
       const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
       if (dv0 + v < Dv && d < Dk) args.s.ssm[(static_cast<int64_t>(h) * Dv + dv0 + v) * Dk + d] = acc[i][e];
     }
+}
+
+// Kernel 3 of 3 (all chunks in parallel, one block per (chunk, value head)): O = gamma (Q S_n^T) + P Delta with
+// P[i][j] = (gamma_i / gamma_j) q_i.k_j (j <= i), in value slices of 64 (S_n's slice reuses K's tile).
+template <int DKP>
+struct OutLayout {
+  static constexpr int kVSlice = kChunk;       // value columns per pass (= the tile loader's 64 rows)
+  static constexpr int kQStride = DKP + 4;     // Q, K, S rows: A and B(n, k) operands (4 mod 32)
+  static constexpr int kPStride = kChunk + 4;  // P rows: A operand
+  static constexpr int kDStride = kVSlice + 8;  // Delta [C][64]: B(k, n) operand (8 mod 32)
+  static constexpr int kQ = 0, kK = kChunk * kQStride, kP = kK + kChunk * kQStride, kD = kP + kChunk * kPStride;
+  static constexpr int kLg = kD + kChunk * kDStride;
+  static constexpr size_t kSmemBytes = (kLg + kChunk) * sizeof(float);
+};
+
+template <int DKP>
+__global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) {
+  using L = OutLayout<DKP>;
+  extern __shared__ float4 smem_f4[];
+  float* smem = reinterpret_cast<float*>(smem_f4);
+  const kp::DeltaNetParams& p = args.s.p;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int n = blockIdx.x, h = blockIdx.y;
+  const int Dk = p.k_dim, Dv = p.v_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
+  const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk, t0 = static_cast<int64_t>(n) * kChunk;
+  const int len = static_cast<int>(min64(kChunk, p.S - t0));
+  const int64_t hn = static_cast<int64_t>(h) * args.n_chunks + n;
+  const bool vec4 = args.s.vec4;
+  float* sQ = smem + L::kQ;
+  float* sK = smem + L::kK;  // K, then one S_n slice [64 v][DKP]
+  float* sP = smem + L::kP;
+  float* sD = smem + L::kD;
+  float* sLg = smem + L::kLg;
+
+  const float* qg = args.s.u + t0 * C + static_cast<int64_t>(kh) * Dk;
+  load_tile_async<DKP>(sQ, L::kQStride, qg, C, len, Dk, vec4);
+  load_tile_async<DKP>(sK, L::kQStride, qg + key_dim, C, len, Dk, vec4);
+  if (tid < kChunk) cp_async4(sLg + tid, args.x.lg + hn * kChunk + tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  {  // P, causal, on TF32 mma; warp: rows 16 (w / 2), cols 32 (w % 2) ..
+    const int mi = warp / 2, nj0 = 4 * (warp % 2);
+    float qk[4][4] = {};
+    if (8 * nj0 < 16 * (mi + 1)) {
+#pragma unroll 2
+      for (int k0 = 0; k0 < DKP; k0 += 8) {
+        uint32_t aq[4];
+        load_a(aq, sQ, L::kQStride, 16 * mi, k0, g, t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t b[2];
+          load_b_nk(b, sK, L::kQStride, 8 * (nj0 + j), k0, g, t);
+          mma_tf32(qk[j], aq, b);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * mi + g + 8 * (e / 2), jj = 8 * (nj0 + j) + 2 * t + e % 2;
+        sP[i * L::kPStride + jj] = jj <= i ? tf32_round(expf(sLg[i] - sLg[jj]) * qk[j][e]) : 0.f;
+      }
+  }
+
+  const int mc = warp / 2, nq0 = 4 * (warp % 2);  // rows 16 mc .., value n-tiles nq0 .. nq0 + 3 of the slice
+  float* y_h = args.s.y + (t0 * Hv + h) * static_cast<int64_t>(Dv);
+  const int64_t y_stride = static_cast<int64_t>(Hv) * Dv;
+  for (int v0 = 0; v0 < Dv; v0 += L::kVSlice) {
+    __syncthreads();  // K (first pass) or the previous slice is no longer read
+    load_tile_async<DKP>(sK, L::kQStride, args.x.hs + (hn * Dv + v0) * Dk, Dk, Dv - v0, Dk, vec4);
+    load_tile_async<L::kVSlice>(sD, L::kDStride, args.x.ud + hn * kChunk * Dv + v0, Dv, kChunk, Dv - v0, vec4);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float o[4][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < DKP; k0 += 8) {
+      uint32_t aq[4];
+      load_a(aq, sQ, L::kQStride, 16 * mc, k0, g, t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t b[2];
+        load_b_nk(b, sK, L::kQStride, 8 * (nq0 + j), k0, g, t);
+        mma_tf32(o[j], aq, b);
+      }
+    }
+    const float gam0 = expf(sLg[16 * mc + g]), gam1 = expf(sLg[16 * mc + g + 8]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o[j][0] *= gam0;
+      o[j][1] *= gam0;
+      o[j][2] *= gam1;
+      o[j][3] *= gam1;
+    }
+#pragma unroll 2
+    for (int k0 = 0; k0 < 16 * (mc + 1); k0 += 8) {
+      uint32_t ap[4];
+      ap[0] = __float_as_uint(sP[(16 * mc + g) * L::kPStride + k0 + t]);
+      ap[1] = __float_as_uint(sP[(16 * mc + g + 8) * L::kPStride + k0 + t]);
+      ap[2] = __float_as_uint(sP[(16 * mc + g) * L::kPStride + k0 + t + 4]);
+      ap[3] = __float_as_uint(sP[(16 * mc + g + 8) * L::kPStride + k0 + t + 4]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t b[2];
+        load_b_kn(b, sD, L::kDStride, 8 * (nq0 + j), k0, g, t);
+        mma_tf32(o[j], ap, b);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 16 * mc + g + 8 * (e / 2), v = v0 + 8 * (nq0 + j) + 2 * t + e % 2;
+        if (c < len && v < Dv) y_h[c * y_stride + v] = o[j][e];
+      }
+  }
 }
 
 template <typename Kernel>
@@ -554,13 +700,17 @@ void launch_seq(cudaStream_t st, const ScanArgs& args) {
 
 template <int DKP>
 void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, int n_chunks) {
-  const dim3 prep_grid(n_chunks, s.p.v_heads);
+  const ChunkArgs args{s, x, n_chunks};
+  const dim3 chunk_grid(n_chunks, s.p.v_heads);
   set_smem(chunk_prep_kernel<DKP>, PrepLayout<DKP>::kSmemBytes);
-  chunk_prep_kernel<DKP><<<prep_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(ChunkPrepArgs{s, x, n_chunks});
+  chunk_prep_kernel<DKP><<<chunk_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
-  const dim3 grid(static_cast<unsigned>((s.p.v_dim + kStateRows - 1) / kStateRows), s.p.v_heads);
-  set_smem(chunk_state_mma_kernel<DKP>, MmaStateLayout<DKP>::kSmemBytes);
-  chunk_state_mma_kernel<DKP><<<grid, kThreads, MmaStateLayout<DKP>::kSmemBytes, st>>>(ChunkStateArgs{s, x, n_chunks});
+  const dim3 state_grid(static_cast<unsigned>((s.p.v_dim + kStateRows - 1) / kStateRows), s.p.v_heads);
+  set_smem(chunk_state_kernel<DKP>, StateLayout<DKP>::kSmemBytes);
+  chunk_state_kernel<DKP><<<state_grid, kThreads, StateLayout<DKP>::kSmemBytes, st>>>(args);
+  LILY_LAUNCH_CHECK();
+  set_smem(chunk_out_kernel<DKP>, OutLayout<DKP>::kSmemBytes);
+  chunk_out_kernel<DKP><<<chunk_grid, kThreads, OutLayout<DKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
 }
 
@@ -597,7 +747,7 @@ void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float
 
 size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
   const int64_t n_chunks = (p.S + kChunk - 1) / kChunk;
-  const int64_t per = static_cast<int64_t>(kChunk) * (p.k_dim + p.v_dim + kChunk + 1);
+  const int64_t per = static_cast<int64_t>(kChunk) * (p.k_dim + p.v_dim + 1) + static_cast<int64_t>(p.v_dim) * p.k_dim;
   return static_cast<size_t>(p.v_heads * n_chunks * per) * sizeof(float);
 }
 
@@ -610,9 +760,9 @@ void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const f
   const int64_t hn = static_cast<int64_t>(p.v_heads) * n_chunks;
   ChunkScratch x;
   x.w = scratch;
-  x.uu = x.w + hn * kChunk * p.k_dim;
-  x.pm = x.uu + hn * kChunk * p.v_dim;
-  x.lg = x.pm + hn * kChunk * kChunk;
+  x.ud = x.w + hn * kChunk * p.k_dim;
+  x.lg = x.ud + hn * kChunk * p.v_dim;
+  x.hs = x.lg + hn * kChunk;
   const bool vec4 = p.k_dim % 4 == 0 && p.v_dim % 4 == 0 && p.conv_dim % 4 == 0 &&
                     reinterpret_cast<uintptr_t>(u) % 16 == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0;
   const ScanArgs args{p, u, b, a, dt_bias, a_log, ssm, y, vec4};
