@@ -1,5 +1,5 @@
-// The Gated DeltaNet family (deltanet.cu, deltanet_chunk.cu): conv, recurrence (prefill forms, one-token step),
-// gated norm. Device pointers, stream-ordered.
+// The Gated DeltaNet family (deltanet.cu, deltanet_seq.cu, deltanet_chunk.cu): conv, recurrence (prefill forms,
+// one-token step), gated norm. Device pointers, stream-ordered.
 #pragma once
 #include "cuda/common.cuh"
 #include "kernels/params.h"
@@ -13,7 +13,7 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
 // Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
 // written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
 // norm). `form` selects the implementation (flag deltanet_form):
-//   kScanSequential  exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_chunk.cu);
+//   kScanSequential  exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_seq.cu);
 //   kScanChunked     chunked WY form (chunk 64), Gram/state products on TF32 tensor cores (~5e-4 rel error,
 //                    below the bf16 rounding of y that follows);
 //   kScanAuto        kScanChunked when S >= kScanChunkMinRows, else kScanSequential (the default).
@@ -28,7 +28,7 @@ void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u,
                    float* scratch = nullptr, size_t scratch_bytes = 0);
 // The form deltanet_scan runs for `form` at p.S (resolves kScanAuto).
 int deltanet_scan_pick(const kp::DeltaNetParams& p, int form);
-// deltanet_chunk.cu (the prefill forms). Same arguments as deltanet_scan. Dk <= 128, Hv a multiple of Hk.
+// deltanet_seq.cu, deltanet_chunk.cu (the prefill forms). Same arguments as deltanet_scan. Dk <= 128, Hv a multiple of Hk.
 // Sequential: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
 void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                        const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row = 8);

@@ -1,11 +1,7 @@
-// Gated DeltaNet prefill scans (model.md §4.3 step 7), two forms:
-//   sequential (seq_scan_kernel): the exact per-token fp32 recurrence with 8 lanes per state row (3 shuffle steps
-//          per reduction, 4 rows per warp) and the token inputs staged into shared memory 32 tokens ahead with
-//          cp.async, so no global load sits on the per-token critical path.
-//   chunked (chunk_prep_kernel, chunk_state_kernel, chunk_out_kernel): the chunked WY/UT form (Gated DeltaNet
-//          paper; fla chunk_gated_delta_rule's split), chunk C = 64, its matrix products on TF32 mma.sync.
-// The dispatcher deltanet_scan (auto, sequential, chunked) lives in deltanet.cu; benchmarks/kernels/check_deltanet.cu
-// compares both forms with an fp64 host recurrence.
+// Gated DeltaNet prefill, chunked form (model.md §4.3 step 7; chunk_prep_kernel, chunk_state_kernel,
+// chunk_out_kernel): the chunked WY/UT form (Gated DeltaNet paper; fla chunk_gated_delta_rule's split), chunk C = 64,
+// its matrix products on TF32 mma.sync. deltanet_scan (deltanet.cu) picks it over the sequential form
+// (deltanet_seq.cu) for long prompts; benchmarks/kernels/check_deltanet.cu compares both with an fp64 recurrence.
 //
 // Chunked math (MLX layout: state S[dv, dk], read m = S k). Inside a chunk with incoming state S0, token i
 // (0-based) has lg_i = sum_{j<=i} log g_j and gamma_i = exp(lg_i). Unrolling the recurrence gives
@@ -22,28 +18,16 @@
 //   3. out (all chunks in parallel): P from Q and K, then O = gamma Q S_n^T + P Delta.
 // The sequential kernel does two 64x32x128 products per chunk and nothing else (before, it also formed
 // Q S^T and P Delta and waited on its own loads each chunk: ~8 us per chunk at the real shape, H200).
-#include "cuda/deltanet.cuh"
+#include "cuda/deltanet_scan.cuh"
 #include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {
 namespace {
 
-constexpr int kThreads = 256;     // both forms: 8 warps per block
+using namespace dn_scan;
 constexpr int kChunk = 64;        // C: tokens per chunk of the chunked form
-constexpr int kStateRows = 32;    // state rows (dv) per block of chunk_state_kernel: one per lane
-constexpr int kStageTokens = 32;  // tokens staged per shared-memory buffer in seq_scan_kernel
-
-struct ScanArgs {
-  kp::DeltaNetParams p;
-  const float* u;        // [S, C]: q | k | v after conv, SiLU and l2 norm
-  const float* b;        // [S, Hv] raw (beta = sigmoid(b))
-  const float* a;        // [S, Hv] raw (g = exp(-exp(a_log) softplus(a + dt_bias)))
-  const float* dt_bias;  // [Hv]
-  const float* a_log;    // [Hv]
-  float* ssm;            // [Hv, Dv, Dk] fp32, updated in place
-  float* y;              // [S, Hv*Dv]
-  bool vec4;             // u, scratch rows 16-byte aligned (Dk, Dv, C multiples of 4): float4 tile loads
-};
+constexpr int kStateRows = 32;    // state rows (dv) per block of chunk_state_kernel
+constexpr int kStateThreads = 512;  // chunk_state_kernel: 16 warps, so each holds a short share of the chain
 
 // Scratch of the chunked form, per (value head h, chunk n), index hn = h * n_chunks + n.
 struct ChunkScratch {
@@ -52,16 +36,6 @@ struct ChunkScratch {
   float* lg;  // [Hv, NC, C]      cumulative log decay inside the chunk (constant over padded rows)
   float* hs;  // [Hv, NC, Dv, Dk] the state at the chunk's start, S_n (kernel 2, read by kernel 3)
 };
-
-__device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // dst[c * dst_ld + d] = src[c * src_ld + d] for c < kChunk, d < COLS; zero where c >= rows or d >= cols.
 // vec4: float4 copies (src, src_ld and cols multiples of 4 floats; dst_ld a multiple of 4).
@@ -89,6 +63,8 @@ using mma::cp_async16;  // mma_bf16.cuh
 // load_tile through 16-byte cp.async when vec4, so all of a thread's copies are in flight at once instead of one
 // load round trip each (generic pointers: the compiler cannot batch a load past the previous smem store). The
 // caller commits, waits and syncs before reading dst; zero fill by direct stores. !vec4: load_tile's copy.
+// When the block's threads tile the [C][COLS] quads exactly (COLS 32, 64, 128), each thread's quads sit in one
+// column at rows r0, r0 + R, ...: offsets advance by a constant and the column test is made once.
 template <int COLS>
 __device__ __forceinline__ void load_tile_async(float* dst, int dst_ld, const float* src, int64_t src_ld, int rows,
                                                 int cols, bool vec4) {
@@ -97,11 +73,24 @@ __device__ __forceinline__ void load_tile_async(float* dst, int dst_ld, const fl
     return;
   }
   constexpr int kQuads = COLS / 4;
-  for (int i = threadIdx.x; i < kChunk * kQuads; i += kThreads) {
-    const int c = i / kQuads, d = 4 * (i % kQuads);
-    float* o = dst + c * dst_ld + d;
-    if (c < rows && d < cols) cp_async16(o, src + c * src_ld + d);
-    else *reinterpret_cast<float4*>(o) = make_float4(0.f, 0.f, 0.f, 0.f);
+  if constexpr (kThreads % kQuads == 0 && kChunk % (kThreads / kQuads) == 0) {
+    constexpr int kRowStep = kThreads / kQuads;
+    const int q = threadIdx.x % kQuads, r0 = threadIdx.x / kQuads;
+    const bool col_ok = 4 * q < cols;
+    const float* s = src + r0 * src_ld + 4 * q;
+    float* o = dst + r0 * dst_ld + 4 * q;
+#pragma unroll
+    for (int k = 0; k < kChunk / kRowStep; ++k, s += kRowStep * src_ld, o += kRowStep * dst_ld) {
+      if (col_ok && r0 + k * kRowStep < rows) cp_async16(o, s);
+      else *reinterpret_cast<float4*>(o) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  } else {
+    for (int i = threadIdx.x; i < kChunk * kQuads; i += kThreads) {
+      const int c = i / kQuads, d = 4 * (i % kQuads);
+      float* o = dst + c * dst_ld + d;
+      if (c < rows && d < cols) cp_async16(o, src + c * src_ld + d);
+      else *reinterpret_cast<float4*>(o) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 }
 
@@ -120,158 +109,56 @@ __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// Operand bits: cvt.rna when the shared tile holds plain fp32; kRaw when it was stored already TF32-rounded
+// (tf32_round), so a tile read by several products is rounded once.
+template <bool kRaw>
+__device__ __forceinline__ uint32_t op_bits(float x) {
+  if constexpr (kRaw) return __float_as_uint(x);
+  else return tf32(x);
+}
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(tf32(x)); }
 // A fragment of the 16x8 tile at (row0, k0) of a row-major [rows][ld] shared array.
+template <bool kRaw = false>
 __device__ __forceinline__ void load_a(uint32_t a[4], const float* m, int ld, int row0, int k0, int g, int t) {
-  a[0] = tf32(m[(row0 + g) * ld + k0 + t]);
-  a[1] = tf32(m[(row0 + g + 8) * ld + k0 + t]);
-  a[2] = tf32(m[(row0 + g) * ld + k0 + t + 4]);
-  a[3] = tf32(m[(row0 + g + 8) * ld + k0 + t + 4]);
+  a[0] = op_bits<kRaw>(m[(row0 + g) * ld + k0 + t]);
+  a[1] = op_bits<kRaw>(m[(row0 + g + 8) * ld + k0 + t]);
+  a[2] = op_bits<kRaw>(m[(row0 + g) * ld + k0 + t + 4]);
+  a[3] = op_bits<kRaw>(m[(row0 + g + 8) * ld + k0 + t + 4]);
 }
 // B fragment (k, n) = m[n][k]: B^T stored row-major (rows = n), as S[v][d] for W S^T.
+template <bool kRaw = false>
 __device__ __forceinline__ void load_b_nk(uint32_t b[2], const float* m, int ld, int n0, int k0, int g, int t) {
-  b[0] = tf32(m[(n0 + g) * ld + k0 + t]);
-  b[1] = tf32(m[(n0 + g) * ld + k0 + t + 4]);
+  b[0] = op_bits<kRaw>(m[(n0 + g) * ld + k0 + t]);
+  b[1] = op_bits<kRaw>(m[(n0 + g) * ld + k0 + t + 4]);
 }
 // B fragment (k, n) = m[k][n]: B stored row-major (rows = k), as K[c][d] or Delta[j][v].
+template <bool kRaw = false>
 __device__ __forceinline__ void load_b_kn(uint32_t b[2], const float* m, int ld, int n0, int k0, int g, int t) {
-  b[0] = tf32(m[(k0 + t) * ld + n0 + g]);
-  b[1] = tf32(m[(k0 + t + 4) * ld + n0 + g]);
+  b[0] = op_bits<kRaw>(m[(k0 + t) * ld + n0 + g]);
+  b[1] = op_bits<kRaw>(m[(k0 + t + 4) * ld + n0 + g]);
 }
-
-// ---------------------------------------------------------------------------------------------------------
-// Form 1: sequential scan. LANES lanes own one state row S[h, dv, :]; lane `sub` holds elements sub + LANES*i.
-// DKP = Dk rounded up to a multiple of 32; q/k columns past Dk are zero in shared memory, so padded state
-// elements stay 0 and the inner loops need no guards.
-template <int LANES, int DKP>
-struct SeqLayout {
-  static constexpr int kRows = kThreads / LANES;  // state rows per block
-  static constexpr int kElems = DKP / LANES;      // state elements per lane
-  // one staging buffer: q [T][DKP] | k [T][DKP] | v [T][kRows] | g [T] | beta [T]
-  static constexpr int kQ = 0, kK = kStageTokens * DKP, kV = 2 * kStageTokens * DKP;
-  static constexpr int kG = kV + kStageTokens * kRows, kB = kG + kStageTokens;
-  static constexpr int kBuf = kB + kStageTokens;
-  static constexpr size_t kSmemBytes = 2 * kBuf * sizeof(float);
-};
-
-template <int LANES>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-template <int LANES, int DKP>
-__global__ void __launch_bounds__(kThreads) seq_scan_kernel(ScanArgs args) {
-  using L = SeqLayout<LANES, DKP>;
-  extern __shared__ float4 smem_f4[];
-  float* smem = reinterpret_cast<float*>(smem_f4);
-  const kp::DeltaNetParams& p = args.p;
-  const int tid = threadIdx.x, sub = tid % LANES, row = tid / LANES;
-  const int h = blockIdx.y, dv0 = blockIdx.x * L::kRows, dv = dv0 + row;
-  const int Dk = p.k_dim, Dv = p.v_dim, Hv = p.v_heads, kh = h / (p.v_heads / p.k_heads);
-  const int64_t S = p.S, C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-  const float A = expf(args.a_log[h]), dtb = args.dt_bias[h];
-
-  for (int i = tid; i < 2 * L::kBuf; i += kThreads) smem[i] = 0.f;  // zero padding columns of both buffers
-  __syncthreads();
-
-  // Issues the cp.async copies of tokens t0 .. t0 + n - 1 into buffer `buf` (padding columns untouched).
-  auto stage = [&](int buf, int64_t t0) {
-    float* sb = smem + buf * L::kBuf;
-    const int n = static_cast<int>(min64(kStageTokens, S - t0));
-    for (int i = tid; i < n * Dk; i += kThreads) {
-      const int t = i / Dk, c = i % Dk;
-      const float* src = args.u + (t0 + t) * C + static_cast<int64_t>(kh) * Dk + c;
-      cp_async4(sb + L::kQ + t * DKP + c, src);
-      cp_async4(sb + L::kK + t * DKP + c, src + key_dim);
-    }
-    for (int i = tid; i < n * L::kRows; i += kThreads) {
-      const int t = i / L::kRows, r = i % L::kRows;
-      if (dv0 + r < Dv)
-        cp_async4(sb + L::kV + t * L::kRows + r,
-                  args.u + (t0 + t) * C + 2 * key_dim + static_cast<int64_t>(h) * Dv + dv0 + r);
-    }
-    for (int t = tid; t < n; t += kThreads) {
-      cp_async4(sb + L::kG + t, args.a + (t0 + t) * Hv + h);
-      cp_async4(sb + L::kB + t, args.b + (t0 + t) * Hv + h);
-    }
-  };
-
-  float st[L::kElems];
-  float* sp = args.ssm + (static_cast<int64_t>(h) * Dv + dv) * Dk;
-#pragma unroll
-  for (int i = 0; i < L::kElems; ++i) st[i] = (dv < Dv && sub + LANES * i < Dk) ? sp[sub + LANES * i] : 0.f;
-  float* yp = args.y + static_cast<int64_t>(h) * Dv + dv;
-  const int64_t y_stride = static_cast<int64_t>(Hv) * Dv;
-
-  stage(0, 0);
-  cp_async_commit();
-  const int64_t n_stages = (S + kStageTokens - 1) / kStageTokens;
-  for (int64_t si = 0; si < n_stages; ++si) {
-    const int64_t t0 = si * kStageTokens;
-    if (si + 1 < n_stages) stage(static_cast<int>((si + 1) & 1), t0 + kStageTokens);
-    cp_async_commit();  // possibly empty group: keeps wait_group<1> meaning "buffer si has landed"
-    cp_async_wait<1>();
-    __syncthreads();
-    float* sb = smem + (si & 1) * L::kBuf;
-    const int n = static_cast<int>(min64(kStageTokens, S - t0));
-    if (tid < n) {  // gates in place, same formulas as the CPU twin
-      sb[L::kG + tid] = expf(-A * softplusf_(sb[L::kG + tid] + dtb));
-      sb[L::kB + tid] = 1.f / (1.f + expf(-sb[L::kB + tid]));
-    }
-    __syncthreads();
-#pragma unroll 2  // lets the next token's shared loads overlap this token's reductions
-    for (int t = 0; t < n; ++t) {
-      const float* q = sb + L::kQ + t * DKP + sub;
-      const float* k = sb + L::kK + t * DKP + sub;
-      const float g = sb[L::kG + t], beta = sb[L::kB + t], v = sb[L::kV + t * L::kRows + row];
-      // Two partial sums halve the dependent FMA chain; the order differs from the CPU twin only by rounding.
-      float kst0 = 0.f, kst1 = 0.f;
-#pragma unroll
-      for (int i = 0; i < L::kElems; i += 2) {
-        st[i] *= g;
-        kst0 = fmaf(st[i], k[LANES * i], kst0);
-        if (i + 1 < L::kElems) {
-          st[i + 1] *= g;
-          kst1 = fmaf(st[i + 1], k[LANES * (i + 1)], kst1);
-        }
-      }
-      const float delta = beta * (v - group_sum<LANES>(kst0 + kst1));
-      float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-      for (int i = 0; i < L::kElems; i += 2) {
-        st[i] = fmaf(delta, k[LANES * i], st[i]);
-        o0 = fmaf(st[i], q[LANES * i], o0);
-        if (i + 1 < L::kElems) {
-          st[i + 1] = fmaf(delta, k[LANES * (i + 1)], st[i + 1]);
-          o1 = fmaf(st[i + 1], q[LANES * (i + 1)], o1);
-        }
-      }
-      const float o = group_sum<LANES>(o0 + o1);
-      if (sub == 0 && dv < Dv) yp[(t0 + t) * y_stride] = o;
-    }
-    __syncthreads();  // buffer si & 1 is restaged by the next iteration
-  }
-  if (dv < Dv) {
-#pragma unroll
-    for (int i = 0; i < L::kElems; ++i)
-      if (sub + LANES * i < Dk) sp[sub + LANES * i] = st[i];
+// Rounds a landed [C][COLS] shared tile to TF32 in place (all threads; the caller syncs before and after).
+template <int COLS>
+__device__ __forceinline__ void round_tile(float* m, int ld) {
+  for (int i = threadIdx.x; i < kChunk * COLS; i += kThreads) {
+    float& x = m[(i / COLS) * ld + i % COLS];
+    x = tf32_round(x);
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Chunked form, kernel 1 of 3 (all chunks in parallel, one block per (chunk, value head)): lg, the Gram A, the
 // inverse T = (I + A)^-1 by forward substitution (4 lanes per column), then W = T diag(beta gamma) K and
-// U = T diag(beta) V on TF32 mma in column blocks of 32, streamed through a double buffer that reuses K's tile.
+// U = T diag(beta) V on TF32 mma. K and the first V slab are copied in at the start, so the products wait on no
+// load (an earlier version streamed [C][32] column blocks and waited on each: ~30 us per block under ncu).
 template <int DKP>
 struct PrepLayout {
-  static constexpr int kKStride = DKP + 4;     // K rows: A and B(n, k) operands of the Gram (4 mod 32 banks)
+  static constexpr int kVSlab = 128;           // V columns per pass of the U product
+  static constexpr int kKStride = DKP + 4;     // K rows: the Gram's A and B(n, k), then W's B(k, n) (2-way there)
+  static constexpr int kVStride = kVSlab + 8;  // V rows: B(k, n) operand (8 mod 32)
   static constexpr int kTStride = kChunk + 4;  // Tw, Tu rows: A operands
-  static constexpr int kRStride = 32 + 8;      // a [C][32] column block of K or V: B(k, n) operand (8 mod 32)
-  // K's tile, later the two column-block buffers
-  static constexpr int kKRegion = kChunk * (kKStride > 2 * kRStride ? kKStride : 2 * kRStride);
-  static constexpr int kK = 0, kAt = kKRegion, kTw = kAt + kChunk * kChunk, kTu = kTw + kChunk * kTStride;
-  static constexpr int kLg = kTu + kChunk * kTStride, kBeta = kLg + kChunk;
+  static constexpr int kK = 0, kV = kChunk * kKStride, kAt = kV + kChunk * kVStride;  // At, later Tw
+  static constexpr int kTu = kAt + kChunk * kTStride, kLg = kTu + kChunk * kTStride, kBeta = kLg + kChunk;
   static constexpr size_t kSmemBytes = (kBeta + kChunk) * sizeof(float);
 };
 
@@ -281,7 +168,32 @@ struct ChunkArgs {
   int n_chunks;
 };
 
-__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(tf32(x)); }
+// dst[i][col0 + n] = tf32(T' B)[i][n] (dst rows of `cols` floats) for the [C][N8 * 16] product: warp w owns rows
+// 16 (w % 4) .. and n-tiles (w / 4) N8 .. of B; T' is lower triangular, so the k-steps stop at the m-tile's end.
+template <int N8>
+__device__ __forceinline__ void tri_product(float* dst, int cols, int col0, const float* sT, int t_ld, const float* sB,
+                                           int b_ld, int warp, int g, int t) {
+  const int mt = warp % 4, nt0 = N8 * (warp / 4);
+  float acc[N8][4] = {};
+#pragma unroll 2
+  for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
+    uint32_t a[4];
+    load_a<true>(a, sT, t_ld, 16 * mt, k0, g, t);
+#pragma unroll
+    for (int j = 0; j < N8; ++j) {
+      uint32_t b[2];
+      load_b_kn<true>(b, sB, b_ld, 8 * (nt0 + j), k0, g, t);
+      mma_tf32(acc[j], a, b);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * mt + g + 8 * (e / 2), col = col0 + 8 * (nt0 + j) + 2 * t + e % 2;
+      if (col < cols) dst[i * cols + col] = tf32_round(acc[j][e]);  // the state kernel's operands, pre-rounded
+    }
+}
 
 template <int DKP>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args) {
@@ -297,14 +209,18 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
   const int64_t hn = static_cast<int64_t>(h) * args.n_chunks + n;
   const bool vec4 = args.s.vec4;
   float* sK = smem + L::kK;
-  float* sAt = smem + L::kAt;  // A transposed, sAt[j][i] = A[i][j]; zero for j >= i
-  float* sTw = smem + L::kTw;  // T diag(beta gamma)
+  float* sV = smem + L::kV;
+  float* sAt = smem + L::kAt;  // A transposed, sAt[j][i] = A[i][j], zero for j >= i; then T diag(beta gamma)
+  float* sTw = sAt;
   float* sTu = smem + L::kTu;  // T diag(beta)
   float* sLg = smem + L::kLg;
   float* sBeta = smem + L::kBeta;
 
   const float* kg = args.s.u + t0 * C + key_dim + static_cast<int64_t>(kh) * Dk;  // rows past len, cols past Dk: 0
+  const float* vg = args.s.u + t0 * C + 2 * key_dim + static_cast<int64_t>(h) * Dv;
   load_tile_async<DKP>(sK, L::kKStride, kg, C, len, Dk, vec4);
+  cp_async_commit();
+  load_tile_async<L::kVSlab>(sV, L::kVStride, vg, C, len, Dv, vec4);
   cp_async_commit();
   if (tid < kChunk) {  // log g = -exp(A_log) softplus(a + dt_bias); padded rows: g = 1, beta = 0
     const bool in = tid < len;
@@ -324,9 +240,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
     sLg[2 * lane] = s - a1;
     sLg[2 * lane + 1] = s;
   }
-  cp_async_wait<0>();
+  cp_async_wait<1>();  // K landed (V may still be in flight)
   __syncthreads();
   if (tid < kChunk) args.x.lg[hn * kChunk + tid] = sLg[tid];
+  round_tile<DKP>(sK, L::kKStride);  // both operands of the Gram and W's B
+  __syncthreads();
 
   {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i) on TF32 mma; warp: rows 16 (w / 2), cols 32 (w % 2) ..
     const int mi = warp / 2, nj0 = 4 * (warp % 2);
@@ -335,11 +253,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
 #pragma unroll 2
       for (int k0 = 0; k0 < DKP; k0 += 8) {
         uint32_t ak[4];
-        load_a(ak, sK, L::kKStride, 16 * mi, k0, g, t);
+        load_a<true>(ak, sK, L::kKStride, 16 * mi, k0, g, t);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           uint32_t b[2];
-          load_b_nk(b, sK, L::kKStride, 8 * (nj0 + j), k0, g, t);
+          load_b_nk<true>(b, sK, L::kKStride, 8 * (nj0 + j), k0, g, t);
           mma_tf32(kk[j], ak, b);
         }
       }
@@ -352,23 +270,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
         sAt[jj * kChunk + i] = jj < i ? sBeta[i] * expf(sLg[i] - sLg[jj]) * kk[j][e] : 0.f;
       }
   }
-  __syncthreads();  // sAt complete; K's tile is dead (its buffer becomes the column-block ring)
-
-  // Column blocks: W's DKP / 32 blocks of K columns, then U's ceil(Dv / 32) blocks of V columns, each a [C][32]
-  // tile copied by cp.async into one of two buffers in K's old tile while the previous block multiplies.
-  const int n_wblk = DKP / 32, n_blk = n_wblk + (Dv + 31) / 32;
-  float* sR = smem + L::kK;
-  auto issue = [&](int blk) {
-    float* dst = sR + (blk & 1) * kChunk * L::kRStride;
-    if (blk < n_wblk)
-      load_tile_async<32>(dst, L::kRStride, kg + 32 * blk, C, len, Dk - 32 * blk, vec4);
-    else
-      load_tile_async<32>(dst, L::kRStride, args.s.u + t0 * C + 2 * key_dim + static_cast<int64_t>(h) * Dv +
-                                                32 * (blk - n_wblk),
-                          C, len, Dv - 32 * (blk - n_wblk), vec4);
-    cp_async_commit();
-  };
-  issue(0);
+  __syncthreads();
 
   {  // T = (I + A)^-1, unit lower triangular: (I + A) T = I column by column, lanes 4c .. 4c + 3 own column c,
     // lane r holds rows 4 m + r. Right-looking: once x_j is final (it lives on lane j % 4 of the group) every row
@@ -385,48 +287,35 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
       for (int m = j / 4; m < kChunk / 4; ++m) x[m] = fmaf(-at[4 * m], xj, x[m]);
     }
     const float bw = sBeta[c] * expf(sLg[c]), bu = sBeta[c];
+    cp_async_wait<0>();  // V landed
+    __syncthreads();     // every lane is done reading At: Tw takes its place
 #pragma unroll
     for (int m = 0; m < kChunk / 4; ++m) {
-      sTw[(4 * m + r) * L::kTStride + c] = x[m] * bw;
-      sTu[(4 * m + r) * L::kTStride + c] = x[m] * bu;
+      sTw[(4 * m + r) * L::kTStride + c] = tf32_round(x[m] * bw);
+      sTu[(4 * m + r) * L::kTStride + c] = tf32_round(x[m] * bu);
     }
   }
+  round_tile<L::kVSlab>(sV, L::kVStride);
+  __syncthreads();
 
-  // X[:, block] = T' R[:, block]; warp: rows 16 (w % 4) .., n-tiles 2 (w / 4) + {0, 1}. T' is lower triangular,
-  // so the k-steps stop at the m-tile's last row.
-  const int mt = warp % 4, nt0 = 2 * (warp / 4);
-  for (int blk = 0; blk < n_blk; ++blk) {
-    cp_async_wait<0>();
-    __syncthreads();  // block blk landed; Tw, Tu written (first pass); blk - 1's readers are done with its buffer
-    if (blk + 1 < n_blk) issue(blk + 1);
-    const bool is_w = blk < n_wblk;
-    const float* sT = is_w ? sTw : sTu;
-    const float* rb = sR + (blk & 1) * kChunk * L::kRStride;
-    float acc[2][4] = {};
-#pragma unroll 2
-    for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
-      uint32_t a[4];
-      load_a(a, sT, L::kTStride, 16 * mt, k0, g, t);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        uint32_t b[2];
-        load_b_kn(b, rb, L::kRStride, 8 * (nt0 + j), k0, g, t);
-        mma_tf32(acc[j], a, b);
-      }
+  tri_product<DKP / 16>(args.x.w + hn * kChunk * Dk, Dk, 0, sTw, L::kTStride, sK, L::kKStride, warp, g, t);
+  float* ud = args.x.ud + hn * kChunk * Dv;
+  for (int v0 = 0; v0 < Dv; v0 += L::kVSlab) {
+    if (v0 > 0) {  // value heads wider than one slab (not this model's)
+      __syncthreads();
+      load_tile_async<L::kVSlab>(sV, L::kVStride, vg + v0, C, len, Dv - v0, vec4);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      round_tile<L::kVSlab>(sV, L::kVStride);
+      __syncthreads();
     }
-    const int col0 = 32 * (is_w ? blk : blk - n_wblk), cols = is_w ? Dk : Dv;
-    float* dst = is_w ? args.x.w + hn * kChunk * Dk : args.x.ud + hn * kChunk * Dv;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * mt + g + 8 * (e / 2), col = col0 + 8 * (nt0 + j) + 2 * t + e % 2;
-        if (col < cols) dst[i * cols + col] = tf32_round(acc[j][e]);  // the state kernel's operands, pre-rounded
-      }
+    tri_product<L::kVSlab / 16>(ud, Dv, v0, sTu, L::kTStride, sV, L::kVStride, warp, g, t);
   }
 }
 
-// Kernel 2 of 3: one block per (32 state rows, value head) walks the chunks in order, the only sequential part:
+// Kernel 2 of 3: one block per (32 state rows, value head) walks the chunks in order, the only sequential part
+// (16 warps: with 8 each warp's ~1,700 instructions per chunk ran at ~6 cycles apiece, H200 ncu):
 //   S_n is stored (kernel 3's S0), Delta = U - W S^T overwrites U, S <- gamma_last S + (Delta gamma_last/gamma)^T K.
 // Chunk n + 1's W, K, U and lg are copied by cp.async into the other buffer during chunk n, so no load latency
 // sits on the chain. TF32 operands (cvt.rna), fp32 accumulators; the state itself stays fp32 in registers:
@@ -435,8 +324,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
 // inside the check's 4e-3 rel RMS; y is rounded to bf16 (2^-9) right after the gated norm anyway.
 template <int DKP>
 struct StateLayout {
+  static_assert(DKP == 64 || DKP == 128, "the state kernel runs Dk padded to 64 or 128");
   static constexpr int kWStride = DKP + 4, kKStride = DKP + 8, kSStride = DKP + 4, kDStride = kStateRows + 8;
-  static constexpr int kNPerWarp = DKP / 32;  // state n-tiles (8 columns each) per warp in the update
+  static constexpr int kNPerWarp = DKP / 64;  // state n-tiles (8 columns each) per warp in the update
   static constexpr int kW = 0, kK = kChunk * kWStride, kU = kK + kChunk * kKStride, kLg = kU + kChunk * kStateRows;
   static constexpr int kBuf = kLg + kChunk;  // one chunk's W | K | U | lg
   static constexpr int kS = 2 * kBuf, kDd = kS + kStateRows * kSStride;
@@ -444,7 +334,7 @@ struct StateLayout {
 };
 
 template <int DKP>
-__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(ChunkArgs args) {
+__global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs args) {
   using L = StateLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -469,18 +359,20 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(ChunkArgs args
       acc[i][e] = dv0 + v < Dv && d < Dk ? ssm_h[static_cast<int64_t>(dv0 + v) * Dk + d] : 0.f;
       sS[v * L::kSStride + d] = tf32_round(acc[i][e]);
     }
-  // Step 1 tiles: m-tile mc (chunk rows 16 mc ..), n-tiles nv = 2 (warp % 2) + {0, 1} (state rows).
-  const int mc = warp / 2, nv0 = 2 * (warp % 2);
+  // Step 1 tile: m-tile mc (chunk rows 16 mc ..), n-tile nv (state rows 8 nv ..).
+  const int mc = warp / 4, nv = warp % 4;
 
-  auto issue = [&](int n) {
+  auto issue = [&](int n) {  // the tile copies by the first 256 threads (the loaders' block), lg by the first 64
     float* buf = smem + (n & 1) * L::kBuf;
     const int64_t t0 = static_cast<int64_t>(n) * kChunk, hn = static_cast<int64_t>(h) * args.n_chunks + n;
     const int len = static_cast<int>(min64(kChunk, p.S - t0));
-    load_tile_async<DKP>(buf + L::kW, L::kWStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
-    load_tile_async<DKP>(buf + L::kK, L::kKStride, args.s.u + t0 * C + key_dim + static_cast<int64_t>(kh) * Dk, C,
-                         len, Dk, vec4);
-    load_tile_async<kStateRows>(buf + L::kU, kStateRows, args.x.ud + hn * kChunk * Dv + dv0, Dv, kChunk, Dv - dv0,
-                                vec4);
+    if (tid < kThreads) {
+      load_tile_async<DKP>(buf + L::kW, L::kWStride, args.x.w + hn * kChunk * Dk, Dk, kChunk, Dk, vec4);
+      load_tile_async<DKP>(buf + L::kK, L::kKStride, args.s.u + t0 * C + key_dim + static_cast<int64_t>(kh) * Dk, C,
+                           len, Dk, vec4);
+      load_tile_async<kStateRows>(buf + L::kU, kStateRows, args.x.ud + hn * kChunk * Dv + dv0, Dv, kChunk,
+                                  Dv - dv0, vec4);
+    }
     if (tid < kChunk) cp_async4(buf + L::kLg + tid, args.x.lg + hn * kChunk + tid);
     cp_async_commit();
   };
@@ -503,31 +395,32 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(ChunkArgs args
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
-        if (dv0 + v < Dv && d < Dk) hs[static_cast<int64_t>(v) * Dk + d] = acc[i][e];
+        if (dv0 + v < Dv && d < Dk) hs[static_cast<int64_t>(v) * Dk + d] = tf32_round(acc[i][e]);  // kernel 3's operand
       }
 
-    // Step 1: Delta = U - W S^T, [C][32], this warp's 16x16 block.
-    float ws[2][4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < DKP; k0 += 8) {
-      uint32_t aw[4], b[2][2];
-      load_a(aw, sW, L::kWStride, 16 * mc, k0, g, t);
+    // Step 1: Delta = U - W S^T, [C][32], this warp's 16x8 tile; W and sS are stored TF32-rounded. Four k-phases
+    // accumulate apart: four independent mma chains of DKP / 32.
+    float ws[4][4] = {};
 #pragma unroll
-      for (int j = 0; j < 2; ++j) load_b_nk(b[j], sS, L::kSStride, 8 * (nv0 + j), k0, g, t);
+    for (int k0 = 0; k0 < DKP; k0 += 32) {
+      uint32_t aw[4][4], b[4][2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) mma_tf32(ws[j], aw, b[j]);
+      for (int q = 0; q < 4; ++q) {
+        load_a<true>(aw[q], sW, L::kWStride, 16 * mc, k0 + 8 * q, g, t);
+        load_b_nk<true>(b[q], sS, L::kSStride, 8 * nv, k0 + 8 * q, g, t);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) mma_tf32(ws[q], aw[q], b[q]);
     }
     const float lg_last = sLg[kChunk - 1];
     float* ud = args.x.ud + hn * kChunk * Dv + dv0;
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 16 * mc + g + 8 * (e / 2), v = 8 * (nv0 + j) + 2 * t + e % 2;
-        const float delta = sU[c * kStateRows + v] - ws[j][e];
-        if (dv0 + v < Dv) ud[static_cast<int64_t>(c) * Dv + v] = delta;
-        sDd[c * L::kDStride + v] = tf32_round(delta * expf(lg_last - sLg[c]));
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int c = 16 * mc + g + 8 * (e / 2), v = 8 * nv + 2 * t + e % 2;
+      const float delta = sU[c * kStateRows + v] - ((ws[0][e] + ws[1][e]) + (ws[2][e] + ws[3][e]));
+      if (dv0 + v < Dv) ud[static_cast<int64_t>(c) * Dv + v] = tf32_round(delta);  // kernel 3's operand
+      sDd[c * L::kDStride + v] = tf32_round(delta * expf(lg_last - sLg[c]));
+    }
     __syncthreads();  // sDd complete; every warp is done reading sS
 
     // Step 2: S = gamma_last S + Dd^T K; A = Dd^T (v, c), B = K (c, d).
@@ -604,6 +497,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
+  round_tile<DKP>(sQ, L::kQStride);  // Q feeds P and Q S^T, K feeds P: rounded once
+  round_tile<DKP>(sK, L::kQStride);
+  __syncthreads();
 
   {  // P, causal, on TF32 mma; warp: rows 16 (w / 2), cols 32 (w % 2) ..
     const int mi = warp / 2, nj0 = 4 * (warp % 2);
@@ -612,11 +508,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
 #pragma unroll 2
       for (int k0 = 0; k0 < DKP; k0 += 8) {
         uint32_t aq[4];
-        load_a(aq, sQ, L::kQStride, 16 * mi, k0, g, t);
+        load_a<true>(aq, sQ, L::kQStride, 16 * mi, k0, g, t);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           uint32_t b[2];
-          load_b_nk(b, sK, L::kQStride, 8 * (nj0 + j), k0, g, t);
+          load_b_nk<true>(b, sK, L::kQStride, 8 * (nj0 + j), k0, g, t);
           mma_tf32(qk[j], aq, b);
         }
       }
@@ -644,11 +540,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
 #pragma unroll 2
     for (int k0 = 0; k0 < DKP; k0 += 8) {
       uint32_t aq[4];
-      load_a(aq, sQ, L::kQStride, 16 * mc, k0, g, t);
+      load_a<true>(aq, sQ, L::kQStride, 16 * mc, k0, g, t);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t b[2];
-        load_b_nk(b, sK, L::kQStride, 8 * (nq0 + j), k0, g, t);
+        load_b_nk<true>(b, sK, L::kQStride, 8 * (nq0 + j), k0, g, t);  // S_n, stored rounded by kernel 2
         mma_tf32(o[j], aq, b);
       }
     }
@@ -670,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t b[2];
-        load_b_kn(b, sD, L::kDStride, 8 * (nq0 + j), k0, g, t);
+        load_b_kn<true>(b, sD, L::kDStride, 8 * (nq0 + j), k0, g, t);  // Delta, stored rounded by kernel 2
         mma_tf32(o[j], ap, b);
       }
     }
@@ -684,20 +580,6 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
   }
 }
 
-template <typename Kernel>
-void set_smem(Kernel k, size_t bytes) {
-  LILY_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
-template <int LANES, int DKP>
-void launch_seq(cudaStream_t st, const ScanArgs& args) {
-  using L = SeqLayout<LANES, DKP>;
-  set_smem(seq_scan_kernel<LANES, DKP>, L::kSmemBytes);
-  const dim3 grid(static_cast<unsigned>((args.p.v_dim + L::kRows - 1) / L::kRows), args.p.v_heads);
-  seq_scan_kernel<LANES, DKP><<<grid, kThreads, L::kSmemBytes, st>>>(args);
-  LILY_LAUNCH_CHECK();
-}
-
 template <int DKP>
 void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, int n_chunks) {
   const ChunkArgs args{s, x, n_chunks};
@@ -706,44 +588,16 @@ void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, i
   chunk_prep_kernel<DKP><<<chunk_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
   const dim3 state_grid(static_cast<unsigned>((s.p.v_dim + kStateRows - 1) / kStateRows), s.p.v_heads);
-  set_smem(chunk_state_kernel<DKP>, StateLayout<DKP>::kSmemBytes);
-  chunk_state_kernel<DKP><<<state_grid, kThreads, StateLayout<DKP>::kSmemBytes, st>>>(args);
+  constexpr int kSDKP = DKP <= 64 ? 64 : 128;  // the state kernel's 16 warps split 64 or 128 key columns evenly
+  set_smem(chunk_state_kernel<kSDKP>, StateLayout<kSDKP>::kSmemBytes);
+  chunk_state_kernel<kSDKP><<<state_grid, kStateThreads, StateLayout<kSDKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
   set_smem(chunk_out_kernel<DKP>, OutLayout<DKP>::kSmemBytes);
   chunk_out_kernel<DKP><<<chunk_grid, kThreads, OutLayout<DKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
 }
 
-void check_shape(const kp::DeltaNetParams& p, const char* who) {
-  if (p.k_dim < 1 || p.k_dim > 128 || p.v_dim < 1 || p.k_heads < 1 || p.v_heads % p.k_heads != 0)
-    throw std::invalid_argument(std::string("[lily] cuda ") + who +
-                                ": needs 1 <= Dk <= 128, Dv >= 1 and Hv a multiple of Hk");
-}
-
 }  // namespace
-
-void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
-                       const float* dt_bias, const float* a_log, float* ssm, float* y, int lanes_per_row) {
-  check_shape(p, "deltanet_scan_seq");
-  if (p.S <= 0) return;
-  const ScanArgs args{p, u, b, a, dt_bias, a_log, ssm, y, false};
-  const int nk = (p.k_dim + 31) / 32;
-  if (lanes_per_row == 16) {
-    switch (nk) {
-      case 1: return launch_seq<16, 32>(st, args);
-      case 2: return launch_seq<16, 64>(st, args);
-      case 3: return launch_seq<16, 96>(st, args);
-      default: return launch_seq<16, 128>(st, args);
-    }
-  }
-  if (lanes_per_row != 8) throw std::invalid_argument("[lily] cuda deltanet_scan_seq: lanes_per_row is 8 or 16");
-  switch (nk) {
-    case 1: return launch_seq<8, 32>(st, args);
-    case 2: return launch_seq<8, 64>(st, args);
-    case 3: return launch_seq<8, 96>(st, args);
-    default: return launch_seq<8, 128>(st, args);
-  }
-}
 
 size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
   const int64_t n_chunks = (p.S + kChunk - 1) / kChunk;
