@@ -1,4 +1,4 @@
-// build: csrc/cuda/gemm.cu csrc/cuda/gemm_wgmma.cu
+// build: csrc/cuda/gemm.cu csrc/cuda/gemm_wgmma.cu csrc/cuda/gemm_one.cu
 // Prefill GEMM family (gemm.cuh): the mma.sync GEMM (impl 1) and the wmma fallback (impl 0,
 // forced by cuda::force_gemm_fallback; gemm.cu takes it for weights the mma GEMM does not serve)
 // against an fp64 host reference on real and awkward shapes, plain and grouped (MoE), then both timed at the

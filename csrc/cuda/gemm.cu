@@ -308,14 +308,16 @@ bool mma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda)
 }
 
 // The wgmma GEMM takes products of `rows` rows per tile (plain M or expert tile rows) from 64 up; plain products
-// only when its tiles (64/128 rows x 128 outputs at least) reach a quarter of the SMs: a narrow product (the shared
-// expert's one-output gate) would run one K pass on a few SMs, where the mma GEMM shrinks its tiles to fill the GPU.
-// (A/B on the H200, compare_builds_chunk_h200.json: half the SMs sent the 512-output k/v and shared gate/up at
-// 2,048 rows (64 CTAs) back to the mma GEMM, 28 -> 37 us each, 0.95x on a 4K prefill.)
+// when its tiles (64/128 rows x 128 outputs at least) reach a quarter of the SMs, or when the product has at most
+// 64 outputs. The mma GEMM shrinks its row tiles to fill the GPU, which pays for wide products (A/B on the H200,
+// compare_builds_chunk_h200.json: half the SMs sent the 512-output k/v and shared gate/up at 2,048 rows (64 CTAs)
+// back to the mma GEMM, 28 -> 37 us each, 0.95x on a 4K prefill), but each of its 16-row tiles still runs a full
+// K pass: the 32-output DeltaNet b and a took 173-177 us at 4,096 rows there (256 CTAs, SM 11%, H200 ncu) where
+// the wgmma GEMM's 128-row tiles took 35 us at 2,048 rows (16 CTAs).
 bool wgmma_takes(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda, int64_t rows, bool plain) {
   if (force_wmma || rows < 64 || !gemm_wgmma_supported(W0, W1, A, lda)) return false;
   const int64_t tiles = (rows + (rows >= 128 ? 127 : 63)) / (rows >= 128 ? 128 : 64);
-  return !plain || tiles * ((W0.p.out + 127) / 128) * 4 >= device_sm_count();
+  return !plain || W0.p.out <= 64 || tiles * ((W0.p.out + 127) / 128) * 4 >= device_sm_count();
 }
 }  // namespace
 
@@ -338,6 +340,7 @@ int64_t grouped_max_tiles(int64_t pairs, int n_experts, int tile_rows) {
 void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
             bool accumulate) {
   if (S == 1) return launch_gemv<false>(st, W, W, x, 0, nullptr, 1, y, nullptr, 0, nullptr, accumulate);
+  if (!force_wmma && one_output_supported(W, x, ldx)) return linear_one_output(st, W, x, ldx, S, y, ldy, accumulate);
   kp::GemmParams gp{S, ldx, ldy, 0, accumulate ? 1 : 0};
   if (wgmma_takes(W, nullptr, x, ldx, S, true))
     return gemm_wgmma(st, GemmMmaArgs{W, W, gp, GroupMap{}, x, y, nullptr}, false, S >= 128 ? 128 : 64);

@@ -75,6 +75,11 @@ int64_t grouped_max_tiles(int64_t pairs, int n_experts, int tile_rows);
 // y[s*ldy + r] (=|+=) sum_i x[s*ldx + i] W[r, i] for s < S, r < W.out. x: bf16 [S, ldx], y: fp32 [S, ldy].
 void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
             bool accumulate = false);
+// One output row (gemm_one.cu; linear() takes it for S > 1): y[s*ldy] (=|+=) x[s] . W[0], one warp per token row.
+// Supported: quantized 4/8-bit, group % 8 == 0, in % 8 == 0, x rows 16-byte aligned (ldx % 8 == 0).
+bool one_output_supported(const DLinear& W, const bf16* x, int64_t ldx);
+void linear_one_output(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
+                       bool accumulate);
 // y[s, r] = bf16(silu(x W0^T) * (x W1^T)) for s < S; y: bf16 [S, ldy] (gate/up pair of an FFN).
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
                      bf16* y, int64_t ldy);
