@@ -195,6 +195,31 @@ __device__ __forceinline__ void tri_product(float* dst, int cols, int col0, cons
     }
 }
 
+// The lower triangle of X Y^T for two TF32-rounded [C][DKP] shared tiles (the Gram K K^T of kernel 1, Q K^T of
+// kernel 3): warp w owns rows 16 (w / 2) .. and columns 32 (w % 2) ..; a block wholly above the diagonal is left 0.
+// acc[j][e] is entry (16 (w / 2) + g + 8 (e / 2), 8 (4 (w % 2) + j) + 2 t + e % 2).
+template <int DKP>
+__device__ __forceinline__ void causal_gram(float (&acc)[4][4], const float* sX, const float* sY, int ld, int warp,
+                                            int g, int t) {
+  const int mi = warp / 2, nj0 = 4 * (warp % 2);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  if (8 * nj0 >= 16 * (mi + 1)) return;
+#pragma unroll 2
+  for (int k0 = 0; k0 < DKP; k0 += 8) {
+    uint32_t a[4];
+    load_a<true>(a, sX, ld, 16 * mi, k0, g, t);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t b[2];
+      load_b_nk<true>(b, sY, ld, 8 * (nj0 + j), k0, g, t);
+      mma_tf32(acc[j], a, b);
+    }
+  }
+}
+
 template <int DKP>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args) {
   using L = PrepLayout<DKP>;
@@ -246,27 +271,14 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
   round_tile<DKP>(sK, L::kKStride);  // both operands of the Gram and W's B
   __syncthreads();
 
-  {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i) on TF32 mma; warp: rows 16 (w / 2), cols 32 (w % 2) ..
-    const int mi = warp / 2, nj0 = 4 * (warp % 2);
-    float kk[4][4] = {};
-    if (8 * nj0 < 16 * (mi + 1)) {  // else the whole block is on or above the diagonal: A = 0 there
-#pragma unroll 2
-      for (int k0 = 0; k0 < DKP; k0 += 8) {
-        uint32_t ak[4];
-        load_a<true>(ak, sK, L::kKStride, 16 * mi, k0, g, t);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t b[2];
-          load_b_nk<true>(b, sK, L::kKStride, 8 * (nj0 + j), k0, g, t);
-          mma_tf32(kk[j], ak, b);
-        }
-      }
-    }
+  {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i)
+    float kk[4][4];
+    causal_gram<DKP>(kk, sK, sK, L::kKStride, warp, g, t);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = 16 * mi + g + 8 * (e / 2), jj = 8 * (nj0 + j) + 2 * t + e % 2;
+        const int i = 16 * (warp / 2) + g + 8 * (e / 2), jj = 8 * (4 * (warp % 2) + j) + 2 * t + e % 2;
         sAt[jj * kChunk + i] = jj < i ? sBeta[i] * expf(sLg[i] - sLg[jj]) * kk[j][e] : 0.f;
       }
   }
@@ -501,27 +513,14 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
   round_tile<DKP>(sK, L::kQStride);
   __syncthreads();
 
-  {  // P, causal, on TF32 mma; warp: rows 16 (w / 2), cols 32 (w % 2) ..
-    const int mi = warp / 2, nj0 = 4 * (warp % 2);
-    float qk[4][4] = {};
-    if (8 * nj0 < 16 * (mi + 1)) {
-#pragma unroll 2
-      for (int k0 = 0; k0 < DKP; k0 += 8) {
-        uint32_t aq[4];
-        load_a<true>(aq, sQ, L::kQStride, 16 * mi, k0, g, t);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t b[2];
-          load_b_nk<true>(b, sK, L::kQStride, 8 * (nj0 + j), k0, g, t);
-          mma_tf32(qk[j], aq, b);
-        }
-      }
-    }
+  {  // P = (gamma_i / gamma_j) q_i.k_j (j <= i)
+    float qk[4][4];
+    causal_gram<DKP>(qk, sQ, sK, L::kQStride, warp, g, t);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = 16 * mi + g + 8 * (e / 2), jj = 8 * (nj0 + j) + 2 * t + e % 2;
+        const int i = 16 * (warp / 2) + g + 8 * (e / 2), jj = 8 * (4 * (warp % 2) + j) + 2 * t + e % 2;
         sP[i * L::kPStride + jj] = jj <= i ? tf32_round(expf(sLg[i] - sLg[jj]) * qk[j][e]) : 0.f;
       }
   }
@@ -559,10 +558,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
 #pragma unroll 2
     for (int k0 = 0; k0 < 16 * (mc + 1); k0 += 8) {
       uint32_t ap[4];
-      ap[0] = __float_as_uint(sP[(16 * mc + g) * L::kPStride + k0 + t]);
-      ap[1] = __float_as_uint(sP[(16 * mc + g + 8) * L::kPStride + k0 + t]);
-      ap[2] = __float_as_uint(sP[(16 * mc + g) * L::kPStride + k0 + t + 4]);
-      ap[3] = __float_as_uint(sP[(16 * mc + g + 8) * L::kPStride + k0 + t + 4]);
+      load_a<true>(ap, sP, L::kPStride, 16 * mc, k0, g, t);  // P, stored rounded
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t b[2];
