@@ -94,7 +94,7 @@ __device__ __forceinline__ void load_tile_async(float* dst, int dst_ld, const fl
   }
 }
 
-// mma.sync m16n8k8 TF32 helpers (form 2). Fragment layouts (PTX ISA, .tf32):
+// mma.sync m16n8k8 TF32 helpers. Fragment layouts (PTX ISA, .tf32):
 // g = lane / 4, t = lane % 4; A (16x8, row): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4);
 // B (8x8, col): b0 (t, g), b1 (t+4, g); C (16x8): c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
 __device__ __forceinline__ uint32_t tf32(float x) {

@@ -1,10 +1,11 @@
 // Internal to the Gated DeltaNet prefill forms (deltanet_seq.cu: sequential; deltanet_chunk.cu: chunked): their
-// shared arguments, block size, launch attribute and cp.async helpers.
+// shared arguments, block size, launch attribute and cp.async helpers (commit / wait: mma_bf16.cuh's).
 #pragma once
 #include <stdexcept>
 #include <string>
 
 #include "cuda/deltanet.cuh"
+#include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda::dn_scan {
 
@@ -26,11 +27,8 @@ __device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+using mma::cp_async_commit;
+using mma::cp_async_wait;
 
 template <typename Kernel>
 inline void set_smem(Kernel k, size_t bytes) {

@@ -11,7 +11,7 @@ namespace {
 using namespace dn_scan;
 constexpr int kStageTokens = 32;  // tokens staged per shared-memory buffer
 
-// Form 1: sequential scan. LANES lanes own one state row S[h, dv, :]; lane `sub` holds elements sub + LANES*i.
+// LANES lanes own one state row S[h, dv, :]; lane `sub` holds elements sub + LANES*i.
 // DKP = Dk rounded up to a multiple of 32; q/k columns past Dk are zero in shared memory, so padded state
 // elements stay 0 and the inner loops need no guards.
 template <int LANES, int DKP>

@@ -2,7 +2,7 @@
 // token row. The GEMMs tile 128 output rows and run one K pass per tile, so a 1-row weight cost them a full pass
 // per 16 tokens: 131-142 us for 4,096 tokens x 2,048 (gemm_mma_kernel<16, 8>, H200 ncu), where reading x once
 // takes ~5 us. Here every warp streams its own row of x with 16-byte loads and dequantizes the (L1-resident) weight
-// row as the mma GEMM does: s q + b rounded once to bf16; fp32 accumulate.
+// row with common.cuh's load_w8, rounded to bf16 as the mma GEMM's weights are; fp32 accumulate.
 #include "cuda/gemm.cuh"
 
 namespace lily::cuda {
@@ -10,33 +10,22 @@ namespace {
 
 constexpr int kOneThreads = 256;  // 8 token rows per block
 
-template <int BITS>
 __global__ void __launch_bounds__(kOneThreads) one_output_kernel(DLinear W, const bf16* x, int64_t ldx, int64_t S,
                                                                  float* y, int64_t ldy, bool accumulate) {
   const int64_t s = (static_cast<int64_t>(blockIdx.x) * kOneThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (s >= S) return;
-  const int64_t K = W.p.in;
-  const int group = W.p.group;
   const bf16* xr = x + s * ldx;
   float acc = 0.f;
-  for (int64_t i = 8 * lane; i < K; i += 256) {  // 8 consecutive elements per lane: one group (group % 8 == 0)
+  for (int64_t i = 8 * lane; i < W.p.in; i += 256) {  // 8 consecutive elements per lane (one group: group % 8 == 0)
     const uint4 xv = *reinterpret_cast<const uint4*>(xr + i);
-    const float sc = bf2f(W.scales[i / group]), bi = bf2f(W.biases[i / group]);
-    uint32_t q[2];
-    if constexpr (BITS == 8) {
-      q[0] = W.codes[i / 4];
-      q[1] = W.codes[i / 4 + 1];
-    } else {
-      q[0] = W.codes[i / 8];
-    }
     const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+    float w[8];
+    load_w8(W, 0, 0, i, w);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint32_t code = BITS == 8 ? (q[j / 4] >> (8 * (j % 4))) & 0xFFu : (q[0] >> (4 * j)) & 0xFu;
-      const float w = __bfloat162float(__float2bfloat16_rn(fmaf(sc, static_cast<float>(code), bi)));
-      const float xj = __uint_as_float((j % 2 ? xw[j / 2] & 0xFFFF0000u : xw[j / 2] << 16));
-      acc = fmaf(xj, w, acc);
+      const float xj = __uint_as_float(j % 2 ? xw[j / 2] & 0xFFFF0000u : xw[j / 2] << 16);
+      acc = fmaf(xj, __bfloat162float(__float2bfloat16_rn(w[j])), acc);  // the weight rounded once to bf16
     }
   }
   acc = warp_sum(acc);
@@ -55,8 +44,7 @@ void linear_one_output(cudaStream_t st, const DLinear& W, const bf16* x, int64_t
                        bool accumulate) {
   if (S <= 0) return;
   const unsigned blocks = static_cast<unsigned>((S * 32 + kOneThreads - 1) / kOneThreads);
-  if (W.p.bits == 8) one_output_kernel<8><<<blocks, kOneThreads, 0, st>>>(W, x, ldx, S, y, ldy, accumulate);
-  else one_output_kernel<4><<<blocks, kOneThreads, 0, st>>>(W, x, ldx, S, y, ldy, accumulate);
+  one_output_kernel<<<blocks, kOneThreads, 0, st>>>(W, x, ldx, S, y, ldy, accumulate);
   LILY_LAUNCH_CHECK();
 }
 

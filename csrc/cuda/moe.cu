@@ -13,10 +13,7 @@ __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_
 
 // One block of 1,024 threads: histogram -> exclusive scans (pairs and tiles per expert) -> tile map, one thread
 // per expert -> scatter of pairs. The pairs of a warp that share an expert meet in one shared-memory atomic
-// (__match_any_sync): routing is skewed, and one atomic per pair serialised on the popular experts. Each thread
-// loads kSortBatch pairs before using any: one global-load latency per batch instead of one per 1,024 pairs
-// (a single block has nothing else to hide it behind: 142 us per 4K-token layer with one pair per pass, H200).
-constexpr int kSortBatch = 8;
+// (__match_any_sync): routing is skewed, and one atomic per pair serialised on the popular experts.
 __global__ void sort_kernel(kp::MoeParams p, const int32_t* top_idx, const float* top_w, int tile_rows,
                             int32_t* pair_row, int32_t* pair_id, float* pair_w, int32_t* n_tiles,
                             int32_t* tile_expert, int32_t* tile_row0, int32_t* tile_rows_out) {
@@ -28,19 +25,11 @@ __global__ void sort_kernel(kp::MoeParams p, const int32_t* top_idx, const float
   int* fill = sm + E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
   __syncthreads();
-  // warp-uniform trip counts (__match_any_sync)
-  for (int64_t base = 0; base < P; base += kSortBatch * blockDim.x) {
-    int eb[kSortBatch];
-#pragma unroll
-    for (int u = 0; u < kSortBatch; ++u) {
-      const int64_t i = base + u * blockDim.x + threadIdx.x;
-      eb[u] = i < P ? top_idx[i] : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < kSortBatch; ++u) {
-      const unsigned peers = __match_any_sync(0xffffffffu, eb[u]);
-      if (eb[u] >= 0 && lane == __ffs(peers) - 1) atomicAdd(&counts[eb[u]], __popc(peers));
-    }
+  for (int64_t base = 0; base < P; base += blockDim.x) {  // warp-uniform trip count (__match_any_sync)
+    const int64_t i = base + threadIdx.x;
+    const int e = i < P ? top_idx[i] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) atomicAdd(&counts[e], __popc(peers));
   }
   __syncthreads();
   const int e = threadIdx.x;
@@ -59,30 +48,19 @@ __global__ void sort_kernel(kp::MoeParams p, const int32_t* top_idx, const float
   if (threadIdx.x == 0) *n_tiles = total_tiles;
   __syncthreads();
   // Order inside an expert group is arbitrary: each pair's result depends only on its own row.
-  for (int64_t base = 0; base < P; base += kSortBatch * blockDim.x) {
-    int eb[kSortBatch];
-    float wb[kSortBatch];
-#pragma unroll
-    for (int u = 0; u < kSortBatch; ++u) {
-      const int64_t i = base + u * blockDim.x + threadIdx.x;
-      eb[u] = i < P ? top_idx[i] : -1;
-      wb[u] = i < P ? top_w[i] : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kSortBatch; ++u) {
-      const int64_t i = base + u * blockDim.x + threadIdx.x;
-      const int ei = eb[u];
-      const unsigned peers = __match_any_sync(0xffffffffu, ei);
-      const int leader = __ffs(peers) - 1;
-      int start = 0;
-      if (ei >= 0 && lane == leader) start = atomicAdd(&fill[ei], __popc(peers));
-      start = __shfl_sync(0xffffffffu, start, leader);
-      if (ei >= 0) {
-        const int pos = start + __popc(peers & ((1u << lane) - 1u));
-        pair_row[pos] = static_cast<int32_t>(i / k);
-        pair_id[pos] = static_cast<int32_t>(i);
-        pair_w[pos] = wb[u];
-      }
+  for (int64_t base = 0; base < P; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const int ei = i < P ? top_idx[i] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, ei);
+    const int leader = __ffs(peers) - 1;
+    int start = 0;
+    if (ei >= 0 && lane == leader) start = atomicAdd(&fill[ei], __popc(peers));
+    start = __shfl_sync(0xffffffffu, start, leader);
+    if (ei >= 0) {
+      const int pos = start + __popc(peers & ((1u << lane) - 1u));
+      pair_row[pos] = static_cast<int32_t>(i / k);
+      pair_id[pos] = static_cast<int32_t>(i);
+      pair_w[pos] = top_w[i];
     }
   }
 }
