@@ -320,7 +320,8 @@ static void check_sort(int64_t S, int E, int k, int tile_rows, bool skew) {
   int32_t *prow = dv.alloc<int32_t>(P), *pid = dv.alloc<int32_t>(P), *nt = dv.alloc<int32_t>(1);
   float* pw = dv.alloc<float>(P);
   int32_t *te = dv.alloc<int32_t>(max_tiles), *tr0 = dv.alloc<int32_t>(max_tiles), *trs = dv.alloc<int32_t>(max_tiles);
-  lc::moe_sort(0, p, di, dw, tile_rows, prow, pid, pw, nt, te, tr0, trs);
+  int32_t* base = dv.alloc<int32_t>(lc::moe_sort_scratch(P, E));
+  lc::moe_sort(0, p, di, dw, tile_rows, prow, pid, pw, nt, te, tr0, trs, base);
   after_launch();
   const auto g_row = get(prow, P), g_id = get(pid, P), g_nt = get(nt, 1), g_te = get(te, max_tiles),
              g_r0 = get(tr0, max_tiles), g_rs = get(trs, max_tiles);
@@ -355,6 +356,9 @@ static void check_sort(int64_t S, int E, int k, int tile_rows, bool skew) {
   report_exact(fmt("moe_sort S=%lld E=%d k=%d tile_rows=%d%s (tiles %lld)", (long long)S, E, k, tile_rows,
                    skew ? " skew" : "", (long long)want_tiles),
                ref, got);
+  if (S >= 4096)
+    std::printf("TIME moe_sort S=%lld E=%d k=%d%s %.1f us\n", (long long)S, E, k, skew ? " skew" : "",
+                median_us([&] { lc::moe_sort(0, p, di, dw, tile_rows, prow, pid, pw, nt, te, tr0, trs, base); }));
 }
 
 // ---------------------------------------------------------------- moe.cu: moe_combine
@@ -379,6 +383,11 @@ static void check_combine(int64_t S, int64_t H, int k) {
     }
   report(fmt("moe_combine S=%lld H=%lld k=%d", (long long)S, (long long)H, k), ref, to_d(get(dx, S * H)),
          tolerances::small_fp32_rel_rms);
+  if (S >= 4096) {
+    const double us = median_us([&] { lc::moe_combine(0, p, dsh, dg, dd, dx); });
+    std::printf("TIME moe_combine S=%lld H=%lld k=%d %.1f us (%.2f TB/s)\n", (long long)S, (long long)H, k, us,
+                4.0 * S * H * (k + 3) / us * 1e-6);
+  }
 }
 
 // ---------------------------------------------------------------- deltanet.cu
@@ -632,6 +641,11 @@ int main(int argc, char** argv) {
   C("sort", [] { check_sort(37, 5, 3, 16, false); });
   C("sort", [] { check_sort(300, 5, 3, 64, true); });
   C("sort", [] { check_sort(1, 5, 3, 16, false); });
+  // several sort blocks (2,048 pairs each): the 4K and 16K prefill chunks, a partial last block, E > 256 threads
+  C("sort", [] { check_sort(4096, 256, 8, 128, false); });
+  C("sort", [] { check_sort(16384, 256, 8, 64, true); });
+  C("sort", [] { check_sort(2049, 256, 8, 128, true); });
+  C("sort", [] { check_sort(300, 1000, 8, 16, false); });
 
   // moe_combine: hidden 2048 top-8; > 4096 blocks of work (grid-stride loop); awkward H / k.
   C("combine", [] { check_combine(1, 2048, 8); });
@@ -639,6 +653,7 @@ int main(int argc, char** argv) {
   C("combine", [] { check_combine(600, 2048, 8); });
   C("combine", [] { check_combine(5, 96, 3); });
   C("combine", [] { check_combine(7, 33, 1); });
+  C("combine", [] { check_combine(4096, 2048, 8); });
 
   // deltanet_conv: real (Hk 16, Hv 32, Dk = Dv = 128, C 8192, K 4) at S = 1 (< K-1: state rows shift), 37, 100;
   // awkward heads / dims (C not a multiple of the 128-thread block), S = 2, K = 2.

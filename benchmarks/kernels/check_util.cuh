@@ -69,6 +69,26 @@ static std::vector<T> get(const T* d, size_t n) {
   return h;
 }
 
+// Median microseconds of `reps` event-timed runs of f after two warm-ups (a speed line, not a check).
+static double median_us(const std::function<void()>& f, int reps = 20) {
+  f(), f();
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> t(reps);
+  for (auto& x : t) {
+    CK(cudaEventRecord(a));
+    f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&x, a, b));
+  }
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return 1e3 * t[reps / 2];
+}
+
 // Runs one case; an exception (CUDA error, launcher refusal) is one FAIL. A sticky CUDA error ends the program.
 static void run_case(const std::string& name, const std::function<void()>& f) {
   try {

@@ -36,7 +36,6 @@ namespace {
 
 using cuda::bf16;
 using cuda::DLinear;
-
 using DLayer = cuda::DeviceLayer;
 
 // Device control block of the decode steps: two slots alternate by step parity (DecodeStep::index & 1). Step p
@@ -320,7 +319,7 @@ class CudaBackend final : public Backend {
                        cuda::gemm_mma_supported(L.down, nullptr, act_, cfg_.moe_inter);
       if (!mma) tr = std::min(tr, cuda::kGemmBM);
       cuda::moe_sort(st_, p, top_idx_, top_w_, tr, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_, tile_row0_,
-                     tile_rows_);
+                     tile_rows_, sort_base_);
       int64_t tiles = cuda::grouped_max_tiles(S * k, cfg_.n_experts, tr);  // grid bound; the count is on the device
       if (routing_sync_) {  // ablation: wait for the count on the host and launch exactly that
         int32_t n = 0;
@@ -704,6 +703,7 @@ class CudaBackend final : public Backend {
     tile_expert_ = s_tile_expert_.get<int32_t>(mem_, max_tiles(S));
     tile_row0_ = s_tile_row0_.get<int32_t>(mem_, max_tiles(S));
     tile_rows_ = s_tile_rows_.get<int32_t>(mem_, max_tiles(S));
+    sort_base_ = s_sort_.get<int32_t>(mem_, cuda::moe_sort_scratch(P, cfg_.n_experts));
     act_ = s_act_.get<bf16>(mem_, P * cfg_.moe_inter);
     d_ = s_d_.get<float>(mem_, P * H);
     sact_ = s_sact_.get<bf16>(mem_, S * cfg_.shared_inter);
@@ -725,7 +725,7 @@ class CudaBackend final : public Backend {
 
   Scratch s_ids_, s_x_, s_h_, s_qkv_, s_u_, s_z_, s_y_, s_yb_, s_b_, s_a_, s_qg_, s_q_, s_k_, s_v_, s_ob_, s_logits_,
       s_top_idx_, s_top_w_, s_pair_row_, s_pair_id_, s_pair_w_, s_n_tiles_, s_tile_expert_, s_tile_row0_,
-      s_tile_rows_, s_act_, s_d_, s_sact_, s_shd_, s_sg_, part_, lg_, s_deltanet_;
+      s_tile_rows_, s_sort_, s_act_, s_d_, s_sact_, s_shd_, s_sg_, part_, lg_, s_deltanet_;
   int32_t* ids_ = nullptr;
   float* x_ = nullptr;                                  // [S, H] residual stream
   bf16* h_ = nullptr;                                   // [S, H] normed input of the sub-block
@@ -742,11 +742,11 @@ class CudaBackend final : public Backend {
   int32_t *pair_row_ = nullptr, *pair_id_ = nullptr;    // [S*k]
   float* pair_w_ = nullptr;                             // [S*k]
   int32_t *n_tiles_ = nullptr, *tile_expert_ = nullptr, *tile_row0_ = nullptr, *tile_rows_ = nullptr;
+  int32_t* sort_base_ = nullptr;                        // moe_sort's per-block counts / positions
   bf16* act_ = nullptr;                                 // [S*k, I]
   float* d_ = nullptr;                                  // [S*k, H]
   bf16* sact_ = nullptr;                                // [S, Is]
   float *shd_ = nullptr, *sg_ = nullptr;                // [S, H], [S]
-
 
   // Ablation switches (set_flag): defaults are the fast paths.
   int graph_on_ = 1;        // decode steps recorded as CUDA graphs and replayed

@@ -47,16 +47,16 @@ constexpr int kGemmBM = 64;
 // Rows of GEMM block tile blockIdx.x: plain tiles cover rows [t*bm, +bm) of M; grouped tiles read their expert,
 // first sorted pair and row count from the tile map. False when the tile is past the device's tile count.
 __device__ __forceinline__ bool gemm_tile_rows(const kp::GemmParams& gp, const GroupMap& g, int bm, int64_t& r0,
-                                               int64_t& e, int& nrows) {
+                                               int64_t& e, int& nrows, int t = -1) {
+  if (t < 0) t = blockIdx.x;  // (the persistent wgmma GEMM passes its work item's tile)
   e = 0;
   if (gp.grouped) {
-    const int t = blockIdx.x;
     if (t >= *g.n_tiles) return false;
     e = g.tile_expert[t];
     r0 = g.tile_row0[t];
     nrows = g.tile_rows[t];
   } else {
-    r0 = static_cast<int64_t>(blockIdx.x) * bm;
+    r0 = static_cast<int64_t>(t) * bm;
     nrows = static_cast<int>(min64(bm, gp.M - r0));
   }
   return true;

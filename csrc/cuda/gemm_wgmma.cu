@@ -10,7 +10,14 @@
 //     the raw code rows, the scale / bias words) and signals each stage with cp.async.mbarrier.arrive.noinc: it
 //     never waits on a load, only on the consumers' release of a slot;
 //   * CTA tile 128 MB weight rows (2 consumer warpgroups x MB m64 blocks) x TN tokens x 64 k, kStages stages;
-//     setmaxnreg moves registers from the producer (64) to the consumers (216; spills at 56 / 232).
+//     setmaxnreg moves registers from the producer (72: its persistent loop spilled at 64 in the dual tiles) to the
+//     consumers (216): 128 x 72 + 256 x 216 = 384 x 168, exactly what the launch allocated (168 per thread). The
+//     first version asked 80 / 216 = 65,536 > 64,512: the consumers' setmaxnreg.inc waited forever for registers
+//     the pool never had (it hung on the H200, 2026-12-02);
+//   * persistent (below): one CTA per SM slot walks the work items, the stage ring running on across them, so
+//     the producer fills the next item's stages during this item's epilogue. On the H200 (check_gemm, 2,048
+//     tokens): the MoE down 312 -> 284 us, the shared gate/up 48.6 -> 43.9, the DeltaNet out-projection 152 ->
+//     158 (its accumulate reads); a 4K prefill 1.024x (dev/compare_builds.py, seventh session).
 // Measured on the H200 (dev/gemm_lab/gemm_wgmma.cu v4, M = 4096): 470 TFLOP/s on the DeltaNet in-projection and
 // the attention q/k/v (48% of 990), 2.4x the mma.sync GEMM's shape of kernel that dequantised into a shared tile
 // (whose ncu showed the L1/shared pipe at 90%, the tensor pipe idle).
@@ -89,8 +96,14 @@ __device__ __forceinline__ int64_t tile_feature(int64_t n0, int r, bool& w1) {
   return DUAL ? n0 + 64 * (r / 128) + r % 64 : n0 + r;
 }
 
+// Persistent: a CTA runs work items blockIdx.x, + gridDim.x, ... (item w: token tile w % tiles of weight-row block
+// w / tiles), the stage ring running on across items, so the producer fills the next item's stages while the
+// consumers run this item's epilogue. A grouped item past the device's tile count, or of no rows, is skipped by both
+// roles alike (they read the same map). Each role keeps its own per-item table behind a named barrier of its own:
+// the producer the activation rows (barrier 1), the consumers the output rows and scales (barrier 2).
 template <int TN, int MB, bool DUAL>
-__global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_constant__ GemmMmaArgs args) {
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_wgmma_kernel(const __grid_constant__ GemmMmaArgs args, int tiles, int items) {
 #ifdef LILY_WGMMA
   using T = WgTile<TN, MB>;
   static_assert(!DUAL || MB == 2, "dual tiles hold W0's and W1's rows of 128 features");
@@ -100,24 +113,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
   __shared__ float y_scale[TN];
   const kp::GemmParams& gp = args.gp;
   const GroupMap& g = args.g;
-  int64_t r0, e;
-  int nrows;
-  if (!gemm_tile_rows(gp, g, TN, r0, e, nrows) || nrows <= 0) return;
   const uint32_t sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t xs0 = sbase, cs0 = xs0 + kStages * T::kXBytes, ss0 = cs0 + kStages * T::kCBytes;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   const int64_t N = args.W0.p.out, K = args.W0.p.in;
   const int ktiles = static_cast<int>(K / kBK);
-  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * (DUAL ? 128 : T::kRows);
   const int64_t wpr = K / 8, gpr = K / kBK;  // u32 code words, groups per weight row
-  const int64_t e_words = e * args.W0.p.expert_words, e_groups = e * args.W0.p.expert_groups;
-  if (tid < TN) {
-    const int m = min(tid, nrows - 1);  // rows past the tile repeat its last row; never stored
-    const int64_t pr = r0 + m;
-    a_off[tid] = (gp.grouped && g.a_rows ? g.a_rows[pr] : pr) * gp.lda;
-    y_row[tid] = tid < nrows ? (gp.grouped && g.y_rows ? g.y_rows[pr] : pr) : -1;
-    y_scale[tid] = gp.grouped && g.scale ? g.scale[pr] : 1.f;
-  }
+  const int64_t cols = DUAL ? 128 : T::kRows;
+  auto item = [&](int w, int64_t& n0, int64_t& r0, int64_t& e, int& nrows) {
+    n0 = static_cast<int64_t>(w / tiles) * cols;
+    return gemm_tile_rows(gp, g, TN, r0, e, nrows, w % tiles) && nrows > 0;
+  };
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       bar_init(&full[s], 128);  // every producer thread's cp.async arrival
@@ -128,35 +134,48 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
   __syncthreads();
 
   if (wg == 0) {  // ---- producer: cp.async only ----
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n" ::: "memory");
     const int xc = t % 8, xr = t / 8;  // activations: chunk xc of tile tokens xr + 16 i
     const int ch = t % 2, cr = t / 2;  // codes: half ch of tile rows cr + 64 i
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const int s = kt % kStages;
-      if (kt >= kStages) bar_wait(&empty[s], ((kt / kStages) - 1) & 1);
-      const uint32_t xs = xs0 + s * T::kXBytes, cs = cs0 + s * T::kCBytes, ss = ss0 + s * T::kSBytes;
-#pragma unroll
-      for (int i = 0; i < TN / 16; ++i) {
-        const int r = xr + 16 * i;
-        cp16(xs + swz(r, xc), args.A + a_off[r] + kt * kBK + xc * 8);
+    int it = 0;                        // k-tiles issued by this CTA: the ring position
+    for (int w = blockIdx.x; w < items; w += gridDim.x) {
+      int64_t n0, r0, e;
+      int nrows;
+      if (!item(w, n0, r0, e, nrows)) continue;
+      const int64_t e_words = e * args.W0.p.expert_words, e_groups = e * args.W0.p.expert_groups;
+      asm volatile("bar.sync 1, 128;" ::: "memory");  // every producer thread has issued the previous item
+      if (t < TN) {
+        const int64_t pr = r0 + min(t, nrows - 1);  // rows past the tile repeat its last row; never stored
+        a_off[t] = (gp.grouped && g.a_rows ? g.a_rows[pr] : pr) * gp.lda;
       }
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % kStages;
+        if (it >= kStages) bar_wait(&empty[s], ((it / kStages) - 1) & 1);
+        const uint32_t xs = xs0 + s * T::kXBytes, cs = cs0 + s * T::kCBytes, ss = ss0 + s * T::kSBytes;
 #pragma unroll
-      for (int i = 0; i < 2 * MB; ++i) {
-        const int r = cr + 64 * i;
-        bool w1;
-        const int64_t n = min64(tile_feature<DUAL>(n0, r, w1), N - 1);
-        const uint32_t* codes = (w1 ? args.W1.codes : args.W0.codes) + e_words + n * wpr + kt * 8 + ch * 4;
-        cp16(cs + r * 32 + ((ch ^ ((r >> 2) & 1)) << 4), codes);  // halves swapped on rows with bit 2: no conflicts
-      }
+        for (int i = 0; i < TN / 16; ++i) {
+          const int r = xr + 16 * i;
+          cp16(xs + swz(r, xc), args.A + a_off[r] + kt * kBK + xc * 8);
+        }
 #pragma unroll
-      for (int i = 0; i < MB; ++i) {
-        const int r = t + 128 * i;
-        bool w1;
-        const int64_t gi = e_groups + min64(tile_feature<DUAL>(n0, r, w1), N - 1) * gpr + kt;
-        cp4(ss + r * 8, word_of((w1 ? args.W1.scales : args.W0.scales) + gi));
-        cp4(ss + r * 8 + 4, word_of((w1 ? args.W1.biases : args.W0.biases) + gi));
+        for (int i = 0; i < 2 * MB; ++i) {
+          const int r = cr + 64 * i;
+          bool w1;
+          const int64_t n = min64(tile_feature<DUAL>(n0, r, w1), N - 1);
+          const uint32_t* codes = (w1 ? args.W1.codes : args.W0.codes) + e_words + n * wpr + kt * 8 + ch * 4;
+          cp16(cs + r * 32 + ((ch ^ ((r >> 2) & 1)) << 4), codes);  // halves swapped on rows with bit 2: no conflicts
+        }
+#pragma unroll
+        for (int i = 0; i < MB; ++i) {
+          const int r = t + 128 * i;
+          bool w1;
+          const int64_t gi = e_groups + min64(tile_feature<DUAL>(n0, r, w1), N - 1) * gpr + kt;
+          cp4(ss + r * 8, word_of((w1 ? args.W1.scales : args.W0.scales) + gi));
+          cp4(ss + r * 8 + 4, word_of((w1 ? args.W1.biases : args.W0.biases) + gi));
+        }
+        cp_bar_arrive(&full[s]);
       }
-      cp_bar_arrive(&full[s]);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {  // ---- consumers: warpgroup cw owns tile rows 64 MB cw .. + 64 MB - 1 as MB m64 blocks ----
@@ -164,96 +183,117 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_wgmma_kernel(const __grid_co
     const int cw = wg - 1, warp = t / 32, lane = t % 32, gid = lane / 4, c = lane % 4;
     // fragment row (j, rr) is tile row rb + 64 j + 8 rr; bit 2 of it (the code tile's half swap) is gid's
     const int rb = 64 * MB * cw + 16 * warp + gid, swap = (gid >> 2) & 1;
-    uint32_t half0 = 0;  // bit 2 (2j + rr) + {0: scale, 1: bias}: the half of k-tile 0's word holding the bf16
-#pragma unroll
-    for (int j = 0; j < MB; ++j)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        bool w1;
-        const int64_t gi = e_groups + min64(tile_feature<DUAL>(n0, rb + 64 * j + 8 * rr, w1), N - 1) * gpr;
-        half0 |= half_bit((w1 ? args.W1.scales : args.W0.scales) + gi) << (2 * (2 * j + rr));
-        half0 |= half_bit((w1 ? args.W1.biases : args.W0.biases) + gi) << (2 * (2 * j + rr) + 1);
+    int it = 0;  // k-tiles consumed by this CTA: the ring position
+    for (int w = blockIdx.x; w < items; w += gridDim.x) {
+      int64_t n0, r0, e;
+      int nrows;
+      if (!item(w, n0, r0, e, nrows)) continue;
+      const int64_t e_groups = e * args.W0.p.expert_groups;
+      asm volatile("bar.sync 2, 256;" ::: "memory");  // the previous item's epilogue has read the table
+      if (tid - 128 < TN) {
+        const int m = tid - 128;
+        const int64_t pr = r0 + min(m, nrows - 1);
+        y_row[m] = m < nrows ? (gp.grouped && g.y_rows ? g.y_rows[pr] : pr) : -1;
+        y_scale[m] = gp.grouped && g.scale ? g.scale[pr] : 1.f;
       }
-    float d[MB][TN / 2];
-#pragma unroll
-    for (int j = 0; j < MB; ++j)
-#pragma unroll
-      for (int i = 0; i < TN / 2; ++i) d[j][i] = 0.f;
-    uint32_t fr[2][MB][4];  // [buffer][m64 block][a0..a3]
-    uint32_t s2[MB][2], b2[MB][2];
-    auto load_sb = [&](int kt) {  // this stage's scale and bias of the fragment rows, the bf16 in both halves
-      const uint32_t ss = ss0 + (kt % kStages) * T::kSBytes + rb * 8;
+      asm volatile("bar.sync 2, 256;" ::: "memory");
+      uint32_t half0 = 0;  // bit 2 (2j + rr) + {0: scale, 1: bias}: the half of k-tile 0's word holding the bf16
 #pragma unroll
       for (int j = 0; j < MB; ++j)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-          const uint32_t a = ss + (64 * j + 8 * rr) * 8, h = half0 >> (2 * (2 * j + rr));
-          s2[j][rr] = __byte_perm(ld_s32(a), 0u, ((h ^ kt) & 1) ? 0x3232u : 0x1010u);
-          b2[j][rr] = __byte_perm(ld_s32(a + 4), 0u, (((h >> 1) ^ kt) & 1) ? 0x3232u : 0x1010u);
+          bool w1;
+          const int64_t gi = e_groups + min64(tile_feature<DUAL>(n0, rb + 64 * j + 8 * rr, w1), N - 1) * gpr;
+          half0 |= half_bit((w1 ? args.W1.scales : args.W0.scales) + gi) << (2 * (2 * j + rr));
+          half0 |= half_bit((w1 ? args.W1.biases : args.W0.biases) + gi) << (2 * (2 * j + rr) + 1);
         }
-    };
-    auto load_frag = [&](int kt, int step, uint32_t (&f)[MB][4]) {  // words 2 step, 2 step + 1 of each row
-      const uint32_t cs = cs0 + (kt % kStages) * T::kCBytes + rb * 32 + (((step >> 1) ^ swap) << 4) + (step & 1) * 8;
+      float d[MB][TN / 2];
 #pragma unroll
       for (int j = 0; j < MB; ++j)
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          uint32_t v0, v1;
-          asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v0), "=r"(v1) : "r"(cs + (64 * j + 8 * rr) * 32) : "memory");
-          f[j][rr] = dequant4_pair(v0, v0 >> 4, c, s2[j][rr], b2[j][rr]);      // a0 / a1: k 2c, 2c+1
-          f[j][2 + rr] = dequant4_pair(v1, v1 >> 4, c, s2[j][rr], b2[j][rr]);  // a2 / a3: k 2c+8, 2c+9
-        }
-    };
-    bar_wait(&full[0], 0);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes -> wgmma's async proxy
-    load_sb(0);
-    load_frag(0, 0, fr[0]);
-    for (int kt = 0; kt < ktiles; ++kt) {
-      const uint32_t xs = xs0 + (kt % kStages) * T::kXBytes;
+        for (int i = 0; i < TN / 2; ++i) d[j][i] = 0.f;
+      uint32_t fr[2][MB][4];  // [buffer][m64 block][a0..a3]
+      uint32_t s2[MB][2], b2[MB][2];
+      const int it0 = it;
+      auto load_sb = [&](int kt) {  // this stage's scale and bias of the fragment rows, the bf16 in both halves
+        const uint32_t ss = ss0 + ((it0 + kt) % kStages) * T::kSBytes + rb * 8;
 #pragma unroll
-      for (int step = 0; step < kBK / 16; ++step) {
-        const int b = step & 1;
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        for (int j = 0; j < MB; ++j)
 #pragma unroll
-        for (int j = 0; j < MB; ++j) wgmma_rs(d[j], fr[b][j], desc(xs + step * 32));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the previous step's group is done
+          for (int rr = 0; rr < 2; ++rr) {
+            const uint32_t a = ss + (64 * j + 8 * rr) * 8, h = half0 >> (2 * (2 * j + rr));
+            s2[j][rr] = __byte_perm(ld_s32(a), 0u, ((h ^ kt) & 1) ? 0x3232u : 0x1010u);
+            b2[j][rr] = __byte_perm(ld_s32(a + 4), 0u, (((h >> 1) ^ kt) & 1) ? 0x3232u : 0x1010u);
+          }
+      };
+      auto load_frag = [&](int kt, int step, uint32_t (&f)[MB][4]) {  // words 2 step, 2 step + 1 of each row
+        const uint32_t cs =
+            cs0 + ((it0 + kt) % kStages) * T::kCBytes + rb * 32 + (((step >> 1) ^ swap) << 4) + (step & 1) * 8;
 #pragma unroll
-        for (int j = 0; j < MB; ++j) keep(fr[b ^ 1][j]);
-        if (step == 0 && kt > 0 && lane == 0) bar_arrive(&empty[(kt - 1) % kStages]);
-        if (step + 1 < kBK / 16) {
-          load_frag(kt, step + 1, fr[b ^ 1]);
-        } else if (kt + 1 < ktiles) {
-          bar_wait(&full[(kt + 1) % kStages], ((kt + 1) / kStages) & 1);
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          load_sb(kt + 1);
-          load_frag(kt + 1, 0, fr[b ^ 1]);
+        for (int j = 0; j < MB; ++j)
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            uint32_t v0, v1;
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v0), "=r"(v1) : "r"(cs + (64 * j + 8 * rr) * 32) : "memory");
+            f[j][rr] = dequant4_pair(v0, v0 >> 4, c, s2[j][rr], b2[j][rr]);      // a0 / a1: k 2c, 2c+1
+            f[j][2 + rr] = dequant4_pair(v1, v1 >> 4, c, s2[j][rr], b2[j][rr]);  // a2 / a3: k 2c+8, 2c+9
+          }
+      };
+      bar_wait(&full[it0 % kStages], (it0 / kStages) & 1);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes -> wgmma's async proxy
+      load_sb(0);
+      load_frag(0, 0, fr[0]);
+      for (int kt = 0; kt < ktiles; ++kt) {
+        const uint32_t xs = xs0 + ((it0 + kt) % kStages) * T::kXBytes;
+#pragma unroll
+        for (int step = 0; step < kBK / 16; ++step) {
+          const int b = step & 1;
+          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+          for (int j = 0; j < MB; ++j) wgmma_rs(d[j], fr[b][j], desc(xs + step * 32));
+          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the previous step's group is done
+#pragma unroll
+          for (int j = 0; j < MB; ++j) keep(fr[b ^ 1][j]);
+          if (step == 0 && kt > 0 && lane == 0) bar_arrive(&empty[(it0 + kt - 1) % kStages]);
+          if (step + 1 < kBK / 16) {
+            load_frag(kt, step + 1, fr[b ^ 1]);
+          } else if (kt + 1 < ktiles) {
+            const int nx = it0 + kt + 1;
+            bar_wait(&full[nx % kStages], (nx / kStages) & 1);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            load_sb(kt + 1);
+            load_frag(kt + 1, 0, fr[b ^ 1]);
+          }
         }
       }
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-    for (int j = 0; j < MB; ++j) keep(d[j]);
-    // accumulator i of block j: tile row rb + 64 j + 8 ((i / 2) % 2), tile token (i / 4) 8 + 2 c + i % 2
-    const int64_t ldy = gp.ldy;
+      for (int j = 0; j < MB; ++j) keep(d[j]);
+      if (lane == 0) bar_arrive(&empty[(it0 + ktiles - 1) % kStages]);  // the item's last stage, for the next item
+      it = it0 + ktiles;
+      // accumulator i of block j: tile row rb + 64 j + 8 ((i / 2) % 2), tile token (i / 4) 8 + 2 c + i % 2
+      const int64_t ldy = gp.ldy;
+      n0 = static_cast<int64_t>(w / tiles) * cols;  // recomputed: not held in a register across the k loop
 #pragma unroll
-    for (int i = 0; i < TN / 2; ++i) {
-      const int m = (i / 4) * 8 + 2 * c + (i % 2);
-      const int64_t orow = y_row[m];
-      if (orow < 0) continue;
-      if constexpr (DUAL) {
-        bool w1;
-        const int64_t n = tile_feature<true>(n0, rb + 8 * ((i / 2) % 2), w1);
-        if (n < N) args.yb[orow * ldy + n] = __float2bfloat16(siluf_(d[0][i]) * d[1][i]);
-      } else {
-        const float sc = y_scale[m];
+      for (int i = 0; i < TN / 2; ++i) {
+        const int m = (i / 4) * 8 + 2 * c + (i % 2);
+        const int64_t orow = y_row[m];
+        if (orow < 0) continue;
+        if constexpr (DUAL) {
+          bool w1;
+          const int64_t n = tile_feature<true>(n0, rb + 8 * ((i / 2) % 2), w1);
+          if (n < N) args.yb[orow * ldy + n] = __float2bfloat16(siluf_(d[0][i]) * d[1][i]);
+        } else {
+          const float sc = y_scale[m];
 #pragma unroll
-        for (int j = 0; j < MB; ++j) {
-          const int64_t n = n0 + rb + 64 * j + 8 * ((i / 2) % 2);
-          if (n >= N) continue;
-          float* dst = args.y + orow * ldy + n;
-          const float v = d[j][i] * sc;
-          *dst = gp.accumulate ? *dst + v : v;
+          for (int j = 0; j < MB; ++j) {
+            const int64_t n = n0 + rb + 64 * j + 8 * ((i / 2) % 2);
+            if (n >= N) continue;
+            float* dst = args.y + orow * ldy + n;
+            const float v = d[j][i] * sc;
+            *dst = gp.accumulate ? *dst + v : v;
+          }
         }
       }
     }
@@ -267,17 +307,20 @@ template <int TN, int MB, bool DUAL>
 void launch(cudaStream_t st, const GemmMmaArgs& a) {
   using T = WgTile<TN, MB>;
   auto* kernel = gemm_wgmma_kernel<TN, MB, DUAL>;
-  static const bool attr_set = [kernel] {
+  static const int per_sm = [kernel] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem), "gemm_wgmma smem attribute");
-    return true;
+    int n = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, T::kSmem), "gemm_wgmma occupancy");
+    return n < 1 ? 1 : n;
   }();
-  (void)attr_set;
   const int64_t tiles = a.gp.grouped ? a.g.max_tiles : (a.gp.M + TN - 1) / TN;
   const int64_t cols = DUAL ? 128 : T::kRows;
   const int64_t nblocks = (a.W0.p.out + cols - 1) / cols;
   if (tiles <= 0 || nblocks <= 0) return;
-  if (nblocks > 65535) throw std::invalid_argument("[lily] gemm_wgmma: more than 65535 column blocks");
-  kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(nblocks)), kThreads, T::kSmem, st>>>(a);
+  const int64_t items = tiles * nblocks;
+  if (items > INT32_MAX) throw std::invalid_argument("[lily] gemm_wgmma: more than 2^31 work items");
+  const int64_t grid = std::min<int64_t>(items, static_cast<int64_t>(device_sm_count()) * per_sm);
+  kernel<<<static_cast<unsigned>(grid), kThreads, T::kSmem, st>>>(a, static_cast<int>(tiles), static_cast<int>(items));
   LILY_LAUNCH_CHECK();
 }
 

@@ -11,10 +11,12 @@ namespace lily::cuda {
 void moe_route(cudaStream_t st, const kp::MoeParams& p, const float* logits, int32_t* top_idx, float* top_w);
 // Groups the S*k (token, expert) pairs by expert and cuts each group into tiles of at most tile_rows:
 //   pair_row[P] (token row), pair_id[P] (s*k + j), pair_w[P]; tiles: n_tiles[1], tile_expert/row0/rows[max_tiles].
-// One block, no host synchronisation; max_tiles = ceil(S*k / tile_rows) + E.
+// Three launches, no host synchronisation; max_tiles = ceil(S*k / tile_rows) + E; block_base: int32 scratch of
+// moe_sort_scratch(S*k, E) elements (per-block counts, then positions).
+int64_t moe_sort_scratch(int64_t pairs, int n_experts);
 void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, const float* top_w, int tile_rows,
               int32_t* pair_row, int32_t* pair_id, float* pair_w, int32_t* n_tiles, int32_t* tile_expert,
-              int32_t* tile_row0, int32_t* tile_rows_out);
+              int32_t* tile_row0, int32_t* tile_rows_out, int32_t* block_base);
 // x[s, :] += sigmoid(gate[s]) * sh[s, :] + sum_j d[s*k + j, :].  sh, d (fp32 [S, H], [S*k, H]), gate fp32 [S].
 void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const float* d, float* x);
 
