@@ -694,6 +694,7 @@ int main(int argc, char** argv) {
       time_plain("router", 8, 2048, 256, 2048, kStore);
       time_plain("shared_gate_up", 4, 2048, 512, 2048, kDual);
       time_grouped(r, 2048);
+      time_grouped(r, 4096);  // the 4K prefill's tile map (128-row tiles)
     } else {
       std::printf("INFO timing skipped: correctness failed\n");
     }

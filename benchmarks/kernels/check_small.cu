@@ -1,4 +1,4 @@
-// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu
+// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu csrc/cuda/gemm.cu csrc/cuda/gemm_wgmma.cu csrc/cuda/gemm_one.cu
 // The small CUDA kernel families (embed_norm.cu, moe.cu, deltanet.cu conv / gated norm, attention.cu
 // prep; deltanet.cuh: deltanet_step with its fused gated norm) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes
@@ -317,15 +317,17 @@ static void check_sort(int64_t S, int E, int k, int tile_rows, bool skew) {
   p.hidden = 2048, p.n_experts = E, p.top_k = k, p.inter = 512, p.shared_inter = 512, p.norm_topk_prob = 1, p.S = S;
   const int32_t* di = dv.put(idx);
   const float* dw = dv.put(w);
-  int32_t *prow = dv.alloc<int32_t>(P), *pid = dv.alloc<int32_t>(P), *nt = dv.alloc<int32_t>(1);
-  float* pw = dv.alloc<float>(P);
-  int32_t *te = dv.alloc<int32_t>(max_tiles), *tr0 = dv.alloc<int32_t>(max_tiles), *trs = dv.alloc<int32_t>(max_tiles);
-  int32_t* base = dv.alloc<int32_t>(lc::moe_sort_scratch(P, E));
-  lc::moe_sort(0, p, di, dw, tile_rows, prow, pid, pw, nt, te, tr0, trs, base);
+  lc::SortBuffers b;
+  b.pair_row = dv.alloc<int32_t>(P), b.pair_id = dv.alloc<int32_t>(P), b.pair_w = dv.alloc<float>(P);
+  b.n_tiles = dv.alloc<int32_t>(1), b.tile_expert = dv.alloc<int32_t>(max_tiles);
+  b.tile_row0 = dv.alloc<int32_t>(max_tiles), b.tile_rows = dv.alloc<int32_t>(max_tiles);
+  b.block_base = dv.alloc<int32_t>(lc::moe_sort_scratch(P, E));
+  lc::moe_sort(0, p, di, dw, tile_rows, b);
   after_launch();
-  const auto g_row = get(prow, P), g_id = get(pid, P), g_nt = get(nt, 1), g_te = get(te, max_tiles),
-             g_r0 = get(tr0, max_tiles), g_rs = get(trs, max_tiles);
-  const auto g_w = get(pw, P);
+  const auto g_row = get(b.pair_row, P), g_id = get(b.pair_id, P), g_nt = get(b.n_tiles, 1),
+             g_te = get(b.tile_expert, max_tiles), g_r0 = get(b.tile_row0, max_tiles),
+             g_rs = get(b.tile_rows, max_tiles);
+  const auto g_w = get(b.pair_w, P);
   std::vector<int64_t> cnt(E, 0);
   for (auto e : idx) ++cnt[e];
   int64_t want_tiles = 0;
@@ -358,7 +360,7 @@ static void check_sort(int64_t S, int E, int k, int tile_rows, bool skew) {
                ref, got);
   if (S >= 4096)
     std::printf("TIME moe_sort S=%lld E=%d k=%d%s %.1f us\n", (long long)S, E, k, skew ? " skew" : "",
-                median_us([&] { lc::moe_sort(0, p, di, dw, tile_rows, prow, pid, pw, nt, te, tr0, trs, base); }));
+                median_us([&] { lc::moe_sort(0, p, di, dw, tile_rows, b); }));
 }
 
 // ---------------------------------------------------------------- moe.cu: moe_combine

@@ -312,24 +312,8 @@ class CudaBackend final : public Backend {
       cuda::experts_gate_up(st_, L.gate, L.up, top_idx_, k, h_, act_);
       cuda::experts_down(st_, L.down, top_idx_, top_w_, k, act_, d_);
     } else {
-      // Rows per expert tile from the mean rows per expert (or the ablation's fixed size); the wmma GEMM (the
-      // fallback for weights the mma GEMM does not take) holds at most kGemmBM rows per tile.
-      int tr = expert_tile_ ? expert_tile_ : cuda::pick_expert_tile(S * k, cfg_.n_experts);
-      const bool mma = cuda::gemm_mma_supported(L.gate, &L.up, h_, H) &&
-                       cuda::gemm_mma_supported(L.down, nullptr, act_, cfg_.moe_inter);
-      if (!mma) tr = std::min(tr, cuda::kGemmBM);
-      cuda::moe_sort(st_, p, top_idx_, top_w_, tr, pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_, tile_row0_,
-                     tile_rows_, sort_base_);
-      int64_t tiles = cuda::grouped_max_tiles(S * k, cfg_.n_experts, tr);  // grid bound; the count is on the device
-      if (routing_sync_) {  // ablation: wait for the count on the host and launch exactly that
-        int32_t n = 0;
-        LILY_CUDA_CHECK(cudaMemcpyAsync(&n, n_tiles_, sizeof(n), cudaMemcpyDeviceToHost, st_));
-        sync();
-        tiles = n;
-      }
-      cuda::GroupMap g{n_tiles_, tile_expert_, tile_row0_, tile_rows_, pair_row_, pair_id_, pair_w_, tiles};
-      cuda::grouped_gate_up(st_, L.gate, L.up, g, h_, H, act_, tr);
-      cuda::grouped_down(st_, L.down, g, act_, d_, tr);
+      const cuda::SortBuffers b{pair_row_, pair_id_, pair_w_, n_tiles_, tile_expert_, tile_row0_, tile_rows_, sort_base_};
+      cuda::moe_experts(st_, p, L.gate, L.up, L.down, h_, top_idx_, top_w_, b, act_, d_, expert_tile_, routing_sync_);
     }
     cuda::moe_combine(st_, p, shd_, sg_, d_, x_);
   }

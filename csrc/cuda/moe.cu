@@ -1,5 +1,7 @@
 #include "cuda/moe.cuh"
 
+#include "cuda/gemm.cuh"
+
 #include <type_traits>
 
 namespace lily::cuda {
@@ -140,22 +142,43 @@ void moe_route(cudaStream_t st, const kp::MoeParams& p, const float* logits, int
 int64_t moe_sort_scratch(int64_t pairs, int n_experts) { return (pairs + kSortPairs - 1) / kSortPairs * n_experts; }
 
 void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, const float* top_w, int tile_rows,
-              int32_t* pair_row, int32_t* pair_id, float* pair_w, int32_t* n_tiles, int32_t* tile_expert,
-              int32_t* tile_row0, int32_t* tile_rows_out, int32_t* block_base) {
+              const SortBuffers& b) {
   if (p.n_experts > 1024) throw std::invalid_argument("[lily] cuda moe_sort: more than 1,024 experts");
   if (tile_rows < 1) throw std::invalid_argument("[lily] cuda moe_sort: tile_rows must be >= 1");
   const int64_t P = p.S * p.top_k, nb = (P + kSortPairs - 1) / kSortPairs;
   if (nb < 1 || nb > INT32_MAX / p.n_experts) throw std::invalid_argument("[lily] cuda moe_sort: pair count");
   const size_t smem = p.n_experts * sizeof(int);
-  sort_count_kernel<<<static_cast<unsigned>(nb), kSortThreads, smem, st>>>(P, p.n_experts, top_idx, block_base);
+  sort_count_kernel<<<static_cast<unsigned>(nb), kSortThreads, smem, st>>>(P, p.n_experts, top_idx, b.block_base);
   LILY_LAUNCH_CHECK();
   sort_plan_kernel<<<1, (p.n_experts + 31) / 32 * 32, 0, st>>>(static_cast<int>(nb), p.n_experts, tile_rows,
-                                                              block_base, n_tiles, tile_expert, tile_row0,
-                                                              tile_rows_out);
+                                                              b.block_base, b.n_tiles, b.tile_expert, b.tile_row0,
+                                                              b.tile_rows);
   LILY_LAUNCH_CHECK();
-  sort_scatter_kernel<<<static_cast<unsigned>(nb), kSortThreads, smem, st>>>(P, p.n_experts, p.top_k, top_idx, top_w,
-                                                                           block_base, pair_row, pair_id, pair_w);
+  sort_scatter_kernel<<<static_cast<unsigned>(nb), kSortThreads, smem, st>>>(
+      P, p.n_experts, p.top_k, top_idx, top_w, b.block_base, b.pair_row, b.pair_id, b.pair_w);
   LILY_LAUNCH_CHECK();
+}
+
+void moe_experts(cudaStream_t st, const kp::MoeParams& p, const DLinear& gate, const DLinear& up, const DLinear& down,
+                 const bf16* h, const int32_t* top_idx, const float* top_w, const SortBuffers& b, bf16* act, float* d,
+                 int tile_rows, bool host_count) {
+  const int64_t P = p.S * p.top_k;
+  // Rows per expert tile from the mean rows per expert (or the ablation's); the wmma GEMM (the fallback for weights
+  // the mma GEMM does not take) holds at most kGemmBM rows per tile.
+  int tr = tile_rows > 0 ? tile_rows : pick_expert_tile(P, p.n_experts);
+  if (!gemm_mma_supported(gate, &up, h, p.hidden) || !gemm_mma_supported(down, nullptr, act, p.inter))
+    tr = std::min(tr, kGemmBM);
+  moe_sort(st, p, top_idx, top_w, tr, b);
+  int64_t tiles = grouped_max_tiles(P, p.n_experts, tr);  // grid bound; the count is on the device
+  if (host_count) {
+    int32_t n = 0;
+    LILY_CUDA_CHECK(cudaMemcpyAsync(&n, b.n_tiles, sizeof(n), cudaMemcpyDeviceToHost, st));
+    LILY_CUDA_CHECK(cudaStreamSynchronize(st));
+    tiles = n;
+  }
+  const GroupMap g{b.n_tiles, b.tile_expert, b.tile_row0, b.tile_rows, b.pair_row, b.pair_id, b.pair_w, tiles};
+  grouped_gate_up(st, gate, up, g, h, p.hidden, act, tr);
+  grouped_down(st, down, g, act, d, tr);
 }
 
 void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const float* d, float* x) {
