@@ -458,11 +458,23 @@ int main(int argc, char** argv) {
       check_case("+-zeros", in, o);
     });
 
+  // Ties at the k-th value: top-k's kept set of about 670, 1000 (beside the final block's 1024 threads) or 1370+
+  // entries, gathered into the final block's shared memory or left to the whole set's path; k = 600 of 3 levels keeps
+  // the top two, which top-p 0.9 keeps and top-p 0.5 cuts.
+  for (const int V : {1500, 2000, 3000, 4097, 8000})
+    for (const Opts& o : {mk(1.0, 50, 0.9f, 0), mk(0.7, 20, 0.5f, 0.05f), mk(1.0, 600, 0.9f, 0), mk(1.0, 600, 0.5f, 0)})
+      run_case(fmt("ties V=%d", V), [&] {
+        Input in = make_input(NORMAL3, V, o);
+        for (auto& x : in.logits) x = static_cast<float>(rng() % 3);
+        check_case("3 levels", in, o);
+      });
+
   std::printf("checks %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
   const std::pair<const char*, Opts> modes[] = {
       {"greedy", mk(0, 0, 1, 0)}, {"temperature", mk(0.7, 0, 1, 0)}, {"top_k=20", mk(1.0, 20, 1, 0)},
-      {"top_p=0.9", mk(1.0, 0, 0.9f, 0)}, {"top_k+top_p+min_p+penalties", mk(0.7, 50, 0.9f, 0.05f, true, true, true)}};
+      {"top_p=0.9", mk(1.0, 0, 0.9f, 0)}, {"top_k+top_p+min_p+penalties", mk(0.7, 50, 0.9f, 0.05f, true, true, true)},
+      {"top_k=50+top_p=0.9", mk(0.7, 50, 0.9f, 0)}, {"top_k=250+top_p=0.9", mk(0.7, 250, 0.9f, 0)}};
   for (const auto& m : modes) run_case(fmt("TIME %s", m.first), [&] { time_mode(m.first, m.second); });
 
   std::printf("SUMMARY sample %d/%d\n", n_pass, n_total);

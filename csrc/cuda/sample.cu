@@ -8,7 +8,8 @@
 // the usual case for a language model, a few hundred tokens), else on the whole row; and draws. A single block
 // reading the whole row is latency-bound (~20 GB/s, 0.2 ms on the H200 at V = 248K): the grid passes and the
 // short candidate list are what make this cheap (a flat row, e.g. random weights or a high temperature, has
-// most of its entries above kCandTau, so top-k takes the per-span selection).
+// most of its entries above kCandTau, so top-k takes the per-span selection). Top-k's kept set, when it fits the
+// block (sample_select.cuh), then takes top-p, min-p and the draw in shared memory.
 // Logits cluster in a few top key bits, so one shared histogram would serialise on one or two bins: each lane
 // owns a column of the histogram (address bin * 32 + lane: no two lanes of a warp meet, the bank is the lane),
 // summed per bin after the pass.
@@ -19,6 +20,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/sample.cuh"
+#include "cuda/sample_select.cuh"
 
 namespace lily::cuda::sample {
 namespace {
@@ -250,6 +252,7 @@ struct Smem {
   int wi[kWarps];
   double wd[kWarps];
   int offs[kThreads];    // candidate list: where block j's candidates start
+  int scan[kWarps + 1];  // block_exclusive_scan's
   uint32_t prefix;       // radix selection: key bits decided so far
   float above;           // top-p: kept mass strictly above the current prefix
   int need;              // top-k: rank still to find inside the current prefix
@@ -258,9 +261,12 @@ struct Smem {
   int token;
 };
 
-// Lane-column histograms: hc/hm[bin * 32 + lane].
+// Lane-column histograms: hc/hm[bin * 32 + lane]; hm null: counts alone (top-k).
 __device__ void hist_clear(uint32_t* hc, float* hm) {
-  for (int j = threadIdx.x; j < kBins * 32; j += kThreads) hc[j] = 0u, hm[j] = 0.f;
+  for (int j = threadIdx.x; j < kBins * 32; j += kThreads) {
+    hc[j] = 0u;
+    if (hm) hm[j] = 0.f;
+  }
   __syncthreads();
 }
 
@@ -275,7 +281,7 @@ __device__ void hist_reduce(Smem& s, const uint32_t* hc, const float* hm) {
     for (int j = 0; j < 32; ++j) {
       const int l = (j + b) & 31;
       c += hc[b * 32 + l];
-      m += hm[b * 32 + l];
+      if (hm) m += hm[b * 32 + l];
     }
     s.cnt[b] = c;
     s.mass[b] = m;
@@ -329,6 +335,7 @@ __device__ void pick_segment(Smem& s, int n, float u, WeightAt weight_at) {
 
 __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
   __shared__ Smem s;
+  __shared__ kept::Smem ks;
   extern __shared__ uint32_t dyn[];
   uint32_t* hc = dyn;
   float* hm = reinterpret_cast<float*>(dyn + kBins * 32);
@@ -426,18 +433,21 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
         if (t == 0) s.prefix = 0, s.need = o.top_k;
         uint32_t mask = 0;
         for (int shift = 24; shift >= 0; shift -= 8) {
-          hist_clear(hc, hm);
+          hist_clear(hc, nullptr);
           const uint32_t prefix = s.prefix;
 #pragma unroll 4
           for (int i = t; i < n; i += kThreads) {
             const uint32_t key = order_key(vals[i]);
             if ((key & mask) == prefix) atomicAdd(&hc[((key >> shift) & 255u) * 32 + lane], 1u);
           }
-          hist_reduce(s, hc, hm);
-          if (t == 0) {
-            int need = s.need, b = 255;
-            for (; b > 0 && need > static_cast<int>(s.cnt[b]); --b) need -= s.cnt[b];
-            s.need = need;
+          hist_reduce(s, hc, nullptr);
+          // the bin holding the need-th largest (unique: an empty bin has S = S - c), S = entries in bins >= b;
+          // a scan, not thread 0 walking down up to 256 bins
+          const int need = s.need, b = kBins - 1 - t;
+          const int c = t < kBins ? static_cast<int>(s.cnt[b]) : 0;
+          const int S = block_exclusive_scan(c, s.scan, nullptr) + c;
+          if (t < kBins && S >= need && S - c < need) {
+            s.need = need - (S - c);
             s.prefix = prefix | (static_cast<uint32_t>(b) << shift);
           }
           mask |= 255u << shift;
@@ -446,85 +456,100 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
         kk = s.prefix;
       }
 
-      // top-p over the kept: the smallest key whose strictly-greater kept mass is < top_p * kept mass (the
-      // row's mass when top-k is off, which the candidate list alone does not hold)
-      uint32_t kp = 0;
-      if (topp) {
-        double z = 0.0;
-        if (use_list && !topk) {
-          z = z_all;
-        } else {
-#pragma unroll 4
-          for (int i = t; i < n; i += kThreads)
-            if (order_key(vals[i]) >= kk) z += weight(vals[i]);
-          z = block_sum<kWarps>(z, s.wd);
-        }
-        const float target = static_cast<float>(o.top_p * z);
-        if (t == 0) s.prefix = 0, s.above = 0.f;
-        uint32_t mask = 0;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-          hist_clear(hc, hm);
-          const uint32_t prefix = s.prefix;
-#pragma unroll 4
-          for (int i = t; i < n; i += kThreads) {
-            const float v = vals[i];
-            const uint32_t key = order_key(v);
-            if (key >= kk && (key & mask) == prefix) {
-              const uint32_t j = ((key >> shift) & 255u) * 32 + lane;
-              atomicAdd(&hc[j], 1u);
-              atomicAdd(&hm[j], weight(v));
-            }
-          }
-          hist_reduce(s, hc, hm);
-          if (t == 0) {
-            // walking down, the mass above bin b only grows: the answer is the last non-empty bin reached
-            // while it is still below the target (the first non-empty bin always is: above < target)
-            float acc = s.above, at = s.above;
-            int chosen = -1;
-            for (int b = 255; b >= 0; --b) {
-              if (!s.cnt[b]) continue;
-              if (!(acc < target) && chosen >= 0) break;
-              chosen = b;
-              at = acc;
-              acc += s.mass[b];
-            }
-            s.above = at;
-            s.prefix = prefix | (static_cast<uint32_t>(chosen < 0 ? 0 : chosen) << shift);
-          }
-          mask |= 255u << shift;
-          __syncthreads();
-        }
-        kp = s.prefix;
+      // Top-k keeps about k entries (more only with ties at the k-th value): gathered into shared memory, top-p,
+      // min-p and the draw run on them alone (sample_select.cuh). The whole set's path below takes the rest: no
+      // top-k, or more than kThreads kept.
+      double z_kept = 0.0;  // top-k and top-p: the kept mass
+      int n_kept = INT_MAX;
+      if (topk) {
+        n_kept = kept::gather(
+            ks, vals, n, kk, [](float v) { return order_key(v); }, weight,
+            [&](int i) { return use_list ? list_idx[i] : i; }, z_kept);
+        if (topp) z_kept = block_sum<kWarps>(z_kept, s.wd);
       }
-      const uint32_t keep_key = kk > kp ? kk : kp;
+      if (n_kept <= kThreads) {
+        token = kept::draw(ks, n_kept, topp, static_cast<float>(o.top_p * z_kept), min_w, *a.uniform, am);
+      } else {
+        // top-p over the kept: the smallest key whose strictly-greater kept mass is < top_p * kept mass (the
+        // row's mass when top-k is off, which the candidate list alone does not hold)
+        uint32_t kp = 0;
+        if (topp) {
+          double z = z_kept;  // top-k: kept::gather's, summed as this loop would
+          if (use_list && !topk) {
+            z = z_all;
+          } else if (!topk) {
+#pragma unroll 4
+            for (int i = t; i < n; i += kThreads)
+              if (order_key(vals[i]) >= kk) z += weight(vals[i]);
+            z = block_sum<kWarps>(z, s.wd);
+          }
+          const float target = static_cast<float>(o.top_p * z);
+          if (t == 0) s.prefix = 0, s.above = 0.f;
+          uint32_t mask = 0;
+          for (int shift = 24; shift >= 0; shift -= 8) {
+            hist_clear(hc, hm);
+            const uint32_t prefix = s.prefix;
+#pragma unroll 4
+            for (int i = t; i < n; i += kThreads) {
+              const float v = vals[i];
+              const uint32_t key = order_key(v);
+              if (key >= kk && (key & mask) == prefix) {
+                const uint32_t j = ((key >> shift) & 255u) * 32 + lane;
+                atomicAdd(&hc[j], 1u);
+                atomicAdd(&hm[j], weight(v));
+              }
+            }
+            hist_reduce(s, hc, hm);
+            if (t == 0) {
+              // walking down, the mass above bin b only grows: the answer is the last non-empty bin reached
+              // while it is still below the target (the first non-empty bin always is: above < target)
+              float acc = s.above, at = s.above;
+              int chosen = -1;
+              for (int b = 255; b >= 0; --b) {
+                if (!s.cnt[b]) continue;
+                if (!(acc < target) && chosen >= 0) break;
+                chosen = b;
+                at = acc;
+                acc += s.mass[b];
+              }
+              s.above = at;
+              s.prefix = prefix | (static_cast<uint32_t>(chosen < 0 ? 0 : chosen) << shift);
+            }
+            mask |= 255u << shift;
+            __syncthreads();
+          }
+          kp = s.prefix;
+        }
+        const uint32_t keep_key = kk > kp ? kk : kp;
 
-      // draw: warp w owns a contiguous span of positions (lanes stride by one, so loads coalesce)
-      const int span = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
-      const int w = t / 32, lo = min(n, w * span), hi = min(n, lo + span);
-      auto kept_w = [&](int i) {
-        const float v = vals[i];
-        if (order_key(v) < keep_key) return 0.f;
-        const float e = weight(v);
-        return e >= min_w ? e : 0.f;
-      };
-      double part = 0.0;
+        // draw: warp w owns a contiguous span of positions (lanes stride by one, so loads coalesce)
+        const int span = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
+        const int w = t / 32, lo = min(n, w * span), hi = min(n, lo + span);
+        auto kept_w = [&](int i) {
+          const float v = vals[i];
+          if (order_key(v) < keep_key) return 0.f;
+          const float e = weight(v);
+          return e >= min_w ? e : 0.f;
+        };
+        double part = 0.0;
 #pragma unroll 4
-      for (int i = lo + lane; i < hi; i += 32) part += kept_w(i);
-      for (int off = 16; off; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-      __syncthreads();
-      if (lane == 0) s.wd[w] = part;
-      __syncthreads();
-      if (t == 0) {
-        pick_segment(s, kWarps, *a.uniform, [&](int j) { return s.wd[j]; });
-        s.token = am;
+        for (int i = lo + lane; i < hi; i += 32) part += kept_w(i);
+        for (int off = 16; off; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+        __syncthreads();
+        if (lane == 0) s.wd[w] = part;
+        __syncthreads();
+        if (t == 0) {
+          pick_segment(s, kWarps, *a.uniform, [&](int j) { return s.wd[j]; });
+          s.token = am;
+        }
+        __syncthreads();
+        if (w == s.chosen) {
+          const int pos = warp_walk(lo, hi, s.remainder, kept_w);
+          if (lane == 0 && pos >= 0) s.token = use_list ? list_idx[pos] : pos;
+        }
+        __syncthreads();
+        token = s.token;
       }
-      __syncthreads();
-      if (w == s.chosen) {
-        const int pos = warp_walk(lo, hi, s.remainder, kept_w);
-        if (lane == 0 && pos >= 0) s.token = use_list ? list_idx[pos] : pos;
-      }
-      __syncthreads();
-      token = s.token;
     }
   }
   if (t == 0) {
