@@ -39,7 +39,7 @@ def main() -> int:
     evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     rows = [{"name": kernel_family(e.name), "us": e.time_range.end - e.time_range.start, "full": e.name[:160]}
             for e in evs]
-    # layers start at the pre-norm of each sub-block pair: split at every rms_norm that follows a combine
+    # a layer ends at its MoE combine (the last launch of every layer): split after each combine_kernel
     layers, cur = [], []
     for r in rows:
         cur.append(r)
