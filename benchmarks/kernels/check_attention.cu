@@ -1,7 +1,8 @@
-// build: csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu
-// Attention (csrc/cuda/attention.cu dispatch: prefill on attention_prefill.cu's tensor-core flash attention, one row on
+// build: csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_prefill_wgmma.cu csrc/cuda/attention_decode.cu
+// Attention (csrc/cuda/attention.cu dispatch: prefill on the tensor-core flash attention, attention_prefill_wgmma.cu's
+// on Hopper and attention_prefill.cu's mma.sync twin, each prefill case run on both where the GPU has both; one row on
 // the CUDA-core attn_kernel or with tc_decode the tensor-core decode kernel) against an fp64 host reference, then
-// timing at the real shapes.
+// timing at the real shapes (the prefill shapes on both kernels).
 //
 // Reference: the same bf16 K/V cache, q rounded to bf16 (what the mma kernel consumes; attn_kernel reads
 // fp32 q, which differs from this reference by far less than the tolerance), exact softmax and sigmoid gate
@@ -184,7 +185,12 @@ static size_t part_floats(const Shape& s, const kp::AttnSplitParams& sp) {
   return static_cast<size_t>(s.S) * s.Hq * sp.n_splits * (s.D + 2);
 }
 
-static bool run_case(const Case& c, uint64_t seed) {
+// Whether prefill chunks of this shape have a wgmma kernel here (then run_case checks it and the mma.sync twin).
+static bool has_wgmma(const Shape& s) {
+  return s.S > 1 && lily::cuda::attention_wgmma_supported(make_params(s));
+}
+
+static bool run_case(const Case& c, uint64_t seed, bool wgmma) {
   const Shape& s = c.s;
   Inputs in;
   in.alloc(s, 37);
@@ -198,7 +204,7 @@ static bool run_case(const Case& c, uint64_t seed) {
   CK(cudaMalloc(&o, no * sizeof(bf16)));
   CK(cudaMemset(part, 0xFF, std::max<size_t>(part_floats(s, sp), 1) * sizeof(float)));
   CK(cudaMemset(o, 0xFF, no * sizeof(bf16)));
-  lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, c.tc_decode);
+  lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, c.tc_decode, wgmma);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> out(no);
@@ -244,9 +250,10 @@ static bool run_case(const Case& c, uint64_t seed) {
     }
   const double rel = finite ? std::sqrt(se / std::max(sr, 1e-300)) : INFINITY;
   const bool ok = finite && rel <= kTol;
-  std::printf("%s %s rel_rms=%.3e max_abs=%.3e (D=%d Hq=%d Hkv=%d S=%lld pos0=%lld impl=%d splits=%d rows=%zu)\n",
+  const char* impl = c.tc_decode ? "tc_decode" : s.S == 1 ? "cuda_cores" : has_wgmma(s) && wgmma ? "wgmma" : "mma";
+  std::printf("%s %s rel_rms=%.3e max_abs=%.3e (D=%d Hq=%d Hkv=%d S=%lld pos0=%lld impl=%s splits=%d rows=%zu)\n",
               ok ? "PASS" : "FAIL", c.name.c_str(), rel, max_abs, s.D, s.Hq, s.Hkv, static_cast<long long>(s.S),
-              static_cast<long long>(s.pos0), c.tc_decode ? 2 : 1, sp.n_splits, rows.size());
+              static_cast<long long>(s.pos0), impl, sp.n_splits, rows.size());
   std::fflush(stdout);
   CK(cudaFree(part));
   CK(cudaFree(o));
@@ -254,8 +261,9 @@ static bool run_case(const Case& c, uint64_t seed) {
   return ok;
 }
 
-// Median time (ms) over rotating input sets (tc_decode: one row on the tensor-core decode kernel).
-static double time_impl(std::vector<Inputs>& sets, bool tc_decode, double budget_ms) {
+// Median time (ms) over rotating input sets (tc_decode: one row on the tensor-core decode kernel; wgmma: prefill on
+// the wgmma kernel where there is one, else the mma.sync kernel).
+static double time_impl(std::vector<Inputs>& sets, bool tc_decode, double budget_ms, bool wgmma = true) {
   const Shape& s = sets[0].s;
   const kp::AttentionParams p = make_params(s);
   const kp::AttnSplitParams sp = lily::cuda::attention_plan(p, g_sm_count);
@@ -268,7 +276,7 @@ static double time_impl(std::vector<Inputs>& sets, bool tc_decode, double budget
   CK(cudaEventCreate(&e1));
   auto once = [&](const Inputs& in) {
     CK(cudaEventRecord(e0));
-    lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, tc_decode);
+    lily::cuda::attention(0, p, sp, in.q, in.qg, in.k, in.v, part, o, nullptr, tc_decode, wgmma);
     CK(cudaGetLastError());
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
@@ -296,10 +304,13 @@ static void time_shape(const Shape& s, uint64_t seed) {
   // Causal FLOPs: QK^T and PV, 2 FLOP per multiply-add each, over sum_t (pos0 + t + 1) keys.
   const double keys = static_cast<double>(s.S) * s.pos0 + 0.5 * s.S * (s.S + 1.0);
   const double flops = 4.0 * s.D * s.Hq * keys;
-  const double t = time_impl(sets, false, 1500.0);
-  std::printf("TIME attention D=%d Hq=%d Hkv=%d S=%lld pos0=%lld: %.3f ms %.1f TFLOP/s (%.1f%% of 790)\n", s.D, s.Hq,
-              s.Hkv, static_cast<long long>(s.S), static_cast<long long>(s.pos0), t, flops / t * 1e-9,
-              100.0 * flops / t * 1e-9 / 790.0);
+  for (const bool wgmma : {true, false}) {
+    if (!wgmma && !has_wgmma(s)) break;  // the mma.sync kernel was the first row
+    const double t = time_impl(sets, false, 1500.0, wgmma);
+    std::printf("TIME attention %s D=%d Hq=%d Hkv=%d S=%lld pos0=%lld: %.3f ms %.1f TFLOP/s (%.1f%% of 790)\n",
+                has_wgmma(s) && wgmma ? "wgmma" : "mma", s.D, s.Hq, s.Hkv, static_cast<long long>(s.S),
+                static_cast<long long>(s.pos0), t, flops / t * 1e-9, 100.0 * flops / t * 1e-9 / 790.0);
+  }
   std::fflush(stdout);
   for (auto& in : sets) in.release();
 }
@@ -332,6 +343,7 @@ int main() {
   const std::vector<Case> cases = {
       // real shapes (sampled rows: the fp64 reference of a 128K row costs ~1 GFLOP per KV head)
       {"real_S2048_pos0", {256, 16, 2, 2048, 0}, false, 64},
+      {"real_S4096_pos0", {256, 16, 2, 4096, 0}, false, 24},
       {"real_S2048_pos14336", {256, 16, 2, 2048, 14336}, false, 24},
       {"real_S2048_pos129024", {256, 16, 2, 2048, 129024}, false, 8},
       {"real_S5_pos129024_split", {256, 16, 2, 5, 129024}, false, 0},
@@ -362,18 +374,26 @@ int main() {
       {"D128_G8_S200", {128, 16, 2, 200, 0}, false, 0},
       {"D64_G2_S300_pos1000", {64, 4, 2, 300, 1000}, false, 0},
       {"D64_G2_S65_pos31", {64, 2, 1, 65, 31}, false, 0},
+      {"D64_G3_S101_pos17", {64, 6, 2, 101, 17}, false, 0},
+      {"D128_G5_S70_pos200", {128, 10, 2, 70, 200}, false, 0},
       {"D32_G4_S50_pos10", {32, 4, 1, 50, 10}, false, 0},
   };
   int passed = 0, total = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
     ++total;
-    if (run_case(cases[i], seed + 7919 * i)) ++passed;
+    if (run_case(cases[i], seed + 7919 * i, true)) ++passed;
+    if (has_wgmma(cases[i].s) && !cases[i].tc_decode) {  // the mma.sync twin on the same inputs
+      ++total;
+      if (run_case(cases[i], seed + 7919 * i, false)) ++passed;
+    }
   }
   // Timing only after every check passed (a wrong kernel's speed means nothing).
   if (passed == total) {
     time_shape({256, 16, 2, 2048, 0}, seed);
+    time_shape({256, 16, 2, 4096, 0}, seed);  // a 4K prompt's attention layer
     time_shape({256, 16, 2, 2048, 14336}, seed);
     time_shape({256, 16, 2, 2048, 129024}, seed);
+    time_shape({256, 16, 2, 8192, 122880}, seed);  // the last 8,192-row chunk of a 128K prompt
     time_shape({256, 16, 2, 16, 129024}, seed);  // a short last chunk at 128K: the split path
     time_decode({256, 16, 2, 1, 4095}, seed);
     time_decode({256, 16, 2, 1, 32767}, seed);

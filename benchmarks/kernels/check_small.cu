@@ -1,4 +1,4 @@
-// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu csrc/cuda/gemm.cu csrc/cuda/gemm_wgmma.cu csrc/cuda/gemm_one.cu
+// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_prefill_wgmma.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu csrc/cuda/gemm.cu csrc/cuda/gemm_wgmma.cu csrc/cuda/gemm_one.cu
 // The small CUDA kernel families (embed_norm.cu, moe.cu, deltanet.cu conv / gated norm, attention.cu
 // prep; deltanet.cuh: deltanet_step with its fused gated norm) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes

@@ -266,9 +266,9 @@ kp::AttnSplitParams attention_plan(const kp::AttentionParams& p, int sm_count) {
 
 void attention(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, const int32_t* dpos,
-               bool tensor_core_decode) {
+               bool tensor_core_decode, bool wgmma_prefill) {
   if (p.S > 1 && dpos == nullptr && attention_mma_supported(p)) {
-    attention_mma(st, p, sp, q, qg, k_cache, v_cache, part, o);
+    attention_mma(st, p, sp, q, qg, k_cache, v_cache, part, o, wgmma_prefill);
     if (sp.n_splits == 1) return;  // o written, gate applied
   } else if (tensor_core_decode && attention_decode_tc_supported(p)) {
     attention_decode_tc(st, p, sp, q, k_cache, v_cache, part, dpos);

@@ -28,24 +28,10 @@ struct MmaTile {
   static constexpr size_t kSmemBytes = static_cast<size_t>(kRows + 4 * kKeys) * kLd * sizeof(bf16);
 };
 
-// Kernel arguments. q: fp32 [S, Hq, D]; qg: fp32 [S, Hq, 2D] (gate = second half of each head's block);
-// kc, vc: bf16 [capacity, Hkv*D]; part: fp32 [S, Hq, n_splits, D + 2] (only when n_splits > 1);
-// o: bf16 [S, Hq*D] (only when n_splits == 1).
-struct AttnMmaArgs {
-  kp::AttentionParams p;
-  kp::AttnSplitParams sp;
-  const float* q;
-  const float* qg;
-  const bf16* kc;
-  const bf16* vc;
-  float* part;
-  bf16* o;
-};
-
 using namespace mma;  // cp.async, ldmatrix, mma.sync helpers (mma_bf16.cuh)
 
 template <int D>
-__global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnMmaArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnPrefillArgs a) {
   constexpr int BC = MmaTile<D>::kKeys, LD = MmaTile<D>::kLd;
   constexpr int NT = BC / 8;   // score n-tiles per warp
   constexpr int ND = D / 8;    // output n-tiles per warp
@@ -250,7 +236,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnMmaA
 }
 
 template <int D>
-void launch_attn_mma(cudaStream_t st, const AttnMmaArgs& a) {
+void launch_attn_mma(cudaStream_t st, const AttnPrefillArgs& a) {
   const size_t smem = MmaTile<D>::kSmemBytes;
   LILY_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
@@ -285,8 +271,9 @@ kp::AttnSplitParams attention_mma_plan(const kp::AttentionParams& p, int sm_coun
 }
 
 void attention_mma(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
-                   const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o) {
-  const AttnMmaArgs a{p, sp, q, qg, k_cache, v_cache, part, o};
+                   const float* qg, const bf16* k_cache, const bf16* v_cache, float* part, bf16* o, bool wgmma) {
+  const AttnPrefillArgs a{p, sp, q, qg, k_cache, v_cache, part, o};
+  if (wgmma && attention_wgmma_supported(p)) return attention_wgmma(st, a);
   switch (p.head_dim) {
     case 32: launch_attn_mma<32>(st, a); break;
     case 64: launch_attn_mma<64>(st, a); break;

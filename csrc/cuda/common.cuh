@@ -24,6 +24,19 @@ inline void check(cudaError_t e, const char* what) {
 // After a launch: reports configuration errors at once (asynchronous faults surface at the next sync).
 #define LILY_LAUNCH_CHECK() ::lily::cuda::check(cudaGetLastError(), __func__)
 
+// Whether the current device is sm_90 (Hopper: the wgmma kernels' architecture; cached per process).
+inline bool device_is_sm90() {
+  static const bool v = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+      return false;
+    return major == 9 && minor == 0;
+  }();
+  return v;
+}
+
 // Host-side bf16 bits <-> float (round to nearest even), for the check programs and experiments that build inputs.
 inline uint16_t host_bf16(float f) {
   uint32_t u;

@@ -45,49 +45,6 @@ struct WgTile {
   static constexpr int kSmem = kStages * (kXBytes + kCBytes + kSBytes) + 1024;  // + 1024-byte alignment slack
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LILY_WGMMA 1
-#endif
-
-// D[64 x TN] += A[64 x 16] (registers: the m16n8k16 A fragment per warp) . B[TN x 16]^T (shared descriptor).
-#define LILY_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
-#ifdef LILY_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : LILY_D8(0), LILY_D8(8), LILY_D8(16), LILY_D8(24), LILY_D8(32), LILY_D8(40), LILY_D8(48), LILY_D8(56)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-#endif
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
-#ifdef LILY_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-      : LILY_D8(0), LILY_D8(8), LILY_D8(16), LILY_D8(24)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-#endif
-}
-#undef LILY_D8
-// Keeps registers live and in place across an asynchronous wgmma that reads or writes them.
-template <int N>
-__device__ __forceinline__ void keep(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ void keep(uint32_t (&a)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
 // Weight row of tile row r (0 .. 128 MB - 1): plain rows n0 + r; dual: warpgroup half r / 128, block (r / 64) % 2
 // picks W0 / W1, the feature n0 + 64 (r / 128) + r % 64.
 template <bool DUAL>
@@ -253,11 +210,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int step = 0; step < kBK / 16; ++step) {
           const int b = step & 1;
-          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+          wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < MB; ++j) wgmma_rs(d[j], fr[b][j], desc(xs + step * 32));
-          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-          asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the previous step's group is done
+          for (int j = 0; j < MB; ++j) wgmma_rs<TN>(d[j], fr[b][j], desc(xs + step * 32), 0);
+          wgmma_commit();
+          wgmma_wait<1>();  // the previous step's group is done
 #pragma unroll
           for (int j = 0; j < MB; ++j) keep(fr[b ^ 1][j]);
           if (step == 0 && kt > 0 && lane == 0) bar_arrive(&empty[(it0 + kt - 1) % kStages]);
@@ -272,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      wgmma_wait<0>();
 #pragma unroll
       for (int j = 0; j < MB; ++j) keep(d[j]);
       if (lane == 0) bar_arrive(&empty[(it0 + ktiles - 1) % kStages]);  // the item's last stage, for the next item
@@ -354,23 +311,11 @@ void launch(cudaStream_t st, const GemmMmaArgs& a) {
   LILY_LAUNCH_CHECK();
 }
 
-bool is_sm90() {
-  static const bool v = [] {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-      return false;
-    return major == 9 && minor == 0;
-  }();
-  return v;
-}
-
 }  // namespace
 
 bool gemm_wgmma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, int64_t lda) {
   // the mma GEMM's format and alignment conditions (group 64, in % 64, 16-byte codes and A rows), 4-bit only
-  return is_sm90() && W0.p.bits == 4 && gemm_mma_supported(W0, W1, A, lda);
+  return device_is_sm90() && W0.p.bits == 4 && gemm_mma_supported(W0, W1, A, lda);
 }
 
 void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens) {
