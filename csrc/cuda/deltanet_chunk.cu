@@ -1,7 +1,9 @@
 // Gated DeltaNet prefill, chunked form (model.md §4.3 step 7; chunk_prep_kernel, chunk_state_kernel,
 // chunk_out_kernel): the chunked WY/UT form (Gated DeltaNet paper; fla chunk_gated_delta_rule's split), chunk C = 64,
-// its matrix products on TF32 mma.sync. deltanet_scan (deltanet.cu) picks it over the sequential form
-// (deltanet_seq.cu) for long prompts; benchmarks/kernels/check_deltanet.cu compares both with an fp64 recurrence.
+// its matrix products on TF32 mma.sync (fragments of k-contiguous tiles through ldmatrix, which moves 32-bit words
+// as they are, see ldsm_x4; tiles read [k][n] by scalar or, n-tiles interleaved, vector loads).
+// deltanet_scan (deltanet.cu) picks it over the sequential form (deltanet_seq.cu) for long prompts;
+// benchmarks/kernels/check_deltanet.cu compares both with an fp64 recurrence.
 //
 // Chunked math (MLX layout: state S[dv, dk], read m = S k). Inside a chunk with incoming state S0, token i
 // (0-based) has lg_i = sum_{j<=i} log g_j and gamma_i = exp(lg_i). Unrolling the recurrence gives
@@ -117,25 +119,76 @@ __device__ __forceinline__ uint32_t op_bits(float x) {
   else return tf32(x);
 }
 __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(tf32(x)); }
-// A fragment of the 16x8 tile at (row0, k0) of a row-major [rows][ld] shared array.
-template <bool kRaw = false>
-__device__ __forceinline__ void load_a(uint32_t a[4], const float* m, int ld, int row0, int k0, int g, int t) {
-  a[0] = op_bits<kRaw>(m[(row0 + g) * ld + k0 + t]);
-  a[1] = op_bits<kRaw>(m[(row0 + g + 8) * ld + k0 + t]);
-  a[2] = op_bits<kRaw>(m[(row0 + g) * ld + k0 + t + 4]);
-  a[3] = op_bits<kRaw>(m[(row0 + g + 8) * ld + k0 + t + 4]);
+// NT floats at p (NT = 1, 2, 4; p aligned to 4 NT bytes): one scalar, 64- or 128-bit access.
+template <int NT>
+__device__ __forceinline__ void load_vec(float (&x)[NT], const float* p) {
+  if constexpr (NT == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if constexpr (NT == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    static_assert(NT == 1);
+    x[0] = *p;
+  }
 }
-// B fragment (k, n) = m[n][k]: B^T stored row-major (rows = n), as S[v][d] for W S^T.
-template <bool kRaw = false>
-__device__ __forceinline__ void load_b_nk(uint32_t b[2], const float* m, int ld, int n0, int k0, int g, int t) {
-  b[0] = op_bits<kRaw>(m[(n0 + g) * ld + k0 + t]);
-  b[1] = op_bits<kRaw>(m[(n0 + g) * ld + k0 + t + 4]);
+template <int NT>
+__device__ __forceinline__ void store_vec(float* p, const float (&x)[NT]) {
+  if constexpr (NT == 4) *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+  else if constexpr (NT == 2) *reinterpret_cast<float2*>(p) = make_float2(x[0], x[1]);
+  else {
+    static_assert(NT == 1);
+    *p = x[0];
+  }
 }
-// B fragment (k, n) = m[k][n]: B stored row-major (rows = k), as K[c][d] or Delta[j][v].
+
+// Fragments of tiles stored TF32-rounded with k contiguous (A[m][k], B^T[n][k]) come through ldmatrix: an
+// m8n8.b16 matrix is 8 rows of 16 bytes, and lane l receives the 32-bit word (row l / 4, word l % 4) of each, the
+// bits unchanged; for an 8x4 block of fp32 that is element (g, t), where a0 and b0 sit in the .tf32 layouts above.
+// So one x4 gathers a whole A fragment, or the B fragments of two n-tiles or of two k-steps: 1 shared load where
+// scalar loads took 4. Lane l gives the address of row l % 8 of block l / 8: row strides and k offsets are
+// multiples of 4 floats (16-byte rows), and strides of 4 mod 32 floats put a block's 8 rows on distinct bank quads.
+// (.trans swaps 16-bit halves, not words, so tiles read [k][n] cannot use it.)
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const float* m, int ld, int row, int col) {
+  mma::ldmatrix_x4(r, mma::smem_addr(m + row * ld + col));
+}
+// A fragment of the 16x8 tile at (row0, k0): blocks (row0, k0), (row0 + 8, k0), (row0, k0 + 4), (row0 + 8, k0 + 4)
+// are a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4).
+__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const float* m, int ld, int row0, int k0, int lane) {
+  ldsm_x4(a, m, ld, row0 + lane % 16, k0 + 4 * (lane / 16));
+}
+// B fragments (k, n) = m[n][k] of the n-tiles at n0 and n0 + 8: blocks (n0, k0), (n0, k0 + 4), (n0 + 8, k0),
+// (n0 + 8, k0 + 4) are b[0][0] = m[n0 + g][k0 + t], b[0][1] (k0 + t + 4), b[1][0], b[1][1].
+__device__ __forceinline__ void ldsm_b_nk_n16(uint32_t (*b)[2], const float* m, int ld, int n0, int k0, int lane) {
+  uint32_t r[4];
+  ldsm_x4(r, m, ld, n0 + lane % 8 + 8 * (lane / 16), k0 + 4 * (lane / 8 % 2));
+  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+}
+// B fragments (k, n) = m[n][k] of the n-tile at n0 for the k-steps at k0 and k0 + 8: blocks (n0, k0 + 4 i), i < 4.
+__device__ __forceinline__ void ldsm_b_nk_k16(uint32_t (*b)[2], const float* m, int ld, int n0, int k0, int lane) {
+  uint32_t r[4];
+  ldsm_x4(r, m, ld, n0 + lane % 8, k0 + 4 * (lane / 8));
+  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+}
+// B fragment (k, n) = m[k][n]: B stored row-major (rows = k), as Delta[j][v]; b0 = m[k0 + t][n0 + g].
 template <bool kRaw = false>
 __device__ __forceinline__ void load_b_kn(uint32_t b[2], const float* m, int ld, int n0, int k0, int g, int t) {
   b[0] = op_bits<kRaw>(m[(k0 + t) * ld + n0 + g]);
   b[1] = op_bits<kRaw>(m[(k0 + t + 4) * ld + n0 + g]);
+}
+// load_b_kn for NT n-tiles whose columns interleave: tile j's column n is n0 + NT n + j. A lane's NT values of a row
+// are then adjacent, one 64- or 128-bit load (n0 and ld multiples of 4 floats); b[j][0] = m[k0 + t][n0 + NT g + j].
+// The product's owner maps its accumulators back the same way (tile j's column 2 t + e % 2 -> n0 + NT (2 t + e % 2)
+// + j): each output is still one mma chain over the same operands, only the lane that holds it changes.
+template <int NT, bool kRaw = false>
+__device__ __forceinline__ void load_b_kn_interleaved(uint32_t (&b)[NT][2], const float* m, int ld, int n0, int k0,
+                                                      int g, int t) {
+  float x0[NT], x1[NT];
+  load_vec<NT>(x0, m + (k0 + t) * ld + n0 + NT * g);
+  load_vec<NT>(x1, m + (k0 + t + 4) * ld + n0 + NT * g);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) b[j][0] = op_bits<kRaw>(x0[j]), b[j][1] = op_bits<kRaw>(x1[j]);
 }
 // Rounds a landed [C][COLS] shared tile to TF32 in place (all threads; the caller syncs before and after).
 template <int COLS>
@@ -154,9 +207,10 @@ __device__ __forceinline__ void round_tile(float* m, int ld) {
 template <int DKP>
 struct PrepLayout {
   static constexpr int kVSlab = 128;           // V columns per pass of the U product
-  static constexpr int kKStride = DKP + 4;     // K rows: the Gram's A and B(n, k), then W's B(k, n) (2-way there)
-  static constexpr int kVStride = kVSlab + 8;  // V rows: B(k, n) operand (8 mod 32)
-  static constexpr int kTStride = kChunk + 4;  // Tw, Tu rows: A operands
+  // K rows: the Gram's A and B(n, k) by ldmatrix (4 mod 32), then W's B(k, n) (2-way there, scalar or vector)
+  static constexpr int kKStride = DKP + 4;
+  static constexpr int kVStride = kVSlab + 8;  // V rows: B(k, n), 128-bit loads conflict-free (8 mod 32)
+  static constexpr int kTStride = kChunk + 4;  // Tw, Tu rows: A operands by ldmatrix (4 mod 32)
   static constexpr int kK = 0, kV = kChunk * kKStride, kAt = kV + kChunk * kVStride;  // At, later Tw
   static constexpr int kTu = kAt + kChunk * kTStride, kLg = kTu + kChunk * kTStride, kBeta = kLg + kChunk;
   static constexpr size_t kSmemBytes = (kBeta + kChunk) * sizeof(float);
@@ -169,38 +223,53 @@ struct ChunkArgs {
 };
 
 // dst[i][col0 + n] = tf32(T' B)[i][n] (dst rows of `cols` floats) for the [C][N8 * 16] product: warp w owns rows
-// 16 (w % 4) .. and n-tiles (w / 4) N8 .. of B; T' is lower triangular, so the k-steps stop at the m-tile's end.
+// 16 (w % 4) .. and the 8 N8 columns from 8 N8 (w / 4) of B; T' is lower triangular, so the k-steps stop at the
+// m-tile's end. B is read [k][n], so its n-tiles go in interleaved groups of kGroup (load_b_kn_interleaved): one
+// 128-bit (64-bit when N8 = 2 or 6) load per row and group instead of kGroup scalar ones, and a lane's kGroup results
+// of a row land adjacent in dst, one vector store (vec4: dst and cols 16-byte aligned).
 template <int N8>
 __device__ __forceinline__ void tri_product(float* dst, int cols, int col0, const float* sT, int t_ld, const float* sB,
-                                           int b_ld, int warp, int g, int t) {
-  const int mt = warp % 4, nt0 = N8 * (warp / 4);
+                                           int b_ld, bool vec4, int warp, int lane) {
+  constexpr int kGroup = N8 % 4 == 0 ? 4 : 2;
+  const int g = lane / 4, t = lane % 4, mt = warp % 4, nt0 = N8 * (warp / 4);
   float acc[N8][4] = {};
 #pragma unroll 2
   for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
     uint32_t a[4];
-    load_a<true>(a, sT, t_ld, 16 * mt, k0, g, t);
+    ldsm_a(a, sT, t_ld, 16 * mt, k0, lane);
 #pragma unroll
-    for (int j = 0; j < N8; ++j) {
-      uint32_t b[2];
-      load_b_kn<true>(b, sB, b_ld, 8 * (nt0 + j), k0, g, t);
-      mma_tf32(acc[j], a, b);
+    for (int j0 = 0; j0 < N8; j0 += kGroup) {
+      uint32_t b[kGroup][2];
+      load_b_kn_interleaved<kGroup, true>(b, sB, b_ld, 8 * (nt0 + j0), k0, g, t);
+#pragma unroll
+      for (int jj = 0; jj < kGroup; ++jj) mma_tf32(acc[j0 + jj], a, b[jj]);
     }
   }
 #pragma unroll
-  for (int j = 0; j < N8; ++j)
+  for (int j0 = 0; j0 < N8; j0 += kGroup)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 16 * mt + g + 8 * (e / 2), col = col0 + 8 * (nt0 + j) + 2 * t + e % 2;
-      if (col < cols) dst[i * cols + col] = tf32_round(acc[j][e]);  // the state kernel's operands, pre-rounded
+    for (int e = 0; e < 4; ++e) {  // acc[j0 + jj][e] is column col + jj of row i
+      const int i = 16 * mt + g + 8 * (e / 2), col = col0 + 8 * (nt0 + j0) + kGroup * (2 * t + e % 2);
+      float r[kGroup];
+#pragma unroll
+      for (int jj = 0; jj < kGroup; ++jj) r[jj] = tf32_round(acc[j0 + jj][e]);  // the state kernel's operands
+      float* o = dst + static_cast<int64_t>(i) * cols + col;  // (32-bit index arithmetic kept the stores scalar)
+      if (vec4) {
+        if (col < cols) store_vec<kGroup>(o, r);  // col and cols are multiples of kGroup
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < kGroup; ++jj)
+          if (col + jj < cols) o[jj] = r[jj];
+      }
     }
 }
 
 // The lower triangle of X Y^T for two TF32-rounded [C][DKP] shared tiles (the Gram K K^T of kernel 1, Q K^T of
 // kernel 3): warp w owns rows 16 (w / 2) .. and columns 32 (w % 2) ..; a block wholly above the diagonal is left 0.
-// acc[j][e] is entry (16 (w / 2) + g + 8 (e / 2), 8 (4 (w % 2) + j) + 2 t + e % 2).
+// acc[j][e] is entry (16 (w / 2) + g + 8 (e / 2), 8 (4 (w % 2) + j) + 2 t + e % 2). Per k-step 3 ldmatrix for 4 mma.
 template <int DKP>
 __device__ __forceinline__ void causal_gram(float (&acc)[4][4], const float* sX, const float* sY, int ld, int warp,
-                                            int g, int t) {
+                                            int lane) {
   const int mi = warp / 2, nj0 = 4 * (warp % 2);
 #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -209,14 +278,12 @@ __device__ __forceinline__ void causal_gram(float (&acc)[4][4], const float* sX,
   if (8 * nj0 >= 16 * (mi + 1)) return;
 #pragma unroll 2
   for (int k0 = 0; k0 < DKP; k0 += 8) {
-    uint32_t a[4];
-    load_a<true>(a, sX, ld, 16 * mi, k0, g, t);
+    uint32_t a[4], b[4][2];
+    ldsm_a(a, sX, ld, 16 * mi, k0, lane);
+    ldsm_b_nk_n16(b, sY, ld, 8 * nj0, k0, lane);
+    ldsm_b_nk_n16(b + 2, sY, ld, 8 * (nj0 + 2), k0, lane);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t b[2];
-      load_b_nk<true>(b, sY, ld, 8 * (nj0 + j), k0, g, t);
-      mma_tf32(acc[j], a, b);
-    }
+    for (int j = 0; j < 4; ++j) mma_tf32(acc[j], a, b[j]);
   }
 }
 
@@ -273,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
 
   {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i)
     float kk[4][4];
-    causal_gram<DKP>(kk, sK, sK, L::kKStride, warp, g, t);
+    causal_gram<DKP>(kk, sK, sK, L::kKStride, warp, lane);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -310,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
   round_tile<L::kVSlab>(sV, L::kVStride);
   __syncthreads();
 
-  tri_product<DKP / 16>(args.x.w + hn * kChunk * Dk, Dk, 0, sTw, L::kTStride, sK, L::kKStride, warp, g, t);
+  tri_product<DKP / 16>(args.x.w + hn * kChunk * Dk, Dk, 0, sTw, L::kTStride, sK, L::kKStride, vec4, warp, lane);
   float* ud = args.x.ud + hn * kChunk * Dv;
   for (int v0 = 0; v0 < Dv; v0 += L::kVSlab) {
     if (v0 > 0) {  // value heads wider than one slab (not this model's)
@@ -322,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
       round_tile<L::kVSlab>(sV, L::kVStride);
       __syncthreads();
     }
-    tri_product<L::kVSlab / 16>(ud, Dv, v0, sTu, L::kTStride, sV, L::kVStride, warp, g, t);
+    tri_product<L::kVSlab / 16>(ud, Dv, v0, sTu, L::kTStride, sV, L::kVStride, vec4, warp, lane);
   }
 }
 
@@ -337,12 +404,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
 template <int DKP>
 struct StateLayout {
   static_assert(DKP == 64 || DKP == 128, "the state kernel runs Dk padded to 64 or 128");
-  static constexpr int kWStride = DKP + 4, kKStride = DKP + 8, kSStride = DKP + 4, kDStride = kStateRows + 8;
+  // W, S (A and B(n, k) by ldmatrix) and Dd^T (A by ldmatrix) rows 4 mod 32; K rows (B(k, n)) 8 mod 32
+  static constexpr int kWStride = DKP + 4, kKStride = DKP + 8, kSStride = DKP + 4, kDtStride = kChunk + 4;
   static constexpr int kNPerWarp = DKP / 64;  // state n-tiles (8 columns each) per warp in the update
   static constexpr int kW = 0, kK = kChunk * kWStride, kU = kK + kChunk * kKStride, kLg = kU + kChunk * kStateRows;
   static constexpr int kBuf = kLg + kChunk;  // one chunk's W | K | U | lg
-  static constexpr int kS = 2 * kBuf, kDd = kS + kStateRows * kSStride;
-  static constexpr size_t kSmemBytes = (kDd + kChunk * kDStride) * sizeof(float);
+  static constexpr int kS = 2 * kBuf, kDdT = kS + kStateRows * kSStride;
+  static constexpr size_t kSmemBytes = (kDdT + kStateRows * kDtStride) * sizeof(float);
 };
 
 template <int DKP>
@@ -357,20 +425,37 @@ __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs
   const int64_t C = p.conv_dim, key_dim = static_cast<int64_t>(p.k_heads) * Dk;
   const bool vec4 = args.s.vec4;
   float* sS = smem + L::kS;    // [32][kSStride] the state slice S[v][d], TF32-rounded copy of acc
-  float* sDd = smem + L::kDd;  // [C][kDStride] Delta * gamma_last / gamma_c
+  // [32][kDtStride] (Delta * gamma_last / gamma_c)^T, written transposed so step 2 reads its A by ldmatrix
+  float* sDdT = smem + L::kDdT;
 
-  // State accumulators of the update: m-tile mv (rows v = 16 mv + ...), n-tiles nd = (warp/2) kNPerWarp + i.
-  const int mv = warp % 2, nd0 = (warp / 2) * L::kNPerWarp;
+  // State accumulators of the update: m-tile mv (rows v = 16 mv + ...), the kNPerWarp n-tiles of the 8 kNPerWarp
+  // columns from 8 nd0, interleaved (load_b_kn_interleaved): acc[i][e] is row 16 mv + g + 8 (e / 2), column
+  // dcol + kNPerWarp (e % 2) + i. So step 2 reads a lane's K values of both tiles in one load, and a lane's
+  // kRowVals entries of a state row are adjacent, one vector store (row_vals lists them in column order).
+  constexpr int kRowVals = 2 * L::kNPerWarp;
+  const int mv = warp % 2, nd0 = (warp / 2) * L::kNPerWarp, dcol = 8 * nd0 + kRowVals * t;
   float acc[L::kNPerWarp][4];
+  auto row_vals = [&](int half, float (&r)[kRowVals]) {  // tf32(acc) of row 16 mv + g + 8 half, columns dcol ..
+#pragma unroll
+    for (int x = 0; x < kRowVals; ++x) r[x] = tf32_round(acc[x % L::kNPerWarp][2 * half + x / L::kNPerWarp]);
+  };
+  auto store_state = [&] {  // sS <- tf32(acc), step 1's B operand
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float r[kRowVals];
+      row_vals(half, r);
+      store_vec<kRowVals>(sS + (16 * mv + g + 8 * half) * L::kSStride + dcol, r);
+    }
+  };
   const float* ssm_h = args.s.ssm + static_cast<int64_t>(h) * Dv * Dk;
 #pragma unroll
   for (int i = 0; i < L::kNPerWarp; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
+      const int v = 16 * mv + g + 8 * (e / 2), d = dcol + L::kNPerWarp * (e % 2) + i;
       acc[i][e] = dv0 + v < Dv && d < Dk ? ssm_h[static_cast<int64_t>(dv0 + v) * Dk + d] : 0.f;
-      sS[v * L::kSStride + d] = tf32_round(acc[i][e]);
     }
+  store_state();
   // Step 1 tile: m-tile mc (chunk rows 16 mc ..), n-tile nv (state rows 8 nv ..).
   const int mc = warp / 4, nv = warp % 4;
 
@@ -403,24 +488,31 @@ __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs
 
     float* hs = args.x.hs + (hn * Dv + dv0) * Dk;  // S_n for kernel 3 (fp32, from the accumulators)
 #pragma unroll
-    for (int i = 0; i < L::kNPerWarp; ++i)
+    for (int half = 0; half < 2; ++half) {
+      const int v = 16 * mv + g + 8 * half;
+      if (dv0 + v >= Dv) continue;
+      float r[kRowVals];
+      row_vals(half, r);  // kernel 3's operand, rounded
+      float* o = hs + static_cast<int64_t>(v) * Dk + dcol;
+      if (vec4) {
+        if (dcol < Dk) store_vec<kRowVals>(o, r);  // dcol and Dk multiples of kRowVals, hs 16-byte aligned
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
-        if (dv0 + v < Dv && d < Dk) hs[static_cast<int64_t>(v) * Dk + d] = tf32_round(acc[i][e]);  // kernel 3's operand
+        for (int x = 0; x < kRowVals; ++x)
+          if (dcol + x < Dk) o[x] = r[x];
       }
+    }
 
     // Step 1: Delta = U - W S^T, [C][32], this warp's 16x8 tile; W and sS are stored TF32-rounded. Four k-phases
-    // accumulate apart: four independent mma chains of DKP / 32.
+    // accumulate apart: four independent mma chains of DKP / 32. 6 ldmatrix per 4 mma (scalar loads: 24).
     float ws[4][4] = {};
 #pragma unroll
     for (int k0 = 0; k0 < DKP; k0 += 32) {
       uint32_t aw[4][4], b[4][2];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        load_a<true>(aw[q], sW, L::kWStride, 16 * mc, k0 + 8 * q, g, t);
-        load_b_nk<true>(b[q], sS, L::kSStride, 8 * nv, k0 + 8 * q, g, t);
-      }
+      for (int q = 0; q < 4; ++q) ldsm_a(aw[q], sW, L::kWStride, 16 * mc, k0 + 8 * q, lane);
+      ldsm_b_nk_k16(b, sS, L::kSStride, 8 * nv, k0, lane);
+      ldsm_b_nk_k16(b + 2, sS, L::kSStride, 8 * nv, k0 + 16, lane);
 #pragma unroll
       for (int q = 0; q < 4; ++q) mma_tf32(ws[q], aw[q], b[q]);
     }
@@ -431,11 +523,11 @@ __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs
       const int c = 16 * mc + g + 8 * (e / 2), v = 8 * nv + 2 * t + e % 2;
       const float delta = sU[c * kStateRows + v] - ((ws[0][e] + ws[1][e]) + (ws[2][e] + ws[3][e]));
       if (dv0 + v < Dv) ud[static_cast<int64_t>(c) * Dv + v] = tf32_round(delta);  // kernel 3's operand
-      sDd[c * L::kDStride + v] = tf32_round(delta * expf(lg_last - sLg[c]));
+      sDdT[v * L::kDtStride + c] = tf32_round(delta * expf(lg_last - sLg[c]));  // conflict-free: bank 8 t + g + ..
     }
-    __syncthreads();  // sDd complete; every warp is done reading sS
+    __syncthreads();  // sDdT complete; every warp is done reading sS
 
-    // Step 2: S = gamma_last S + Dd^T K; A = Dd^T (v, c), B = K (c, d).
+    // Step 2: S = gamma_last S + Dd^T K; A = Dd^T (v, c) by ldmatrix, B = K (c, d) read [k][n].
     const float gl = expf(lg_last);
 #pragma unroll
     for (int i = 0; i < L::kNPerWarp; ++i)
@@ -443,29 +535,19 @@ __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs
       for (int e = 0; e < 4; ++e) acc[i][e] *= gl;
 #pragma unroll 2
     for (int k0 = 0; k0 < kChunk; k0 += 8) {
-      uint32_t a[4];
-      a[0] = __float_as_uint(sDd[(k0 + t) * L::kDStride + 16 * mv + g]);
-      a[1] = __float_as_uint(sDd[(k0 + t) * L::kDStride + 16 * mv + g + 8]);
-      a[2] = __float_as_uint(sDd[(k0 + t + 4) * L::kDStride + 16 * mv + g]);
-      a[3] = __float_as_uint(sDd[(k0 + t + 4) * L::kDStride + 16 * mv + g + 8]);
+      uint32_t a[4], b[L::kNPerWarp][2];
+      ldsm_a(a, sDdT, L::kDtStride, 16 * mv, k0, lane);
+      load_b_kn_interleaved<L::kNPerWarp>(b, sK, L::kKStride, 8 * nd0, k0, g, t);  // K is plain fp32: cvt.rna
 #pragma unroll
-      for (int i = 0; i < L::kNPerWarp; ++i) {
-        uint32_t b[2];
-        load_b_kn(b, sK, L::kKStride, 8 * (nd0 + i), k0, g, t);
-        mma_tf32(acc[i], a, b);
-      }
+      for (int i = 0; i < L::kNPerWarp; ++i) mma_tf32(acc[i], a, b[i]);
     }
-#pragma unroll
-    for (int i = 0; i < L::kNPerWarp; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        sS[(16 * mv + g + 8 * (e / 2)) * L::kSStride + 8 * (nd0 + i) + 2 * t + e % 2] = tf32_round(acc[i][e]);
+    store_state();
   }
 #pragma unroll
   for (int i = 0; i < L::kNPerWarp; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int v = 16 * mv + g + 8 * (e / 2), d = 8 * (nd0 + i) + 2 * t + e % 2;
+      const int v = 16 * mv + g + 8 * (e / 2), d = dcol + L::kNPerWarp * (e % 2) + i;
       if (dv0 + v < Dv && d < Dk) args.s.ssm[(static_cast<int64_t>(h) * Dv + dv0 + v) * Dk + d] = acc[i][e];
     }
 }
@@ -475,8 +557,8 @@ __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs
 template <int DKP>
 struct OutLayout {
   static constexpr int kVSlice = kChunk;       // value columns per pass (= the tile loader's 64 rows)
-  static constexpr int kQStride = DKP + 4;     // Q, K, S rows: A and B(n, k) operands (4 mod 32)
-  static constexpr int kPStride = kChunk + 4;  // P rows: A operand
+  static constexpr int kQStride = DKP + 4;     // Q, K, S rows: A and B(n, k) operands by ldmatrix (4 mod 32)
+  static constexpr int kPStride = kChunk + 4;  // P rows: A operand by ldmatrix
   static constexpr int kDStride = kVSlice + 8;  // Delta [C][64]: B(k, n) operand (8 mod 32)
   static constexpr int kQ = 0, kK = kChunk * kQStride, kP = kK + kChunk * kQStride, kD = kP + kChunk * kPStride;
   static constexpr int kLg = kD + kChunk * kDStride;
@@ -515,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
 
   {  // P = (gamma_i / gamma_j) q_i.k_j (j <= i)
     float qk[4][4];
-    causal_gram<DKP>(qk, sQ, sK, L::kQStride, warp, g, t);
+    causal_gram<DKP>(qk, sQ, sK, L::kQStride, warp, lane);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -538,14 +620,12 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
     float o[4][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < DKP; k0 += 8) {
-      uint32_t aq[4];
-      load_a<true>(aq, sQ, L::kQStride, 16 * mc, k0, g, t);
+      uint32_t aq[4], b[4][2];
+      ldsm_a(aq, sQ, L::kQStride, 16 * mc, k0, lane);
+      ldsm_b_nk_n16(b, sK, L::kQStride, 8 * nq0, k0, lane);  // S_n, stored rounded by kernel 2
+      ldsm_b_nk_n16(b + 2, sK, L::kQStride, 8 * (nq0 + 2), k0, lane);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t b[2];
-        load_b_nk<true>(b, sK, L::kQStride, 8 * (nq0 + j), k0, g, t);  // S_n, stored rounded by kernel 2
-        mma_tf32(o[j], aq, b);
-      }
+      for (int j = 0; j < 4; ++j) mma_tf32(o[j], aq, b[j]);
     }
     const float gam0 = expf(sLg[16 * mc + g]), gam1 = expf(sLg[16 * mc + g + 8]);
 #pragma unroll
@@ -555,14 +635,16 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
       o[j][2] *= gam1;
       o[j][3] *= gam1;
     }
+    // P Delta: B = Delta (stored rounded by kernel 2) read [k][n], scalar. Interleaving its n-tiles
+    // (load_b_kn_interleaved) would interleave Q S^T's too (the same accumulators), rows 4 apart in its ldmatrix.
 #pragma unroll 2
     for (int k0 = 0; k0 < 16 * (mc + 1); k0 += 8) {
       uint32_t ap[4];
-      load_a<true>(ap, sP, L::kPStride, 16 * mc, k0, g, t);  // P, stored rounded
+      ldsm_a(ap, sP, L::kPStride, 16 * mc, k0, lane);  // P, stored rounded
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t b[2];
-        load_b_kn<true>(b, sD, L::kDStride, 8 * (nq0 + j), k0, g, t);  // Delta, stored rounded by kernel 2
+        load_b_kn<true>(b, sD, L::kDStride, 8 * (nq0 + j), k0, g, t);
         mma_tf32(o[j], ap, b);
       }
     }
