@@ -190,12 +190,19 @@ __device__ __forceinline__ void load_b_kn_interleaved(uint32_t (&b)[NT][2], cons
 #pragma unroll
   for (int j = 0; j < NT; ++j) b[j][0] = op_bits<kRaw>(x0[j]), b[j][1] = op_bits<kRaw>(x1[j]);
 }
-// Rounds a landed [C][COLS] shared tile to TF32 in place (all threads; the caller syncs before and after).
+// Rounds a landed [C][COLS] shared tile to TF32 in place (all threads; the caller syncs before and after), a
+// float4 at a time (m and ld multiples of 4 floats): a quarter of the shared loads and stores of scalar passes.
 template <int COLS>
 __device__ __forceinline__ void round_tile(float* m, int ld) {
-  for (int i = threadIdx.x; i < kChunk * COLS; i += kThreads) {
-    float& x = m[(i / COLS) * ld + i % COLS];
-    x = tf32_round(x);
+  static_assert(COLS % 4 == 0);
+  constexpr int kQuads = COLS / 4;
+  for (int i = threadIdx.x; i < kChunk * kQuads; i += kThreads) {
+    float* q = m + (i / kQuads) * ld + 4 * (i % kQuads);
+    float v[4];
+    load_vec<4>(v, q);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = tf32_round(v[e]);
+    store_vec<4>(q, v);
   }
 }
 
@@ -210,9 +217,9 @@ struct PrepLayout {
   // K rows: the Gram's A and B(n, k) by ldmatrix (4 mod 32), then W's B(k, n) (2-way there, scalar or vector)
   static constexpr int kKStride = DKP + 4;
   static constexpr int kVStride = kVSlab + 8;  // V rows: B(k, n), 128-bit loads conflict-free (8 mod 32)
-  static constexpr int kTStride = kChunk + 4;  // Tw, Tu rows: A operands by ldmatrix (4 mod 32)
-  static constexpr int kK = 0, kV = kChunk * kKStride, kAt = kV + kChunk * kVStride;  // At, later Tw
-  static constexpr int kTu = kAt + kChunk * kTStride, kLg = kTu + kChunk * kTStride, kBeta = kLg + kChunk;
+  static constexpr int kTStride = kChunk + 4;  // A, Tw, Tu rows: Tw, Tu A operands by ldmatrix (4 mod 32)
+  static constexpr int kK = 0, kV = kChunk * kKStride, kA = kV + kChunk * kVStride;  // A (rows kTStride), later Tw
+  static constexpr int kTu = kA + kChunk * kTStride, kLg = kTu + kChunk * kTStride, kBeta = kLg + kChunk;
   static constexpr size_t kSmemBytes = (kBeta + kChunk) * sizeof(float);
 };
 
@@ -302,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
   const bool vec4 = args.s.vec4;
   float* sK = smem + L::kK;
   float* sV = smem + L::kV;
-  float* sAt = smem + L::kAt;  // A transposed, sAt[j][i] = A[i][j], zero for j >= i; then T diag(beta gamma)
-  float* sTw = sAt;
+  float* sA = smem + L::kA;  // A[i][j] (rows kTStride), zero for j >= i; then T diag(beta gamma)
+  float* sTw = sA;
   float* sTu = smem + L::kTu;  // T diag(beta)
   float* sLg = smem + L::kLg;
   float* sBeta = smem + L::kBeta;
@@ -338,15 +345,22 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
   round_tile<DKP>(sK, L::kKStride);  // both operands of the Gram and W's B
   __syncthreads();
 
-  {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i)
+  {  // A = beta_i (gamma_i / gamma_j) k_i.k_j (j < i); a lane's two columns 2 t, 2 t + 1 of a row in one 64-bit
+    // store (lanes g, t at bank 4 g + 2 t: 2-way; as A^T, scalar, it was 4-way)
     float kk[4][4];
     causal_gram<DKP>(kk, sK, sK, L::kKStride, warp, lane);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * (warp / 2) + g + 8 * (e / 2), jj = 8 * (4 * (warp % 2) + j) + 2 * t + e % 2;
-        sAt[jj * kChunk + i] = jj < i ? sBeta[i] * expf(sLg[i] - sLg[jj]) * kk[j][e] : 0.f;
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = 16 * (warp / 2) + g + 8 * h2, j0 = 8 * (4 * (warp % 2) + j) + 2 * t;
+        float a[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jj = j0 + e;
+          a[e] = jj < i ? sBeta[i] * expf(sLg[i] - sLg[jj]) * kk[j][2 * h2 + e] : 0.f;
+        }
+        store_vec<2>(sA + i * L::kTStride + j0, a);
       }
   }
   __syncthreads();
@@ -354,20 +368,30 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args)
   {  // T = (I + A)^-1, unit lower triangular: (I + A) T = I column by column, lanes 4c .. 4c + 3 own column c,
     // lane r holds rows 4 m + r. Right-looking: once x_j is final (it lives on lane j % 4 of the group) every row
     // i > j subtracts A[i][j] x_j; rows i <= j read A = 0 there, so no guards are needed.
+    // Steps j = 4 p .. 4 p + 3 share m >= p, so row 4 m + r's A[.][4 p .. 4 p + 3] is one LDS.128 (136 in all; one
+    // scalar load per (j, m) was 543), each feeding one x[m]'s own chain. Rows kTStride apart (4 mod 32) put a
+    // quad's 4 lanes on distinct bank quads. (A stored transposed, read as float4 over m, spilled: ptxas defers
+    // the non-critical rows' fmaf, and a vector that feeds several rows stays live for all of them.) x_j comes by a
+    // width-4 shuffle, whose lane index is an immediate: the 4 index registers of (lane & ~3) | k had cost a spill.
     const int c = tid / 4, r = tid % 4;
     float x[kChunk / 4];
 #pragma unroll
     for (int m = 0; m < kChunk / 4; ++m) x[m] = 4 * m + r == c ? 1.f : 0.f;
 #pragma unroll
-    for (int j = 0; j < kChunk - 1; ++j) {
-      const float xj = __shfl_sync(0xffffffffu, x[j / 4], (lane & ~3) | (j % 4));
-      const float* at = sAt + j * kChunk + r;
+    for (int p = 0; p < kChunk / 4; ++p) {
+      float a[kChunk / 4][4];
 #pragma unroll
-      for (int m = j / 4; m < kChunk / 4; ++m) x[m] = fmaf(-at[4 * m], xj, x[m]);
+      for (int m = p; m < kChunk / 4; ++m) load_vec<4>(a[m], sA + (4 * m + r) * L::kTStride + 4 * p);
+#pragma unroll
+      for (int k = 0; k < 4 && 4 * p + k < kChunk - 1; ++k) {  // j = 4 p + k: the same fmaf per x[m], in j order
+        const float xj = __shfl_sync(0xffffffffu, x[p], k, 4);  // lane 4 c + k
+#pragma unroll
+        for (int m = p; m < kChunk / 4; ++m) x[m] = fmaf(-a[m][k], xj, x[m]);
+      }
     }
     const float bw = sBeta[c] * expf(sLg[c]), bu = sBeta[c];
     cp_async_wait<0>();  // V landed
-    __syncthreads();     // every lane is done reading At: Tw takes its place
+    __syncthreads();     // every lane is done reading A: Tw takes its place
 #pragma unroll
     for (int m = 0; m < kChunk / 4; ++m) {
       sTw[(4 * m + r) * L::kTStride + c] = tf32_round(x[m] * bw);
