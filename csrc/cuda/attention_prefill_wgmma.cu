@@ -80,19 +80,17 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
       if (i >= kStages) bar_wait(&empty[s], static_cast<uint32_t>((i / kStages - 1) & 1));
       const int64_t k0 = split0 + i * kKeys;
       const uint32_t ks = kv0 + s * 2 * T::kKVBytes, vs = ks + T::kKVBytes;
+      auto load_tile = [&](uint32_t dst, const bf16* base) {  // keys k0 .. k0 + 63 of one KV head's K or V
 #pragma unroll 4
-      for (int u = t; u < kKeys * D / 8; u += 128) {
-        const int r = u / (D / 8), c = u % (D / 8);
-        const bool valid = k0 + r < block_end;
-        mma::cp_async16(ks + tile_off(r, c), kbase + (valid ? k0 + r : 0) * kv_stride + c * 8, valid);
-      }
+        for (int u = t; u < kKeys * D / 8; u += 128) {
+          const int r = u / (D / 8), c = u % (D / 8);
+          const bool valid = k0 + r < block_end;
+          mma::cp_async16(dst + tile_off(r, c), base + (valid ? k0 + r : 0) * kv_stride + c * 8, valid);
+        }
+      };
+      load_tile(ks, kbase);
       cp_bar_arrive(&kfull[s]);
-#pragma unroll 4
-      for (int u = t; u < kKeys * D / 8; u += 128) {
-        const int r = u / (D / 8), c = u % (D / 8);
-        const bool valid = k0 + r < block_end;
-        mma::cp_async16(vs + tile_off(r, c), vbase + (valid ? k0 + r : 0) * kv_stride + c * 8, valid);
-      }
+      load_tile(vs, vbase);
       cp_bar_arrive(&vfull[s]);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -210,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
       wgmma_fence();
       // O += P V: V [keys x D] is N-major for this product: 64-column blocks kChunkBytes apart, 8-key groups 1024.
 #pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_rs<D>(o, pa[kk], desc_mn(vs + kk * 16 * 128, kChunkBytes, 1024), 1);
+      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_rs<1>(o, pa[kk], desc_mn(vs + kk * 16 * 128, kChunkBytes, 1024));
       wgmma_commit();
       wgmma_wait<0>();
       keep(o);

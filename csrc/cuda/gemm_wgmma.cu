@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int b = step & 1;
           wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < MB; ++j) wgmma_rs<TN>(d[j], fr[b][j], desc(xs + step * 32), 0);
+          for (int j = 0; j < MB; ++j) wgmma_rs<0>(d[j], fr[b][j], desc(xs + step * 32));
           wgmma_commit();
           wgmma_wait<1>();  // the previous step's group is done
 #pragma unroll
