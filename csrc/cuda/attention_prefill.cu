@@ -9,8 +9,9 @@
 // Row f attends keys [split0, min(split0 + split_len, pos0 + t + 1)); keys past the block's last valid key
 // are zero-filled in shared memory (the cache rows there may hold garbage, even NaN).
 // With one split the kernel applies the sigmoid gate and writes bf16 o; with several it writes the same
-// (m, l, o) partials as attn_kernel, merged by attn_combine_kernel in attention.cu.
-#include "cuda/attention.cuh"
+// (m, l, o) partials as attn_kernel, merged by attn_combine_kernel in attention.cu. The softmax step and the epilogue
+// are shared with the wgmma kernel (attention_prefill.cuh).
+#include "cuda/attention_prefill.cuh"
 #include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {
@@ -18,7 +19,6 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kRows = 16 * kWarps;  // flat (token, head) rows per block
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys per shared-memory tile. D = 256 keeps 32 so O (128 regs) + S fit in 255 registers without spills.
 template <int D>
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnPref
   auto row_limit = [&](int64_t f) { return f < n_flat ? min64(split_end, p.pos0 + f / G + 1) : split_end; };
   const int64_t lim0 = row_limit(wf0 + gid), lim1 = row_limit(wf0 + gid + 8);
   const int64_t warp_lo = row_limit(wf0), warp_hi = row_limit(min64(wf0 + 15, n_flat - 1));
-  const float sl2 = p.scale * kLog2e;  // scores in log2 units: exp2f(s * sl2 - m)
+  const float sl2 = p.scale * kAttnLog2e;  // scores in log2 units: exp2f(s * sl2 - m)
 
   float oacc[ND][4];
 #pragma unroll
@@ -130,33 +130,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnPref
           mma_bf16(s[2 * nb + 1], qa, kb[2], kb[3]);
         }
       }
-      // Scale, then mask keys at or past each row's limit (only tiles that cross the warp's smallest limit).
-      const bool need_mask = k0 + BC > warp_lo;
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[n][e] *= sl2;
-          if (need_mask) {
-            const int64_t key = k0 + n * 8 + 2 * tig + (e & 1);
-            if (key >= (e < 2 ? lim0 : lim1)) s[n][e] = -INFINITY;
-          }
-        }
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      // A row with no key yet keeps m = -inf: subtract 0 instead so exp2f gives 0, not NaN.
-      const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float corr0 = exp2f(m0 - mu0), corr1 = exp2f(m1 - mu1);
-      m0 = mn0, m1 = mn1;
+      // Only tiles that cross the warp's smallest limit need the mask.
+      float(&sv)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);  // s[n][e] is sv[4 n + e]
+      float mu0, mu1, corr0, corr1;
+      softmax_max(sv, sl2, k0 + BC > warp_lo, k0, tig, lim0, lim1, m0, m1, mu0, mu1, corr0, corr1);
       // Rescaling O costs D/2 multiplies per thread; late in a long row the max rarely moves, so skip it
       // when no row of the warp changed (corr == 1 exactly).
       if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
@@ -166,16 +143,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnPref
           oacc[j][2] *= corr1, oacc[j][3] *= corr1;
         }
       }
-      float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        s[n][0] = exp2f(s[n][0] - mu0), s[n][1] = exp2f(s[n][1] - mu0);
-        s[n][2] = exp2f(s[n][2] - mu1), s[n][3] = exp2f(s[n][3] - mu1);
-        rs0 += s[n][0] + s[n][1];
-        rs1 += s[n][2] + s[n][3];
-      }
-      l0 = l0 * corr0 + rs0;
-      l1 = l1 * corr1 + rs1;
+      softmax_exp(sv, mu0, mu1, corr0, corr1, l0, l1);
       // O += P V: the score accumulators of n-tiles (2kk, 2kk+1) are exactly the A fragment of keys 16kk..16kk+15.
 #pragma unroll
       for (int kk = 0; kk < BC / 16; ++kk) {
@@ -206,32 +174,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnPref
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t f = wf0 + gid + 8 * half;
-    if (f >= n_flat) continue;
-    const int64_t t = f / G, h = static_cast<int64_t>(kvh) * G + f % G;
-    const int64_t row = t * p.n_heads + h;
-    const float m = half ? m1 : m0, l = half ? l1 : l0;
-    if (a.sp.n_splits == 1) {
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float* gate = a.qg + row * 2 * D + D;
-      bf16* out = a.o + row * D;
-#pragma unroll
-      for (int j = 0; j < ND; ++j) {
-        const int d = j * 8 + 2 * tig;
-        const float2 gv = *reinterpret_cast<const float2*>(gate + d);
-        const float x0 = oacc[j][2 * half] * inv * (1.f / (1.f + expf(-gv.x)));
-        const float x1 = oacc[j][2 * half + 1] * inv * (1.f / (1.f + expf(-gv.y)));
-        *reinterpret_cast<__nv_bfloat162*>(out + d) = __floats2bfloat162_rn(x0, x1);
-      }
-    } else {
-      // Partials in attn_kernel's units: m in natural-log units, l and o unnormalised.
-      float* out = a.part + (row * a.sp.n_splits + split) * (D + 2);
-      if (tig == 0) out[0] = m * (1.f / kLog2e), out[1] = l;
-#pragma unroll
-      for (int j = 0; j < ND; ++j) {
-        const int d = j * 8 + 2 * tig;
-        *reinterpret_cast<float2*>(out + 2 + d) = make_float2(oacc[j][2 * half], oacc[j][2 * half + 1]);
-      }
-    }
+    const float(&acc)[D / 2] = reinterpret_cast<const float(&)[D / 2]>(oacc);  // oacc[j][e] is acc[4 j + e]
+    if (f < n_flat) prefill_store_row<D>(a, f, G, kvh, split, half, tig, half ? m1 : m0, half ? l1 : l0, acc);
   }
 }
 

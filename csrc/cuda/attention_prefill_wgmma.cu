@@ -13,9 +13,9 @@
 //     (D / 2 floats per thread), so D = 256 needs the 224 registers setmaxnreg moves to the consumers
 //     (56 x 128 + 224 x 256 = 168 x 384, what the launch allocates: ptxas compiles each role to its count);
 //   * the two consumer warpgroups run unsynchronised on the same tiles, so one's softmax overlaps the other's MMAs.
-// The epilogue is attention_prefill.cu's: one split applies the sigmoid gate and writes bf16 o, several write the
-// (m, l, o) partials attn_combine_kernel merges.
-#include "cuda/attention.cuh"
+// The online-softmax step and the epilogue are attention_prefill.cu's (attention_prefill.cuh): one split applies the
+// sigmoid gate and writes bf16 o, several write the (m, l, o) partials attn_combine_kernel merges.
+#include "cuda/attention_prefill.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace lily::cuda {
@@ -28,7 +28,6 @@ constexpr int kRows = 128;     // flat rows per CTA (attention_mma_plan's row ti
 constexpr int kKeys = 64;      // keys per tile
 constexpr int kStages = 2;
 constexpr int kChunkBytes = 64 * 128;  // one 64-column swizzle block of 64 rows (Q of a warpgroup, or a K / V tile)
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
 struct WgAttnTile {
@@ -113,8 +112,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
       v0 = *reinterpret_cast<const float4*>(src);
       v1 = *reinterpret_cast<const float4*>(src + 4);
     }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(qs + tile_off(r, c)), "r"(mma::pack_bf16x2(v0.x, v0.y)),
-                 "r"(mma::pack_bf16x2(v0.z, v0.w)), "r"(mma::pack_bf16x2(v1.x, v1.y)), "r"(mma::pack_bf16x2(v1.z, v1.w))
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(qs + tile_off(r, c)),
+                 "r"(mma::pack_bf16x2(v0.x, v0.y)), "r"(mma::pack_bf16x2(v0.z, v0.w)),
+                 "r"(mma::pack_bf16x2(v1.x, v1.y)), "r"(mma::pack_bf16x2(v1.z, v1.w))
                  : "memory");
   }
   fence_proxy_async();  // the generic-proxy stores -> wgmma's async proxy
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
   auto row_limit = [&](int64_t f) { return f < n_flat ? min64(split_end, p.pos0 + f / G + 1) : split_end; };
   const int64_t lim0 = row_limit(wf0 + 16 * warp + gid), lim1 = row_limit(wf0 + 16 * warp + gid + 8);
   const int64_t wg_lo = row_limit(wf0), wg_hi = row_limit(min64(wf0 + 63, n_flat - 1));
-  const float sl2 = p.scale * kLog2e;  // scores in log2 units: exp2f(s * sl2 - m)
+  const float sl2 = p.scale * kAttnLog2e;  // scores in log2 units: exp2f(s * sl2 - m)
 
   float o[D / 2];
 #pragma unroll
@@ -147,52 +147,21 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
       wgmma_fence();
 #pragma unroll
       for (int kd = 0; kd < D / 16; ++kd)
-        wgmma_ss<kKeys>(sc, desc(qs + (kd / 4) * kChunkBytes + (kd % 4) * 32),
-                        desc(ks + (kd / 4) * kChunkBytes + (kd % 4) * 32), kd > 0);
+        wgmma_ss(sc, desc(qs + (kd / 4) * kChunkBytes + (kd % 4) * 32),
+                 desc(ks + (kd / 4) * kChunkBytes + (kd % 4) * 32), kd > 0);
       wgmma_commit();
       wgmma_wait<0>();
       keep(sc);
-      // Scale, then mask keys at or past each row's limit (only tiles that cross the warpgroup's smallest limit).
-      const bool need_mask = k0 + kKeys > wg_lo;
-#pragma unroll
-      for (int j = 0; j < kKeys / 2; ++j) {
-        sc[j] *= sl2;
-        if (need_mask) {
-          const int64_t key = k0 + (j / 4) * 8 + 2 * tig + (j & 1);
-          if (key >= ((j & 2) ? lim1 : lim0)) sc[j] = -INFINITY;
-        }
-      }
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-        mx0 = fmaxf(mx0, fmaxf(sc[4 * n], sc[4 * n + 1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      // A row with no key yet keeps m = -inf: subtract 0 instead so exp2f gives 0, not NaN.
-      const float mu0 = mn0 == -INFINITY ? 0.f : mn0, mu1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float corr0 = exp2f(m0 - mu0), corr1 = exp2f(m1 - mu1);
-      m0 = mn0, m1 = mn1;
+      // Only tiles that cross the warpgroup's smallest limit need the mask.
+      float mu0, mu1, corr0, corr1;
+      softmax_max(sc, sl2, k0 + kKeys > wg_lo, k0, tig, lim0, lim1, m0, m1, mu0, mu1, corr0, corr1);
       // Rescaling O costs D / 2 multiplies; late in a long row the max rarely moves, so skip it when no row of
       // the warp changed (corr == 1 exactly). No wgmma is in flight here: O is plain registers.
       if (__any_sync(0xffffffffu, corr0 != 1.f || corr1 != 1.f)) {
 #pragma unroll
         for (int j = 0; j < D / 2; ++j) o[j] *= (j & 2) ? corr1 : corr0;
       }
-      float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-        sc[4 * n] = exp2f(sc[4 * n] - mu0), sc[4 * n + 1] = exp2f(sc[4 * n + 1] - mu0);
-        sc[4 * n + 2] = exp2f(sc[4 * n + 2] - mu1), sc[4 * n + 3] = exp2f(sc[4 * n + 3] - mu1);
-        rs0 += sc[4 * n] + sc[4 * n + 1];
-        rs1 += sc[4 * n + 2] + sc[4 * n + 3];
-      }
-      l0 = l0 * corr0 + rs0;
-      l1 = l1 * corr1 + rs1;
+      softmax_exp(sc, mu0, mu1, corr0, corr1, l0, l1);
       // The accumulators of n8 blocks 2 kk and 2 kk + 1 are exactly the A fragment of keys 16 kk .. 16 kk + 15.
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) {
@@ -208,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
       wgmma_fence();
       // O += P V: V [keys x D] is N-major for this product: 64-column blocks kChunkBytes apart, 8-key groups 1024.
 #pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_rs<1>(o, pa[kk], desc_mn(vs + kk * 16 * 128, kChunkBytes, 1024));
+      for (int kk = 0; kk < kKeys / 16; ++kk) wgmma_rs<1>(o, pa[kk], desc(vs + kk * 16 * 128, kChunkBytes, 1024));
       wgmma_commit();
       wgmma_wait<0>();
       keep(o);
@@ -225,31 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_co
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t f = wf0 + 16 * warp + gid + 8 * half;
-    if (f >= n_flat) continue;
-    const int64_t row = (f / G) * p.n_heads + static_cast<int64_t>(kvh) * G + f % G;
-    const float m = half ? m1 : m0, l = half ? l1 : l0;
-    if (a.sp.n_splits == 1) {
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float* gate = a.qg + row * 2 * D + D;
-      bf16* out = a.o + row * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int d = j * 8 + 2 * tig;
-        const float2 gv = *reinterpret_cast<const float2*>(gate + d);
-        const float x0 = o[4 * j + 2 * half] * inv * (1.f / (1.f + expf(-gv.x)));
-        const float x1 = o[4 * j + 2 * half + 1] * inv * (1.f / (1.f + expf(-gv.y)));
-        *reinterpret_cast<__nv_bfloat162*>(out + d) = __floats2bfloat162_rn(x0, x1);
-      }
-    } else {
-      // Partials in attn_kernel's units: m in natural-log units, l and o unnormalised.
-      float* out = a.part + (row * a.sp.n_splits + split) * (D + 2);
-      if (tig == 0) out[0] = m * (1.f / kLog2e), out[1] = l;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int d = j * 8 + 2 * tig;
-        *reinterpret_cast<float2*>(out + 2 + d) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
-      }
-    }
+    if (f < n_flat) prefill_store_row<D>(a, f, G, kvh, split, half, tig, half ? m1 : m0, half ? l1 : l0, o);
   }
 #else
   __trap();  // built without sm_90a: attention_wgmma_supported() is false there
