@@ -317,6 +317,70 @@ void run_plain(Rng& r, const PlainCase& c) {
   if (dual) W1.free_device();
 }
 
+// ---- concatenated projections (linear_concat) ----------------------------------------------------------
+// Row view [row0, row0 + n) of W (one expert).
+cuda::DLinear row_view(const QWeight& W, int64_t row0, int64_t n) {
+  cuda::DLinear d = W.dl();
+  d.p.out = n, d.p.expert_words = n * W.wpr(), d.p.expert_groups = n * W.gpr();
+  d.codes += row0 * W.wpr(), d.scales += row0 * W.gpr(), d.biases += row0 * W.gpr();
+  return d;
+}
+
+// One weight of sum(ns) rows cut into parts of ns[i] rows (boundaries inside the GEMM's 64-row blocks too), each
+// part's output in its own poisoned buffer of row stride ns[i] + pads[i]; the concatenated launch (taken by the
+// wgmma GEMM from 64 rows when the tiles fill the GPU, else one linear() per part) and, as its twin, the parts
+// without the concatenation (concat.codes == nullptr: one linear() each) against the fp64 reference rows.
+void run_concat(Rng& r, const std::string& name, int64_t M, const std::vector<int64_t>& ns,
+                const std::vector<int64_t>& pads, int64_t K) {
+  int64_t N = 0;
+  for (int64_t n : ns) N += n;
+  const int np = static_cast<int>(ns.size());
+  QWeight W = make_qweight(r, 4, 1, N, K);
+  const std::vector<uint16_t> A = random_bf16(r, M * K, -1, 1);
+  const std::vector<int64_t> rows = sample_rows(r, M, 48);
+  std::vector<const uint16_t*> rp;
+  for (int64_t m : rows) rp.push_back(A.data() + m * K);
+  const std::vector<double> ref = reference(W, rp, std::vector<int>(rows.size(), 0));
+  bf16* dA = reinterpret_cast<bf16*>(dupload(A));
+  std::vector<cuda::DLinear> parts;
+  std::vector<float*> ys;
+  std::vector<int64_t> lds, begin;
+  for (int i = 0, row0 = 0; i < np; row0 += static_cast<int>(ns[i]), ++i) {
+    parts.push_back(row_view(W, row0, ns[i]));
+    lds.push_back(ns[i] + pads[i]);
+    ys.push_back(dalloc<float>(M * lds[i]));
+    begin.push_back(row0);
+  }
+  for (int form = 0; form < 2; ++form) {  // 0: concatenated, 1: the parts alone
+    for (int i = 0; i < np; ++i) CK(cudaMemset(ys[i], 0xFF, M * lds[i] * 4));
+    cuda::DLinear concat = W.dl();
+    if (form == 1) concat = cuda::DLinear{};
+    cuda::linear_concat(nullptr, concat, parts.data(), np, dA, K, M, ys.data(), lds.data());
+    sync_check();
+    Stats s;
+    for (int i = 0; i < np; ++i) {
+      const std::vector<float> out = ddownload(ys[i], M * lds[i]);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < ns[i]; ++n)
+          if (!std::isfinite(out[m * lds[i] + n])) ++s.bad;
+      for (size_t k = 0; k < rows.size(); ++k)
+        for (int64_t n = 0; n < ns[i]; ++n) {
+          const float o = out[rows[k] * lds[i] + n];
+          if (std::isfinite(o)) s.add(o, ref[k * N + begin[i] + n]);
+        }
+    }
+    std::string shape;
+    for (int64_t n : ns) shape += (shape.empty() ? "" : "+") + std::to_string(n);
+    char nm[256];
+    std::snprintf(nm, sizeof nm, "concat/%s %s M=%lld N=%s K=%lld", name.c_str(), form ? "parts" : "joined",
+                  (long long)M, shape.c_str(), (long long)K);
+    report(nm, s, kTolF32);
+  }
+  for (float* y : ys) cudaFree(y);
+  cudaFree(dA);
+  W.free_device();
+}
+
 // ---- grouped (MoE) cases ---------------------------------------------------------------------------------
 // Tile map exactly as moe_sort builds it: per expert, consecutive tiles of <= tile_rows sorted pairs.
 struct DeviceMap {
@@ -580,6 +644,47 @@ void time_plain(const std::string& name, int bits, int64_t M, int64_t N, int64_t
   cudaFree(y), cudaFree(yb);
 }
 
+// The DeltaNet in-projection (qkv 8192, z 4096, b 32, a 32 rows) at M rows: one concatenated GEMM against the four.
+void time_concat(int64_t M) {
+  constexpr int kSets = 4;
+  const std::vector<int64_t> ns = {8192, 4096, 32, 32};
+  const int64_t N = 12352, K = 2048;
+  DevWeight w[kSets];
+  bf16* A[kSets];
+  for (int s = 0; s < kSets; ++s) {
+    w[s].make(4, 1, N, K, 300 + 10 * s);
+    A[s] = dalloc<bf16>(M * K);
+    fill_bf16<<<1024, 256>>>(A[s], M * K, 17 + s, -1.f, 1.f);
+  }
+  std::vector<float*> ys;
+  std::vector<int64_t> lds(ns.begin(), ns.end());
+  for (int64_t n : ns) ys.push_back(dalloc<float>(M * n));
+  double ms[2];
+  for (int form = 0; form < 2; ++form)
+    ms[form] = median_ms(
+        [&](int s) {
+          std::vector<cuda::DLinear> parts;
+          int64_t row0 = 0;
+          for (int64_t n : ns) {
+            cuda::DLinear d = w[s].d;
+            d.p.out = n, d.p.expert_words = n * K / 8, d.p.expert_groups = n * K / 64;
+            d.codes += row0 * K / 8, d.scales += row0 * K / 64, d.biases += row0 * K / 64;
+            parts.push_back(d);
+            row0 += n;
+          }
+          cuda::linear_concat(nullptr, form == 0 ? w[s].d : cuda::DLinear{}, parts.data(), 4, A[s], K, M, ys.data(),
+                              lds.data());
+        },
+        kSets);
+  const double flop = 2.0 * M * N * K;
+  char nm[160];
+  std::snprintf(nm, sizeof nm, "deltanet_in q4 %lldx%lldx%lld", (long long)M, (long long)N, (long long)K);
+  print_time(std::string("parts/") + nm, ms[1], flop, 0);
+  print_time(std::string("concat/") + nm, ms[0], flop, ms[1]);
+  for (int s = 0; s < kSets; ++s) w[s].free_all(), cudaFree(A[s]);
+  for (float* y : ys) cudaFree(y);
+}
+
 // Real MoE sizes: S tokens x top-8 over 256 experts (skewed), gate/up 2048 -> 2 x 512, down 512 -> 2048.
 void time_grouped(Rng& r, int64_t S) {
   constexpr int kSets = 3, E = 256, k = 8;
@@ -664,6 +769,13 @@ int main(int argc, char** argv) {
     run_plain(r, {"padded", 4, 130, 72, 128, kDual, 16, 3, 1});
     run_plain(r, {"padded", 8, 33, 40, 256, kAcc, 8, 1, 1});
 
+    // Concatenated projections: the real DeltaNet and attention in-projections; part boundaries inside 64-row
+    // blocks, a 1-row part, padded output rows; M = 33 (under the wgmma GEMM's 64 rows: one linear() per part).
+    run_concat(r, "deltanet_in", 2048, {8192, 4096, 32, 32}, {0, 0, 0, 0}, 2048);
+    run_concat(r, "attn_in", 300, {8192, 512, 512}, {0, 0, 0}, 2048);
+    run_concat(r, "odd", 300, {1000, 37, 1, 300}, {1, 3, 0, 5}, 192);
+    run_concat(r, "odd", 33, {100, 37, 1}, {0, 3, 2}, 128);
+
     // Grouped: 32 experts with empty ones, a 1-row and a 300-row expert; real gate/up and down dims.
     {
       std::vector<int> counts(32);
@@ -693,6 +805,8 @@ int main(int argc, char** argv) {
       time_plain("attn_kv", 4, 2048, 512, 2048, kStore);
       time_plain("router", 8, 2048, 256, 2048, kStore);
       time_plain("shared_gate_up", 4, 2048, 512, 2048, kDual);
+      time_concat(2048);
+      time_concat(4096);
       time_grouped(r, 2048);
       time_grouped(r, 4096);  // the 4K prefill's tile map (128-row tiles)
     } else {

@@ -265,10 +265,12 @@ class CudaBackend final : public Backend {
     if (fused_step(S)) return issue([this, &L, &st] { fused_deltanet(L, st); });
     const int64_t H = cfg_.hidden;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.qkv, h_, H, S, qkv_, L.qkv.p.out, false);
-    cuda::linear(st_, L.z, h_, H, S, z_, L.z.p.out, false);
-    cuda::linear(st_, L.b, h_, H, S, b_, L.b.p.out, false);
-    cuda::linear(st_, L.a, h_, H, S, a_, L.a.p.out, false);
+    {  // qkv, z, b, a: one GEMM over their concatenated rows
+      const cuda::DLinear parts[] = {L.qkv, L.z, L.b, L.a};
+      float* const y[] = {qkv_, z_, b_, a_};
+      const int64_t ldy[] = {L.qkv.p.out, L.z.p.out, L.b.p.out, L.a.p.out};
+      cuda::linear_concat(st_, L.deltanet_in, parts, 4, h_, H, S, y, ldy);
+    }
     const kp::DeltaNetParams p = deltanet_params(S);
     cuda::deltanet_conv(st_, p, qkv_, L.conv_w, st.conv.as<float>(), u_);
     const int form = cuda::deltanet_scan_pick(p, deltanet_form_);
@@ -284,9 +286,12 @@ class CudaBackend final : public Backend {
     if (fused_step(S)) return issue([this, &L, &kv] { fused_attention(L, kv); });
     const int64_t H = cfg_.hidden, D = cfg_.head_dim;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
-    cuda::linear(st_, L.q, h_, H, S, qg_, L.q.p.out, false);
-    cuda::linear(st_, L.k, h_, H, S, k_, L.k.p.out, false);
-    cuda::linear(st_, L.v, h_, H, S, v_, L.v.p.out, false);
+    {  // q (with its gate), k, v: one GEMM over their concatenated rows
+      const cuda::DLinear parts[] = {L.q, L.k, L.v};
+      float* const y[] = {qg_, k_, v_};
+      const int64_t ldy[] = {L.q.p.out, L.k.p.out, L.v.p.out};
+      cuda::linear_concat(st_, L.attn_in, parts, 3, h_, H, S, y, ldy);
+    }
     const kp::AttentionParams p = attention_params(pos0, S);
     cuda::attention_prep(st_, p, qg_, k_, v_, L.q_norm, L.k_norm, q_, kv.k.as<bf16>(), kv.v.as<bf16>());
     const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_);

@@ -349,6 +349,28 @@ void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64
   launch_gemm<false>(st, W, W, gp, GroupMap{}, x, y, nullptr);
 }
 
+void linear_concat(cudaStream_t st, const DLinear& concat, const DLinear* parts, int n_parts, const bf16* x,
+                    int64_t ldx, int64_t S, float* const* y, const int64_t* ldy) {
+  if (n_parts < 1 || n_parts > kMaxConcat) throw std::invalid_argument("[lily] cuda linear_concat: 1 to 4 parts");
+  if (concat.codes != nullptr && S > 1 && wgmma_takes(concat, nullptr, x, ldx, S, true)) {
+    ConcatOut so;
+    so.parts = n_parts;
+    for (int i = 0; i < n_parts; ++i) {
+      so.begin[i + 1] = so.begin[i] + parts[i].p.out;
+      so.y[i] = y[i];
+      so.ldy[i] = ldy[i];
+    }
+    for (int i = n_parts + 1; i <= kMaxConcat; ++i) so.begin[i] = INT64_MAX;  // the kernel's part search stops here
+    if (so.begin[n_parts] != concat.p.out)
+      throw std::invalid_argument("[lily] cuda linear_concat: the parts' rows do not add up to the concatenation's");
+    kp::GemmParams gp{S, ldx, 0, 0, 0};
+    GemmMmaArgs a{concat, concat, gp, GroupMap{}, x, nullptr, nullptr};
+    a.so = so;
+    return gemm_wgmma(st, a, false, S >= 128 ? 128 : 64);
+  }
+  for (int i = 0; i < n_parts; ++i) linear(st, parts[i], x, ldx, S, y[i], ldy[i], false);
+}
+
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
                      bf16* y, int64_t ldy) {
   if (S == 1) return launch_gemv<true>(st, W0, W1, x, 0, nullptr, 1, nullptr, y, 0, nullptr, false);

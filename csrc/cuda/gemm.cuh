@@ -80,6 +80,12 @@ void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64
 bool one_output_supported(const DLinear& W, const bf16* x, int64_t ldx);
 void linear_one_output(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64_t S, float* y, int64_t ldy,
                        bool accumulate);
+// A concatenated projection: parts[i] (i < n_parts <= kMaxConcat) are consecutive row views of `concat` (one
+// format), y[i] fp32 [S, ldy[i]]: y[i][s * ldy[i] + r] = x[s] . parts[i][r]. One GEMM over the concatenated rows
+// where the wgmma GEMM takes it (its epilogue routes each feature to its part), else one linear() per part (concat
+// may then be empty: codes == nullptr).
+void linear_concat(cudaStream_t st, const DLinear& concat, const DLinear* parts, int n_parts, const bf16* x,
+                    int64_t ldx, int64_t S, float* const* y, const int64_t* ldy);
 // y[s, r] = bf16(silu(x W0^T) * (x W1^T)) for s < S; y: bf16 [S, ldy] (gate/up pair of an FFN).
 void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, const bf16* x, int64_t ldx, int64_t S,
                      bf16* y, int64_t ldy);
@@ -109,6 +115,17 @@ void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const b
 // Arguments of gemm_mma_kernel. Plain or grouped rows per gp/g exactly as the wmma GEMM:
 //   y[orow, n] (=|+=) scale * (A[arow] . W0[e, n])     fp32 epilogue (store / accumulate)
 //   yb[orow, n] = bf16(silu(A[arow] . W0[e, n]) * (A[arow] . W1[e, n]))   dual epilogue (FFN gate/up)
+// The outputs of a concatenated projection (weights_cuda.h: several weights that read one input, stored as
+// consecutive rows of one matrix): feature n of part i (begin[i] <= n < begin[i + 1]) lands in
+// y[i][row * ldy[i] + n - begin[i]]. parts == 0: one output (GemmMmaArgs::y, gp.ldy).
+constexpr int kMaxConcat = 4;
+struct ConcatOut {
+  int parts = 0;
+  int64_t begin[kMaxConcat + 1] = {};
+  float* y[kMaxConcat] = {};
+  int64_t ldy[kMaxConcat] = {};
+};
+
 struct GemmMmaArgs {
   DLinear W0;                // [E?, out, in] quantized, in % 64 == 0
   DLinear W1;                // dual only: same shape and format as W0
@@ -117,6 +134,7 @@ struct GemmMmaArgs {
   const bf16* A = nullptr;   // [rows, lda] bf16, lda % 8 == 0, 16-byte aligned
   float* y = nullptr;        // [rows, ldy] fp32 (store / accumulate)
   bf16* yb = nullptr;        // [rows, ldy] bf16 (dual)
+  ConcatOut so;             // plain store only (wgmma GEMM): the concatenation's parts' outputs instead of y
 };
 
 // True when the mma path runs this product: kind 0, 4 or 8 bits, group 64, in % 64 == 0, 16-byte aligned

@@ -277,11 +277,35 @@ __global__ void __launch_bounds__(kThreads, 1)
               if (float* dst = out_at(i0 + q, j)) *dst = old[j][q] + d[j][i0 + q] * y_scale[tok(i0 + q)];
         }
       } else {
+        // Output column base and row stride of fragment rows (j, rr): y's, or those of the concatenation's part holding
+        // the feature (parts meet at any row, so the part is found per fragment row, not per tile).
+        float* ybase[MB][2];
+        int64_t yld[MB][2];
+#pragma unroll
+        for (int j = 0; j < MB; ++j)
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int64_t n = n0 + rb + 64 * j + 8 * rr;
+            const ConcatOut& so = args.so;
+            if (so.parts > 0) {
+              int q = 0;
+#pragma unroll
+              for (int k = 1; k < kMaxConcat; ++k) q += n >= so.begin[k];
+              ybase[j][rr] = n < N ? so.y[q] + (n - so.begin[q]) : nullptr;
+              yld[j][rr] = so.ldy[q];
+            } else {
+              ybase[j][rr] = n < N ? args.y + n : nullptr;
+              yld[j][rr] = ldy;
+            }
+          }
 #pragma unroll
         for (int i = 0; i < TN / 2; ++i)
 #pragma unroll
-          for (int j = 0; j < MB; ++j)
-            if (float* dst = out_at(i, j)) *dst = d[j][i] * y_scale[tok(i)];
+          for (int j = 0; j < MB; ++j) {
+            const int64_t orow = y_row[tok(i)];
+            float* base = ybase[j][(i / 2) % 2];
+            if (orow >= 0 && base) base[orow * yld[j][(i / 2) % 2]] = d[j][i] * y_scale[tok(i)];
+          }
       }
     }
   }

@@ -2,6 +2,7 @@
 #include "cuda/weights_cuda.h"
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "cuda/gemv.cuh"
 
@@ -33,6 +34,51 @@ struct Uploader {
     return d;
   }
 
+  // parts[i] -> views[i] as consecutive rows of one device matrix (returned) when every part is a single quantized
+  // matrix of one format and input width; otherwise each on its own and an empty concatenation.
+  DLinear put_concat(std::initializer_list<const Linear*> parts, std::initializer_list<DLinear*> views) {
+    const Linear& l0 = **parts.begin();
+    bool one_format = true;
+    int64_t rows = 0;
+    for (const Linear* l : parts) {
+      // every part's codes, scales and biases keep a 16-byte aligned start, as their own allocations would
+      one_format = one_format && l->kind == Linear::Kind::Quant && l->experts <= 1 && l->bits == l0.bits &&
+                   l->group == l0.group && l->in == l0.in && rows * l0.words_per_row() * 4 % 16 == 0 &&
+                   rows * l0.groups_per_row() * 2 % 16 == 0;
+      rows += l->out;
+    }
+    if (!one_format) {
+      auto v = views.begin();
+      for (const Linear* l : parts) **v++ = put_linear(*l);
+      return DLinear{};
+    }
+    DLinear s;
+    s.p = linear_params(l0);
+    s.p.out = rows;
+    s.p.expert_words = rows * l0.words_per_row();
+    s.p.expert_groups = rows * l0.groups_per_row();
+    s.p.expert_elems = rows * l0.in;
+    dw.owned.emplace_back(mem, s.p.expert_words * 4);
+    s.codes = static_cast<const uint32_t*>(dw.owned.back().data());
+    dw.owned.emplace_back(mem, s.p.expert_groups * 2);
+    s.scales = static_cast<const uint16_t*>(dw.owned.back().data());
+    dw.owned.emplace_back(mem, s.p.expert_groups * 2);
+    s.biases = static_cast<const uint16_t*>(dw.owned.back().data());
+    int64_t row0 = 0;
+    auto v = views.begin();
+    for (const Linear* l : parts) {
+      DLinear& d = **v++;
+      d.p = linear_params(*l);
+      d.codes = s.codes + row0 * l0.words_per_row();
+      d.scales = s.scales + row0 * l0.groups_per_row();
+      d.biases = s.biases + row0 * l0.groups_per_row();
+      mem->from_host(const_cast<uint32_t*>(d.codes), l->codes, d.p.expert_words * 4);
+      mem->from_host(const_cast<uint16_t*>(d.scales), l->scales, d.p.expert_groups * 2);
+      mem->from_host(const_cast<uint16_t*>(d.biases), l->biases, d.p.expert_groups * 2);
+      row0 += l->out;
+    }
+    return s;
+  }
 };
 
 }  // namespace
@@ -50,19 +96,15 @@ DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::sha
     L.in_norm = u.put_vec(lw.in_norm, H);
     L.post_norm = u.put_vec(lw.post_norm, H);
     if (lw.type == LayerType::DeltaNet) {
-      L.qkv = u.put_linear(lw.deltanet.qkv);
-      L.z = u.put_linear(lw.deltanet.z);
-      L.b = u.put_linear(lw.deltanet.b);
-      L.a = u.put_linear(lw.deltanet.a);
+      const DeltaNetWeights& d = lw.deltanet;
+      L.deltanet_in = u.put_concat({&d.qkv, &d.z, &d.b, &d.a}, {&L.qkv, &L.z, &L.b, &L.a});
       L.out = u.put_linear(lw.deltanet.out);
       L.conv_w = u.put_vec(lw.deltanet.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
       L.dt_bias = u.put_vec(lw.deltanet.dt_bias, cfg.deltanet_v_heads);
       L.a_log = u.put_vec(lw.deltanet.a_log, cfg.deltanet_v_heads);
       L.deltanet_norm = u.put_vec(lw.deltanet.norm, cfg.deltanet_v_dim);
     } else {
-      L.q = u.put_linear(lw.attn.q);
-      L.k = u.put_linear(lw.attn.k);
-      L.v = u.put_linear(lw.attn.v);
+      L.attn_in = u.put_concat({&lw.attn.q, &lw.attn.k, &lw.attn.v}, {&L.q, &L.k, &L.v});
       L.o = u.put_linear(lw.attn.o);
       L.q_norm = u.put_vec(lw.attn.q_norm, cfg.head_dim);
       L.k_norm = u.put_vec(lw.attn.k_norm, cfg.head_dim);

@@ -13,6 +13,11 @@ namespace lily::cuda {
 struct DeviceLayer {
   const float* in_norm = nullptr;
   const float* post_norm = nullptr;
+  // Concatenations (gemm.cuh linear_concat): weights that read one input stored as consecutive rows of one matrix, so a
+  // prefill runs one GEMM for them; the parts are views into it. codes == nullptr: the parts' formats differ and
+  // each was uploaded on its own.
+  DLinear deltanet_in;        // qkv, z, b, a
+  DLinear attn_in;            // q, k, v
   DLinear qkv, z, b, a, out;  // DeltaNet
   const float *conv_w = nullptr, *dt_bias = nullptr, *a_log = nullptr, *deltanet_norm = nullptr;  // [C, K], [Hv], [Hv], [Dv]
   DLinear q, k, v, o;  // attention
