@@ -345,9 +345,11 @@ bool gemm_wgmma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, i
 void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens) {
   if (tokens != 64 && tokens != 128) throw std::invalid_argument("[lily] gemm_wgmma: tokens per tile must be 64 or 128");
   if (dual) return tokens == 128 ? launch<128, 2, true>(st, a) : launch<64, 2, true>(st, a);
-  // 256 weight rows per CTA unless that leaves fewer than two CTAs per SM (plain) or the tile map is small
+  // 256 weight rows per CTA unless that leaves less than one work item per SM (the grid is persistent, so one wave
+  // of items suffices; two, as before, sent the 2,048-output projections of a 4K prefill (256 items) to 128-row
+  // tiles: 1.007x on a 4K prefill with this threshold, compare_builds_concat_h200.json)
   const int64_t tiles = a.gp.grouped ? a.g.max_tiles : (a.gp.M + tokens - 1) / tokens;
-  const bool wide = tiles * ((a.W0.p.out + 255) / 256) >= 2 * device_sm_count();
+  const bool wide = tiles * ((a.W0.p.out + 255) / 256) >= device_sm_count();
   if (tokens == 128) return wide ? launch<128, 2, false>(st, a) : launch<128, 1, false>(st, a);
   return wide ? launch<64, 2, false>(st, a) : launch<64, 1, false>(st, a);
 }
