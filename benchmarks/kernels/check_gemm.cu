@@ -330,12 +330,12 @@ cuda::DLinear row_view(const QWeight& W, int64_t row0, int64_t n) {
 // part's output in its own poisoned buffer of row stride ns[i] + pads[i]; the concatenated launch (taken by the
 // wgmma GEMM from 64 rows when the tiles fill the GPU, else one linear() per part) and, as its twin, the parts
 // without the concatenation (concat.codes == nullptr: one linear() each) against the fp64 reference rows.
-void run_concat(Rng& r, const std::string& name, int64_t M, const std::vector<int64_t>& ns,
+void run_concat(Rng& r, const std::string& name, int bits, int64_t M, const std::vector<int64_t>& ns,
                 const std::vector<int64_t>& pads, int64_t K) {
   int64_t N = 0;
   for (int64_t n : ns) N += n;
   const int np = static_cast<int>(ns.size());
-  QWeight W = make_qweight(r, 4, 1, N, K);
+  QWeight W = make_qweight(r, bits, 1, N, K);
   const std::vector<uint16_t> A = random_bf16(r, M * K, -1, 1);
   const std::vector<int64_t> rows = sample_rows(r, M, 48);
   std::vector<const uint16_t*> rp;
@@ -372,7 +372,7 @@ void run_concat(Rng& r, const std::string& name, int64_t M, const std::vector<in
     std::string shape;
     for (int64_t n : ns) shape += (shape.empty() ? "" : "+") + std::to_string(n);
     char nm[256];
-    std::snprintf(nm, sizeof nm, "concat/%s %s M=%lld N=%s K=%lld", name.c_str(), form ? "parts" : "joined",
+    std::snprintf(nm, sizeof nm, "concat/%s q%d %s M=%lld N=%s K=%lld", name.c_str(), bits, form ? "parts" : "joined",
                   (long long)M, shape.c_str(), (long long)K);
     report(nm, s, kTolF32);
   }
@@ -770,11 +770,15 @@ int main(int argc, char** argv) {
     run_plain(r, {"padded", 8, 33, 40, 256, kAcc, 8, 1, 1});
 
     // Concatenated projections: the real DeltaNet and attention in-projections; part boundaries inside 64-row
-    // blocks, a 1-row part, padded output rows; M = 33 (under the wgmma GEMM's 64 rows: one linear() per part).
-    run_concat(r, "deltanet_in", 2048, {8192, 4096, 32, 32}, {0, 0, 0, 0}, 2048);
-    run_concat(r, "attn_in", 300, {8192, 512, 512}, {0, 0, 0}, 2048);
-    run_concat(r, "odd", 300, {1000, 37, 1, 300}, {1, 3, 0, 5}, 192);
-    run_concat(r, "odd", 33, {100, 37, 1}, {0, 3, 2}, 128);
+    // blocks, a 1-row part, padded output rows; M = 33 (under the wgmma GEMM's 64 rows: the mma GEMM).
+    // 8-bit (the router and the shared expert's gate): the mma GEMM's epilogue routes the columns.
+    run_concat(r, "deltanet_in", 4, 2048, {8192, 4096, 32, 32}, {0, 0, 0, 0}, 2048);
+    run_concat(r, "attn_in", 4, 300, {8192, 512, 512}, {0, 0, 0}, 2048);
+    run_concat(r, "odd", 4, 300, {1000, 37, 1, 300}, {1, 3, 0, 5}, 192);
+    run_concat(r, "odd", 4, 33, {100, 37, 1}, {0, 3, 2}, 128);
+    run_concat(r, "moe_in", 8, 2048, {256, 1}, {0, 0}, 2048);
+    run_concat(r, "moe_in", 8, 5, {256, 1}, {0, 0}, 2048);
+    run_concat(r, "odd", 8, 77, {33, 1, 70, 3}, {1, 0, 2, 3}, 128);
 
     // Grouped: 32 experts with empty ones, a 1-row and a 300-row expert; real gate/up and down dims.
     {

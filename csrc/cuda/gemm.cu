@@ -352,7 +352,8 @@ void linear(cudaStream_t st, const DLinear& W, const bf16* x, int64_t ldx, int64
 void linear_concat(cudaStream_t st, const DLinear& concat, const DLinear* parts, int n_parts, const bf16* x,
                     int64_t ldx, int64_t S, float* const* y, const int64_t* ldy) {
   if (n_parts < 1 || n_parts > kMaxConcat) throw std::invalid_argument("[lily] cuda linear_concat: 1 to 4 parts");
-  if (concat.codes != nullptr && S > 1 && wgmma_takes(concat, nullptr, x, ldx, S, true)) {
+  const bool wgmma = concat.codes != nullptr && S > 1 && wgmma_takes(concat, nullptr, x, ldx, S, true);
+  if (wgmma || (concat.codes != nullptr && S > 1 && mma_takes(concat, nullptr, x, ldx))) {
     ConcatOut so;
     so.parts = n_parts;
     for (int i = 0; i < n_parts; ++i) {
@@ -366,7 +367,8 @@ void linear_concat(cudaStream_t st, const DLinear& concat, const DLinear* parts,
     kp::GemmParams gp{S, ldx, 0, 0, 0};
     GemmMmaArgs a{concat, concat, gp, GroupMap{}, x, nullptr, nullptr};
     a.so = so;
-    return gemm_wgmma(st, a, false, S >= 128 ? 128 : 64);
+    if (wgmma) return gemm_wgmma(st, a, false, S >= 128 ? 128 : 64);
+    return gemm_mma(st, a, false, gemm_mma_plain_rows(S, concat.p.out, false));
   }
   for (int i = 0; i < n_parts; ++i) linear(st, parts[i], x, ldx, S, y[i], ldy[i], false);
 }
@@ -682,6 +684,18 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 1 : 2)
         for (int j = 0; j < kNF; ++j) {
           const int64_t col = n0 + (wn * kNF + j) * 8 + 2 * tig;
           float o0 = acc[i][j][2 * rr] * sc, o1 = acc[i][j][2 * rr + 1] * sc;
+          if (args.so.parts > 0) {  // a concatenation's parts (plain store): each column to its part, parts meet anywhere
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const int64_t n = col + x;
+              if (n >= N) continue;
+              int q = 0;
+#pragma unroll
+              for (int k = 1; k < kMaxConcat; ++k) q += n >= args.so.begin[k];
+              args.so.y[q][orow * args.so.ldy[q] + n - args.so.begin[q]] = x ? o1 : o0;
+            }
+            continue;
+          }
           float* dst = args.y + orow * ldy + col;
           if (vec && col + 1 < N) {
             float2* d2 = reinterpret_cast<float2*>(dst);

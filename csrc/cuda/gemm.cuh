@@ -82,8 +82,8 @@ void linear_one_output(cudaStream_t st, const DLinear& W, const bf16* x, int64_t
                        bool accumulate);
 // A concatenated projection: parts[i] (i < n_parts <= kMaxConcat) are consecutive row views of `concat` (one
 // format), y[i] fp32 [S, ldy[i]]: y[i][s * ldy[i] + r] = x[s] . parts[i][r]. One GEMM over the concatenated rows
-// where the wgmma GEMM takes it (its epilogue routes each feature to its part), else one linear() per part (concat
-// may then be empty: codes == nullptr).
+// where the wgmma or the mma GEMM takes it (their store epilogues route each feature to its part), else one
+// linear() per part (concat may then be empty: codes == nullptr).
 void linear_concat(cudaStream_t st, const DLinear& concat, const DLinear* parts, int n_parts, const bf16* x,
                     int64_t ldx, int64_t S, float* const* y, const int64_t* ldy);
 // y[s, r] = bf16(silu(x W0^T) * (x W1^T)) for s < S; y: bf16 [S, ldy] (gate/up pair of an FFN).
@@ -134,7 +134,7 @@ struct GemmMmaArgs {
   const bf16* A = nullptr;   // [rows, lda] bf16, lda % 8 == 0, 16-byte aligned
   float* y = nullptr;        // [rows, ldy] fp32 (store / accumulate)
   bf16* yb = nullptr;        // [rows, ldy] bf16 (dual)
-  ConcatOut so;             // plain store only (wgmma GEMM): the concatenation's parts' outputs instead of y
+  ConcatOut so;             // plain store only: the concatenation's parts' outputs instead of y
 };
 
 // True when the mma path runs this product: kind 0, 4 or 8 bits, group 64, in % 64 == 0, 16-byte aligned
