@@ -304,7 +304,8 @@ def parse_args(argv=None):
     ap.add_argument("--fake-flags", action="store_true", help="dry run: accept and ignore the ablation flags")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--mlx-decode-steps", type=int, default=8)
-    ap.add_argument("--profile-length", type=int, default=4096)
+    ap.add_argument("--profile-lengths", default="4096,131072",
+                    help="lengths whose prefill and decode kernels are profiled by kernel name (torch's profiler)")
     ap.add_argument("--budget-s", type=float, default=480, help="wall-clock budget from the start of main")
     ap.add_argument("--replot", default="", help="only redraw the PNG and the ablation table from this JSON")
     ap.add_argument("--llamacpp-json", default="", help="the llama.cpp peer's results of the same H200 run "
@@ -315,8 +316,9 @@ def parse_args(argv=None):
     args.lengths = [int(x) for x in (args.lengths or ("32,64,96,128" if dry else LILY_LENGTHS)).split(",") if x]
     args.mlx_lengths = [] if args.no_mlx else [
         int(x) for x in (args.mlx_lengths or ("64,96" if dry else "512,4096,16384")).split(",") if x]
-    if dry and args.profile_length == 4096:
-        args.profile_length = 64
+    args.profile_lengths = [int(x) for x in args.profile_lengths.split(",") if x]
+    if dry and args.profile_lengths == [4096, 131072]:
+        args.profile_lengths = [64]
     args.name = args.name or ("bench_cuda_h200" if not dry else "bench_cuda_dryrun")
     args.max_context = max(args.lengths + args.mlx_lengths) + args.decode_steps + 16
     return args
@@ -438,7 +440,7 @@ def main(argv=None):
                                                                  if device else "lock-step stream + host Sampler"))
                 except Exception as e:  # noqa: BLE001
                     checks[f"decode_sampled_device={device}@{L}"] = repr(e)[:200]
-        if L == args.profile_length and time.time() < deadline:
+        if L in args.profile_lengths and time.time() < deadline:
             run_profiles(L, st, snap, tok)
         if ablator is not None:
             def measure_decode():
