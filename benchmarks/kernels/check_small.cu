@@ -190,7 +190,8 @@ static void check_embed(int64_t V, int64_t in, int bits, int64_t S) {
 }
 
 // ---------------------------------------------------------------- embed_norm.cu: rms_norm (fp32 -> bf16)
-static void check_rms_norm(int64_t rows, int64_t n) {
+// off: x starts off floats past an allocation (off % 4 != 0: not 16-byte aligned, so the loop path runs).
+static void check_rms_norm(int64_t rows, int64_t n, int64_t off = 0) {
   Dev dv;
   auto x = randn(rows * n, 1.f);
   for (int64_t i = 0; i < n; ++i) x[i] *= 50.f;  // a row of large residual values (outlier channels)
@@ -198,7 +199,9 @@ static void check_rms_norm(int64_t rows, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[n + i] *= 1e-3f;  // a row of small values (eps matters a little)
   auto w = randu(n, 0.2f, 2.f);
   const float eps = 1e-6f;
-  const float* dx = dv.put(x);
+  std::vector<float> xo(off, 0.f);
+  xo.insert(xo.end(), x.begin(), x.end());
+  const float* dx = dv.put(xo) + off;
   const float* dw = dv.put(w);
   uint16_t* dy = dv.alloc<uint16_t>(rows * n);
   lc::rms_norm(0, dx, dw, eps, rows, n, reinterpret_cast<lc::bf16*>(dy));
@@ -210,8 +213,12 @@ static void check_rms_norm(int64_t rows, int64_t n) {
     const double inv = 1.0 / std::sqrt(ss / n + eps);
     for (int64_t i = 0; i < n; ++i) ref[r * n + i] = x[r * n + i] * inv * w[i];
   }
-  report(fmt("rms_norm rows=%lld n=%lld", (long long)rows, (long long)n), ref, bf_to_d(get(dy, rows * n)),
-         tolerances::small_bf16_rel_rms, true);
+  const std::string tag = fmt("rows=%lld n=%lld%s", (long long)rows, (long long)n, off ? " x misaligned" : "");
+  report("rms_norm " + tag, ref, bf_to_d(get(dy, rows * n)), tolerances::small_bf16_rel_rms, true);
+  if (rows >= 4096) {
+    const double us = median_us([&] { lc::rms_norm(0, dx, dw, eps, rows, n, reinterpret_cast<lc::bf16*>(dy)); });
+    std::printf("TIME rms_norm %s %.1f us (%.2f TB/s)\n", tag.c_str(), us, (6.0 * rows * n + 4.0 * n) / us * 1e-6);
+  }
 }
 
 // ---------------------------------------------------------------- moe.cu: moe_route
@@ -402,15 +409,22 @@ static kp::DeltaNetParams deltanet_params(int Hk, int Hv, int Dk, int Dv, int K,
 }
 
 // Conv + SiLU + l2 norm of q (times Dk^-0.5) and k per head; u poisoned, conv state (in place) checked bit-exact
-// (it is a copy of input rows). Twin: the CPU deltanet steps 1-2 in fp64.
-static void check_dn_conv(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
+// (it is a copy of input rows). Twin: the CPU deltanet steps 1-2 in fp64. shift 1 / 2 / 3: qkv / conv_state / u
+// starts one float past an allocation (not 16-byte aligned: the channel-per-thread path runs).
+static void check_dn_conv(int Hk, int Hv, int Dk, int Dv, int K, int64_t S, int shift = 0) {
   Dev dv;
   const kp::DeltaNetParams p = deltanet_params(Hk, Hv, Dk, Dv, K, S);
   const int64_t C = p.conv_dim;
   const auto qkv = randn(S * C), w = randu(C * K, -0.6f, 0.6f), cs0 = randn((K - 1) * C);
-  const float *dq = dv.put(qkv), *dw = dv.put(w);
-  float* dcs = dv.put(cs0);
-  float* du = dv.alloc<float>(S * C);
+  auto shifted = [](const std::vector<float>& v, bool on) {
+    std::vector<float> r(on ? 1 : 0, 0.f);
+    r.insert(r.end(), v.begin(), v.end());
+    return r;
+  };
+  const float* dq = dv.put(shifted(qkv, shift == 1)) + (shift == 1);
+  const float* dw = dv.put(w);
+  float* dcs = dv.put(shifted(cs0, shift == 2)) + (shift == 2);
+  float* du = dv.alloc<float>(S * C + 1) + (shift == 3);
   lc::deltanet_conv(0, p, dq, dw, dcs, du);
   after_launch();
   auto X = [&](int64_t i, int64_t c) -> double { return i < K - 1 ? cs0[i * C + c] : qkv[(i - (K - 1)) * C + c]; };
@@ -434,9 +448,16 @@ static void check_dn_conv(int Hk, int Hv, int Dk, int Dv, int K, int64_t S) {
   const auto gcs = get(dcs, (K - 1) * C);
   std::vector<double> got_cs(gcs.size());
   for (size_t i = 0; i < gcs.size(); ++i) got_cs[i] = fbits(gcs[i]);
-  const std::string tag = fmt("Hk=%d Hv=%d Dk=%d Dv=%d K=%d S=%lld", Hk, Hv, Dk, Dv, K, (long long)S);
+  static const char* const kShift[] = {"", " qkv+1", " state+1", " u+1"};
+  const std::string tag =
+      fmt("Hk=%d Hv=%d Dk=%d Dv=%d K=%d S=%lld%s", Hk, Hv, Dk, Dv, K, (long long)S, kShift[shift]);
   report("deltanet_conv u " + tag, ref, to_d(get(du, S * C)), tolerances::small_fp32_rel_rms);
   report_exact("deltanet_conv state " + tag, ref_cs, got_cs);
+  if (S >= 4096) {  // the state is rewritten by each timed launch: only the speed is read from here on
+    const double us = median_us([&] { lc::deltanet_conv(0, p, dq, dw, dcs, du); });
+    std::printf("TIME deltanet_conv %s %.1f us (%.2f TB/s)\n", tag.c_str(), us,
+                4.0 * (2 * S * C + 2 * (K - 1) * C + C * K) / us * 1e-6);
+  }
 }
 
 // out = bf16(RMSNorm(y; w) * silu(z)) per (row, value head).
@@ -617,11 +638,17 @@ int main(int argc, char** argv) {
   C("embed in=2112", [] { check_embed(517, 2112, 4, 37); });
   C("embed bits=8", [] { check_embed(300, 192, 8, 7); });
 
-  // rms_norm: hidden 2048; n below one block, odd, large.
-  for (int64_t rows : {1, 37, 300}) C("rms_norm", [=] { check_rms_norm(rows, 2048); });
+  // rms_norm: hidden 2048; n below one block, odd, large. Register path (n % 4 == 0, n <= 2048, aligned): n = 2048
+  // (every thread's two float4s; 4096 rows timed), 100 (25 float4s: a partial warp, second float4 unused), 1028 (257
+  // float4s: thread 0 alone holds a second one). Loop path: n = 2049 (odd), 2052 and 5000 (past 2048), x+1 (x not
+  // 16-byte aligned).
+  for (int64_t rows : {1, 37, 300, 4096}) C("rms_norm", [=] { check_rms_norm(rows, 2048); });
   C("rms_norm n=100", [] { check_rms_norm(5, 100); });
+  C("rms_norm n=1028", [] { check_rms_norm(7, 1028); });
   C("rms_norm n=2049", [] { check_rms_norm(37, 2049); });
+  C("rms_norm n=2052", [] { check_rms_norm(3, 2052); });
   C("rms_norm n=5000", [] { check_rms_norm(3, 5000); });
+  C("rms_norm x+1", [] { check_rms_norm(37, 2048, 1); });
 
   // moe_route: E=256 top-8 (renorm, as the model), E=5 top-3 both ways, E=33 (partial lane group), 300 rows.
   C("route", [] { check_route(37, 256, 8, 1); });
@@ -657,14 +684,30 @@ int main(int argc, char** argv) {
   C("combine", [] { check_combine(7, 33, 1); });
   C("combine", [] { check_combine(4096, 2048, 8); });
 
-  // deltanet_conv: real (Hk 16, Hv 32, Dk = Dv = 128, C 8192, K 4) at S = 1 (< K-1: state rows shift), 37, 100;
-  // awkward heads / dims (C not a multiple of the 128-thread block), S = 2, K = 2.
-  for (int64_t S : {1, 2, 37, 100}) C("deltanet_conv", [=] { check_dn_conv(16, 32, 128, 128, 4, S); });
+  // deltanet_conv: real (Hk 16, Hv 32, Dk = Dv = 128, C 8192, K 4) at S = 1 (< K-1: state rows shift), 2, 37, 100,
+  // 4096 (timed); awkward heads / dims, K = 2, 3, 5 (the generic kernel size). 16 rows per thread, loaded 4 at a
+  // time: every S but 4096 ends in a partial row block, S = 1, 2, 7, 17, 18, 19, 33, 37, 65 in a partial batch.
+  // Fused path (float4 channels + l2 norm; C % 4 == 0, 128 % Dk == 0, Dk % 4 == 0, aligned):
+  //   real shape, all S: K = 4, heads of 32 lanes, q/k warps and v warps apart;
+  //   Hk 3 Dk 64 (C 960): 16-lane heads, partial last warp (240 threads);  Hk 4 Dk 64 K 2 (C 1024): 16-lane heads;
+  //   Hk 2 Dk 32 K 3 (C 272): 8-lane heads, partial last warp (68 threads);
+  //   Hk 1 Dk 32 K 5 (C 112): the generic K, 8-lane heads, a warp of q, k and v lanes, 28 threads;
+  //   Hk 2 Dk 16 (C 124): 4-lane heads, q/k and v lanes in one warp, 31 threads;  Hk 3 Dk 4 (C 36): 1-lane heads.
+  // Channel-per-thread path + l2norm_kernel: Dk 96 (C 512, K 4), Dk 40 with C 194 (K 2), C 179 with Dk 32 (K 4),
+  //   Dk 96 (C 404, K 3), Dk 40 (C 128, K 5: the generic K), the real shape with qkv / state / u misaligned.
+  for (int64_t S : {1, 2, 37, 100, 4096}) C("deltanet_conv", [=] { check_dn_conv(16, 32, 128, 128, 4, S); });
   C("deltanet_conv", [] { check_dn_conv(3, 6, 64, 96, 4, 37); });
+  C("deltanet_conv", [] { check_dn_conv(4, 8, 64, 64, 2, 17); });
+  C("deltanet_conv", [] { check_dn_conv(2, 3, 32, 48, 3, 65); });
+  C("deltanet_conv", [] { check_dn_conv(1, 2, 32, 24, 5, 40); });
+  C("deltanet_conv", [] { check_dn_conv(2, 3, 16, 20, 4, 33); });
+  C("deltanet_conv", [] { check_dn_conv(3, 2, 4, 6, 4, 7); });
   C("deltanet_conv", [] { check_dn_conv(1, 5, 96, 64, 4, 1); });
   C("deltanet_conv", [] { check_dn_conv(2, 2, 40, 17, 2, 37); });
-  C("deltanet_conv", [] { check_dn_conv(2, 3, 32, 48, 3, 65); });  // the sliding window at K = 3, three row blocks
-  C("deltanet_conv", [] { check_dn_conv(1, 2, 32, 24, 5, 40); });  // K = 5: the generic path
+  C("deltanet_conv", [] { check_dn_conv(2, 3, 32, 17, 4, 20); });
+  C("deltanet_conv", [] { check_dn_conv(2, 2, 96, 10, 3, 18); });
+  C("deltanet_conv", [] { check_dn_conv(1, 2, 40, 24, 5, 19); });
+  for (int shift : {1, 2, 3}) C("deltanet_conv", [=] { check_dn_conv(16, 32, 128, 128, 4, 37, shift); });
 
   // deltanet_gated_norm
   for (int64_t S : {1, 37}) C("deltanet_gated_norm", [=] { check_dn_gated_norm(32, 128, S); });

@@ -6,44 +6,138 @@
 namespace lily::cuda {
 namespace {
 
-constexpr int kConvRows = 32;   // rows per thread of the conv (channels x row-blocks in the grid)
+// Conv: 128-thread blocks, 8 resident per SM (__launch_bounds__: at most 64 registers, no spills), kConvRows rows
+// per thread. 16 rows: at S = 4096 and C = 8192 the float4 path's grid is 16 x 256 blocks, about four waves over the
+// 132 SMs (32 rows: two, the last wave's tail a larger share of the run); the K-1 halo rows a thread also reads
+// (3 per 16) are the previous row block's last rows, read at about the same time (16 blocks earlier in launch
+// order), so they come from L2 rather than HBM.
+constexpr int kConvThreads = 128;
+constexpr int kConvRows = 16;
+// Rows whose X loads a thread issues together before their sums: 4 float4 loads in flight per thread, 64 KB per SM
+// at 32 warps, 8.6 MB over 132 SMs (4.8 TB/s x ~1 us of latency is ~5 MB). kConvRows is a multiple of it, so only a
+// row block cut short by S ends in a partial batch.
+constexpr int kConvBatch = 4;
 constexpr int kStepWarps = 4;   // state rows (dv) per block of the one-token scan
 
 // Row i of X = [conv_state (K-1 rows); qkv (S rows)] at channel c.
-__device__ __forceinline__ float conv_x(const float* cs, const float* qkv, int64_t i, int64_t c, int64_t C, int K) {
-  return i < K - 1 ? cs[i * C + c] : qkv[(i - (K - 1)) * C + c];
+__device__ __forceinline__ const float* conv_row(const float* cs, const float* qkv, int64_t i, int64_t c, int64_t C,
+                                                 int K) {
+  return i < K - 1 ? cs + i * C + c : qkv + (i - (K - 1)) * C + c;
+}
+// V consecutive floats (V = 4: one 16-byte access).
+template <int V>
+__device__ __forceinline__ void load_v(const float* src, float (&x)[V]) {
+  if constexpr (V == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(src);
+    x[0] = t.x, x[1] = t.y, x[2] = t.z, x[3] = t.w;
+  } else {
+    x[0] = *src;
+  }
+}
+template <int V>
+__device__ __forceinline__ void store_v(float* dst, const float (&x)[V]) {
+  if constexpr (V == 4)
+    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+  else
+    dst[0] = x[0];
 }
 
-// u[t, c] = silu(sum_j w[c, j] X[t + j, c]); tap K-1 multiplies the current row. Reads conv_state only.
+// u[t, c] = silu(sum_j w[c, j] X[t + j, c]); tap K-1 multiplies the current row. Reads conv_state only; u must not
+// alias qkv or conv_state. Each thread owns V consecutive channels and kConvRows rows.
 // KS > 0: the kernel size is KS and the K-row window slides in registers (each X row read once per thread,
 // not K times); KS == 0: any K, re-reading the window. Same sum order either way, so the results are identical.
-template <int KS>
-__global__ void conv_kernel(kp::DeltaNetParams p, const float* qkv, const float* w, const float* cs, float* u) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, C = p.conv_dim;
-  if (c >= C) return;
+// V == 4 (C % 4 == 0, 16-byte aligned rows, Dk % 4 == 0, 128 % Dk == 0) also applies the q/k l2 norm: a warp owns
+// 128 channels from a multiple of 128 and heads start at multiples of Dk, so a head is Dk/4 aligned consecutive
+// lanes and an xor butterfly below Dk/4 sums its squares. Every lane runs every shuffle (the row loop's bounds are
+// the block's). Lanes past C hold zeros; a v head's lanes sum among themselves (head-aligned segments never mix q/k
+// and v lanes) and leave their values unscaled. V == 1: l2norm_kernel follows.
+template <int KS, int V>
+__global__ void __launch_bounds__(kConvThreads, 8)
+    conv_kernel(kp::DeltaNetParams p, const float* __restrict__ qkv, const float* __restrict__ w,
+                const float* __restrict__ cs, float* __restrict__ u) {
+  const int64_t C = p.conv_dim, c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  const bool in = c < C;  // then all V channels are (C % V == 0)
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kConvRows, t1 = min64(p.S, t0 + kConvRows);
+  constexpr int KW = KS > 0 ? KS : 1;
+  // KS > 0: the weights and the window, X rows t-1 .. t+KS-2 before the shift of row t (KS == 0 reads both anew)
+  float wr[KW][V] = {}, win[KW][V] = {};
   if constexpr (KS > 0) {
-    float wr[KS], win[KS];
+    if (in) {
 #pragma unroll
-    for (int j = 0; j < KS; ++j) wr[j] = w[c * KS + j];
+      for (int i = 0; i < V; ++i)
 #pragma unroll
-    for (int j = 0; j < KS - 1; ++j) win[j + 1] = conv_x(cs, qkv, t0 + j, c, C, KS);
-    for (int64_t t = t0; t < t1; ++t) {
+        for (int j = 0; j < KS; ++j) wr[j][i] = w[(c + i) * KS + j];
 #pragma unroll
-      for (int j = 0; j < KS - 1; ++j) win[j] = win[j + 1];
-      win[KS - 1] = conv_x(cs, qkv, t + KS - 1, c, C, KS);
-      float acc = 0.f;
-#pragma unroll
-      for (int j = 0; j < KS; ++j) acc += wr[j] * win[j];
-      u[t * C + c] = acc / (1.f + expf(-acc));
+      for (int j = 0; j < KS - 1; ++j) load_v(conv_row(cs, qkv, t0 + j, c, C, KS), win[j + 1]);
     }
-  } else {
-    const int K = p.conv_kernel;
-    for (int64_t t = t0; t < t1; ++t) {
-      float acc = 0.f;
-      for (int j = 0; j < K; ++j) acc += w[c * K + j] * conv_x(cs, qkv, t + j, c, C, K);
-      u[t * C + c] = acc / (1.f + expf(-acc));
+  }
+  for (int64_t tb = t0; tb < t1; tb += kConvBatch) {
+    float o[kConvBatch][V];
+    if constexpr (KS > 0) {
+      float nx[kConvBatch][V] = {};  // X rows tb+r+KS-1: the new row of each of the batch's sums
+#pragma unroll
+      for (int r = 0; r < kConvBatch; ++r)
+        if (in && tb + r < t1) load_v(conv_row(cs, qkv, tb + r + KS - 1, c, C, KS), nx[r]);
+#pragma unroll
+      for (int r = 0; r < kConvBatch; ++r) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+#pragma unroll
+          for (int j = 0; j < KS - 1; ++j) win[j][i] = win[j + 1][i];
+          win[KS - 1][i] = nx[r][i];
+          float acc = 0.f;
+#pragma unroll
+          for (int j = 0; j < KS; ++j) acc += wr[j][i] * win[j][i];
+          o[r][i] = acc / (1.f + expf(-acc));
+        }
+      }
+    } else {
+      const int K = p.conv_kernel;
+#pragma unroll
+      for (int r = 0; r < kConvBatch; ++r) {
+        float acc[V] = {};
+        if (in && tb + r < t1)
+          for (int j = 0; j < K; ++j) {
+            float x[V];
+            load_v(conv_row(cs, qkv, tb + r + j, c, C, K), x);
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] += w[(c + i) * K + j] * x[i];
+          }
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[r][i] = acc[i] / (1.f + expf(-acc[i]));
+      }
     }
+    if constexpr (V == 4) {  // l2norm_kernel's formula on the head's Dk values; the batch's rows interleaved
+      const int64_t q_end = static_cast<int64_t>(p.k_heads) * p.k_dim;
+      const bool qk = in && c < 2 * q_end;
+      const float head_scale = c < q_end ? rsqrtf(static_cast<float>(p.k_dim)) : 1.f;
+      const int seg = p.k_dim / 4;  // lanes per head
+      float ss[kConvBatch];
+#pragma unroll
+      for (int r = 0; r < kConvBatch; ++r) {
+        ss[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) ss[r] += o[r][i] * o[r][i];
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1)
+#pragma unroll
+        for (int r = 0; r < kConvBatch; ++r) {
+          const float other = __shfl_xor_sync(0xffffffffu, ss[r], m);
+          ss[r] += m < seg ? other : 0.f;
+        }
+      if (qk) {  // warp-uniform at the real shape (q/k end at channel 2 Hk Dk = 4096): v warps skip it
+#pragma unroll
+        for (int r = 0; r < kConvBatch; ++r) {
+          const float inv = 1.f / sqrtf(ss[r] + p.qk_eps) * head_scale;
+#pragma unroll
+          for (int i = 0; i < V; ++i) o[r][i] *= inv;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kConvBatch; ++r)
+      if (in && tb + r < t1) store_v(u + (tb + r) * C + c, o[r]);
   }
 }
 
@@ -52,10 +146,10 @@ __global__ void conv_state_kernel(kp::DeltaNetParams p, const float* qkv, float*
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, C = p.conv_dim;
   if (c >= C) return;
   const int K = p.conv_kernel;
-  for (int r = 0; r < K - 1; ++r) cs[r * C + c] = conv_x(cs, qkv, p.S + r, c, C, K);
+  for (int r = 0; r < K - 1; ++r) cs[r * C + c] = *conv_row(cs, qkv, p.S + r, c, C, K);
 }
 
-// One warp per (row, q-or-k head): x *= 1/sqrt(sum x^2 + eps), times Dk^-0.5 for q.
+// One warp per (row, q-or-k head): x *= 1/sqrt(sum x^2 + eps), times Dk^-0.5 for q (after conv_kernel<KS, 1>).
 __global__ void l2norm_kernel(kp::DeltaNetParams p, float* u) {
   const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32, nh = 2 * p.k_heads;
@@ -179,21 +273,38 @@ __global__ void __launch_bounds__(kStepWarps * 32)
   if (threadIdx.x == 0) head_done[h] = 0;  // ready for the next launch (graph replays included)
 }
 
+// The conv for V channels per thread (deltanet_conv picks V), one instance per kernel size.
+template <int V>
+void launch_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
+                 const float* conv_state, float* u) {
+  const int64_t threads = (p.conv_dim + V - 1) / V;
+  const dim3 grid(static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads),
+                  static_cast<unsigned>((p.S + kConvRows - 1) / kConvRows));
+  switch (p.conv_kernel) {  // the model's kernel size is 4; the sliding window for the small ones
+    case 2: conv_kernel<2, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    case 3: conv_kernel<3, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    case 4: conv_kernel<4, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    default: conv_kernel<0, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+  }
+  LILY_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
                    float* conv_state, float* u) {
-  const unsigned cblocks = static_cast<unsigned>((p.conv_dim + 127) / 128);
-  const dim3 cgrid(cblocks, static_cast<unsigned>((p.S + kConvRows - 1) / kConvRows));
-  switch (p.conv_kernel) {  // the model's kernel size is 4; the sliding window for the small ones
-    case 2: conv_kernel<2><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
-    case 3: conv_kernel<3><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
-    case 4: conv_kernel<4><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
-    default: conv_kernel<0><<<cgrid, 128, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
-  }
+  // Four channels per thread with the l2 norm fused where a warp's 128 channels hold whole heads and every row is
+  // 16-byte aligned (the model: C = 8192, Dk = 128); otherwise one channel per thread, then l2norm_kernel.
+  auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec = p.conv_dim % 4 == 0 && p.k_dim > 0 && p.k_dim % 4 == 0 && 128 % p.k_dim == 0 && a16(qkv) &&
+                   a16(u) && a16(conv_state);
+  if (vec)
+    launch_conv<4>(st, p, qkv, conv_w, conv_state, u);
+  else
+    launch_conv<1>(st, p, qkv, conv_w, conv_state, u);
+  conv_state_kernel<<<static_cast<unsigned>((p.conv_dim + 127) / 128), 128, 0, st>>>(p, qkv, conv_state);
   LILY_LAUNCH_CHECK();
-  conv_state_kernel<<<cblocks, 128, 0, st>>>(p, qkv, conv_state);
-  LILY_LAUNCH_CHECK();
+  if (vec) return;  // the l2 norm was fused
   const int64_t threads = p.S * 2 * p.k_heads * 32;
   l2norm_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, u);
   LILY_LAUNCH_CHECK();

@@ -7,7 +7,10 @@
 namespace lily::cuda {
 
 // Causal depthwise conv over [conv_state; qkv] + SiLU, then per-head l2 norm of q (times Dk^-0.5) and k.
-// qkv: fp32 [S, C] -> u fp32 [S, C]; conv_w fp32 [C, K]; conv_state fp32 [K-1, C] updated.
+// qkv: fp32 [S, C] -> u fp32 [S, C] (u aliases neither qkv nor conv_state); conv_w fp32 [C, K]; conv_state fp32
+// [K-1, C] updated. C % 4 == 0, Dk % 4 == 0, 128 % Dk == 0 and 16-byte aligned qkv, u, conv_state (the model):
+// one launch of float4 rows with the l2 norm fused, then the state copy; other shapes: a channel per thread, the
+// state copy, a separate l2 norm launch. Same conv arithmetic (tap order, SiLU) either way.
 void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
                    float* conv_state, float* u);
 // Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
