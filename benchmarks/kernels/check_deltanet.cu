@@ -4,12 +4,18 @@
 //   forms: seq8 / seq16 (sequential, 8 or 16 lanes per row), chunk (chunked, WY form, C = 64, TF32 mma.sync),
 //   auto (the default of deltanet_scan). The fp64 recurrence is the reference of both (the chunked form's fp32
 //   FFMA variant, once its exactness reference, is gone).
+//   with the gated norm (deltanet_scan_norm; out bf16 against the fp64 gated norm of the fp64 y): chunk+norm and
+//   auto+norm (the chunked form's output kernel normalises, y unwritten, when Dv <= kScanNormMaxDv; otherwise and
+//   for the sequential form the scan then deltanet_gated_norm), seq+norm (always that pair), chunk,gnorm (the
+//   pair for the chunked form, deltanet_scan + deltanet_gated_norm called apart: the unfused baseline).
 // Tolerances (rel RMS of y and of the final state vs fp64 on the same fp32 inputs):
 //   seq:       1e-4. Exact fp32 per-token recurrence; only the summation order of the two Dk-long dot products
 //              differs from fp64, each step contracts the state (g < 1, beta k k^T with |k| = 1), so rounding
 //              does not grow with S: expected ~1e-6.
 //   chunk:     4e-3 (see the check). The Gram and state products' operands are rounded to TF32 (2^-11 relative): Delta, O and each state
 //              update carry ~3e-4 rel RMS; later decays contract old state errors, so they do not pile up.
+//   +norm:     the chunked form's y error, then the bf16 rounding of out (2^-9 relative): deltanet_chunk_norm_rel_rms;
+//              from the sequential form's exact y, the bf16 rounding alone: small_bf16_rel_rms (2^-8).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -192,6 +198,55 @@ static void run_variant(int v, const kp::DeltaNetParams& p, const DeviceInputs& 
   CK(cudaGetLastError());
 }
 
+// The scan with the gated norm: z fp32 [S, Hv*Dv], w fp32 [Dv] -> out bf16 [S, Hv*Dv]; y is the pair's scratch.
+struct NormBufs {
+  float *z = nullptr, *w = nullptr, *y = nullptr;
+  lc::bf16* out = nullptr;
+};
+enum NormVariant { kNormChunk, kNormAuto, kNormSeq, kNormSplit, kNormVariants };
+static const char* kNormName[kNormVariants] = {"chunk+norm", "auto+norm", "seq+norm", "chunk,gnorm"};
+static const int kNormForm[kNormVariants] = {lc::kScanChunked, lc::kScanAuto, lc::kScanSequential, lc::kScanChunked};
+
+static void run_norm_variant(int v, const kp::DeltaNetParams& p, const DeviceInputs& d, const NormBufs& n,
+                             float* scratch, size_t scratch_bytes, cudaStream_t st) {
+  switch (v) {
+    case kNormSplit:
+      lc::deltanet_scan(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, n.y, lc::kScanChunked, scratch, scratch_bytes);
+      lc::deltanet_gated_norm(st, p, n.y, n.z, n.w, n.out);
+      break;
+    case kNormAuto:  // defaults: auto, the internal scratch
+      lc::deltanet_scan_norm(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, n.y, n.z, n.w, n.out);
+      break;
+    default:
+      lc::deltanet_scan_norm(st, p, d.u, d.b, d.a, d.dt_bias, d.a_log, d.ssm, n.y, n.z, n.w, n.out, kNormForm[v],
+                             scratch, scratch_bytes);
+  }
+  CK(cudaGetLastError());
+}
+
+// Whether deltanet_scan_norm takes the fused path (the chunked form's output kernel normalises) for variant v.
+static bool norm_fused(int v, const kp::DeltaNetParams& p) {
+  return v != kNormSplit && lc::deltanet_scan_pick(p, kNormForm[v]) == lc::kScanChunked && p.v_dim <= lc::kScanNormMaxDv;
+}
+
+// fp64 gated norm of the fp64 y: out[t, h, :] = RMSNorm(y[t, h, :]; w) * silu(z[t, h, :]).
+static std::vector<double> reference_norm(const kp::DeltaNetParams& p, const std::vector<double>& y,
+                                          const std::vector<float>& z, const std::vector<float>& w) {
+  const int64_t Dv = p.v_dim;
+  std::vector<double> out(y.size());
+  for (int64_t r = 0; r < p.S * p.v_heads; ++r) {
+    const double* yr = y.data() + r * Dv;
+    double ss = 0;
+    for (int64_t i = 0; i < Dv; ++i) ss += yr[i] * yr[i];
+    const double inv = 1.0 / std::sqrt(ss / double(Dv) + p.norm_eps);
+    for (int64_t i = 0; i < Dv; ++i) {
+      const double zz = z[r * Dv + i];
+      out[r * Dv + i] = yr[i] * inv * w[i] * (zz / (1.0 + std::exp(-zz)));
+    }
+  }
+  return out;
+}
+
 // check_deltanet [time [S]]: "time" skips the correctness cases and, given S, times that length alone (for
 // profiling the timed launches: per form 3 warm-up calls, then 21 timed ones).
 int main(int argc, char** argv) {
@@ -216,6 +271,7 @@ int main(int argc, char** argv) {
       {"odd_h3v9_S130", 3, 9, 64, 96, 130, false},    {"dk100_dv70_S129", 1, 2, 100, 70, 129, false},
       {"dk32_dv40_S1", 1, 1, 32, 40, 1, false},       {"dk32_dv40_corr_S300", 1, 3, 32, 40, 300, true},
       {"dk128_dv33_S64", 1, 1, 128, 33, 64, false},
+      {"dk64_dv160_S130", 1, 2, 64, 160, 130, false},  // Dv > kScanNormMaxDv: +norm runs the scan, then the norm
   };
   int passed = 0, total = 0;
   for (const Shape& s : shapes) {
@@ -253,6 +309,44 @@ int main(int argc, char** argv) {
                     ok ? "PASS" : "FAIL", s.name, kVariantName[v], nz ? "/state" : "/zero", ey.rel_rms, ey.max_abs,
                     es.rel_rms, es.max_abs, tol);
       }
+      // With the gated norm: z ~ N(0, 1.5), w ~ U(0.3, 1.5) (check_small's gated-norm inputs); out and y poisoned.
+      std::normal_distribution<float> Nz(0.f, 1.5f);
+      std::uniform_real_distribution<float> Uw(0.3f, 1.5f);
+      std::vector<float> zh(ny), wh(s.Dv), oh(ny);
+      for (float& x : zh) x = Nz(rng);
+      for (float& x : wh) x = Uw(rng);
+      const std::vector<double> oref = reference_norm(in.p, yref, zh, wh);
+      NormBufs nb;
+      nb.y = y;
+      CK(cudaMalloc(&nb.z, ny * sizeof(float)));
+      CK(cudaMalloc(&nb.w, wh.size() * sizeof(float)));
+      CK(cudaMalloc(&nb.out, ny * sizeof(lc::bf16)));
+      CK(cudaMemcpy(nb.z, zh.data(), ny * sizeof(float), cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(nb.w, wh.data(), wh.size() * sizeof(float), cudaMemcpyHostToDevice));
+      std::vector<uint16_t> ob(ny);
+      for (int v = 0; v < kNormVariants; ++v) {
+        CK(cudaMemcpy(d.ssm, in.ssm0.data(), in.ssm0.size() * sizeof(float), cudaMemcpyHostToDevice));
+        CK(cudaMemset(y, 0xFF, ny * sizeof(float)));
+        CK(cudaMemset(nb.out, 0xFF, ny * sizeof(lc::bf16)));  // bf16 0xFFFF: NaN
+        CK(cudaMemset(scratch, 0xFF, scratch_bytes));
+        run_norm_variant(v, in.p, d, nb, scratch, scratch_bytes, st);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpy(ob.data(), nb.out, ny * sizeof(lc::bf16), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(sh.data(), d.ssm, sh.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < ny; ++i) oh[i] = lc::host_float(ob[i]);
+        const Err eo = compare(oh, oref), es = compare(sh, sref);
+        const bool chunked = lc::deltanet_scan_pick(in.p, kNormForm[v]) == lc::kScanChunked;
+        const double tol = chunked ? tolerances::deltanet_chunk_norm_rel_rms : tolerances::small_bf16_rel_rms;
+        const double stol = chunked ? tolerances::deltanet_chunk_rel_rms : tolerances::deltanet_seq_rel_rms;
+        const bool ok = eo.finite && es.finite && eo.rel_rms <= tol && es.rel_rms <= stol;
+        ++total;
+        passed += ok;
+        std::printf("%s %s/%s%s (%s) out_rel_rms=%.3e out_max_abs=%.3e state_rel_rms=%.3e tol=%.0e state_tol=%.0e\n",
+                    ok ? "PASS" : "FAIL", s.name, kNormName[v], nz ? "/state" : "/zero",
+                    norm_fused(v, in.p) ? "fused" : chunked ? "chunk, gated_norm" : "seq, gated_norm", eo.rel_rms,
+                    eo.max_abs, es.rel_rms, tol, stol);
+      }
+      for (void* x : {static_cast<void*>(nb.z), static_cast<void*>(nb.w), static_cast<void*>(nb.out)}) CK(cudaFree(x));
       CK(cudaFree(y));
       CK(cudaFree(scratch));
       d.free_all();
@@ -279,14 +373,12 @@ int main(int argc, char** argv) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    double med[kVariants] = {};
-    for (int v = 0; v < kVariants; ++v) {
-      if (v == kAuto) { med[v] = -1; continue; }
-      for (int w = 0; w < 3; ++w) run_variant(v, p, sets[w % 3], y, scratch, scratch_bytes, st);
+    auto median_us = [&](auto&& run) {  // run(input set): 3 warm-up calls, then the median of 21 timed ones
+      for (int w = 0; w < 3; ++w) run(sets[w % 3]);
       std::vector<float> ms;
       for (int r = 0; r < 21; ++r) {
         CK(cudaEventRecord(e0, st));
-        run_variant(v, p, sets[r % 3], y, scratch, scratch_bytes, st);
+        run(sets[r % 3]);
         CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         float t;
@@ -294,7 +386,12 @@ int main(int argc, char** argv) {
         ms.push_back(t);
       }
       std::sort(ms.begin(), ms.end());
-      med[v] = ms[ms.size() / 2] * 1e3;  // us
+      return ms[ms.size() / 2] * 1e3;  // us
+    };
+    double med[kVariants] = {};
+    for (int v = 0; v < kVariants; ++v) {
+      if (v == kAuto) { med[v] = -1; continue; }
+      med[v] = median_us([&](const DeviceInputs& d) { run_variant(v, p, d, y, scratch, scratch_bytes, st); });
       const double flop = 4.0 * 32 * 128 * 128 * double(S);
       // Bytes every form must move: u (q, k, v), b, a, y, state in + out.
       const double bytes = double(S) * (8192 + 64 + 4096) * 4 + 2.0 * 32 * 128 * 128 * 4;
@@ -306,6 +403,29 @@ int main(int argc, char** argv) {
     std::printf("S=%5lld chunk/seq8 = %.2f; auto picks %s\n", static_cast<long long>(S), med[kChunk] / med[kSeq8],
                 lc::deltanet_scan_pick(p, lc::kScanAuto) == lc::kScanChunked ? "chunk" : "seq8");
     if (med[kChunk] < best_seq) crossover_chunk.push_back(S);
+    {  // with the gated norm: the fused chunked form against the scan + deltanet_gated_norm pair (one z, w set)
+      NormBufs nb;
+      nb.y = y;
+      const size_t n = static_cast<size_t>(S) * 32 * 128;
+      std::vector<float> zh(n), wh(128);
+      std::uniform_real_distribution<float> Uz(-3.f, 3.f), Uw(0.3f, 1.5f);
+      for (float& x : zh) x = Uz(rng);
+      for (float& x : wh) x = Uw(rng);
+      CK(cudaMalloc(&nb.z, n * sizeof(float)));
+      CK(cudaMalloc(&nb.w, wh.size() * sizeof(float)));
+      CK(cudaMalloc(&nb.out, n * sizeof(lc::bf16)));
+      CK(cudaMemcpy(nb.z, zh.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(nb.w, wh.data(), wh.size() * sizeof(float), cudaMemcpyHostToDevice));
+      double mn[kNormVariants] = {};
+      for (int v : {kNormChunk, kNormSplit}) {
+        mn[v] = median_us([&](const DeviceInputs& d) { run_norm_variant(v, p, d, nb, scratch, scratch_bytes, st); });
+        std::printf("S=%5lld %-11s %10.1f us  %7.4f us/token/layer (%s)\n", static_cast<long long>(S), kNormName[v],
+                    mn[v], mn[v] / double(S), norm_fused(v, p) ? "fused" : "two calls");
+      }
+      std::printf("S=%5lld chunk+norm / chunk,gnorm = %.3f (%.1f us saved)\n", static_cast<long long>(S),
+                  mn[kNormChunk] / mn[kNormSplit], mn[kNormSplit] - mn[kNormChunk]);
+      for (void* x : {static_cast<void*>(nb.z), static_cast<void*>(nb.w), static_cast<void*>(nb.out)}) CK(cudaFree(x));
+    }
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     CK(cudaFree(y));

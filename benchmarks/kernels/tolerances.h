@@ -14,6 +14,7 @@ constexpr double gemm_dual_rel_rms = 0.005;
 constexpr double attention_rel_rms = 0.005;
 constexpr double deltanet_seq_rel_rms = 0.0001;
 constexpr double deltanet_chunk_rel_rms = 0.004;
+constexpr double deltanet_chunk_norm_rel_rms = 0.006;
 constexpr double sample_rel = 1e-05;
 constexpr double sample_scratch_rel = 1e-06;
 }  // namespace tolerances

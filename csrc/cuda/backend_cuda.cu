@@ -276,8 +276,8 @@ class CudaBackend final : public Backend {
     const int form = cuda::deltanet_scan_pick(p, deltanet_form_);
     const size_t scratch = form == cuda::kScanChunked ? cuda::deltanet_chunk_scratch_bytes(p) : 0;  // W, U, decays, S_n
     float* ws = scratch ? s_deltanet_.get<float>(mem_, static_cast<int64_t>((scratch + 3) / 4)) : nullptr;
-    cuda::deltanet_scan(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_, form, ws, scratch);
-    cuda::deltanet_gated_norm(st_, p, y_, z_, L.deltanet_norm, yb_);
+    cuda::deltanet_scan_norm(st_, p, u_, b_, a_, L.dt_bias, L.a_log, st.ssm.as<float>(), y_, z_, L.deltanet_norm, yb_,
+                             form, ws, scratch);  // y_: scratch (the chunked form's fused norm never writes it)
     cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true);
   }
 

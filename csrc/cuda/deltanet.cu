@@ -1,6 +1,7 @@
 // The Gated DeltaNet family (model.md §4.3), in the order a layer runs it: the causal conv (+ SiLU, q/k l2 norm),
 // the recurrence (prefill: deltanet_scan, whose forms live in deltanet_seq.cu and deltanet_chunk.cu; one token:
-// deltanet_step, with the l2 norm and the gated RMSNorm fused in), the gated RMSNorm (prefill).
+// deltanet_step, with the l2 norm and the gated RMSNorm fused in), the gated RMSNorm (prefill: deltanet_scan_norm,
+// fused into the chunked form's output kernel where the head fits it, else gated_norm_kernel after the scan).
 #include "cuda/deltanet.cuh"
 
 namespace lily::cuda {
@@ -324,27 +325,40 @@ int deltanet_scan_pick(const kp::DeltaNetParams& p, int form) {
   return form;
 }
 
+// The chunked form's scratch: the caller's when it is large enough, else a fallback buffer grown on demand.
+// cudaMalloc/cudaFree synchronise, so callers that capture graphs or care about the stall pass their own scratch
+// of deltanet_chunk_scratch_bytes(p) bytes.
+static float* chunk_scratch(const kp::DeltaNetParams& p, float* scratch, size_t scratch_bytes) {
+  const size_t need = deltanet_chunk_scratch_bytes(p);
+  if (scratch != nullptr && scratch_bytes >= need) return scratch;
+  static float* own = nullptr;
+  static size_t own_bytes = 0;
+  if (own_bytes < need) {
+    if (own != nullptr) LILY_CUDA_CHECK(cudaFree(own));
+    own = nullptr;
+    own_bytes = 0;
+    LILY_CUDA_CHECK(cudaMalloc(&own, need));
+    own_bytes = need;
+  }
+  return own;
+}
+
 void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
                    const float* dt_bias, const float* a_log, float* ssm, float* y, int form, float* scratch,
                    size_t scratch_bytes) {
   if (deltanet_scan_pick(p, form) == kScanSequential)
     return deltanet_scan_seq(st, p, u, b, a, dt_bias, a_log, ssm, y, 8);
-  const size_t need = deltanet_chunk_scratch_bytes(p);
-  if (scratch == nullptr || scratch_bytes < need) {
-    // Fallback buffer, grown on demand. cudaMalloc/cudaFree synchronise, so callers that capture graphs or
-    // care about the stall pass their own scratch of deltanet_chunk_scratch_bytes(p) bytes.
-    static float* own = nullptr;
-    static size_t own_bytes = 0;
-    if (own_bytes < need) {
-      if (own != nullptr) LILY_CUDA_CHECK(cudaFree(own));
-      own = nullptr;
-      own_bytes = 0;
-      LILY_CUDA_CHECK(cudaMalloc(&own, need));
-      own_bytes = need;
-    }
-    scratch = own;
-  }
-  deltanet_scan_chunked(st, p, u, b, a, dt_bias, a_log, ssm, y, scratch);
+  deltanet_scan_chunked(st, p, u, b, a, dt_bias, a_log, ssm, y, chunk_scratch(p, scratch, scratch_bytes));
+}
+
+void deltanet_scan_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                        const float* dt_bias, const float* a_log, float* ssm, float* y, const float* z,
+                        const float* norm_w, bf16* out, int form, float* scratch, size_t scratch_bytes) {
+  if (deltanet_scan_pick(p, form) == kScanChunked && p.v_dim <= kScanNormMaxDv)
+    return deltanet_scan_chunked_norm(st, p, u, b, a, dt_bias, a_log, ssm, z, norm_w, out,
+                                      chunk_scratch(p, scratch, scratch_bytes));
+  deltanet_scan(st, p, u, b, a, dt_bias, a_log, ssm, y, form, scratch, scratch_bytes);
+  deltanet_gated_norm(st, p, y, z, norm_w, out);
 }
 
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,

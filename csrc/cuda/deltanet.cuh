@@ -31,6 +31,16 @@ void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u,
                    float* scratch = nullptr, size_t scratch_bytes = 0);
 // The form deltanet_scan runs for `form` at p.S (resolves kScanAuto).
 int deltanet_scan_pick(const kp::DeltaNetParams& p, int form);
+// deltanet_scan, then deltanet_gated_norm of its output (the prefill's order): out bf16 [S, Hv*Dv]
+// = bf16(RMSNorm(y[t, h, :]; norm_w) * silu(z[t, h, :])), z fp32 [S, Hv*Dv], norm_w fp32 [Dv]; the other arguments
+// as deltanet_scan. y fp32 [S, Hv*Dv] is scratch, its contents afterwards unspecified: when the chunked form runs
+// and Dv <= kScanNormMaxDv, its output kernel applies the norm itself and never writes y (deltanet_scan_chunked_norm:
+// one launch and a write and read of y through DRAM fewer); otherwise (sequential form, wider heads) y carries the
+// scan's output into deltanet_gated_norm.
+void deltanet_scan_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                        const float* dt_bias, const float* a_log, float* ssm, float* y, const float* z,
+                        const float* norm_w, bf16* out, int form = kScanAuto, float* scratch = nullptr,
+                        size_t scratch_bytes = 0);
 // deltanet_seq.cu, deltanet_chunk.cu (the prefill forms). Same arguments as deltanet_scan. Dk <= 128, Hv a multiple of Hk.
 // Sequential: lanes_per_row (8 or 16) lanes own one state row; token inputs staged 32 tokens ahead by cp.async.
 void deltanet_scan_seq(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
@@ -41,6 +51,13 @@ size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p);
 void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
                            const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
                            float* scratch);
+// The chunked form with deltanet_gated_norm fused into its output kernel, which holds a row's Dv outputs of a value
+// head in registers (two 64-wide slices): Dv <= kScanNormMaxDv. Writes out bf16 [S, Hv*Dv] (no y); z, norm_w,
+// scratch as deltanet_scan_norm and deltanet_scan_chunked.
+constexpr int kScanNormMaxDv = 128;
+void deltanet_scan_chunked_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
+                                const float* a, const float* dt_bias, const float* a_log, float* ssm, const float* z,
+                                const float* norm_w, bf16* out, float* scratch);
 // out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out);

@@ -17,7 +17,7 @@
 //   1. prep (all chunks in parallel): lg, A, T, then W and U as two mma products, to scratch;
 //   2. state (the chunks in order, one block per value head and 32 state rows, the state in registers): S_n
 //      to scratch, Delta = U - W S_n^T (over U), the state update; the next chunk's tiles load meanwhile;
-//   3. out (all chunks in parallel): P from Q and K, then O = gamma Q S_n^T + P Delta.
+//   3. out (all chunks in parallel): P from Q and K, then O = gamma Q S_n^T + P Delta (then the gated norm, fused).
 // The sequential kernel does two 64x32x128 products per chunk and nothing else (before, it also formed
 // Q S^T and P Delta and waited on its own loads each chunk: ~8 us per chunk at the real shape, H200).
 #include "cuda/deltanet_scan.cuh"
@@ -578,19 +578,37 @@ __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs
 
 // Kernel 3 of 3 (all chunks in parallel, one block per (chunk, value head)): O = gamma (Q S_n^T) + P Delta with
 // P[i][j] = (gamma_i / gamma_j) q_i.k_j (j <= i), in value slices of 64 (S_n's slice reuses K's tile).
+// kNorm (Dv <= kScanNormMaxDv): deltanet_gated_norm in the epilogue, both slices' O kept in registers, so y's DRAM
+// write and re-read and the norm's launch are gone; out = bf16(RMSNorm(O; w) * silu(z)) is written instead of y.
 template <int DKP>
 struct OutLayout {
   static constexpr int kVSlice = kChunk;       // value columns per pass (= the tile loader's 64 rows)
   static constexpr int kQStride = DKP + 4;     // Q, K, S rows: A and B(n, k) operands by ldmatrix (4 mod 32)
-  static constexpr int kPStride = kChunk + 4;  // P rows: A operand by ldmatrix
+  // P rows: A operand by ldmatrix, which reads columns < kChunk; the padding columns kChunk, kChunk + 1 hold the
+  // fused norm's per-row partial sums (no other access touches them: no barrier before the writes, no extra bytes)
+  static constexpr int kPStride = kChunk + 4;
+  static_assert(kPStride >= kChunk + 2);
   static constexpr int kDStride = kVSlice + 8;  // Delta [C][64]: B(k, n) operand (8 mod 32)
   static constexpr int kQ = 0, kK = kChunk * kQStride, kP = kK + kChunk * kQStride, kD = kP + kChunk * kPStride;
   static constexpr int kLg = kD + kChunk * kDStride;
   static constexpr size_t kSmemBytes = (kLg + kChunk) * sizeof(float);
 };
 
-template <int DKP>
-__global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) {
+struct NormArgs {  // the fused gated norm's operands (chunk_out_kernel<DKP, true>); out == nullptr: not fused
+  const float* z;  // [S, Hv*Dv] fp32, the gate
+  const float* w;  // [Dv] fp32, the norm weight
+  bf16* out;       // [S, Hv*Dv] bf16
+  bool vec2;       // Dv even, z and w 8-byte, out 4-byte aligned: a lane's columns 2 t, 2 t + 1 as float2 / bf16x2
+};
+constexpr int kNormSlices = kScanNormMaxDv / kChunk;  // value slices a fused block keeps in registers
+
+// deltanet_gated_norm's arithmetic for one element: y * inv * w * silu(z).
+__device__ __forceinline__ float gated_out(float y, float inv, float w, float z) {
+  return y * inv * w * (z / (1.f + expf(-z)));
+}
+
+template <int DKP, bool kNorm>
+__global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args, NormArgs nrm) {
   using L = OutLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -632,16 +650,15 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
   }
 
   const int mc = warp / 2, nq0 = 4 * (warp % 2);  // rows 16 mc .., value n-tiles nq0 .. nq0 + 3 of the slice
-  float* y_h = args.s.y + (t0 * Hv + h) * static_cast<int64_t>(Dv);
-  const int64_t y_stride = static_cast<int64_t>(Hv) * Dv;
-  for (int v0 = 0; v0 < Dv; v0 += L::kVSlice) {
+  // o += this warp's tile of the value slice at v0: o[j][e] is row 16 mc + g + 8 (e / 2), column v0 + 8 (nq0 + j)
+  // + 2 t + e % 2. Block-wide (it syncs): every thread calls it for the same v0.
+  auto slice = [&](int v0, float (&o)[4][4]) {
     __syncthreads();  // K (first pass) or the previous slice is no longer read
     load_tile_async<DKP>(sK, L::kQStride, args.x.hs + (hn * Dv + v0) * Dk, Dk, Dv - v0, Dk, vec4);
     load_tile_async<L::kVSlice>(sD, L::kDStride, args.x.ud + hn * kChunk * Dv + v0, Dv, kChunk, Dv - v0, vec4);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    float o[4][4] = {};
 #pragma unroll 2
     for (int k0 = 0; k0 < DKP; k0 += 8) {
       uint32_t aq[4], b[4][2];
@@ -672,18 +689,83 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args) 
         mma_tf32(o[j], ap, b);
       }
     }
+  };
+  const int64_t head0 = (t0 * Hv + h) * static_cast<int64_t>(Dv), row_stride = static_cast<int64_t>(Hv) * Dv;
+  if constexpr (!kNorm) {
+    for (int v0 = 0; v0 < Dv; v0 += L::kVSlice) {
+      float o[4][4] = {};
+      slice(v0, o);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 16 * mc + g + 8 * (e / 2), v = v0 + 8 * (nq0 + j) + 2 * t + e % 2;
-        if (c < len && v < Dv) y_h[c * y_stride + v] = o[j][e];
+        for (int e = 0; e < 4; ++e) {
+          const int c = 16 * mc + g + 8 * (e / 2), v = v0 + 8 * (nq0 + j) + 2 * t + e % 2;
+          if (c < len && v < Dv) args.s.y[head0 + c * row_stride + v] = o[j][e];
+        }
+    }
+  } else {  // this lane's row c0 + 8 hf holds o[s][j][2 hf + x] at column v = 64 s + 8 (nq0 + j) + 2 t + x, x < 2
+    const int c0 = 16 * mc + g;
+    float o[kNormSlices][4][4] = {};  // a slice past Dv stays 0
+#pragma unroll
+    for (int s = 0; s < kNormSlices; ++s)
+      if (L::kVSlice * s < Dv) slice(L::kVSlice * s, o[s]);  // Dv is block-uniform, so are slice's barriers
+    // The gate loads go out first, overlapping the sums and the barrier (ptxas does not move a load past the stores
+    // to out); the weight (Dv floats, L1-resident) is read at its use (13 registers fewer). ld2: columns v < Dv and
+    // v + 1 (vec2: v and Dv even, so v + 1 < Dv; otherwise column Dv reads 0).
+    auto ld2 = [&](const float* src, int64_t i, int v) {
+      if (nrm.vec2) return *reinterpret_cast<const float2*>(src + i);
+      return make_float2(src[i], v + 1 < Dv ? src[i + 1] : 0.f);
+    };
+    float2 zz[kNormSlices][4][2];
+    float ss[2] = {0.f, 0.f};  // the row's sum of squares over this lane's columns < Dv
+#pragma unroll
+    for (int s = 0; s < kNormSlices; ++s)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int v = L::kVSlice * s + 8 * (nq0 + j) + 2 * t;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int c = c0 + 8 * hf;
+          zz[s][j][hf] = c < len && v < Dv ? ld2(nrm.z, head0 + c * row_stride + v, v) : make_float2(0.f, 0.f);
+          const float o0 = o[s][j][2 * hf], o1 = o[s][j][2 * hf + 1];
+          ss[hf] += (v < Dv ? o0 * o0 : 0.f) + (v + 1 < Dv ? o1 * o1 : 0.f);
+        }
       }
+    // Over the row's 4 t-lanes, then the pair's other warp (2 mc + 1 - warp % 2: the other 32 columns of each slice)
+    // through P's padding column kChunk + warp % 2 (OutLayout), at named barrier 1 + mc (0 is __syncthreads').
+    float* red = sP + kChunk;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      ss[hf] += __shfl_xor_sync(0xffffffffu, ss[hf], 1);
+      ss[hf] += __shfl_xor_sync(0xffffffffu, ss[hf], 2);
+      if (t == 0) red[(c0 + 8 * hf) * L::kPStride + warp % 2] = ss[hf];
+    }
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + mc) : "memory");
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int c = c0 + 8 * hf;
+      const float* r = red + c * L::kPStride;
+      const float inv = 1.f / sqrtf((r[0] + r[1]) / static_cast<float>(Dv) + p.norm_eps);
+#pragma unroll
+      for (int s = 0; s < kNormSlices; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int v = L::kVSlice * s + 8 * (nq0 + j) + 2 * t;
+          if (c >= len || v >= Dv) continue;
+          const float2 w2 = ld2(nrm.w, v, v);
+          const float r0 = gated_out(o[s][j][2 * hf], inv, w2.x, zz[s][j][hf].x);
+          const float r1 = gated_out(o[s][j][2 * hf + 1], inv, w2.y, zz[s][j][hf].y);
+          bf16* out = nrm.out + head0 + c * row_stride + v;
+          if (nrm.vec2) *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(r0, r1);
+          else out[0] = __float2bfloat16(r0);
+          if (!nrm.vec2 && v + 1 < Dv) out[1] = __float2bfloat16(r1);
+        }
+    }
   }
 }
 
 template <int DKP>
-void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, int n_chunks) {
+void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, int n_chunks, const NormArgs& nrm) {
   const ChunkArgs args{s, x, n_chunks};
   const dim3 chunk_grid(n_chunks, s.p.v_heads);
   set_smem(chunk_prep_kernel<DKP>, PrepLayout<DKP>::kSmemBytes);
@@ -694,9 +776,13 @@ void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, i
   set_smem(chunk_state_kernel<kSDKP>, StateLayout<kSDKP>::kSmemBytes);
   chunk_state_kernel<kSDKP><<<state_grid, kStateThreads, StateLayout<kSDKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
-  set_smem(chunk_out_kernel<DKP>, OutLayout<DKP>::kSmemBytes);
-  chunk_out_kernel<DKP><<<chunk_grid, kThreads, OutLayout<DKP>::kSmemBytes, st>>>(args);
-  LILY_LAUNCH_CHECK();
+  auto out = [&](auto kernel) {  // chunk_out_kernel<DKP, fused or not>
+    set_smem(kernel, OutLayout<DKP>::kSmemBytes);
+    kernel<<<chunk_grid, kThreads, OutLayout<DKP>::kSmemBytes, st>>>(args, nrm);
+    LILY_LAUNCH_CHECK();
+  };
+  if (nrm.out != nullptr) out(chunk_out_kernel<DKP, true>);
+  else out(chunk_out_kernel<DKP, false>);
 }
 
 }  // namespace
@@ -707,9 +793,10 @@ size_t deltanet_chunk_scratch_bytes(const kp::DeltaNetParams& p) {
   return static_cast<size_t>(p.v_heads * n_chunks * per) * sizeof(float);
 }
 
-void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
-                           const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
-                           float* scratch) {
+// Both entry points: y (nrm.out == nullptr) or nrm.out receives the output.
+static void run_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                        const float* dt_bias, const float* a_log, float* ssm, float* y, float* scratch,
+                        const NormArgs& nrm) {
   check_shape(p, "deltanet_scan_chunked");
   if (p.S <= 0) return;
   const int n_chunks = static_cast<int>((p.S + kChunk - 1) / kChunk);
@@ -723,11 +810,27 @@ void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const f
                     reinterpret_cast<uintptr_t>(u) % 16 == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0;
   const ScanArgs args{p, u, b, a, dt_bias, a_log, ssm, y, vec4};
   switch ((p.k_dim + 31) / 32) {
-    case 1: return launch_chunked<32>(st, args, x, n_chunks);
-    case 2: return launch_chunked<64>(st, args, x, n_chunks);
-    case 3: return launch_chunked<96>(st, args, x, n_chunks);
-    default: return launch_chunked<128>(st, args, x, n_chunks);
+    case 1: return launch_chunked<32>(st, args, x, n_chunks, nrm);
+    case 2: return launch_chunked<64>(st, args, x, n_chunks, nrm);
+    case 3: return launch_chunked<96>(st, args, x, n_chunks, nrm);
+    default: return launch_chunked<128>(st, args, x, n_chunks, nrm);
   }
+}
+
+void deltanet_scan_chunked(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
+                           const float* a, const float* dt_bias, const float* a_log, float* ssm, float* y,
+                           float* scratch) {
+  run_chunked(st, p, u, b, a, dt_bias, a_log, ssm, y, scratch, NormArgs{});
+}
+
+void deltanet_scan_chunked_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
+                                const float* a, const float* dt_bias, const float* a_log, float* ssm, const float* z,
+                                const float* norm_w, bf16* out, float* scratch) {
+  if (p.v_dim > kScanNormMaxDv)
+    throw std::invalid_argument("[lily] cuda deltanet_scan_chunked_norm: needs Dv <= kScanNormMaxDv (128)");
+  const bool vec2 = p.v_dim % 2 == 0 && reinterpret_cast<uintptr_t>(z) % 8 == 0 &&
+                    reinterpret_cast<uintptr_t>(norm_w) % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0;
+  run_chunked(st, p, u, b, a, dt_bias, a_log, ssm, nullptr, scratch, NormArgs{z, norm_w, out, vec2});
 }
 
 }  // namespace lily::cuda
