@@ -173,8 +173,6 @@ __global__ void l2norm_kernel(kp::DeltaNetParams p, float* u) {
 
 // One warp per (row, value head): RMSNorm(y; w) * silu(z) -> bf16 (the out_proj input).
 __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const float* z, const float* w, bf16* out) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32, Dv = p.v_dim;
   if (wid >= p.S * p.v_heads) return;
@@ -366,7 +364,7 @@ void deltanet_scan_norm(cudaStream_t st, const kp::DeltaNetParams& p, const floa
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out) {
   const int64_t threads = p.S * p.v_heads * 32;
-  launch_pdl(gated_norm_kernel, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, st, p, y, z, w, out);
+  gated_norm_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, y, z, w, out);
   LILY_LAUNCH_CHECK();
 }
 

@@ -296,8 +296,6 @@ __device__ __forceinline__ void causal_gram(float (&acc)[4][4], const float* sX,
 
 template <int DKP>
 __global__ void __launch_bounds__(kThreads, 2) chunk_prep_kernel(ChunkArgs args) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   using L = PrepLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -441,8 +439,6 @@ struct StateLayout {
 
 template <int DKP>
 __global__ void __launch_bounds__(kStateThreads, 1) chunk_state_kernel(ChunkArgs args) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   using L = StateLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -613,8 +609,6 @@ __device__ __forceinline__ float gated_out(float y, float inv, float w, float z)
 
 template <int DKP, bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args, NormArgs nrm) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   using L = OutLayout<DKP>;
   extern __shared__ float4 smem_f4[];
   float* smem = reinterpret_cast<float*>(smem_f4);
@@ -775,16 +769,16 @@ void launch_chunked(cudaStream_t st, const ScanArgs& s, const ChunkScratch& x, i
   const ChunkArgs args{s, x, n_chunks};
   const dim3 chunk_grid(n_chunks, s.p.v_heads);
   set_smem(chunk_prep_kernel<DKP>, PrepLayout<DKP>::kSmemBytes);
-  launch_pdl(chunk_prep_kernel<DKP>, chunk_grid, dim3(kThreads), PrepLayout<DKP>::kSmemBytes, st, args);
+  chunk_prep_kernel<DKP><<<chunk_grid, kThreads, PrepLayout<DKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
   const dim3 state_grid(static_cast<unsigned>((s.p.v_dim + kStateRows - 1) / kStateRows), s.p.v_heads);
   constexpr int kSDKP = DKP <= 64 ? 64 : 128;  // the state kernel's 16 warps split 64 or 128 key columns evenly
   set_smem(chunk_state_kernel<kSDKP>, StateLayout<kSDKP>::kSmemBytes);
-  launch_pdl(chunk_state_kernel<kSDKP>, state_grid, dim3(kStateThreads), StateLayout<kSDKP>::kSmemBytes, st, args);
+  chunk_state_kernel<kSDKP><<<state_grid, kStateThreads, StateLayout<kSDKP>::kSmemBytes, st>>>(args);
   LILY_LAUNCH_CHECK();
   auto out = [&](auto kernel) {  // chunk_out_kernel<DKP, fused or not>
     set_smem(kernel, OutLayout<DKP>::kSmemBytes);
-    launch_pdl(kernel, chunk_grid, dim3(kThreads), OutLayout<DKP>::kSmemBytes, st, args, nrm);
+    kernel<<<chunk_grid, kThreads, OutLayout<DKP>::kSmemBytes, st>>>(args, nrm);
     LILY_LAUNCH_CHECK();
   };
   if (nrm.out != nullptr) out(chunk_out_kernel<DKP, true>);
