@@ -56,8 +56,6 @@ template <int KS, int V>
 __global__ void __launch_bounds__(kConvThreads, 8)
     conv_kernel(kp::DeltaNetParams p, const float* __restrict__ qkv, const float* __restrict__ w,
                 const float* __restrict__ cs, float* __restrict__ u) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t C = p.conv_dim, c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const bool in = c < C;  // then all V channels are (C % V == 0)
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kConvRows, t1 = min64(p.S, t0 + kConvRows);
@@ -146,8 +144,6 @@ __global__ void __launch_bounds__(kConvThreads, 8)
 
 // New conv state = the last K-1 rows of X; ascending r only overwrites rows no longer needed.
 __global__ void conv_state_kernel(kp::DeltaNetParams p, const float* qkv, float* cs) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, C = p.conv_dim;
   if (c >= C) return;
   const int K = p.conv_kernel;
@@ -156,8 +152,6 @@ __global__ void conv_state_kernel(kp::DeltaNetParams p, const float* qkv, float*
 
 // One warp per (row, q-or-k head): x *= 1/sqrt(sum x^2 + eps), times Dk^-0.5 for q (after conv_kernel<KS, 1>).
 __global__ void l2norm_kernel(kp::DeltaNetParams p, float* u) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t wid = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32, nh = 2 * p.k_heads;
   if (wid >= p.S * nh) return;
@@ -288,10 +282,10 @@ void launch_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv,
   const dim3 grid(static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads),
                   static_cast<unsigned>((p.S + kConvRows - 1) / kConvRows));
   switch (p.conv_kernel) {  // the model's kernel size is 4; the sliding window for the small ones
-    case 2: launch_pdl(conv_kernel<2, V>, grid, dim3(kConvThreads), 0, st, p, qkv, conv_w, conv_state, u); break;
-    case 3: launch_pdl(conv_kernel<3, V>, grid, dim3(kConvThreads), 0, st, p, qkv, conv_w, conv_state, u); break;
-    case 4: launch_pdl(conv_kernel<4, V>, grid, dim3(kConvThreads), 0, st, p, qkv, conv_w, conv_state, u); break;
-    default: launch_pdl(conv_kernel<0, V>, grid, dim3(kConvThreads), 0, st, p, qkv, conv_w, conv_state, u); break;
+    case 2: conv_kernel<2, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    case 3: conv_kernel<3, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    case 4: conv_kernel<4, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
+    default: conv_kernel<0, V><<<grid, kConvThreads, 0, st>>>(p, qkv, conv_w, conv_state, u); break;
   }
   LILY_LAUNCH_CHECK();
 }
@@ -309,12 +303,11 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
     launch_conv<4>(st, p, qkv, conv_w, conv_state, u);
   else
     launch_conv<1>(st, p, qkv, conv_w, conv_state, u);
-  launch_pdl(conv_state_kernel, dim3(static_cast<unsigned>((p.conv_dim + 127) / 128)), dim3(128), 0, st, p, qkv,
-             conv_state);
+  conv_state_kernel<<<static_cast<unsigned>((p.conv_dim + 127) / 128), 128, 0, st>>>(p, qkv, conv_state);
   LILY_LAUNCH_CHECK();
   if (vec) return;  // the l2 norm was fused
   const int64_t threads = p.S * 2 * p.k_heads * 32;
-  launch_pdl(l2norm_kernel, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, st, p, u);
+  l2norm_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, u);
   LILY_LAUNCH_CHECK();
 }
 

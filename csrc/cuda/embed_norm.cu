@@ -40,8 +40,6 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const float* x, const float* w, float eps, int64_t n,
                                                                 bf16* y) {
   __shared__ float red[32];
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const float* xr = x + blockIdx.x * n;
   float ss = 0.f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
@@ -55,8 +53,6 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const float* x, 
 __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const float* x, const float* w, float eps,
                                                                     int64_t n, bf16* y) {
   __shared__ float red[32];
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t nv = n / 4;
   const float4* xr = reinterpret_cast<const float4*>(x + blockIdx.x * n);
   const float4* wr = reinterpret_cast<const float4*>(w);
@@ -94,9 +90,9 @@ void embed(cudaStream_t st, const DLinear& E, const int32_t* ids, int64_t S, flo
 void rms_norm(cudaStream_t st, const float* x, const float* w, float eps, int64_t rows, int64_t n, bf16* y) {
   auto aligned = [](const void* q, uintptr_t b) { return reinterpret_cast<uintptr_t>(q) % b == 0; };
   if (n % 4 == 0 && n <= kNormThreads * 4 * kNormVecs && aligned(x, 16) && aligned(w, 16) && aligned(y, 8))
-    launch_pdl(rms_norm_vec_kernel, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, st, x, w, eps, n, y);
+    rms_norm_vec_kernel<<<static_cast<unsigned>(rows), kNormThreads, 0, st>>>(x, w, eps, n, y);
   else
-    launch_pdl(rms_norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kNormThreads), 0, st, x, w, eps, n, y);
+    rms_norm_kernel<<<static_cast<unsigned>(rows), kNormThreads, 0, st>>>(x, w, eps, n, y);
   LILY_LAUNCH_CHECK();
 }
 
