@@ -32,8 +32,6 @@ using namespace mma;  // cp.async, ldmatrix, mma.sync helpers (mma_bf16.cuh)
 
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32, 1) attn_mma_kernel(const AttnPrefillArgs a) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   constexpr int BC = MmaTile<D>::kKeys, LD = MmaTile<D>::kLd;
   constexpr int NT = BC / 8;   // score n-tiles per warp
   constexpr int ND = D / 8;    // output n-tiles per warp
@@ -189,7 +187,7 @@ void launch_attn_mma(cudaStream_t st, const AttnPrefillArgs& a) {
   const int G = a.p.n_heads / a.p.n_kv_heads;
   const int64_t row_tiles = (a.p.S * G + kRows - 1) / kRows;
   const dim3 grid(static_cast<unsigned>(row_tiles), a.p.n_kv_heads, a.sp.n_splits);
-  launch_pdl(attn_mma_kernel<D>, grid, dim3(kWarps * 32), smem, st, a);
+  attn_mma_kernel<D><<<grid, kWarps * 32, smem, st>>>(a);
   LILY_LAUNCH_CHECK();
 }
 

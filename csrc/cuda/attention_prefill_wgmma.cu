@@ -44,8 +44,6 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) attn_wgmma_kernel(const __grid_constant__ AttnPrefillArgs a) {
 #ifdef LILY_WGMMA
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   using T = WgAttnTile<D>;
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t kfull[kStages], vfull[kStages], empty[kStages];
@@ -215,7 +213,7 @@ void launch(cudaStream_t st, const AttnPrefillArgs& a) {
   const int G = a.p.n_heads / a.p.n_kv_heads;
   const int64_t row_tiles = (a.p.S * G + kRows - 1) / kRows;
   const dim3 grid(static_cast<unsigned>(row_tiles), a.p.n_kv_heads, a.sp.n_splits);
-  launch_pdl(attn_wgmma_kernel<D>, grid, dim3(kThreads), T::kSmem, st, a);
+  attn_wgmma_kernel<D><<<grid, kThreads, T::kSmem, st>>>(a);
   LILY_LAUNCH_CHECK();
 }
 

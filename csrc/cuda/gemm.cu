@@ -482,8 +482,6 @@ __device__ __forceinline__ uint32_t dequant8_pair(uint32_t w, int p, float s, fl
 template <int BM, int BITS, bool DUAL>
 __global__ void __launch_bounds__(kThreads, BM == 128 ? 1 : 2)
     gemm_mma_kernel(const GemmMmaArgs args) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   using T = MmaTile<BM, BITS>;
   constexpr int kMF = T::kMF, kNF = T::kNF, kHalfNF = kNF / 2;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -729,8 +727,7 @@ void launch_mma(cudaStream_t st, const GemmMmaArgs& a) {
   const int64_t cols = DUAL ? kBN / 2 : kBN;
   const int64_t nblocks = (a.W0.p.out + cols - 1) / cols;
   if (tiles <= 0 || nblocks <= 0) return;
-  launch_pdl(kernel, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(nblocks)), dim3(kThreads), T::kSmemBytes, st,
-             a);
+  kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(nblocks)), kThreads, T::kSmemBytes, st>>>(a);
   LILY_LAUNCH_CHECK();
 }
 

@@ -64,8 +64,6 @@ template <int TN, int MB, bool DUAL>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ GemmMmaArgs args, int max_tiles, int nblocks) {
 #ifdef LILY_WGMMA
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   using T = WgTile<TN, MB>;
   static_assert(!DUAL || MB == 2, "dual tiles hold W0's and W1's rows of 128 features");
   extern __shared__ unsigned char smem_raw[];
@@ -333,8 +331,7 @@ void launch(cudaStream_t st, const GemmMmaArgs& a) {
   const int64_t items = tiles * nblocks;  // grouped: an upper bound (the kernel maps the device's tile count)
   if (items > INT32_MAX) throw std::invalid_argument("[lily] gemm_wgmma: more than 2^31 work items");
   const int64_t grid = std::min<int64_t>(items, static_cast<int64_t>(device_sm_count()) * per_sm);
-  launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), T::kSmem, st, a, static_cast<int>(tiles),
-             static_cast<int>(nblocks));
+  kernel<<<static_cast<unsigned>(grid), kThreads, T::kSmem, st>>>(a, static_cast<int>(tiles), static_cast<int>(nblocks));
   LILY_LAUNCH_CHECK();
 }
 

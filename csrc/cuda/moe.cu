@@ -9,8 +9,6 @@ namespace {
 
 // One warp per token row (route_topk_warp).
 __global__ void route_kernel(kp::MoeParams p, const float* logits, int32_t* top_idx, float* top_w) {
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t s = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (s >= p.S) return;
   route_topk_warp(logits + s * p.n_experts, p.n_experts, p.top_k, p.norm_topk_prob != 0, top_idx + s * p.top_k,
@@ -34,8 +32,6 @@ __device__ __forceinline__ void load_block_pairs(const int32_t* top_idx, int64_t
 // block_base[b, e] = pairs of expert e in block b.
 __global__ void sort_count_kernel(int64_t P, int E, const int32_t* top_idx, int32_t* block_base) {
   extern __shared__ int counts[];  // [E]
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
   int e[kSortUnroll];
   load_block_pairs(top_idx, P, e);
@@ -55,8 +51,6 @@ __global__ void sort_count_kernel(int64_t P, int E, const int32_t* top_idx, int3
 __global__ void sort_plan_kernel(int nb, int E, int tile_rows, int32_t* block_base, int32_t* n_tiles,
                                  int32_t* tile_expert, int32_t* tile_row0, int32_t* tile_rows_out) {
   __shared__ int ws[33];
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int e = threadIdx.x;
   int c = 0;
   if (e < E)
@@ -85,8 +79,6 @@ __global__ void sort_plan_kernel(int nb, int E, int tile_rows, int32_t* block_ba
 __global__ void sort_scatter_kernel(int64_t P, int E, int k, const int32_t* top_idx, const float* top_w,
                                     const int32_t* block_base, int32_t* pair_row, int32_t* pair_id, float* pair_w) {
   extern __shared__ int fill[];  // [E]
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   for (int x = threadIdx.x; x < E; x += blockDim.x) fill[x] = block_base[static_cast<int64_t>(blockIdx.x) * E + x];
   int e[kSortUnroll];
   load_block_pairs(top_idx, P, e);
@@ -116,8 +108,6 @@ template <int VEC>
 __global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, const float* gate, const float* d,
                                float* x) {
   using V = std::conditional_t<VEC == 4, float4, float>;
-  pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): every path waits for the previous kernel before touching memory
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c >= H) return;
   for (int64_t s = blockIdx.y; s < S; s += gridDim.y) {
@@ -145,7 +135,7 @@ __global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, con
 void moe_route(cudaStream_t st, const kp::MoeParams& p, const float* logits, int32_t* top_idx, float* top_w) {
   if (p.n_experts > 256) throw std::invalid_argument("[lily] cuda moe_route: more than 256 experts");
   const int64_t threads = p.S * 32;
-  launch_pdl(route_kernel, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, st, p, logits, top_idx, top_w);
+  route_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, st>>>(p, logits, top_idx, top_w);
   LILY_LAUNCH_CHECK();
 }
 
@@ -158,14 +148,14 @@ void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, c
   const int64_t P = p.S * p.top_k, nb = (P + kSortPairs - 1) / kSortPairs;
   if (nb < 1 || nb > INT32_MAX / p.n_experts) throw std::invalid_argument("[lily] cuda moe_sort: pair count");
   const size_t smem = p.n_experts * sizeof(int);
-  launch_pdl(sort_count_kernel, dim3(static_cast<unsigned>(nb)), dim3(kSortThreads), smem, st, P, p.n_experts, top_idx,
-             b.block_base);
+  sort_count_kernel<<<static_cast<unsigned>(nb), kSortThreads, smem, st>>>(P, p.n_experts, top_idx, b.block_base);
   LILY_LAUNCH_CHECK();
-  launch_pdl(sort_plan_kernel, dim3(1), dim3((p.n_experts + 31) / 32 * 32), 0, st, static_cast<int>(nb), p.n_experts,
-             tile_rows, b.block_base, b.n_tiles, b.tile_expert, b.tile_row0, b.tile_rows);
+  sort_plan_kernel<<<1, (p.n_experts + 31) / 32 * 32, 0, st>>>(static_cast<int>(nb), p.n_experts, tile_rows,
+                                                              b.block_base, b.n_tiles, b.tile_expert, b.tile_row0,
+                                                              b.tile_rows);
   LILY_LAUNCH_CHECK();
-  launch_pdl(sort_scatter_kernel, dim3(static_cast<unsigned>(nb)), dim3(kSortThreads), smem, st, P, p.n_experts, p.top_k,
-             top_idx, top_w, b.block_base, b.pair_row, b.pair_id, b.pair_w);
+  sort_scatter_kernel<<<static_cast<unsigned>(nb), kSortThreads, smem, st>>>(
+      P, p.n_experts, p.top_k, top_idx, top_w, b.block_base, b.pair_row, b.pair_id, b.pair_w);
   LILY_LAUNCH_CHECK();
 }
 
@@ -195,8 +185,8 @@ void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const
   const int64_t H = p.hidden;
   const int vec = H % 4 == 0 ? 4 : 1;  // float4 rows when the row length allows (every real model)
   const dim3 grid(static_cast<unsigned>((H / vec + 255) / 256), static_cast<unsigned>(std::min<int64_t>(p.S, 65535)));
-  if (vec == 4) launch_pdl(combine_kernel<4>, grid, dim3(256), 0, st, p.S, H, p.top_k, sh, gate, d, x);
-  else launch_pdl(combine_kernel<1>, grid, dim3(256), 0, st, p.S, H, p.top_k, sh, gate, d, x);
+  if (vec == 4) combine_kernel<4><<<grid, 256, 0, st>>>(p.S, H, p.top_k, sh, gate, d, x);
+  else combine_kernel<1><<<grid, 256, 0, st>>>(p.S, H, p.top_k, sh, gate, d, x);
   LILY_LAUNCH_CHECK();
 }
 
