@@ -318,11 +318,11 @@ void run_plain(Rng& r, const PlainCase& c) {
 }
 
 // ---- concatenated projections (linear_concat) ----------------------------------------------------------
-// Row view [row0, row0 + n) of W (one expert).
-cuda::DLinear row_view(const QWeight& W, int64_t row0, int64_t n) {
-  cuda::DLinear d = W.dl();
-  d.p.out = n, d.p.expert_words = n * W.wpr(), d.p.expert_groups = n * W.gpr();
-  d.codes += row0 * W.wpr(), d.scales += row0 * W.gpr(), d.biases += row0 * W.gpr();
+// Row view [row0, row0 + n) of a single (one-expert) quantized weight, group 64.
+cuda::DLinear row_view(cuda::DLinear d, int64_t row0, int64_t n) {
+  const int64_t wpr = d.p.in * d.p.bits / 32, gpr = d.p.in / 64;
+  d.p.out = n, d.p.expert_words = n * wpr, d.p.expert_groups = n * gpr;
+  d.codes += row0 * wpr, d.scales += row0 * gpr, d.biases += row0 * gpr;
   return d;
 }
 
@@ -346,7 +346,7 @@ void run_concat(Rng& r, const std::string& name, int bits, int64_t M, const std:
   std::vector<float*> ys;
   std::vector<int64_t> lds, begin;
   for (int i = 0, row0 = 0; i < np; row0 += static_cast<int>(ns[i]), ++i) {
-    parts.push_back(row_view(W, row0, ns[i]));
+    parts.push_back(row_view(W.dl(), row0, ns[i]));
     lds.push_back(ns[i] + pads[i]);
     ys.push_back(dalloc<float>(M * lds[i]));
     begin.push_back(row0);
@@ -659,21 +659,15 @@ void time_concat(int64_t M) {
   std::vector<float*> ys;
   std::vector<int64_t> lds(ns.begin(), ns.end());
   for (int64_t n : ns) ys.push_back(dalloc<float>(M * n));
+  std::vector<cuda::DLinear> parts[kSets];  // each set's four row views, built once outside the timing
+  for (int s = 0; s < kSets; ++s)
+    for (int64_t i = 0, row0 = 0; i < 4; row0 += ns[i], ++i) parts[s].push_back(row_view(w[s].d, row0, ns[i]));
   double ms[2];
   for (int form = 0; form < 2; ++form)
     ms[form] = median_ms(
         [&](int s) {
-          std::vector<cuda::DLinear> parts;
-          int64_t row0 = 0;
-          for (int64_t n : ns) {
-            cuda::DLinear d = w[s].d;
-            d.p.out = n, d.p.expert_words = n * K / 8, d.p.expert_groups = n * K / 64;
-            d.codes += row0 * K / 8, d.scales += row0 * K / 64, d.biases += row0 * K / 64;
-            parts.push_back(d);
-            row0 += n;
-          }
-          cuda::linear_concat(nullptr, form == 0 ? w[s].d : cuda::DLinear{}, parts.data(), 4, A[s], K, M, ys.data(),
-                              lds.data());
+          cuda::linear_concat(nullptr, form == 0 ? w[s].d : cuda::DLinear{}, parts[s].data(), 4, A[s], K, M,
+                              ys.data(), lds.data());
         },
         kSets);
   const double flop = 2.0 * M * N * K;

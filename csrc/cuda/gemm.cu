@@ -689,9 +689,7 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 1 : 2)
             for (int x = 0; x < 2; ++x) {
               const int64_t n = col + x;
               if (n >= N) continue;
-              int q = 0;
-#pragma unroll
-              for (int k = 1; k < kMaxConcat; ++k) q += n >= args.so.begin[k];
+              const int q = args.so.part(n);
               args.so.y[q][orow * args.so.ldy[q] + n - args.so.begin[q]] = x ? o1 : o0;
             }
             continue;

@@ -112,20 +112,27 @@ void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const b
 // bf16 -> fp32, a 4-stage cp.async pipeline that copies raw codes + scales/biases (not dequantized bf16),
 // and dequantization from shared memory straight into the B fragment registers.
 // linear() and grouped_*() (gemm.cu) dispatch here wherever gemm_mma_supported and keeps the wmma GEMM as the fallback for the rest.
-// Arguments of gemm_mma_kernel. Plain or grouped rows per gp/g exactly as the wmma GEMM:
-//   y[orow, n] (=|+=) scale * (A[arow] . W0[e, n])     fp32 epilogue (store / accumulate)
-//   yb[orow, n] = bf16(silu(A[arow] . W0[e, n]) * (A[arow] . W1[e, n]))   dual epilogue (FFN gate/up)
 // The outputs of a concatenated projection (weights_cuda.h: several weights that read one input, stored as
 // consecutive rows of one matrix): feature n of part i (begin[i] <= n < begin[i + 1]) lands in
-// y[i][row * ldy[i] + n - begin[i]]. parts == 0: one output (GemmMmaArgs::y, gp.ldy).
+// y[i][row * ldy[i] + n - begin[i]]. parts == 0: one output (GemmMmaArgs::y, gp.ldy). begin[i] past the last part
+// is INT64_MAX (linear_concat), so part() needs no part count.
 constexpr int kMaxConcat = 4;
 struct ConcatOut {
   int parts = 0;
   int64_t begin[kMaxConcat + 1] = {};
   float* y[kMaxConcat] = {};
   int64_t ldy[kMaxConcat] = {};
+  __device__ __forceinline__ int part(int64_t n) const {  // the part holding feature n < begin[parts]
+    int q = 0;
+#pragma unroll
+    for (int k = 1; k < kMaxConcat; ++k) q += n >= begin[k];
+    return q;
+  }
 };
 
+// Arguments of gemm_mma_kernel. Plain or grouped rows per gp/g exactly as the wmma GEMM:
+//   y[orow, n] (=|+=) scale * (A[arow] . W0[e, n])     fp32 epilogue (store / accumulate)
+//   yb[orow, n] = bf16(silu(A[arow] . W0[e, n]) * (A[arow] . W1[e, n]))   dual epilogue (FFN gate/up)
 struct GemmMmaArgs {
   DLinear W0;                // [E?, out, in] quantized, in % 64 == 0
   DLinear W1;                // dual only: same shape and format as W0

@@ -288,9 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int64_t n = n0 + rb + 64 * j + 8 * rr;
             const ConcatOut& so = args.so;
             if (so.parts > 0) {
-              int q = 0;
-#pragma unroll
-              for (int k = 1; k < kMaxConcat; ++k) q += n >= so.begin[k];
+              const int q = so.part(n);
               ybase[j][rr] = n < N ? so.y[q] + (n - so.begin[q]) : nullptr;
               yld[j][rr] = so.ldy[q];
             } else {
