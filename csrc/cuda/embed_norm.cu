@@ -1,4 +1,5 @@
 #include "cuda/embed_norm.cuh"
+#include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -29,11 +30,6 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   }
   __syncthreads();
   return red[0];
-}
-
-__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x, the low half, is the lower address
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // One block per row: fp32 sum of squares, then the scaled row in bf16 (the GEMM input). Any n, reading x twice.
@@ -75,8 +71,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_vec_kernel(const float*
   for (int r = 0; r < kNormVecs; ++r) {
     const int64_t i = threadIdx.x + r * kNormThreads;
     if (i < nv)
-      yr[i] = make_uint2(bf16x2_bits(xv[r].x * inv * wv[r].x, xv[r].y * inv * wv[r].y),
-                         bf16x2_bits(xv[r].z * inv * wv[r].z, xv[r].w * inv * wv[r].w));
+      yr[i] = make_uint2(mma::pack_bf16x2(xv[r].x * inv * wv[r].x, xv[r].y * inv * wv[r].y),
+                         mma::pack_bf16x2(xv[r].z * inv * wv[r].z, xv[r].w * inv * wv[r].w));
   }
 }
 
