@@ -178,7 +178,7 @@ __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const fl
   const float inv = 1.f / sqrtf(ss / static_cast<float>(Dv) + p.norm_eps);
   for (int i = lane; i < Dv; i += 32) {
     const float zz = zr[i];
-    out[wid * Dv + i] = __float2bfloat16(yr[i] * inv * w[i] * (zz / (1.f + expf(-zz))));
+    out[wid * Dv + i] = __float2bfloat16(gated_out(yr[i], inv, w[i], zz));
   }
 }
 
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kStepWarps * 32)
   const float inv = 1.f / sqrtf(ss / static_cast<float>(Dv) + p.norm_eps);
   for (int i = threadIdx.x; i < Dv; i += blockDim.x) {
     const float zz = zr[i];
-    out[static_cast<int64_t>(h) * Dv + i] = __float2bfloat16(__ldcg(yr + i) * inv * nw[i] * (zz / (1.f + expf(-zz))));
+    out[static_cast<int64_t>(h) * Dv + i] = __float2bfloat16(gated_out(__ldcg(yr + i), inv, nw[i], zz));
   }
   if (threadIdx.x == 0) head_done[h] = 0;  // ready for the next launch (graph replays included)
 }

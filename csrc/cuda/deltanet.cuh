@@ -58,6 +58,11 @@ constexpr int kScanNormMaxDv = 128;
 void deltanet_scan_chunked_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b,
                                 const float* a, const float* dt_bias, const float* a_log, float* ssm, const float* z,
                                 const float* norm_w, bf16* out, float* scratch);
+// The gated norm's arithmetic for one element, y * inv * w * silu(z) with inv = 1 / sqrt(mean(y^2) + eps): the one
+// formula of gated_norm_kernel, deltanet_step_kernel's fused norm and chunk_out_kernel's.
+__device__ __forceinline__ float gated_out(float y, float inv, float w, float z) {
+  return y * inv * w * (z / (1.f + expf(-z)));
+}
 // out[t, h, :] = bf16(RMSNorm(y[t, h, :]; w) * silu(z[t, h, :])).  y, z: fp32 [S, Hv*Dv]; w: fp32 [Dv].
 void deltanet_gated_norm(cudaStream_t st, const kp::DeltaNetParams& p, const float* y, const float* z,
                          const float* w, bf16* out);

@@ -437,11 +437,6 @@ struct NormArgs {  // the fused gated norm's operands (chunk_out_kernel<DKP, tru
 };
 constexpr int kNormSlices = kScanNormMaxDv / kChunk;  // value slices a fused block keeps in registers
 
-// deltanet_gated_norm's arithmetic for one element: y * inv * w * silu(z).
-__device__ __forceinline__ float gated_out(float y, float inv, float w, float z) {
-  return y * inv * w * (z / (1.f + expf(-z)));
-}
-
 template <int DKP, bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) chunk_out_kernel(ChunkArgs args, NormArgs nrm) {
   using L = OutLayout<DKP>;
