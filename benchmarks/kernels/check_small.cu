@@ -1,4 +1,4 @@
-// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_prefill_wgmma.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu csrc/cuda/gemm.cu csrc/cuda/gemm_wgmma.cu csrc/cuda/gemm_one.cu
+// build: csrc/cuda/embed_norm.cu csrc/cuda/moe.cu csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu csrc/cuda/attention.cu csrc/cuda/attention_prefill.cu csrc/cuda/attention_prefill_wgmma.cu csrc/cuda/attention_decode.cu csrc/cuda/gemv.cu csrc/cuda/gemm.cu csrc/cuda/gemm_mma.cu csrc/cuda/gemm_wgmma.cu csrc/cuda/gemm_one.cu
 // The small CUDA kernel families (embed_norm.cu, moe.cu, deltanet.cu conv / gated norm, attention.cu
 // prep; deltanet.cuh: deltanet_step with its fused gated norm) against fp64 host twins that mirror the CPU backend (csrc/cpu/*.cpp).
 // Fresh random inputs each run (seed from the clock, printed; `check_small <seed>` replays one), real model shapes
@@ -375,11 +375,14 @@ static void check_sort(int64_t S, int E, int k, int tile_rows, bool skew) {
 // nonzero, so an unwritten element fails.
 static void check_combine(int64_t S, int64_t H, int k) {
   Dev dv;
-  const auto sh = randn(S * H), gate = randu(S, -8.f, 8.f), d = randn(S * k * H, 0.3f), x0 = randn(S * H);
+  const auto sh = randn(S * H), gate = randu(S, -8.f, 8.f), d32 = randn(S * k * H, 0.3f), x0 = randn(S * H);
+  std::vector<uint16_t> d(d32.size());  // d is bf16 (grouped_down's output): the twin sums the same bf16 values
+  for (size_t i = 0; i < d.size(); ++i) d[i] = lc::host_bf16(d32[i]);
   kp::MoeParams p{};
   p.hidden = static_cast<int32_t>(H), p.n_experts = 256, p.top_k = k, p.inter = 512, p.shared_inter = 512;
   p.norm_topk_prob = 1, p.S = S;
-  const float *dsh = dv.put(sh), *dg = dv.put(gate), *dd = dv.put(d);
+  const float *dsh = dv.put(sh), *dg = dv.put(gate);
+  const lc::bf16* dd = reinterpret_cast<const lc::bf16*>(dv.put(d));
   float* dx = dv.put(x0);
   lc::moe_combine(0, p, dsh, dg, dd, dx);
   after_launch();
@@ -387,7 +390,7 @@ static void check_combine(int64_t S, int64_t H, int k) {
   for (int64_t s = 0; s < S; ++s)
     for (int64_t c = 0; c < H; ++c) {
       double acc = sigmoid_d(gate[s]) * sh[s * H + c];
-      for (int j = 0; j < k; ++j) acc += d[(s * k + j) * H + c];
+      for (int j = 0; j < k; ++j) acc += bf2d(d[(s * k + j) * H + c]);
       ref[s * H + c] = x0[s * H + c] + acc;
     }
   report(fmt("moe_combine S=%lld H=%lld k=%d", (long long)S, (long long)H, k), ref, to_d(get(dx, S * H)),
@@ -395,7 +398,7 @@ static void check_combine(int64_t S, int64_t H, int k) {
   if (S >= 4096) {
     const double us = median_us([&] { lc::moe_combine(0, p, dsh, dg, dd, dx); });
     std::printf("TIME moe_combine S=%lld H=%lld k=%d %.1f us (%.2f TB/s)\n", (long long)S, (long long)H, k, us,
-                4.0 * S * H * (k + 3) / us * 1e-6);
+                (4.0 * S * H * 3 + 2.0 * S * H * k) / us * 1e-6);
   }
 }
 

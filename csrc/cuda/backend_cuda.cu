@@ -698,7 +698,7 @@ class CudaBackend final : public Backend {
     tile_rows_ = s_tile_rows_.get<int32_t>(mem_, max_tiles(S));
     sort_base_ = s_sort_.get<int32_t>(mem_, cuda::moe_sort_scratch(P, cfg_.n_experts));
     act_ = s_act_.get<bf16>(mem_, P * cfg_.moe_inter);
-    d_ = s_d_.get<float>(mem_, P * H);
+    d_ = s_d_.get<bf16>(mem_, P * H);
     sact_ = s_sact_.get<bf16>(mem_, S * cfg_.shared_inter);
     shd_ = s_shd_.get<float>(mem_, S * H);
     sg_ = s_sg_.get<float>(mem_, S);
@@ -737,7 +737,7 @@ class CudaBackend final : public Backend {
   int32_t *n_tiles_ = nullptr, *tile_expert_ = nullptr, *tile_row0_ = nullptr, *tile_rows_ = nullptr;
   int32_t* sort_base_ = nullptr;                        // moe_sort's per-block counts / positions
   bf16* act_ = nullptr;                                 // [S*k, I]
-  float* d_ = nullptr;                                  // [S*k, H]
+  bf16* d_ = nullptr;                                   // [S*k, H]
   bf16* sact_ = nullptr;                                // [S, Is]
   float *shd_ = nullptr, *sg_ = nullptr;                // [S, H], [S]
 

@@ -1,6 +1,6 @@
 // Linear layers on the GPU: y = x W^T with bf16 activations, weights dequantized on the fly, fp32 accumulate.
 // One row (outside the fused decode step) takes the warp-per-row GEMV; prefill a tensor-core GEMM: on Hopper the
-// wgmma one of gemm_wgmma.cu for 4-bit weights and tiles of 64+ rows, else the mma.sync one of gemm.cu (raw codes
+// wgmma one of gemm_wgmma.cu for 4-bit weights and tiles of 64+ rows, else the mma.sync one of gemm_mma.cu (raw codes
 // pipelined, dequantized in registers) where gemm_mma_supported, else the wmma one that dequantizes each weight
 // tile into shared memory (dense weights, other groups). All three also run the MoE experts (expert ids read on
 // the device).
@@ -94,24 +94,27 @@ void linear_silu_mul(cudaStream_t st, const DLinear& W0, const DLinear& W1, cons
 //   act[j, :] = bf16(silu(x W0[e]^T) * (x W1[e]^T))           x: bf16 [H], act: bf16 [k, I]
 void experts_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const int32_t* ids, int k, const bf16* x,
                      bf16* act);
-//   d[j, :] = w[j] * (act[j] W2[e]^T)                          d: fp32 [k, H]
+//   d[j, :] = bf16(w[j] * (act[j] W2[e]^T))                    d: bf16 [k, H]
 void experts_down(cudaStream_t st, const DLinear& W2, const int32_t* ids, const float* w, int k, const bf16* act,
-                  float* d);
+                  bf16* d);
 
 // Prefill MoE over sorted (token, expert) pairs and the tile map of `g`, built by moe_sort with tile_rows
 // (16, 32, 64 or 128; the wmma fallback takes at most kGemmBM):
 //   gate/up: act[p, :] = bf16(silu(h[a_rows[p]] W0[e]^T) * (h[a_rows[p]] W1[e]^T))   act: bf16 [pairs, I]
 void grouped_gate_up(cudaStream_t st, const DLinear& W0, const DLinear& W1, const GroupMap& g, const bf16* h,
                      int64_t ldh, bf16* act, int tile_rows = kGemmBM);
-//   down: d[y_rows[p], :] = scale[p] * (act[p] W2[e]^T)                                d: fp32 [pairs, H]
-void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, float* d,
+//   down: d[y_rows[p], :] = bf16(scale[p] * (act[p] W2[e]^T))                          d: bf16 [pairs, H]
+// d is bf16 because it is the widest tensor of a prefill layer (pairs = 8 tokens): in fp32 its write (the down's
+// epilogue) and its read (moe_combine) were ~270 MB each per layer of a 4K prefill. The model computes its
+// expert outputs in bf16 too (mlx-lm's SwitchGLU); the sum over experts stays fp32 (moe_combine).
+void grouped_down(cudaStream_t st, const DLinear& W2, const GroupMap& g, const bf16* act, bf16* d,
                   int tile_rows = kGemmBM);
 
 // ---- the mma.sync GEMM (the prefill default) ----
 // Tensor-core prefill GEMM for MLX affine-quantized weights (4- or 8-bit codes, group 64): mma.sync m16n8k16
 // bf16 -> fp32, a 4-stage cp.async pipeline that copies raw codes + scales/biases (not dequantized bf16),
 // and dequantization from shared memory straight into the B fragment registers.
-// linear() and grouped_*() (gemm.cu) dispatch here wherever gemm_mma_supported and keeps the wmma GEMM as the fallback for the rest.
+// linear() and grouped_*() (gemm.cu) dispatch here (gemm_mma.cu) wherever gemm_mma_supported and keeps the wmma GEMM as the fallback for the rest.
 // The outputs of a concatenated projection (weights_cuda.h: several weights that read one input, stored as
 // consecutive rows of one matrix): feature n of part i (begin[i] <= n < begin[i + 1]) lands in
 // y[i][row * ldy[i] + n - begin[i]]. parts == 0: one output (GemmMmaArgs::y, gp.ldy). begin[i] past the last part
@@ -132,6 +135,7 @@ struct ConcatOut {
 
 // Arguments of gemm_mma_kernel. Plain or grouped rows per gp/g exactly as the wmma GEMM:
 //   y[orow, n] (=|+=) scale * (A[arow] . W0[e, n])     fp32 epilogue (store / accumulate)
+//   yb[orow, n] = bf16(scale * (A[arow] . W0[e, n]))   bf16 store (yb set, not dual: no accumulate, no concat)
 //   yb[orow, n] = bf16(silu(A[arow] . W0[e, n]) * (A[arow] . W1[e, n]))   dual epilogue (FFN gate/up)
 struct GemmMmaArgs {
   DLinear W0;                // [E?, out, in] quantized, in % 64 == 0
@@ -140,9 +144,15 @@ struct GemmMmaArgs {
   GroupMap g;                // grouped only
   const bf16* A = nullptr;   // [rows, lda] bf16, lda % 8 == 0, 16-byte aligned
   float* y = nullptr;        // [rows, ldy] fp32 (store / accumulate)
-  bf16* yb = nullptr;        // [rows, ldy] bf16 (dual)
+  bf16* yb = nullptr;        // [rows, ldy] bf16 (dual, or the bf16 store; y is then unused)
   ConcatOut so;             // plain store only: the concatenation's parts' outputs instead of y
 };
+
+// The bf16 store (yb set, not dual) takes neither accumulate nor a concatenation's parts: throws naming `who`.
+inline void check_bf16_store(const GemmMmaArgs& a, bool dual, const char* who) {
+  if (!dual && a.yb && (a.gp.accumulate || a.so.parts > 0))
+    throw std::invalid_argument(std::string("[lily] ") + who + ": the bf16 store takes neither accumulate nor concatenated outputs");
+}
 
 // True when the mma path runs this product: kind 0, 4 or 8 bits, group 64, in % 64 == 0, 16-byte aligned
 // codes and A rows; W1 (dual, may be nullptr) must match W0. Otherwise callers use the wmma GEMM.

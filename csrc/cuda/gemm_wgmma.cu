@@ -22,7 +22,7 @@
 // the attention q/k/v (48% of 990), 2.4x the mma.sync GEMM's shape of kernel that dequantised into a shared tile
 // (whose ncu showed the L1/shared pipe at 90%, the tensor pipe idle).
 // Plain rows (tokens) or grouped tiles (MoE experts: one expert per token tile, rows gathered through a_rows,
-// outputs scattered through y_rows and scaled); fp32 store / accumulate, or the dual gate/up epilogue (block 0 of
+// outputs scattered through y_rows and scaled); fp32 store / accumulate, bf16 store, or the dual gate/up epilogue (block 0 of
 // each warpgroup holds W0's rows, block 1 the same rows of W1: silu(gate) * up in registers, bf16 out).
 #include "cuda/gemm.cuh"
 #include "cuda/wgmma.cuh"
@@ -276,6 +276,30 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int j = 0; j < MB; ++j)
               if (float* dst = out_at(i0 + q, j)) *dst = old[j][q] + d[j][i0 + q] * y_scale[tok(i0 + q)];
         }
+      } else if (args.yb) {
+        // The bf16 store (the MoE down's d): accumulators i, i + 1 are tokens tok(i), tok(i) + 1 of one feature, and
+        // lane ^ 4 (gid ^ 1) holds the neighbouring feature, so one shuffle per pair gives the even-gid lane both
+        // features of token tok(i) and the odd-gid lane both of tok(i) + 1: one bf16x2 store each, half the stores.
+        const bool odd = gid & 1, vec = ldy % 2 == 0 && reinterpret_cast<uintptr_t>(args.yb) % 4 == 0;
+#pragma unroll
+        for (int i = 0; i < TN / 2; i += 2)
+#pragma unroll
+          for (int j = 0; j < MB; ++j) {
+            const float keep = odd ? d[j][i + 1] : d[j][i];
+            const float got = __shfl_xor_sync(0xFFFFFFFFu, odd ? d[j][i] : d[j][i + 1], 4);
+            const float lo = odd ? got : keep, hi = odd ? keep : got;  // features n, n + 1
+            const int tk = tok(i) + odd;
+            const int64_t orow = y_row[tk], n = n0 + rb - odd + 64 * j + 8 * ((i / 2) % 2);
+            if (orow < 0 || n >= N) continue;
+            bf16* dst = args.yb + orow * ldy + n;
+            const float s = y_scale[tk];
+            if (vec && n + 1 < N) {
+              *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo * s, hi * s);
+            } else {
+              dst[0] = __float2bfloat16(lo * s);
+              if (n + 1 < N) dst[1] = __float2bfloat16(hi * s);
+            }
+          }
       } else {
         // Output column base and row stride of fragment rows (j, rr): y's, or those of the concatenation's part holding
         // the feature (parts meet at any row, so the part is found per fragment row, not per tile).
@@ -342,6 +366,7 @@ bool gemm_wgmma_supported(const DLinear& W0, const DLinear* W1, const bf16* A, i
 
 void gemm_wgmma(cudaStream_t st, const GemmMmaArgs& a, bool dual, int tokens) {
   if (tokens != 64 && tokens != 128) throw std::invalid_argument("[lily] gemm_wgmma: tokens per tile must be 64 or 128");
+  check_bf16_store(a, dual, "gemm_wgmma");
   if (dual) return tokens == 128 ? launch<128, 2, true>(st, a) : launch<64, 2, true>(st, a);
   // 256 weight rows per CTA unless that leaves less than one work item per SM (the grid is persistent, so one wave
   // of items suffices; two, as before, sent the 2,048-output projections of a 4K prefill (256 items) to 128-row

@@ -105,7 +105,7 @@ __global__ void sort_scatter_kernel(int64_t P, int E, int k, const int32_t* top_
 // One thread per VEC consecutive features of one token row (the row is gridDim.y-strided), the terms added in the
 // order of the CPU twin: sigmoid(g) sh, then the k experts' rows.
 template <int VEC>
-__global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, const float* gate, const float* d,
+__global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, const float* gate, const bf16* d,
                                float* x) {
   using V = std::conditional_t<VEC == 4, float4, float>;
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
@@ -113,18 +113,20 @@ __global__ void combine_kernel(int64_t S, int64_t H, int k, const float* sh, con
   for (int64_t s = blockIdx.y; s < S; s += gridDim.y) {
     const float g = sigmoidf_(gate[s]);
     V acc = *reinterpret_cast<const V*>(sh + s * H + c);
-    const float* ds = d + s * k * H + c;
+    const bf16* ds = d + s * k * H + c;
     if constexpr (VEC == 4) {
       acc.x *= g, acc.y *= g, acc.z *= g, acc.w *= g;
-      for (int j = 0; j < k; ++j) {
-        const float4 t = *reinterpret_cast<const float4*>(ds + j * H);
-        acc.x += t.x, acc.y += t.y, acc.z += t.z, acc.w += t.w;
+      for (int j = 0; j < k; ++j) {  // four bf16 of d in one 8-byte load
+        const uint2 u = *reinterpret_cast<const uint2*>(ds + j * H);
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+        acc.x += lo.x, acc.y += lo.y, acc.z += hi.x, acc.w += hi.y;
       }
       float4& o = *reinterpret_cast<float4*>(x + s * H + c);
       o.x += acc.x, o.y += acc.y, o.z += acc.z, o.w += acc.w;
     } else {
       acc *= g;
-      for (int j = 0; j < k; ++j) acc += ds[j * H];
+      for (int j = 0; j < k; ++j) acc += __bfloat162float(ds[j * H]);
       x[s * H + c] += acc;
     }
   }
@@ -160,7 +162,7 @@ void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, c
 }
 
 void moe_experts(cudaStream_t st, const kp::MoeParams& p, const DLinear& gate, const DLinear& up, const DLinear& down,
-                 const bf16* h, const int32_t* top_idx, const float* top_w, const SortBuffers& b, bf16* act, float* d,
+                 const bf16* h, const int32_t* top_idx, const float* top_w, const SortBuffers& b, bf16* act, bf16* d,
                  int tile_rows, bool host_count) {
   const int64_t P = p.S * p.top_k;
   // Rows per expert tile from the mean rows per expert (or the ablation's); the wmma GEMM (the fallback for weights
@@ -181,7 +183,7 @@ void moe_experts(cudaStream_t st, const kp::MoeParams& p, const DLinear& gate, c
   grouped_down(st, down, g, act, d, tr);
 }
 
-void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const float* d, float* x) {
+void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const bf16* d, float* x) {
   const int64_t H = p.hidden;
   const int vec = H % 4 == 0 ? 4 : 1;  // float4 rows when the row length allows (every real model)
   const dim3 grid(static_cast<unsigned>((H / vec + 255) / 256), static_cast<unsigned>(std::min<int64_t>(p.S, 65535)));

@@ -23,13 +23,15 @@ int64_t moe_sort_scratch(int64_t pairs, int n_experts);
 void moe_sort(cudaStream_t st, const kp::MoeParams& p, const int32_t* top_idx, const float* top_w, int tile_rows,
               const SortBuffers& b);
 // The routed experts of a chunk of S > 1 rows: the sort, then gate/up and down over its tile map (gemm.cuh's
-// grouped products). h [S, H] bf16 -> act [S*k, I] bf16 (scratch), d [S*k, H] fp32 (row s*k + j: token s's pair j,
-// times its routing weight). tile_rows 0: chosen from the mean rows per expert (else the ablation's); host_count: the
-// ablation that waits for the tile count on the host and launches exactly that.
+// grouped products). h [S, H] bf16 -> act [S*k, I] bf16 (scratch), d [S*k, H] bf16 (row s*k + j: token s's pair j,
+// times its routing weight, rounded once: gemm.cuh's grouped_down says why bf16). tile_rows 0: chosen from the mean
+// rows per expert (else the ablation's); host_count: the ablation that waits for the tile count on the host and
+// launches exactly that.
 void moe_experts(cudaStream_t st, const kp::MoeParams& p, const DLinear& gate, const DLinear& up, const DLinear& down,
-                 const bf16* h, const int32_t* top_idx, const float* top_w, const SortBuffers& b, bf16* act, float* d,
+                 const bf16* h, const int32_t* top_idx, const float* top_w, const SortBuffers& b, bf16* act, bf16* d,
                  int tile_rows, bool host_count);
-// x[s, :] += sigmoid(gate[s]) * sh[s, :] + sum_j d[s*k + j, :].  sh, d (fp32 [S, H], [S*k, H]), gate fp32 [S].
-void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const float* d, float* x);
+// x[s, :] += sigmoid(gate[s]) * sh[s, :] + sum_j d[s*k + j, :] (fp32 sum, j in order).  sh fp32 [S, H], d bf16 [S*k, H],
+// gate fp32 [S], x fp32 [S, H].
+void moe_combine(cudaStream_t st, const kp::MoeParams& p, const float* sh, const float* gate, const bf16* d, float* x);
 
 }  // namespace lily::cuda

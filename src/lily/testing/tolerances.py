@@ -53,8 +53,8 @@ KERNEL_CHECKS = {
     "gemv_staged_rel_rms": 5e-4,
     # the prefill GEMM's fp32 outputs: bf16 operands, fp32 accumulation (order only, ~1e-6): the bf16 band's low end
     "gemm_rel_rms": 2e-3,
-    # its bf16 dual outputs: one more bf16 rounding (~1.1e-3)
-    "gemm_dual_rel_rms": 5e-3,
+    # its bf16 outputs (the dual SiLU(gate) * up, the MoE down's d): one more bf16 rounding (~1.1e-3)
+    "gemm_bf16_rel_rms": 5e-3,
     # attention: o rounded to bf16 (~1.1e-3) and P rounded to bf16 before P V (~1e-3); one key wrongly in or out
     # of the window moves o by >= 8e-3 up to 16K keys
     "attention_rel_rms": 5e-3,
