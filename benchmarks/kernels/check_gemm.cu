@@ -770,8 +770,8 @@ int main(int argc, char** argv) {
     run_concat(r, "attn_in", 4, 300, {8192, 512, 512}, {0, 0, 0}, 2048);
     run_concat(r, "odd", 4, 300, {1000, 37, 1, 300}, {1, 3, 0, 5}, 192);
     run_concat(r, "odd", 4, 33, {100, 37, 1}, {0, 3, 2}, 128);
-    run_concat(r, "moe_in", 8, 2048, {256, 1}, {0, 0}, 2048);
-    run_concat(r, "moe_in", 8, 5, {256, 1}, {0, 0}, 2048);
+    run_concat(r, "q8", 8, 2048, {256, 1}, {0, 0}, 2048);
+    run_concat(r, "q8", 8, 5, {256, 1}, {0, 0}, 2048);
     run_concat(r, "odd", 8, 77, {33, 1, 70, 3}, {1, 0, 2, 3}, 128);
 
     // Grouped: 32 experts with empty ones, a 1-row and a 300-row expert; real gate/up and down dims.

@@ -308,12 +308,11 @@ class CudaBackend final : public Backend {
     const kp::MoeParams p{cfg_.hidden, cfg_.n_experts, cfg_.top_k, cfg_.moe_inter, cfg_.shared_inter,
                           cfg_.norm_topk_prob ? 1 : 0, S};
     cuda::rms_norm(st_, x_, L.post_norm, cfg_.rms_eps, S, H, h_);
-    {  // the router and the shared expert's gate: one GEMM over their concatenated rows
-      const cuda::DLinear parts[] = {L.router, L.sh_expert_gate};
-      float* const y[] = {logits_, sg_};
-      const int64_t ldy[] = {cfg_.n_experts, 1};
-      cuda::linear_concat(st_, L.moe_in, parts, 2, h_, H, S, y, ldy);
-    }
+    // The router and the shared expert's gate apart: concatenated (257 rows), the gate's one row took a third
+    // 128-row column block of the 8-bit GEMM (68 us per layer of a 4K prefill on the H200); alone the router fills
+    // two and the gate is the one-output kernel's (1.014x at 4K, compare_builds_tenth_h200.json).
+    cuda::linear(st_, L.router, h_, H, S, logits_, cfg_.n_experts);
+    cuda::linear(st_, L.sh_expert_gate, h_, H, S, sg_, 1);
     cuda::moe_route(st_, p, logits_, top_idx_, top_w_);
     cuda::linear_silu_mul(st_, L.sh_gate, L.sh_up, h_, H, S, sact_, Is);
     cuda::linear(st_, L.sh_down, sact_, Is, S, shd_, H, false);

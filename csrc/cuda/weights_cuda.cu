@@ -109,7 +109,8 @@ DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::sha
       L.q_norm = u.put_vec(lw.attn.q_norm, cfg.head_dim);
       L.k_norm = u.put_vec(lw.attn.k_norm, cfg.head_dim);
     }
-    L.moe_in = u.put_concat({&lw.moe.router, &lw.moe.sh_expert_gate}, {&L.router, &L.sh_expert_gate});
+    L.router = u.put_linear(lw.moe.router);
+    L.sh_expert_gate = u.put_linear(lw.moe.sh_expert_gate);
     L.gate = u.put_linear(lw.moe.gate);
     L.up = u.put_linear(lw.moe.up);
     L.down = u.put_linear(lw.moe.down);

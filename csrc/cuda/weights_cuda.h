@@ -18,7 +18,6 @@ struct DeviceLayer {
   // each was uploaded on its own.
   DLinear deltanet_in;        // qkv, z, b, a
   DLinear attn_in;            // q, k, v
-  DLinear moe_in;             // the router and the shared expert's gate (8-bit in the checkpoint)
   DLinear qkv, z, b, a, out;  // DeltaNet
   const float *conv_w = nullptr, *dt_bias = nullptr, *a_log = nullptr, *deltanet_norm = nullptr;  // [C, K], [Hv], [Hv], [Dv]
   DLinear q, k, v, o;  // attention
