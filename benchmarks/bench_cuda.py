@@ -147,32 +147,47 @@ class FlagStub:
         self._vals[name] = int(value)
 
 
-# The server row's client (its own process): an untimed 4-token request, then the timed one: prints
-# [seconds from sending the request to its last chunk, completion tokens]. Timed from the request, not from the first
-# chunk: the server streams text, and a chunk holds however many tokens it took to make decodable text (likely why:
-# random weights emit byte tokens that complete a character only now and then), so "first chunk to last, tokens - 1"
-# read 801 tok/s (above the step rate) at 512 and nothing at 4K on 2026-12-03. The prompt comes from the prefix cache,
-# so the request's own prefill is a restore plus one step.
+# The server row's client (its own process): an untimed 4-token request through the openai client (the prompt's
+# prefill; it also checks that client reads the stream), then the timed one: prints [seconds from sending the
+# request to its last chunk, completion tokens]. Timed from the request, not from the first chunk: the server streams
+# text, and a chunk holds however many tokens it took to make decodable text (random weights emit byte tokens that
+# complete a character only now and then), so "first chunk to last, tokens - 1" read 801 tok/s (above the step rate)
+# at 512 on 2026-12-03. The timed request goes out pre-encoded over http.client, not through the openai client: that
+# client's request building (openai._utils.maybe_transform) walks the prompt list in Python, ~14 us per prompt token
+# on the CI machine (56 ms at 4K, 2.25 s at 128K), and was timed as the server's (the tenth session's sweep: 282
+# tok/s at 4K, 20 at 128K). The prompt comes from the prefix cache, so the request's own prefill is a restore plus
+# one step.
 SERVE_CLIENT = r"""
-import json, sys, time
+import http.client, json, sys, time, urllib.parse
 import openai
 url, n = sys.argv[1], int(sys.argv[2])
 prompt = json.loads(sys.stdin.read())  # stdin: a 128K-token prompt is over the command line limit
 client = openai.OpenAI(base_url=url, api_key="-")
 name = client.models.list().data[0].id
-def run(n):
-    t0 = time.perf_counter()
-    last = None
-    tokens = 0
-    for ch in client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                         stream_options={"include_usage": True}):
-        if ch.usage is not None:
-            tokens = ch.usage.completion_tokens
-        if ch.choices:
-            last = time.perf_counter()
-    return (last - t0) if last is not None else 0.0, tokens
-run(4)
-print(json.dumps(run(n)))
+for ch in client.completions.create(model=name, prompt=prompt, max_tokens=4, temperature=0, stream=True):
+    pass
+body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                   "stream_options": {"include_usage": True}}).encode()
+u = urllib.parse.urlparse(url)
+conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+t0 = time.perf_counter()
+conn.request("POST", u.path + "/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer -"})
+resp = conn.getresponse()
+if resp.status != 200:
+    sys.exit(f"HTTP {resp.status}: {resp.read()[:400]!r}")
+last, tokens = None, 0
+for line in resp:  # server-sent events: "data: {chunk}" lines, then "data: [DONE]"
+    line = line.strip()
+    if not line.startswith(b"data: "):
+        continue
+    if line[6:] == b"[DONE]":
+        break
+    ch = json.loads(line[6:])
+    if ch.get("usage"):
+        tokens = ch["usage"]["completion_tokens"]
+    if ch.get("choices"):
+        last = time.perf_counter()
+print(json.dumps([(last - t0) if last is not None else 0.0, tokens]))
 """
 
 
