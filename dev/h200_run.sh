@@ -21,6 +21,7 @@
 #             compare_builds over BUILDS (several builds: ratios against the first), ncu of the decode GEMV
 #   sanitize  racecheck alone on tiny_odd and tiny_dk_ne_dv (230 and 340 s limits: they took 190 and 289 s)
 #   bench     3 before/after rounds and the generate rows at 512 and 4K
+#   prefill_ncu  ncu of the prefill's launches at 4K and in the last chunk of a 128K prefill, by kernel family
 #   sweep     benchmarks/bench_cuda.py ARGS on the full-size checkpoint (the benchmark JSON + PNG into $OUT)
 # A prebuilt extension is used only if it imports on the device; otherwise the script builds there (-j16).
 set -u
@@ -207,6 +208,22 @@ families)  # the decode step's time by kernel family at LENGTHS (default 4096,13
       python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_node_$L.csv") --stalls 3; } > "$OUT/ncu_step_families_$L.md"
     head -24 "$OUT/ncu_step_families_$L.md"
     echo "[$(el)s] families $L"
+  done
+  ;;
+prefill_ncu)  # issue 15's ncu table by kernel family: each prefill launch profiled alone (dev/ncu_prefill.py), at 4K the
+               # first N4K launches (default 100: layers 0-4, DeltaNet, attention and MoE), at 128K N128K launches
+               # from SKIP128 (default 11600: inside the last 8192-row chunk, attention over ~120K keys); tensor TOP/s
+               # from the tensor-path op counters (ncu_table.py --families), boost clock (--clock-control none)
+  PM=$NCU_METRICS,sm__ops_path_tensor_src_bf16_dst_fp32.sum,sm__ops_path_tensor_src_tf32_dst_fp32.sum,sm__inst_executed_pipe_tensor_op_gmma.sum
+  for spec in "4096 0 ${N4K:-100}" "131072 ${SKIP128:-11600} ${N128K:-80}"; do
+    set -- $spec
+    timeout ${PREFILL_NCU_TIMEOUT:-240} ncu --profile-from-start off --clock-control none --launch-skip $2 --launch-count $3 \
+      --metrics "$PM" --csv --page raw python3 dev/ncu_prefill.py $1 > "$LOG/ncu_prefill_$1.csv" 2> "$LOG/ncu_prefill_$1.err"
+    SUMMARY+=("ncu prefill $1 rc=$?")
+    { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_prefill_$1.csv") --families --stalls 3; echo
+      python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_prefill_$1.csv") --stalls 3; } > "$OUT/ncu_prefill_families_$1.md"
+    head -20 "$OUT/ncu_prefill_families_$1.md"
+    echo "[$(el)s] prefill ncu $1"
   done
   ;;
 sweep)  # the benchmark's full sweep (benchmarks/bench_cuda.py with the arguments after the mode), e.g.

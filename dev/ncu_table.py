@@ -5,13 +5,16 @@ DRAM MB read, GB/s, DRAM % of peak, warps active %, registers, the top N stall r
 samples). LABELS: a file with one label per profiled launch, in launch order (optional).
 --families: one row per kernel (template arguments dropped) instead: launches, total us and its share, DRAM MB,
 GB/s over the family's time, the time-weighted DRAM % and warps active, the stall samples summed over its launches
-(for `--graph-profiling node` of a step graph: the step's time by kernel family, each launch timed alone)."""
+(for `--graph-profiling node` of a step graph: the step's time by kernel family, each launch timed alone); where the
+CSV holds the tensor-path op counters (sm__ops_path_tensor_*.sum: the prefill mode of dev/h200_run.sh) also the
+time-weighted SM throughput % and the tensor ops per second over the family's time (TOP/s)."""
 import csv
 import sys
 
 TIME_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 BYTES_MB = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "KB": 1e-3, "MB": 1.0, "GB": 1e3}
 PRE = "smsp__pcsamp_warps_issue_stalled_"
+OPS = "sm__ops_path_tensor_src_"  # tensor-path math ops by source / destination type (.sum counters)
 
 
 def load(path):
@@ -51,28 +54,33 @@ def families(rows, tu, bu, n_stalls):
     fam = {}
     for r in rows:
         f = fam.setdefault(family(r.get("Kernel Name", "?")), {"n": 0, "us": 0.0, "mb": 0.0, "dram": 0.0, "warps": 0.0,
-                                                               "st": {}})
+                                                               "sm": 0.0, "ops": 0.0, "st": {}})
         us = num(r, "gpu__time_duration.sum") * tu
         f["n"] += 1
         f["us"] += us
         f["mb"] += num(r, "dram__bytes_read.sum") * bu
         f["dram"] += us * num(r, "dram__throughput.avg.pct_of_peak_sustained_elapsed")
         f["warps"] += us * num(r, "sm__warps_active.avg.pct_of_peak_sustained_active")
+        f["sm"] += us * num(r, "sm__throughput.avg.pct_of_peak_sustained_elapsed")
+        f["ops"] += sum(num(r, k) for k in r if k.startswith(OPS) and num(r, k) == num(r, k))
         for k in r:
             if k.startswith(PRE) and "not_issued" not in k and num(r, k) == num(r, k):
                 f["st"][k[len(PRE):]] = f["st"].get(k[len(PRE):], 0.0) + num(r, k)
     total = sum(f["us"] for f in fam.values()) or 1
+    tensor = bool(rows) and any(k.startswith(OPS) for k in rows[0])
     print(f"{len(rows)} launches, {total:.1f} us summed (each launch timed alone)\n")
-    print("| kernel | launches | us | share | DRAM MB read | GB/s | DRAM % peak | warps active % | top stalls |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    extra = " SM % | tensor TOP/s |" if tensor else ""
+    print("| kernel | launches | us | share | DRAM MB read | GB/s | DRAM % peak | warps active % |" + extra + " top stalls |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if tensor else "") + "---|")
     for name, f in sorted(fam.items(), key=lambda kv: -kv[1]["us"]):
         st = f["st"]
         tot = sum(st.values()) or 1
         top = sorted(((v, k) for k, v in st.items() if k != "selected"), reverse=True)[:n_stalls]
         tops = ", ".join(f"{k} {100 * v / tot:.0f}%" for v, k in top)
         us = f["us"] or 1
+        cols = f" {f['sm'] / us:.1f} | {f['ops'] / us * 1e-6:.0f} |" if tensor else ""
         print(f"| {name} | {f['n']} | {f['us']:.1f} | {100 * f['us'] / total:.1f}% | {f['mb']:.1f} | "
-              f"{f['mb'] * 1e3 / us:.0f} | {f['dram'] / us:.1f} | {f['warps'] / us:.1f} | {tops} |")
+              f"{f['mb'] * 1e3 / us:.0f} | {f['dram'] / us:.1f} | {f['warps'] / us:.1f} |{cols} {tops} |")
 
 
 def main():
