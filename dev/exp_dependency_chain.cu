@@ -1,0 +1,249 @@
+// Experiment (issue 14 step 2): what one grid-wide dependency costs on this GPU, by launch form, with and without
+// a weight stream to hide behind it. A decode step is ~200 of them in a row (norm -> in-projection -> DeltaNet step
+// -> out-projection -> router -> experts -> down, per layer), and lily's decode GEMV launch costs ~3.9 us plus its
+// bytes at 4.5 TB/s (kernels_check_decode_h200.txt). The earlier persistent experiment (exp_persistent_gemv, H200
+// 2026-12-02: 8.61 us per stage against 7.54 for PDL-chained launches) did not say where its per-stage time went;
+// this one takes the GEMV out and keeps only the dependency and the bytes:
+//   stage i: every block streams its share of W_i (B bytes, distinct per stage: nothing stays in L2) into
+//   registers, XOR-reduces it to one parity bit per block, reads the whole x_i = y_i (kV floats, from L2) and
+//   writes its slice of y_{i+1}[j] = 0.5 x_i[(7 j + 1) % kV] + 0.25 x_i[(13 j + 5) % kV] + 1e-3 parity_b.
+// Forms (the same arithmetic, so the final vector must agree bit for bit):
+//   launch   one kernel per stage, a CUDA graph of plain launches
+//   pdl      one kernel per stage, PDL in a graph: the weight loads issued before griddepcontrol.wait
+//   persist  one cooperative kernel, stages ordered by arrival counters (release add / acquire spin), the next
+//            stage's weight loads issued right after this stage's arrival, before the wait
+//   grid     one cooperative kernel, cg::this_grid().sync() between stages, the next stage's loads before it
+// Per stage time at B = 0 is the pure dependency cost; the slope over B is the stream rate behind it. Written
+// without a GPU (2026-12-03): compiled only; the CPU replica (B = 0) and the cross-form agreement are its checks.
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/exp_dep dev/exp_dependency_chain.cu
+//   /tmp/exp_dep [stages]          (H200: seconds)
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/common.cuh"
+
+namespace cg = cooperative_groups;
+using lily::cuda::launch_pdl;
+using lily::cuda::pdl_trigger;
+using lily::cuda::pdl_wait;
+
+constexpr int kThreads = 512;
+constexpr int kV = 4096;         // the activation vector each stage reads whole
+constexpr int kMaxW = 16;        // uint4 weight loads per thread per stage: 16 x 16 B x 512 x 132 = 17.3 MB at most
+
+struct Chain {
+  const uint4* w;      // [stages][stride] uint4: stage i's weights start at i * stride
+  size_t stride;       // uint4 between stages (the largest B of the run, so stages never share L2 lines)
+  size_t nvec;         // uint4 of this run's B
+  float* y;            // [stages + 1][kV]: y[0] the input, y[i + 1] stage i's output
+  unsigned* arrived;   // [stages] (persist)
+  int stages;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// This thread's share of stage i's weights into registers (loads only: the XOR comes later, after the wait).
+__device__ __forceinline__ void load_w(const Chain& c, int i, uint4 (&wr)[kMaxW]) {
+  const size_t t = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x, all = static_cast<size_t>(gridDim.x) * kThreads;
+  const uint4* base = c.w + static_cast<size_t>(i) * c.stride;
+#pragma unroll
+  for (int k = 0; k < kMaxW; ++k) {
+    const size_t at = t + k * all;
+    wr[k] = at < c.nvec ? ld_stream(base + at) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The block's parity of its weights, x_i staged, the block's slice of y_{i+1} stored.
+__device__ void stage_math(const Chain& c, int i, const uint4 (&wr)[kMaxW], float* xs, uint32_t* red) {
+  uint32_t acc = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxW; ++k) acc ^= wr[k].x ^ wr[k].y ^ wr[k].z ^ wr[k].w;
+  acc = __reduce_xor_sync(0xFFFFFFFFu, acc);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = acc;
+  const float* x = c.y + static_cast<size_t>(i) * kV;
+  for (int j = threadIdx.x; j < kV; j += kThreads) xs[j] = __ldcg(x + j);
+  __syncthreads();
+  uint32_t blk = 0;
+  for (int k = 0; k < kThreads / 32; ++k) blk ^= red[k];
+  const float parity = static_cast<float>(__popc(blk) & 1);
+  const int lo = static_cast<int>(static_cast<int64_t>(kV) * blockIdx.x / gridDim.x);
+  const int hi = static_cast<int>(static_cast<int64_t>(kV) * (blockIdx.x + 1) / gridDim.x);
+  float* y = c.y + static_cast<size_t>(i + 1) * kV;
+  for (int j = lo + threadIdx.x; j < hi; j += kThreads)
+    y[j] = 0.5f * xs[(7 * j + 1) % kV] + 0.25f * xs[(13 * j + 5) % kV] + 1e-3f * parity;
+  __syncthreads();  // xs and red are reused by the next stage
+}
+
+__global__ void __launch_bounds__(kThreads, 1) stage_kernel(Chain c, int i, int pdl) {
+  __shared__ float xs[kV];
+  __shared__ uint32_t red[kThreads / 32];
+  uint4 wr[kMaxW];
+  load_w(c, i, wr);  // weights never depend on the previous stage
+  if (pdl) {
+    pdl_trigger();
+    pdl_wait();
+  }
+  stage_math(c, i, wr, xs, red);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) persist_kernel(Chain c) {
+  __shared__ float xs[kV];
+  __shared__ uint32_t red[kThreads / 32];
+  uint4 wr[kMaxW];
+  load_w(c, 0, wr);
+  for (int i = 0; i < c.stages; ++i) {
+    if (i > 0) {  // every block done with stage i - 1 (its y is this stage's x)
+      if (threadIdx.x == 0) {
+        unsigned v = 0;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c.arrived + i - 1) : "memory");
+        } while (v < gridDim.x);
+      }
+      __syncthreads();
+    }
+    stage_math(c, i, wr, xs, red);  // ends with __syncthreads: this block's y slice is stored
+    if (threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c.arrived + i) : "memory");
+    }
+    if (i + 1 < c.stages) load_w(c, i + 1, wr);  // the next stage's bytes go out before its wait
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) grid_kernel(Chain c) {
+  __shared__ float xs[kV];
+  __shared__ uint32_t red[kThreads / 32];
+  cg::grid_group grid = cg::this_grid();
+  uint4 wr[kMaxW];
+  load_w(c, 0, wr);
+  for (int i = 0; i < c.stages; ++i) {
+    stage_math(c, i, wr, xs, red);
+    if (i + 1 < c.stages) {
+      load_w(c, i + 1, wr);
+      grid.sync();
+    }
+  }
+}
+
+__global__ void fill_kernel(uint4* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ seed;
+    h ^= h >> 15, h *= 0x2C1B3C6Du, h ^= h >> 12;
+    p[i] = make_uint4(h, h * 3u + 1u, h ^ 0xA5A5A5A5u, h + seed);
+  }
+}
+
+int main(int argc, char** argv) {
+  const int stages = argc > 1 ? std::atoi(argv[1]) : 200;
+  int sms = 0, coop = 0;
+  LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  LILY_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, 0));
+  cudaDeviceProp prop;
+  LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int nb = sms;  // one block per SM (the cooperative forms need every block resident)
+  int per_sm = 0;
+  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persist_kernel, kThreads, 0));
+  std::printf("exp_dependency_chain: %s, %d SMs, %d stages, %d blocks x %d threads (%d resident per SM)\n", prop.name,
+              sms, stages, nb, kThreads, per_sm);
+  if (!coop || per_sm < 1) {
+    std::printf("SUMMARY exp_dependency_chain 1 failed (no cooperative launch)\n");
+    return 1;
+  }
+  const size_t max_vec = static_cast<size_t>(kMaxW) * kThreads * nb;  // uint4 per stage at the largest B
+  const double bytes_list[] = {0, 1e6, 4e6, 14e6};
+  uint4* w;
+  LILY_CUDA_CHECK(cudaMalloc(&w, max_vec * 16 * stages));
+  fill_kernel<<<1024, 256>>>(w, max_vec * stages, 12345u);
+  float *y, *y_ref;
+  unsigned* arrived;
+  LILY_CUDA_CHECK(cudaMalloc(&y, sizeof(float) * kV * (stages + 1)));
+  LILY_CUDA_CHECK(cudaMalloc(&y_ref, sizeof(float) * kV));
+  LILY_CUDA_CHECK(cudaMalloc(&arrived, sizeof(unsigned) * stages));
+  std::vector<float> x0(kV);
+  for (int j = 0; j < kV; ++j) x0[j] = std::sin(0.37f * j);
+  cudaStream_t st;
+  LILY_CUDA_CHECK(cudaStreamCreate(&st));
+  cudaEvent_t e0, e1;
+  LILY_CUDA_CHECK(cudaEventCreate(&e0));
+  LILY_CUDA_CHECK(cudaEventCreate(&e1));
+  int failed = 0;
+  const char* names[] = {"launch", "pdl", "persist", "grid"};
+  for (double B : bytes_list) {
+    Chain c{w, max_vec, std::min(max_vec, static_cast<size_t>(B / 16)), y, arrived, stages};
+    // graphs of the per-stage forms
+    cudaGraphExec_t graphs[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      cudaGraph_t g;
+      LILY_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < stages; ++i) {
+        if (pdl && i > 0) launch_pdl(stage_kernel, dim3(nb), dim3(kThreads), 0, st, c, i, 1);
+        else stage_kernel<<<nb, kThreads, 0, st>>>(c, i, 0);
+      }
+      LILY_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+      LILY_CUDA_CHECK(cudaGraphInstantiate(&graphs[pdl], g, 0));
+      LILY_CUDA_CHECK(cudaGraphDestroy(g));
+    }
+    auto run = [&](int form) {
+      LILY_CUDA_CHECK(cudaMemcpyAsync(y, x0.data(), sizeof(float) * kV, cudaMemcpyHostToDevice, st));
+      LILY_CUDA_CHECK(cudaMemsetAsync(arrived, 0, sizeof(unsigned) * stages, st));
+      LILY_CUDA_CHECK(cudaEventRecord(e0, st));
+      if (form < 2) {
+        LILY_CUDA_CHECK(cudaGraphLaunch(graphs[form], st));
+      } else {
+        void* args[] = {&c};
+        LILY_CUDA_CHECK(cudaLaunchCooperativeKernel(form == 2 ? reinterpret_cast<void*>(persist_kernel)
+                                                              : reinterpret_cast<void*>(grid_kernel),
+                                                    dim3(nb), dim3(kThreads), args, 0, st));
+      }
+      LILY_CUDA_CHECK(cudaEventRecord(e1, st));
+      LILY_CUDA_CHECK(cudaStreamSynchronize(st));
+      float ms = 0;
+      LILY_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      return static_cast<double>(ms);
+    };
+    std::vector<float> first;
+    for (int form = 0; form < 4; ++form) {
+      run(form);  // warm
+      std::vector<double> t;
+      for (int r = 0; r < 7; ++r) t.push_back(run(form));
+      std::sort(t.begin(), t.end());
+      std::vector<float> out(kV);
+      LILY_CUDA_CHECK(cudaMemcpy(out.data(), y + static_cast<size_t>(stages) * kV, sizeof(float) * kV,
+                                 cudaMemcpyDeviceToHost));
+      bool same = true;
+      if (form == 0) first = out;
+      else for (int j = 0; j < kV; ++j) same = same && out[j] == first[j];
+      if (!same) ++failed;
+      const double us = t[3] * 1e3 / stages, bytes = 16.0 * c.nvec;
+      std::printf("TIME %-7s B=%5.1f MB  %7.2f us per stage  %6.2f TB/s of weights  %s\n", names[form], bytes / 1e6, us,
+                  bytes / (us * 1e-6) / 1e12, form == 0 ? "" : same ? "same output as launch" : "OUTPUT DIFFERS");
+    }
+    if (B == 0) {  // the CPU replica: parity 0 everywhere (no weights read)
+      std::vector<float> xr = x0, yr(kV);
+      for (int i = 0; i < stages; ++i) {
+        for (int j = 0; j < kV; ++j) yr[j] = 0.5f * xr[(7 * j + 1) % kV] + 0.25f * xr[(13 * j + 5) % kV] + 0.f;
+        xr = yr;
+      }
+      bool ok = true;
+      for (int j = 0; j < kV; ++j) ok = ok && xr[j] == first[j];
+      std::printf("%s B=0 CPU replica\n", ok ? "PASS" : "FAIL");
+      failed += !ok;
+    }
+    for (auto& g : graphs) LILY_CUDA_CHECK(cudaGraphExecDestroy(g));
+  }
+  std::printf("SUMMARY exp_dependency_chain %d failed\n", failed);
+  return failed ? 1 : 0;
+}
