@@ -96,6 +96,11 @@ ncu_gemv() {  # ncu_gemv CHECK_DECODE: the decode GEMV alone at the real shapes,
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
 }
 
+families_md() {  # families_md NCU_CSV OUT_MD: the by-family table, then the per-launch one (dev/ncu_table.py)
+  { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$1") --families --stalls 3; echo
+    python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$1") --stalls 3; } > "$2"
+}
+
 case "$MODE" in
 final)  # one call, sequential, most important first; a step starts only if DEADLINE seconds are not yet spent
   DEADLINE=${DEADLINE:-560}
@@ -204,8 +209,7 @@ families)  # the decode step's time by kernel family at LENGTHS (default 4096,13
       --metrics "$NCU_METRICS" \
       --csv --page raw python3 dev/decode_step_profile.py --length $L --steps 1 > "$LOG/ncu_node_$L.csv" 2> "$LOG/ncu_node_$L.err"
     SUMMARY+=("ncu node $L rc=$?")
-    { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_node_$L.csv") --families --stalls 3; echo
-      python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_node_$L.csv") --stalls 3; } > "$OUT/ncu_step_families_$L.md"
+    families_md "$LOG/ncu_node_$L.csv" "$OUT/ncu_step_families_$L.md"
     head -24 "$OUT/ncu_step_families_$L.md"
     echo "[$(el)s] families $L"
   done
@@ -220,8 +224,7 @@ prefill_ncu)  # issue 15's ncu table by kernel family: each prefill launch profi
     timeout ${PREFILL_NCU_TIMEOUT:-240} ncu --profile-from-start off --clock-control none --launch-skip $2 --launch-count $3 \
       --metrics "$PM" --csv --page raw python3 dev/ncu_prefill.py $1 > "$LOG/ncu_prefill_$1.csv" 2> "$LOG/ncu_prefill_$1.err"
     SUMMARY+=("ncu prefill $1 rc=$?")
-    { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_prefill_$1.csv") --families --stalls 3; echo
-      python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_prefill_$1.csv") --stalls 3; } > "$OUT/ncu_prefill_families_$1.md"
+    families_md "$LOG/ncu_prefill_$1.csv" "$OUT/ncu_prefill_families_$1.md"
     head -20 "$OUT/ncu_prefill_families_$1.md"
     echo "[$(el)s] prefill ncu $1"
   done
