@@ -148,6 +148,17 @@ struct GemmMmaArgs {
   ConcatOut so;             // plain store only: the concatenation's parts' outputs instead of y
 };
 
+// Output columns col, col + 1 of a bf16 row (dst = &row[col]): one bf16x2 store when vec (4-byte aligned pairs) and both
+// are inside n columns, else the ones inside, one by one. The GEMMs' bf16 epilogues (dual and plain store).
+__device__ __forceinline__ void store_bf16_pair(bf16* dst, float o0, float o1, bool vec, int64_t col, int64_t n) {
+  if (vec && col + 1 < n) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o0, o1);
+  } else {
+    if (col < n) dst[0] = __float2bfloat16(o0);
+    if (col + 1 < n) dst[1] = __float2bfloat16(o1);
+  }
+}
+
 // The bf16 store (yb set, not dual) takes neither accumulate nor a concatenation's parts: throws naming `who`.
 inline void check_bf16_store(const GemmMmaArgs& a, bool dual, const char* who) {
   if (!dual && a.yb && (a.gp.accumulate || a.so.parts > 0))

@@ -251,13 +251,7 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 1 : 2)
           const int64_t col = n0 + (wn * kHalfNF + j) * 8 + 2 * tig;
           const float o0 = siluf_(acc[i][j][2 * rr]) * acc[i][j + kHalfNF][2 * rr];
           const float o1 = siluf_(acc[i][j][2 * rr + 1]) * acc[i][j + kHalfNF][2 * rr + 1];
-          bf16* dst = args.yb + orow * ldy + col;
-          if (vec && col + 1 < N) {
-            *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o0, o1);
-          } else {
-            if (col < N) dst[0] = __float2bfloat16(o0);
-            if (col + 1 < N) dst[1] = __float2bfloat16(o1);
-          }
+          store_bf16_pair(args.yb + orow * ldy + col, o0, o1, vec, col, N);
         }
       } else {
         const float sc = gp.grouped && g.scale ? g.scale[pr] : 1.f;
@@ -266,13 +260,7 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 1 : 2)
           const int64_t col = n0 + (wn * kNF + j) * 8 + 2 * tig;
           float o0 = acc[i][j][2 * rr] * sc, o1 = acc[i][j][2 * rr + 1] * sc;
           if (args.yb) {  // the bf16 store
-            bf16* dst = args.yb + orow * ldy + col;
-            if (vec && col + 1 < N) {
-              *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o0, o1);
-            } else {
-              if (col < N) dst[0] = __float2bfloat16(o0);
-              if (col + 1 < N) dst[1] = __float2bfloat16(o1);
-            }
+            store_bf16_pair(args.yb + orow * ldy + col, o0, o1, vec, col, N);
             continue;
           }
           if (args.so.parts > 0) {  // a concatenation's parts (plain store): each column to its part, parts meet anywhere

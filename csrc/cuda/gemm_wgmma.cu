@@ -291,14 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int tk = tok(i) + odd;
             const int64_t orow = y_row[tk], n = n0 + rb - odd + 64 * j + 8 * ((i / 2) % 2);
             if (orow < 0 || n >= N) continue;
-            bf16* dst = args.yb + orow * ldy + n;
-            const float s = y_scale[tk];
-            if (vec && n + 1 < N) {
-              *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo * s, hi * s);
-            } else {
-              dst[0] = __float2bfloat16(lo * s);
-              if (n + 1 < N) dst[1] = __float2bfloat16(hi * s);
-            }
+            store_bf16_pair(args.yb + orow * ldy + n, lo * y_scale[tk], hi * y_scale[tk], vec, n, N);
           }
       } else {
         // Output column base and row stride of fragment rows (j, rr): y's, or those of the concatenation's part holding
