@@ -55,25 +55,43 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 }
 
 // This thread's share of stage i's weights into registers (loads only: the XOR comes later, after the wait).
+// Block b's share of a stage's weights: uint4 [b * per, min((b + 1) * per, nvec)), per = ceil(nvec / blocks) (at most
+// kMaxW * kThreads). Thread t holds elements t + k * kThreads of it.
+__device__ __forceinline__ size_t share_lo(const Chain& c) { return blockIdx.x * ((c.nvec + gridDim.x - 1) / gridDim.x); }
+__device__ __forceinline__ size_t share_hi(const Chain& c) {
+  return min(c.nvec, (blockIdx.x + 1) * ((c.nvec + gridDim.x - 1) / gridDim.x));
+}
 __device__ __forceinline__ void load_w(const Chain& c, int i, uint4 (&wr)[kMaxW]) {
-  const size_t t = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x, all = static_cast<size_t>(gridDim.x) * kThreads;
+  const size_t lo = share_lo(c), hi = share_hi(c);
   const uint4* base = c.w + static_cast<size_t>(i) * c.stride;
 #pragma unroll
   for (int k = 0; k < kMaxW; ++k) {
-    const size_t at = t + k * all;
-    wr[k] = at < c.nvec ? ld_stream(base + at) : make_uint4(0, 0, 0, 0);
+    const size_t at = lo + threadIdx.x + k * kThreads;
+    wr[k] = at < hi ? ld_stream(base + at) : make_uint4(0, 0, 0, 0);
   }
 }
 
 // The block's parity of its weights, x_i staged, the block's slice of y_{i+1} stored.
-__device__ void stage_math(const Chain& c, int i, const uint4 (&wr)[kMaxW], float* xs, uint32_t* red) {
+__device__ __forceinline__ uint32_t parity_regs(const uint4 (&wr)[kMaxW]) {
   uint32_t acc = 0;
 #pragma unroll
   for (int k = 0; k < kMaxW; ++k) acc ^= wr[k].x ^ wr[k].y ^ wr[k].z ^ wr[k].w;
+  return acc;
+}
+__device__ __forceinline__ uint32_t parity_smem(const Chain& c, const uint4* ws) {  // the share bulk-copied to smem
+  const int n = static_cast<int>(share_hi(c) - share_lo(c));
+  uint32_t acc = 0;
+  for (int k = threadIdx.x; k < n; k += kThreads) acc ^= ws[k].x ^ ws[k].y ^ ws[k].z ^ ws[k].w;
+  return acc;
+}
+// XS: x staged in shared memory (else the two gathers per output read it from L2: the co-resident form has no room)
+template <bool XS = true>
+__device__ void stage_math(const Chain& c, int i, uint32_t acc, float* xs, uint32_t* red) {
   acc = __reduce_xor_sync(0xFFFFFFFFu, acc);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = acc;
   const float* x = c.y + static_cast<size_t>(i) * kV;
-  for (int j = threadIdx.x; j < kV; j += kThreads) xs[j] = __ldcg(x + j);
+  if (XS)
+    for (int j = threadIdx.x; j < kV; j += kThreads) xs[j] = __ldcg(x + j);
   __syncthreads();
   uint32_t blk = 0;
   for (int k = 0; k < kThreads / 32; ++k) blk ^= red[k];
@@ -82,7 +100,8 @@ __device__ void stage_math(const Chain& c, int i, const uint4 (&wr)[kMaxW], floa
   const int hi = static_cast<int>(static_cast<int64_t>(kV) * (blockIdx.x + 1) / gridDim.x);
   float* y = c.y + static_cast<size_t>(i + 1) * kV;
   for (int j = lo + threadIdx.x; j < hi; j += kThreads)
-    y[j] = 0.5f * xs[(7 * j + 1) % kV] + 0.25f * xs[(13 * j + 5) % kV] + 1e-3f * parity;
+    y[j] = XS ? 0.5f * xs[(7 * j + 1) % kV] + 0.25f * xs[(13 * j + 5) % kV] + 1e-3f * parity
+              : 0.5f * __ldcg(x + (7 * j + 1) % kV) + 0.25f * __ldcg(x + (13 * j + 5) % kV) + 1e-3f * parity;
   __syncthreads();  // xs and red are reused by the next stage
 }
 
@@ -95,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Chain c, int i, int 
     pdl_trigger();
     pdl_wait();
   }
-  stage_math(c, i, wr, xs, red);
+  stage_math(c, i, parity_regs(wr), xs, red);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Chain c) {
@@ -113,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Chain c) {
       }
       __syncthreads();
     }
-    stage_math(c, i, wr, xs, red);  // ends with __syncthreads: this block's y slice is stored
+    stage_math(c, i, parity_regs(wr), xs, red);  // ends with __syncthreads: this block's y slice is stored
     if (threadIdx.x == 0) {
       __threadfence();
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c.arrived + i) : "memory");
@@ -129,10 +148,89 @@ __global__ void __launch_bounds__(kThreads, 1) grid_kernel(Chain c) {
   uint4 wr[kMaxW];
   load_w(c, 0, wr);
   for (int i = 0; i < c.stages; ++i) {
-    stage_math(c, i, wr, xs, red);
+    stage_math(c, i, parity_regs(wr), xs, red);
     if (i + 1 < c.stages) {
       load_w(c, i + 1, wr);
       grid.sync();
+    }
+  }
+}
+
+// ---- the bulk-copy forms: a block's share goes global -> shared memory by the copy engine (cp.async.bulk, one
+// mbarrier), not through the threads' load path, so the x loads and the counter polls do not queue behind it.
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* b) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(b)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t phase) {
+  asm volatile(
+      "{\n .reg .pred p;\n W_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W_%=;\n}\n" ::"r"(saddr(b)), "r"(phase) : "memory");
+}
+constexpr int kChunk = 8192;  // bytes per bulk copy (several in flight per block)
+// Warp 0: stage i's share into ws, completion counted on *bar (expect_tx by lane 0 first, then the lanes' copies).
+__device__ __forceinline__ void bulk_share(const Chain& c, int i, uint4* ws, uint64_t* bar) {
+  const size_t lo = share_lo(c), hi = share_hi(c);
+  const uint32_t bytes = static_cast<uint32_t>((hi - lo) * 16);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+  __syncwarp();
+  const char* src = reinterpret_cast<const char*>(c.w + static_cast<size_t>(i) * c.stride + lo);
+  for (uint32_t off = lane * kChunk; off < bytes; off += 32 * kChunk) {
+    const uint32_t n = min(static_cast<uint32_t>(kChunk), bytes - off);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(saddr(reinterpret_cast<char*>(ws) + off)), "l"(src + off), "r"(n), "r"(saddr(bar)) : "memory");
+  }
+}
+
+// One kernel per stage; two blocks per SM fit (the share plus no x staging, under half the shared memory), so the
+// next stage's blocks are resident while this one runs and their copies go out before their wait.
+__global__ void __launch_bounds__(kThreads, 2) tma_stage_kernel(Chain c, int i, int pdl) {
+  extern __shared__ __align__(128) uint4 ws[];
+  __shared__ uint32_t red[kThreads / 32];
+  __shared__ __align__(8) uint64_t bar;
+  if (threadIdx.x == 0) mbar_init(&bar);
+  __syncthreads();
+  if (threadIdx.x < 32) bulk_share(c, i, ws, &bar);
+  if (pdl) {
+    pdl_trigger();
+    pdl_wait();
+  }
+  mbar_wait(&bar, 0);
+  stage_math<false>(c, i, parity_smem(c, ws), nullptr, red);
+}
+
+// One cooperative kernel, counters as in persist; the next stage's share bulk-copied right after this stage's
+// arrival (one buffer: the same prefetch depth as persist's registers).
+__global__ void __launch_bounds__(kThreads, 1) tma_persist_kernel(Chain c) {
+  extern __shared__ __align__(128) uint4 ws[];
+  __shared__ float xs[kV];
+  __shared__ uint32_t red[kThreads / 32];
+  __shared__ __align__(8) uint64_t bar;
+  if (threadIdx.x == 0) mbar_init(&bar);
+  __syncthreads();
+  if (threadIdx.x < 32) bulk_share(c, 0, ws, &bar);
+  for (int i = 0; i < c.stages; ++i) {
+    if (i > 0) {
+      if (threadIdx.x == 0) {
+        unsigned v = 0;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c.arrived + i - 1) : "memory");
+        } while (v < gridDim.x);
+      }
+      __syncthreads();
+    }
+    mbar_wait(&bar, i & 1);
+    stage_math(c, i, parity_smem(c, ws), xs, red);  // ends with __syncthreads: ws is free again
+    if (threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c.arrived + i) : "memory");
+    }
+    if (i + 1 < c.stages && threadIdx.x < 32) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the threads' reads of ws before the copy's writes
+      bulk_share(c, i + 1, ws, &bar);
     }
   }
 }
@@ -180,16 +278,28 @@ int main(int argc, char** argv) {
   LILY_CUDA_CHECK(cudaEventCreate(&e0));
   LILY_CUDA_CHECK(cudaEventCreate(&e1));
   int failed = 0;
-  const char* names[] = {"launch", "pdl", "persist", "grid"};
+  const char* names[] = {"launch", "pdl", "persist", "grid", "tma_pdl", "tma_per"};
+  constexpr int kForms = 6;
   for (double B : bytes_list) {
     Chain c{w, max_vec, std::min(max_vec, static_cast<size_t>(B / 16)), y, arrived, stages};
     // graphs of the per-stage forms
-    cudaGraphExec_t graphs[2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
+    const size_t share_bytes = (c.nvec + nb - 1) / nb * 16;  // a block's share (the bulk-copy forms' buffer)
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(tma_stage_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(share_bytes)));
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(tma_persist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(share_bytes)));
+    if (B > 0) {
+      int co = 0;
+      LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&co, tma_stage_kernel, kThreads, share_bytes));
+      std::printf("tma_pdl: %zu bytes per block, %d blocks resident per SM\n", share_bytes, co);
+    }
+    cudaGraphExec_t graphs[3];  // launch, pdl, tma_pdl
+    for (int pdl = 0; pdl < 3; ++pdl) {
       cudaGraph_t g;
       LILY_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
       for (int i = 0; i < stages; ++i) {
-        if (pdl && i > 0) launch_pdl(stage_kernel, dim3(nb), dim3(kThreads), 0, st, c, i, 1);
+        if (pdl == 2) launch_pdl(tma_stage_kernel, dim3(nb), dim3(kThreads), share_bytes, st, c, i, i > 0 ? 1 : 0);
+        else if (pdl && i > 0) launch_pdl(stage_kernel, dim3(nb), dim3(kThreads), 0, st, c, i, 1);
         else stage_kernel<<<nb, kThreads, 0, st>>>(c, i, 0);
       }
       LILY_CUDA_CHECK(cudaStreamEndCapture(st, &g));
@@ -200,13 +310,13 @@ int main(int argc, char** argv) {
       LILY_CUDA_CHECK(cudaMemcpyAsync(y, x0.data(), sizeof(float) * kV, cudaMemcpyHostToDevice, st));
       LILY_CUDA_CHECK(cudaMemsetAsync(arrived, 0, sizeof(unsigned) * stages, st));
       LILY_CUDA_CHECK(cudaEventRecord(e0, st));
-      if (form < 2) {
-        LILY_CUDA_CHECK(cudaGraphLaunch(graphs[form], st));
+      if (form < 2 || form == 4) {
+        LILY_CUDA_CHECK(cudaGraphLaunch(graphs[form < 2 ? form : 2], st));
       } else {
         void* args[] = {&c};
-        LILY_CUDA_CHECK(cudaLaunchCooperativeKernel(form == 2 ? reinterpret_cast<void*>(persist_kernel)
-                                                              : reinterpret_cast<void*>(grid_kernel),
-                                                    dim3(nb), dim3(kThreads), args, 0, st));
+        const void* k = form == 2 ? reinterpret_cast<void*>(persist_kernel)
+                        : form == 3 ? reinterpret_cast<void*>(grid_kernel) : reinterpret_cast<void*>(tma_persist_kernel);
+        LILY_CUDA_CHECK(cudaLaunchCooperativeKernel(k, dim3(nb), dim3(kThreads), args, form == 5 ? share_bytes : 0, st));
       }
       LILY_CUDA_CHECK(cudaEventRecord(e1, st));
       LILY_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -215,7 +325,7 @@ int main(int argc, char** argv) {
       return static_cast<double>(ms);
     };
     std::vector<float> first;
-    for (int form = 0; form < 4; ++form) {
+    for (int form = 0; form < kForms; ++form) {
       run(form);  // warm
       std::vector<double> t;
       for (int r = 0; r < 7; ++r) t.push_back(run(form));
