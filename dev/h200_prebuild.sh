@@ -6,7 +6,7 @@
 # (.h200/exp_deltanet_step) and the wgmma GEMM lab (.h200/gemm_lab). nvcc
 # builds sm_90a code here as well as there; the device builds itself if a prebuilt extension does not import.
 #   git archive 82eaca8 | (mkdir -p .before && tar -x -C .before)
-#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp|gemm_lab|wheels ...]
+#   PY12=~/.pyenv/versions/3.12.1/bin/python3 bash dev/h200_prebuild.sh [after|before|kbin|gemv_lab|exp|gemm_lab|wheels|bz ...]
 set -euo pipefail
 PY12=${PY12:-python3.12}
 # the build folders are ignored here only (they travel when a run names them in carry, not with the tree)
@@ -27,6 +27,13 @@ for w in $what; do
   gemv_lab) BUILD_ONLY=1 BIN=.h200/gemv_lab bash dev/gemv_lab/run.sh | grep -v "^ *$" | tail -3 ;;
   exp) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/exp_deltanet_step dev/exp_deltanet_step.cu ;;
   gemm_lab) nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o .h200/gemm_lab dev/gemm_lab/gemm_wgmma.cu ;;
+  # the extensions and every kernel check program xz-compressed into .h200/bz (~11 MB against ~71: the 64 MiB a call
+  # carries held the tree, two extensions and the check programs only this way); h200_run.sh verify unpacks them
+  bz) mkdir -p .h200/bz
+    for b in after before; do
+      [ -f .h200/$b/_lily.cpython-312-x86_64-linux-gnu.so ] && xz -T0 -6 -c .h200/$b/_lily.cpython-312-x86_64-linux-gnu.so > .h200/bz/$b.so.xz
+    done
+    tar -cJf .h200/bz/kbin.tar.xz -C .h200/kbin . ;;
   # the server's and the openai client's packages, which the H200 image lacks (bench_cuda's lily-cuda-serve row), as
   # wheels for its Python 3.12 in .whl/ (carry it; h200_run.sh installs them): the closure of fastapi, uvicorn,
   # openai and llguidance over what the image holds, each once

@@ -23,6 +23,10 @@
 #   bench     3 before/after rounds and the generate rows at 512 and 4K
 #   prefill_ncu  ncu of the prefill's launches at 4K and in the last chunk of a 128K prefill, by kernel family
 #   sweep     benchmarks/bench_cuda.py ARGS on the full-size checkpoint (the benchmark JSON + PNG into $OUT)
+#   verify    from .h200/bz alone (dev/h200_prebuild.sh kbin after before bz; carry .h200/bz): every kernel family's
+#             checks, cuda_check on the four configs at 256 tokens, memcheck on tiny_odd and tiny_dk_ne_dv,
+#             compare_builds before/after at 512 and 4K, the full-size envelope beside them (~260 s; the eleventh
+#             session's call 6); racecheck then takes a call of its own (sanitize, ~470 s)
 # A prebuilt extension is used only if it imports on the device; otherwise the script builds there (-j16).
 set -u
 export PYTHONUNBUFFERED=1
@@ -59,6 +63,12 @@ finish() {
 trap finish EXIT
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+if [ "$MODE" = verify ]; then  # the compressed binaries (see the header): the extensions, the check programs
+  mkdir -p .h200/after .h200/before .h200/kbin
+  xz -dc .h200/bz/after.so.xz > .h200/after/_lily.cpython-312-x86_64-linux-gnu.so
+  xz -dc .h200/bz/before.so.xz > .h200/before/_lily.cpython-312-x86_64-linux-gnu.so
+  tar -xJf .h200/bz/kbin.tar.xz -C .h200/kbin
+fi
 install_ext . .h200/after build/h200 || { echo "BUILD FAILED"; exit 1; }
 echo "[$(el)s] extension ready"
 export PYTHONPATH=src
@@ -190,6 +200,27 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   SUMMARY+=("ncu decode step rc=$?")
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_step.csv") --stalls 8 | tee "$OUT/ncu_step.md"
   cp "$LOG/check_decode.txt" "$LOG/check_sample.txt" "$OUT/" 2>/dev/null
+  ;;
+verify)  # every check of the build, and its speed against .h200/before, in one call (the header)
+  CK=/tmp/full35b
+  ( python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
+    timeout 330 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
+      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
+    echo "rc=$?" > "$LOG/envelope_rc.txt" ) &
+  ENV_PID=$!
+  kernel_checks 300
+  model_checks 150
+  for cfg in tiny_odd tiny_dk_ne_dv; do
+    timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
+      --progress --no-bundled > "$LOG/memcheck_$cfg.txt" 2>&1
+    SUMMARY+=("memcheck $cfg rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_$cfg.txt")")
+  done
+  mkdir -p /tmp/bsrc && cp -r src/lily /tmp/bsrc/ && cp .h200/before/_lily*.so /tmp/bsrc/lily/
+  timeout 200 python3 dev/compare_builds.py --builds before=/tmp/bsrc,after=src --lengths 512,4096 --rounds 2 \
+    --out "$OUT/compare_builds_h200.json" > "$LOG/compare.txt" 2>&1
+  SUMMARY+=("compare_builds rc=$?"); tail -8 "$LOG/compare.txt"
+  wait $ENV_PID
+  SUMMARY+=("full-size envelope $(cat "$LOG/envelope_rc.txt"): $(tail -1 "$LOG/cuda_check_full.txt")")
   ;;
 sanitize)  # racecheck alone on the GPU: 190 s on tiny_odd and 289 s on tiny_dk_ne_dv at 27376e1 (2026-12-02)
   for cfg in tiny_odd tiny_dk_ne_dv; do
