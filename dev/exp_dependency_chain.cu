@@ -13,8 +13,13 @@
 //   persist  one cooperative kernel, stages ordered by arrival counters (release add / acquire spin), the next
 //            stage's weight loads issued right after this stage's arrival, before the wait
 //   grid     one cooperative kernel, cg::this_grid().sync() between stages, the next stage's loads before it
-// Per stage time at B = 0 is the pure dependency cost; the slope over B is the stream rate behind it. Written
-// without a GPU (2026-12-03): compiled only; the CPU replica (B = 0) and the cross-form agreement are its checks.
+//   tma_pdl  one kernel per stage, the block's share bulk-copied (cp.async.bulk, one mbarrier) into shared memory
+//            before griddepcontrol.wait; the blocks are small enough (36 registers, the share alone in shared
+//            memory) that the next stage's are resident beside the running ones; x read by two gathers from L2
+//   tma_per  persist with the bulk copy into one shared-memory buffer, issued after the stage's arrival
+// (A block's share is contiguous, so every form XORs the same elements.) Per stage time at B = 0 is the pure
+// dependency cost; the slope over B is the stream rate behind it. The CPU replica (B = 0) and the cross-form
+// agreement are its checks. Ran on the H200 2026-12-04: benchmarks/results/exp_dependency_chain_h200.txt.
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/exp_dep dev/exp_dependency_chain.cu
 //   /tmp/exp_dep [stages]          (H200: seconds)
 #include <cooperative_groups.h>
