@@ -122,21 +122,24 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Chain c, int i, int 
   stage_math(c, i, parity_regs(wr), xs, red);
 }
 
+// The persistent forms' dependency: every block has arrived at stage j's counter (its y, the next stage's x, stored).
+__device__ __forceinline__ void await_stage(const Chain& c, int j) {
+  if (threadIdx.x == 0) {
+    unsigned v = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c.arrived + j) : "memory");
+    } while (v < gridDim.x);
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kThreads, 1) persist_kernel(Chain c) {
   __shared__ float xs[kV];
   __shared__ uint32_t red[kThreads / 32];
   uint4 wr[kMaxW];
   load_w(c, 0, wr);
   for (int i = 0; i < c.stages; ++i) {
-    if (i > 0) {  // every block done with stage i - 1 (its y is this stage's x)
-      if (threadIdx.x == 0) {
-        unsigned v = 0;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c.arrived + i - 1) : "memory");
-        } while (v < gridDim.x);
-      }
-      __syncthreads();
-    }
+    if (i > 0) await_stage(c, i - 1);
     stage_math(c, i, parity_regs(wr), xs, red);  // ends with __syncthreads: this block's y slice is stored
     if (threadIdx.x == 0) {
       __threadfence();
@@ -218,15 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) tma_persist_kernel(Chain c) {
   __syncthreads();
   if (threadIdx.x < 32) bulk_share(c, 0, ws, &bar);
   for (int i = 0; i < c.stages; ++i) {
-    if (i > 0) {
-      if (threadIdx.x == 0) {
-        unsigned v = 0;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c.arrived + i - 1) : "memory");
-        } while (v < gridDim.x);
-      }
-      __syncthreads();
-    }
+    if (i > 0) await_stage(c, i - 1);
     mbar_wait(&bar, i & 1);
     stage_math(c, i, parity_smem(c, ws), xs, red);  // ends with __syncthreads: ws is free again
     if (threadIdx.x == 0) {

@@ -106,6 +106,17 @@ ncu_gemv() {  # ncu_gemv CHECK_DECODE: the decode GEMV alone at the real shapes,
   python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$LOG/ncu_gemv.csv") "$LOG/ncu_labels.txt" | tee "$OUT/ncu_gemv.md"
 }
 
+# The full-size envelope is mostly the CPU's bf16 reference (~120 s on 16 cores) and was cut short in every
+# sequential slot it got: it runs beside the GPU checks from the start (they use one host core each). Sets ENV_PID.
+envelope_start() {
+  CK=/tmp/full35b
+  ( python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
+    timeout 330 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
+      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
+    echo "rc=$?" > "$LOG/envelope_rc.txt" ) &
+  ENV_PID=$!
+}
+
 families_md() {  # families_md NCU_CSV OUT_MD: the by-family table, then the per-launch one (dev/ncu_table.py)
   { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$1") --families --stalls 3; echo
     python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$1") --stalls 3; } > "$2"
@@ -115,14 +126,7 @@ case "$MODE" in
 final)  # one call, sequential, most important first; a step starts only if DEADLINE seconds are not yet spent
   DEADLINE=${DEADLINE:-560}
   go() { [ "$(el)" -lt "$1" ] || { SUMMARY+=("$2: not run (time)"); return 1; }; }
-  CK=/tmp/full35b
-  # The full-size envelope is mostly the CPU's bf16 reference (~120 s on 16 cores) and was cut short in every
-  # sequential slot it got: it runs beside the GPU checks from the start (they use one host core each).
-  ( python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
-    timeout 330 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
-      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
-    echo "rc=$?" > "$LOG/envelope_rc.txt" ) &
-  ENV_PID=$!
+  envelope_start
   kernel_checks 150
   model_checks 120
   for cfg in tiny_odd tiny_dk_ne_dv; do  # racecheck has its own mode (sanitize): it needs minutes alone
@@ -202,12 +206,7 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   cp "$LOG/check_decode.txt" "$LOG/check_sample.txt" "$OUT/" 2>/dev/null
   ;;
 verify)  # every check of the build, and its speed against .h200/before, in one call (the header)
-  CK=/tmp/full35b
-  ( python3 benchmarks/full_checkpoint.py $CK > "$LOG/full_checkpoint.txt" 2>&1
-    timeout 330 python3 benchmarks/cuda_check.py --configs none --full $CK --env-positions 192 \
-      --json "$LOG/cuda_check_full.json" > "$LOG/cuda_check_full.txt" 2>&1
-    echo "rc=$?" > "$LOG/envelope_rc.txt" ) &
-  ENV_PID=$!
+  envelope_start
   kernel_checks 300
   model_checks 150
   for cfg in tiny_odd tiny_dk_ne_dv; do
