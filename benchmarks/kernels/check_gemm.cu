@@ -27,6 +27,8 @@
 
 namespace {
 
+constexpr double kTolF32 = tolerances::gemm_rel_rms, kTolBf16 = tolerances::gemm_bf16_rel_rms;
+
 // ---- plain GEMM cases ------------------------------------------------------------------------------------
 enum Mode { kStore = 0, kAcc = 1, kDual = 2 };
 const char* kModeName[] = {"store", "acc", "dual"};

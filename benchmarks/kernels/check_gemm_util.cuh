@@ -28,7 +28,6 @@ using cuda::bf16;
 
 namespace {
 
-constexpr double kTolF32 = tolerances::gemm_rel_rms, kTolBf16 = tolerances::gemm_bf16_rel_rms;
 int g_pass = 0, g_total = 0;
 
 // ---- host helpers ----------------------------------------------------------------------------------------
