@@ -117,6 +117,18 @@ envelope_start() {
   ENV_PID=$!
 }
 
+envelope_wait() {  # the envelope's result into the summary
+  wait $ENV_PID
+  SUMMARY+=("full-size envelope $(cat "$LOG/envelope_rc.txt"): $(tail -1 "$LOG/cuda_check_full.txt")")
+  echo "[$(el)s] envelope"
+}
+memcheck_cfg() {  # memcheck_cfg CFG: memcheck on one config, 12 tokens (racecheck has its own mode: minutes alone)
+  timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $1 --tokens 12 \
+    --progress --no-bundled > "$LOG/memcheck_$1.txt" 2>&1
+  SUMMARY+=("memcheck $1 rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_$1.txt")")
+  echo "[$(el)s] memcheck $1"
+}
+
 families_md() {  # families_md NCU_CSV OUT_MD: the by-family table, then the per-launch one (dev/ncu_table.py)
   { python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$1") --families --stalls 3; echo
     python3 dev/ncu_table.py <(sed -n '/^"ID"/,$p' "$1") --stalls 3; } > "$2"
@@ -129,13 +141,7 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
   envelope_start
   kernel_checks 150
   model_checks 120
-  for cfg in tiny_odd tiny_dk_ne_dv; do  # racecheck has its own mode (sanitize): it needs minutes alone
-    go $((DEADLINE - 200)) "memcheck $cfg" || continue
-    timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
-      --progress --no-bundled > "$LOG/memcheck_$cfg.txt" 2>&1
-    SUMMARY+=("memcheck $cfg rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_$cfg.txt")")
-    echo "[$(el)s] memcheck $cfg"
-  done
+  for cfg in tiny_odd tiny_dk_ne_dv; do go $((DEADLINE - 200)) "memcheck $cfg" && memcheck_cfg $cfg; done
   if [ -x .h200/exp_deltanet_step ] && go $((DEADLINE - 230)) "exp_deltanet_step"; then  # issue 14 step 3
     timeout 30 .h200/exp_deltanet_step > "$LOG/exp_deltanet_step.txt" 2>&1
     SUMMARY+=("exp_deltanet_step rc=$?: $(grep -m1 '^SUMMARY' "$LOG/exp_deltanet_step.txt")")
@@ -146,9 +152,7 @@ final)  # one call, sequential, most important first; a step starts only if DEAD
     SUMMARY+=("gemm_lab rc=$?: $(grep -m1 '^SUMMARY' "$LOG/gemm_lab.txt")")
     grep -E "^(PASS|FAIL)" "$LOG/gemm_lab.txt" | cut -c1-200 | head -6
   fi
-  wait $ENV_PID
-  SUMMARY+=("full-size envelope $(cat "$LOG/envelope_rc.txt"): $(tail -1 "$LOG/cuda_check_full.txt")")
-  echo "[$(el)s] envelope"
+  envelope_wait
   if go $((DEADLINE - 150)) "compare_builds" && install_ext .before .h200/before build/h200_before; then
     timeout 100 python3 dev/compare_builds.py --builds before=.before/src,after=src --rounds 1 \
       --out "$OUT/compare_builds_h200.json" > "$LOG/compare.txt" 2>&1
@@ -181,10 +185,7 @@ ab)  # a short call for changed kernels: their check programs (KCHECKS, default 
   SUMMARY+=("cuda_check (2 configs) rc=$?: $(tail -1 "$LOG/cuda_check.txt")")
   grep -E "FAIL|Error|exception" "$LOG/cuda_check.txt" | cut -c1-200 | head -8
   echo "[$(el)s] cuda_check"
-  timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs tiny_odd --tokens 12 \
-    --progress --no-bundled > "$LOG/memcheck_tiny_odd.txt" 2>&1
-  SUMMARY+=("memcheck tiny_odd rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_tiny_odd.txt")")
-  echo "[$(el)s] memcheck"
+  memcheck_cfg tiny_odd
   timeout ${COMPARE_TIMEOUT:-200} python3 dev/compare_builds.py --builds "${BUILDS:-before=.before/src,after=src}" \
     --lengths ${COMPARE_LENGTHS:-512,4096} --rounds ${COMPARE_ROUNDS:-2} --out "$OUT/compare_builds_h200.json" \
     > "$LOG/compare.txt" 2>&1
@@ -209,17 +210,12 @@ verify)  # every check of the build, and its speed against .h200/before, in one 
   envelope_start
   kernel_checks 300
   model_checks 150
-  for cfg in tiny_odd tiny_dk_ne_dv; do
-    timeout 100 "$CS" --tool memcheck --error-exitcode 9 python3 benchmarks/cuda_check.py --configs $cfg --tokens 12 \
-      --progress --no-bundled > "$LOG/memcheck_$cfg.txt" 2>&1
-    SUMMARY+=("memcheck $cfg rc=$? $(grep -m1 'ERROR SUMMARY' "$LOG/memcheck_$cfg.txt")")
-  done
+  for cfg in tiny_odd tiny_dk_ne_dv; do memcheck_cfg $cfg; done
   mkdir -p /tmp/bsrc && cp -r src/lily /tmp/bsrc/ && cp .h200/before/_lily*.so /tmp/bsrc/lily/
   timeout 200 python3 dev/compare_builds.py --builds before=/tmp/bsrc,after=src --lengths 512,4096 --rounds 2 \
     --out "$OUT/compare_builds_h200.json" > "$LOG/compare.txt" 2>&1
   SUMMARY+=("compare_builds rc=$?"); tail -8 "$LOG/compare.txt"
-  wait $ENV_PID
-  SUMMARY+=("full-size envelope $(cat "$LOG/envelope_rc.txt"): $(tail -1 "$LOG/cuda_check_full.txt")")
+  envelope_wait
   ;;
 sanitize)  # racecheck alone on the GPU: 190 s on tiny_odd and 289 s on tiny_dk_ne_dv at 27376e1 (2026-12-02)
   for cfg in tiny_odd tiny_dk_ne_dv; do

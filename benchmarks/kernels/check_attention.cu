@@ -23,19 +23,12 @@
 #include <vector>
 
 #include "cuda/attention.cuh"
+#include "check_exit.cuh"
 #include "tolerances.h"
 
 using lily::cuda::bf16;
 namespace kp = lily::kp;
 
-#define CK(x)                                                                                            \
-  do {                                                                                                   \
-    cudaError_t e_ = (x);                                                                                \
-    if (e_ != cudaSuccess) {                                                                             \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                                      \
-    }                                                                                                    \
-  } while (0)
 
 constexpr double kTol = tolerances::attention_rel_rms;
 

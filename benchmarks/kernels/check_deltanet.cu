@@ -30,19 +30,12 @@
 #include <vector>
 
 #include "cuda/deltanet.cuh"
+#include "check_exit.cuh"
 #include "tolerances.h"
 
 namespace kp = lily::kp;
 namespace lc = lily::cuda;
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 struct Shape {
   const char* name;

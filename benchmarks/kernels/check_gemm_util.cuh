@@ -1,5 +1,5 @@
-// check_gemm.cu's host side: the CUDA error check, the pass counters and report, a seeded RNG, the MLX affine
-// 4-bit weight with its fp64 reference rows, the error statistics. Included by check_gemm.cu only.
+// check_gemm.cu's host side: the pass counters and report, a seeded RNG, bf16 conversions, device copies, the MLX
+// affine 4/8-bit weight with its fp64 reference rows, the error statistics. Included by check_gemm.cu only.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -8,23 +8,18 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/gemm.cuh"
-#include "tolerances.h"
+#include "check_exit.cuh"
 
 using namespace lily;
 using cuda::bf16;
 
-#define CK(x)                                                                                       \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 namespace {
 
