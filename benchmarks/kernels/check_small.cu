@@ -742,6 +742,7 @@ int main(int argc, char** argv) {
   C("prep", [] { check_prep(5, 1, 64, 32, 37, 7, false); });
   C("prep", [] { check_prep(3, 3, 96, 96, 2, 11, false); });
   C("prep", [] { check_prep(6, 2, 80, 20, 5, 33, false); });
+  C("prep", [] { check_prep(2, 1, 256, 256, 3, 5, false); });   // rotary over the whole head: 4 pairs a lane
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("elapsed %.1f s\n", secs);

@@ -8,17 +8,34 @@ constexpr int kKeyTile = 32;  // keys per shared-memory tile: one key per lane w
 
 // One warp per (row, head) of Hq query heads + Hkv key heads: RMSNorm, partial RoPE (angles in double,
 // as the CPU twin), then q to fp32 scratch and k, v to the bf16 cache.
+constexpr int kRopePerLane = 4;  // rotary pairs per lane: rotary_dim <= 256 (the host checks head_dim <= 256)
 __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float* k, const float* v, const float* qn,
                             const float* kn, float* q, bf16* kc, bf16* vc, const int32_t* dpos) {
   extern __shared__ float prep_smem[];
   pdl_trigger();
-  pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
+  // The rotation depends on the position alone (decode: the control block's, written before the step), so its
+  // double-precision pow / cos / sin run before the PDL wait instead of after the previous kernel (5.3 us per
+  // attention layer in the step at 4K, this kernel's marginal time; dev/decode_trace.py).
   if (dpos) p.pos0 = *dpos;  // decode graphs: the position lives on the device
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim, nh = p.n_heads + p.n_kv_heads;
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
+  const int64_t t = wid / nh;
+  const int half = p.rotary_dim / 2;
+  float cs[kRopePerLane], sn[kRopePerLane];
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j) {
+    const int i = lane + 32 * j;
+    cs[j] = 1.f, sn[j] = 0.f;
+    if (i < half && wid < p.S * nh) {
+      const double inv_freq = pow(static_cast<double>(p.rope_theta), -2.0 * i / p.rotary_dim);
+      const double ang = static_cast<double>(p.pos0 + t) * inv_freq;
+      cs[j] = static_cast<float>(cos(ang)), sn[j] = static_cast<float>(sin(ang));
+    }
+  }
+  pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
   if (wid >= p.S * nh) return;
   float* row = prep_smem + warp * D;
-  const int64_t t = wid / nh, kv_row = static_cast<int64_t>(p.n_kv_heads) * D;
+  const int64_t kv_row = static_cast<int64_t>(p.n_kv_heads) * D;
   const int hh = static_cast<int>(wid % nh);
   const bool is_q = hh < p.n_heads;
   const float* src = is_q ? qg + (t * p.n_heads + hh) * 2 * D : k + t * kv_row + static_cast<int64_t>(hh - p.n_heads) * D;
@@ -32,14 +49,14 @@ __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float*
   const float inv = 1.f / sqrtf(ss / static_cast<float>(D) + p.eps);
   for (int i = lane; i < D; i += 32) row[i] = row[i] * inv * w[i];
   __syncwarp();
-  const int half = p.rotary_dim / 2;
-  for (int i = lane; i < half; i += 32) {
-    const double inv_freq = pow(static_cast<double>(p.rope_theta), -2.0 * i / p.rotary_dim);
-    const double ang = static_cast<double>(p.pos0 + t) * inv_freq;
-    const float cs = static_cast<float>(cos(ang)), sn = static_cast<float>(sin(ang));
-    const float a = row[i], b = row[i + half];
-    row[i] = a * cs - b * sn;
-    row[i + half] = b * cs + a * sn;
+#pragma unroll
+  for (int j = 0; j < kRopePerLane; ++j) {
+    const int i = lane + 32 * j;
+    if (i < half) {
+      const float a = row[i], b = row[i + half];
+      row[i] = a * cs[j] - b * sn[j];
+      row[i + half] = b * cs[j] + a * sn[j];
+    }
   }
   __syncwarp();
   if (is_q) {
@@ -246,6 +263,9 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
                     const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache,
                     const int32_t* dpos) {
   const int64_t warps = p.S * (p.n_heads + p.n_kv_heads);
+  if (p.rotary_dim < 0 || p.rotary_dim > 2 * 32 * kRopePerLane || p.rotary_dim % 2 || p.rotary_dim > p.head_dim)
+    throw std::invalid_argument("[lily] cuda attention: rotary_dim " + std::to_string(p.rotary_dim) +
+                                ", expected an even number up to min(head_dim, 256)");
   launch_pdl(prep_kernel, dim3(static_cast<unsigned>((warps + 7) / 8)), dim3(256), 8 * p.head_dim * sizeof(float), st,
              p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache, dpos);
 }

@@ -196,17 +196,22 @@ __global__ void __launch_bounds__(kStepWarps * 32)
                          int32_t* head_done) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = blockIdx.y, dv = blockIdx.x * kStepWarps + warp;
+  const int Dk = p.k_dim;
+  float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + min(dv, p.v_dim - 1)) * Dk;
+  // The state row is this kernel's own (the previous launch never writes it): its DRAM loads go out before the PDL
+  // wait, so they overlap the in-projection's tail instead of following it.
+  float st[NK];
+#pragma unroll
+  for (int i = 0; i < NK; ++i) st[i] = lane + 32 * i < Dk ? sp[lane + 32 * i] : 0.f;
   pdl_trigger();
   pdl_wait();
   if (dv < p.v_dim) {
-    const int Dk = p.k_dim, kh = h / (p.v_heads / p.k_heads);
+    const int kh = h / (p.v_heads / p.k_heads);
     const int64_t key_dim = static_cast<int64_t>(p.k_heads) * Dk;
-    float* sp = ssm + (static_cast<int64_t>(h) * p.v_dim + dv) * Dk;
-    float st[NK], q[NK], k[NK];
+    float q[NK], k[NK];
 #pragma unroll
     for (int i = 0; i < NK; ++i) {
       const bool in = lane + 32 * i < Dk;
-      st[i] = in ? sp[lane + 32 * i] : 0.f;
       q[i] = in ? u[static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
       k[i] = in ? u[key_dim + static_cast<int64_t>(kh) * Dk + lane + 32 * i] : 0.f;
     }
