@@ -148,46 +148,60 @@ class FlagStub:
 
 
 # The server row's client (its own process): an untimed 4-token request through the openai client (the prompt's
-# prefill; it also checks that client reads the stream), then the timed one: prints [seconds from sending the
-# request to its last chunk, completion tokens]. Timed from the request, not from the first chunk: the server streams
-# text, and a chunk holds however many tokens it took to make decodable text (random weights emit byte tokens that
-# complete a character only now and then), so "first chunk to last, tokens - 1" read 801 tok/s (above the step rate)
-# at 512 on 2026-12-03. The timed request goes out pre-encoded over http.client, not through the openai client: that
-# client's request building (openai._utils.maybe_transform) walks the prompt list in Python, ~14 us per prompt token
-# on the CI machine (56 ms at 4K, 2.25 s at 128K), and was timed as the server's (the tenth session's sweep: 282
-# tok/s at 4K, 20 at 128K). The prompt comes from the prefix cache, so the request's own prefill is a restore plus
-# one step.
+# prefill; it also checks that client reads the stream), then timed requests of the same prompt with a short and a
+# long max_tokens, twice each, sent pre-encoded over http.client; prints, per request, [seconds from sending it to its
+# first chunk, to its last chunk, completion tokens]. The serve row's rate is the difference of the two lengths (the
+# fastest of each): (long - short tokens) / (long - short seconds), the server's streaming rate with the request's
+# own prefill and first step cancelled out. Why: a request of these random ids holds no <|im_start|>, so the prefix
+# cache restores it from the last multiple of its 4,096-token snapshot interval and prefills the rest (up to 4,095
+# tokens) on every request; "request to last chunk" over 33 tokens then read 156 tok/s at 2K and 377 at 4K
+# (twelfth session: not the server's rate, the re-prefill). Chunks hold text, so a chunk may carry several tokens
+# (random weights emit byte tokens that complete a character only now and then): the counts come from the usage
+# block. The openai client builds no timed request: its request building walks the prompt list in Python, ~14 us
+# per prompt token (the tenth session's sweep timed it as the server's: 282 tok/s at 4K, 20 at 128K).
 SERVE_CLIENT = r"""
 import http.client, json, sys, time, urllib.parse
 import openai
-url, n = sys.argv[1], int(sys.argv[2])
+url, short, long_ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompt = json.loads(sys.stdin.read())  # stdin: a 128K-token prompt is over the command line limit
 client = openai.OpenAI(base_url=url, api_key="-")
 name = client.models.list().data[0].id
 for ch in client.completions.create(model=name, prompt=prompt, max_tokens=4, temperature=0, stream=True):
     pass
-body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-                   "stream_options": {"include_usage": True}}).encode()
 u = urllib.parse.urlparse(url)
-conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-t0 = time.perf_counter()
-conn.request("POST", u.path + "/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer -"})
-resp = conn.getresponse()
-if resp.status != 200:
-    sys.exit(f"HTTP {resp.status}: {resp.read()[:400]!r}")
-last, tokens = None, 0
-for line in resp:  # server-sent events: "data: {chunk}" lines, then "data: [DONE]"
-    line = line.strip()
-    if not line.startswith(b"data: "):
-        continue
-    if line[6:] == b"[DONE]":
-        break
-    ch = json.loads(line[6:])
-    if ch.get("usage"):
-        tokens = ch["usage"]["completion_tokens"]
-    if ch.get("choices"):
-        last = time.perf_counter()
-print(json.dumps([(last - t0) if last is not None else 0.0, tokens]))
+
+
+def timed(n):
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", u.path + "/completions", body, {"Content-Type": "application/json",
+                                                          "Authorization": "Bearer -"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        sys.exit(f"HTTP {resp.status}: {resp.read()[:400]!r}")
+    first = last = None
+    tokens = 0
+    for line in resp:  # server-sent events: "data: {chunk}" lines, then "data: [DONE]"
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line[6:] == b"[DONE]":
+            break
+        ch = json.loads(line[6:])
+        if ch.get("usage"):
+            tokens = ch["usage"]["completion_tokens"]
+        if ch.get("choices"):
+            last = time.perf_counter()
+            first = last if first is None else first
+    conn.close()
+    if last is None:
+        sys.exit("no chunk")
+    return [first - t0, last - t0, tokens]
+
+
+print(json.dumps([timed(n) for n in (short, long_, short, long_)]))
 """
 
 
@@ -263,8 +277,8 @@ class LilyRunner:
         """The server end to end: `lily serve`'s app on this model (uvicorn in a thread of this process), the openai
         client in a process of its own (SERVE_CLIENT; in this one it would share the GIL with the server and the
         token loop), /v1/completions of the L prompt tokens (as ids), greedy, streamed; an untimed 4-token request
-        first (its prefill; the timed one takes the prompt from the prefix cache), then the seconds from sending the
-        timed request to its last chunk and its completion tokens (the usage block's count)."""
+        first, then requests of a short and a long max_tokens (SERVE_CLIENT says why). Returns the seconds and
+        tokens of the difference, and the long request's first-chunk and last-chunk seconds."""
         import json
         import socket
         import subprocess
@@ -278,22 +292,28 @@ class LilyRunner:
         server = uvicorn.Server(uvicorn.Config(create_app(model), host="127.0.0.1", port=port, log_level="warning"))
         th = threading.Thread(target=server.run, daemon=True)
         th.start()
+        short, long_ = 9, max(4 * self.n, 64) + 1
         try:
             t_end = time.time() + 60
             while not server.started:
                 if time.time() > t_end or not th.is_alive():
                     raise RuntimeError("the server did not start")
                 time.sleep(0.02)
-            r = subprocess.run([sys.executable, "-c", SERVE_CLIENT, f"http://127.0.0.1:{port}/v1", str(self.n + 1)],
-                               input=json.dumps([int(t) for t in self.toks[:L]]), capture_output=True, text=True,
-                               timeout=300)
+            r = subprocess.run([sys.executable, "-c", SERVE_CLIENT, f"http://127.0.0.1:{port}/v1", str(short),
+                                str(long_)], input=json.dumps([int(t) for t in self.toks[:L]]), capture_output=True,
+                               text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"client: {r.stderr[-400:]}")
-            sec, tokens = json.loads(r.stdout.strip().splitlines()[-1])
-            return sec, tokens
+            reqs = json.loads(r.stdout.strip().splitlines()[-1])
         finally:
             server.should_exit = True
             th.join(10)
+        s_req = min((q for q in reqs if q[2] == reqs[0][2]), key=lambda q: q[1])
+        l_req = min((q for q in reqs if q[2] == reqs[1][2]), key=lambda q: q[1])
+        if l_req[2] <= s_req[2]:
+            raise RuntimeError(f"the long request streamed {l_req[2]} tokens, the short one {s_req[2]}")
+        return l_req[1] - s_req[1], l_req[2] - s_req[2], {"first_chunk_s": l_req[0], "request_s": l_req[1],
+                                                          "request_tokens": l_req[2]}
 
     def decode_greedy(self, st, tok):
         self.eng.decode_greedy(st, tok, 3)
@@ -438,12 +458,13 @@ def main(argv=None):
                  "Model.session().generate(stream=True), greedy: the Python API end to end (the engine's token "
                  "loop, detokenizing, stop checks), beside the raw step rate"),
                 ("serve", lily.serve_stream,
-                 "lily serve's app (uvicorn, in process) streaming /v1/completions to the openai client, greedy, "
-                 "prompt from the prefix cache: request sent to last chunk, all completion tokens")]
+                 "lily serve's app (uvicorn, in process) streaming /v1/completions to a client process, greedy: "
+                 "the difference of a long and a short request of the same prompt (its prefill cancels out; "
+                 "first_chunk_s and request_s are the long request's own, from sending it)")]
             for suffix, run, method in (end_to_end if model is not None else []):
                 try:
-                    sec, n = run(model, L)
-                    add(f"{lily.name}-{suffix}", "decode", L, sec, n, method=method)
+                    sec, n, *extra = run(model, L)
+                    add(f"{lily.name}-{suffix}", "decode", L, sec, n, method=method, **(extra[0] if extra else {}))
                 except Exception as e:  # noqa: BLE001
                     checks[f"{run.__name__}@{L}"] = repr(e)[:200]
             for device in (False, True):
