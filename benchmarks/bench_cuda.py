@@ -355,7 +355,8 @@ def parse_args(argv=None):
     if dry and args.profile_lengths == [4096, 131072]:
         args.profile_lengths = [64]
     args.name = args.name or ("bench_cuda_h200" if not dry else "bench_cuda_dryrun")
-    args.max_context = max(args.lengths + args.mlx_lengths) + args.decode_steps + 16
+    # room for the serve row's long request (serve_stream: 4 x decode steps + 1 completion tokens)
+    args.max_context = max(args.lengths + args.mlx_lengths) + max(4 * args.decode_steps, 64) + 16
     return args
 
 
