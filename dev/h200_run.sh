@@ -23,6 +23,7 @@
 #   bench     3 before/after rounds and the generate rows at 512 and 4K
 #   prefill_ncu  ncu of the prefill's launches at 4K and in the last chunk of a 128K prefill, by kernel family
 #   sweep     benchmarks/bench_cuda.py ARGS on the full-size checkpoint (the benchmark JSON + PNG into $OUT)
+#   trace     the greedy decode step as it runs, launch by launch, marginal time by role (dev/decode_trace.py)
 #   verify    from .h200/bz alone (dev/h200_prebuild.sh kbin after before bz; carry .h200/bz): every kernel family's
 #             checks, cuda_check on the four configs at 256 tokens, memcheck on tiny_odd and tiny_dk_ne_dv,
 #             compare_builds before/after at 512 and 4K, the full-size envelope beside them (~260 s; the eleventh
@@ -227,6 +228,13 @@ sanitize)  # racecheck alone on the GPU: 190 s on tiny_odd and 289 s on tiny_dk_
     echo "[$(el)s] racecheck $cfg"
   done
   cp "$LOG"/racecheck_*.txt "$OUT/" 2>/dev/null
+  ;;
+trace)  # the decode step as it runs at LENGTHS (default 4096,131072): each launch's marginal time by role
+        # (dev/decode_trace.py; the twelfth session's decode_in_situ_h200.md)
+  timeout ${TRACE_TIMEOUT:-200} python3 dev/decode_trace.py --lengths ${LENGTHS:-4096,131072} --steps 8 \
+    --json "$OUT/decode_trace_h200.json" > "$OUT/decode_trace_h200.txt" 2>&1
+  SUMMARY+=("decode_trace rc=$?")
+  grep -E "^(==|attn|dn_|moe|head|embed)" "$OUT/decode_trace_h200.txt"
   ;;
 families)  # the decode step's time by kernel family at LENGTHS (default 4096,131072): every kernel of the greedy step
            # graph profiled alone (--graph-profiling node), warm caches (dev/decode_step_profile.py), families summed
