@@ -1,7 +1,8 @@
 // build: csrc/cuda/gemv.cu
 // The decode GEMV (csrc/cuda/gemv.cuh) against an fp64 host twin: random MLX 4-bit and 8-bit weights (group 64)
 // and dense bf16 ones, fresh seed per run, outputs poisoned with NaN first; real and awkward shapes, launches
-// that mix formats (the MoE entry: 8-bit router + 4-bit shared gate/up), the greedy head's block argmax; then the
+// that mix formats (the MoE entry: 8-bit router + 4-bit shared gate/up), the greedy head's block argmax, the DeltaNet
+// in-projection's conv epilogue; then the
 // time per launch at the real decode shapes (weights rotated over several copies so the 60 MB L2 does not hold
 // them), as TB/s of weight bytes.
 //
@@ -194,6 +195,57 @@ static void check_proj(const char* tag, int64_t in, std::vector<int64_t> outs, i
                   static_cast<long long>(in), static_cast<long long>(outs[s]), s, a.nseg);
     report(name, ref, got, mode == kODual ? tolerances::gemv_dual_rel_rms : tolerances::gemv_rel_rms);
   }
+}
+
+// The DeltaNet in-projection's conv epilogue (mode kOConv, segment 0), beside a plain store segment as in the step:
+// u[c] = SiLU(sum_j<K-1 w[c, j] state[j, c] + w[c, K-1] y[c]) with y = W x, and the state shifted by one row with y
+// as its newest (K-1 rows of C channels). The twin is fp64; the shifted rows must be bit-exact copies, the new row
+// and u within the GEMV tolerance. Outputs and the state's new row are poisoned first.
+static void check_conv(int64_t in, int64_t C, int K, int64_t other) {
+  using namespace lily::cuda::gemv;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  QW w(1, C, in), wz(1, other, in);
+  auto x = rand_x(in);
+  std::vector<float> cw(C * K), st((K - 1) * C);
+  for (auto& v : cw) v = 0.5f * nd(rng);
+  for (auto& v : st) v = nd(rng);
+  ProjArgs a;
+  a.in = static_cast<int32_t>(in);
+  a.xmode = kXBf16;
+  a.xb = reinterpret_cast<bf16*>(dnew(x));
+  a.nseg = 2;
+  a.seg[0].w0 = a.seg[0].w1 = w.d, a.seg[0].mode = kOConv;
+  float* dz = dnew(std::vector<float>(other, NAN));
+  a.seg[1].w0 = a.seg[1].w1 = wz.d, a.seg[1].mode = kOStore, a.seg[1].y = dz;
+  float* dst = dnew(st);
+  float* du = dnew(std::vector<float>(C, NAN));
+  a.conv_w = dnew(cw), a.conv_state = dst, a.u = du;
+  a.conv_dim = static_cast<int32_t>(C), a.conv_k = K;
+  proj(0, a);
+  LILY_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto u = dget(du, C), st1 = dget(dst, (K - 1) * C), z = dget(dz, other);
+  std::vector<double> ru(C), gu(C), rn(C), gn(C), rz(other), gz(other);
+  int64_t moved = 0, wrong = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    const double y = w.dot(0, c, x);
+    double cv = cw[c * K + K - 1] * y;
+    for (int j = 0; j < K - 1; ++j) cv += static_cast<double>(cw[c * K + j]) * st[j * C + c];
+    ru[c] = silu_d(cv), gu[c] = u[c];
+    for (int r = 0; r + 1 < K - 1; ++r, ++moved) wrong += st1[r * C + c] != st[(r + 1) * C + c];
+    rn[c] = y, gn[c] = st1[(K - 2) * C + c];
+  }
+  for (int64_t r = 0; r < other; ++r) rz[r] = wz.dot(0, r, x), gz[r] = z[r];
+  char name[160];
+  std::snprintf(name, sizeof name, "conv u in=%lld C=%lld K=%d", static_cast<long long>(in), static_cast<long long>(C), K);
+  report(name, ru, gu, tolerances::gemv_rel_rms);
+  std::snprintf(name, sizeof name, "conv state's new row C=%lld K=%d", static_cast<long long>(C), K);
+  report(name, rn, gn, tolerances::gemv_rel_rms);
+  std::snprintf(name, sizeof name, "conv's neighbour store out=%lld", static_cast<long long>(other));
+  report(name, rz, gz, tolerances::gemv_rel_rms);
+  ++n_total;
+  n_pass += wrong == 0;
+  std::printf("%s conv state rows shifted C=%lld K=%d: %lld of %lld moved entries differ\n", wrong ? "FAIL" : "PASS",
+              static_cast<long long>(C), K, static_cast<long long>(wrong), static_cast<long long>(moved));
 }
 
 // The producer's normalisation staged in the launch (RMSNorm of the fp32 residual, its bf16 copy h_out from block 0)
@@ -560,6 +612,10 @@ int main(int argc, char** argv) {
     check_staged("rmsnorm store", {kXNorm}, 4096, 300, kOStore);   // the longest RMSNorm row: 4 slices, 256 threads
     check_staged("rmsnorm store", {kXNorm}, 2560, 77, kOStore);    // 3 slices, 192 threads: two fetches a thread
     check_norm_refused(4128);
+    check_conv(2048, 8192, 4, 4096 + 64);                           // the DeltaNet in-projection's qkv + z/b/a
+    check_conv(64, 33, 4, 5);
+    check_conv(192, 7, 2, 1);                                         // one state row
+    check_conv(128, 40, 3, 9);
     check_staged("routed dual", {kXBf16, 256, 8, true}, 2048, 512, kODual);         // the experts' gate/up
     check_staged("routed dual", {kXBf16, 5, 3, false}, 128, 9, kODual);
     check_staged("rmsnorm routed dual", {kXNorm, 64, 4, true}, 512, 40, kODual);
