@@ -23,15 +23,18 @@ def test_bench_serve_client_counts_the_same_tokens_as_the_openai_client(tiny_ckp
     srv = LiveServer(tiny_ckpt, tmp_path / "serve.log", api_key=None)  # the benchmark's server has no key
     try:
         prompt = [(7 * i + 3) % 200 for i in range(300)]
-        n = 9
-        r = subprocess.run([sys.executable, "-c", serve_client_source(), srv.url + "/v1", str(n)],
+        short, long_ = 3, 9
+        r = subprocess.run([sys.executable, "-c", serve_client_source(), srv.url + "/v1", str(short), str(long_)],
                            input=json.dumps(prompt), capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
-        seconds, tokens = json.loads(r.stdout.strip().splitlines()[-1])
-        # the same greedy request through the official client: its usage block is the reference count
-        ref = srv.client().completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
-        assert tokens == ref.usage.completion_tokens
-        assert 1 <= tokens <= n
-        assert seconds > 0
+        reqs = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(reqs) == 4  # short, long, short, long
+        # the same greedy requests through the official client: their usage blocks are the reference counts
+        for n, got in zip((short, long_, short, long_), reqs):
+            first, last, tokens = got
+            ref = srv.client().completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
+            assert tokens == ref.usage.completion_tokens
+            assert 1 <= tokens <= n
+            assert 0 < first <= last
     finally:
         srv.stop()
