@@ -8,14 +8,14 @@ constexpr int kKeyTile = 32;  // keys per shared-memory tile: one key per lane w
 
 // One warp per (row, head) of Hq query heads + Hkv key heads: RMSNorm, partial RoPE (angles in double,
 // as the CPU twin), then q to fp32 scratch and k, v to the bf16 cache.
-constexpr int kRopePerLane = 4;  // rotary pairs per lane: rotary_dim <= 256 (the host checks head_dim <= 256)
+constexpr int kRopePerLane = 4;  // rotary pairs per lane: rotary_dim <= 256 (attention_prep checks it)
 __global__ void prep_kernel(kp::AttentionParams p, const float* qg, const float* k, const float* v, const float* qn,
                             const float* kn, float* q, bf16* kc, bf16* vc, const int32_t* dpos) {
   extern __shared__ float prep_smem[];
   pdl_trigger();
   // The rotation depends on the position alone (decode: the control block's, written before the step), so its
-  // double-precision pow / cos / sin run before the PDL wait instead of after the previous kernel (5.3 us per
-  // attention layer in the step at 4K, this kernel's marginal time; dev/decode_trace.py).
+  // double-precision pow / cos / sin run before the PDL wait instead of after the previous kernel (this kernel's
+  // marginal time in the step at 4K: 5.58 -> 4.06 us, dev/decode_trace.py; benchmarks/results/decode_in_situ_h200.md).
   if (dpos) p.pos0 = *dpos;  // decode graphs: the position lives on the device
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim, nh = p.n_heads + p.n_kv_heads;
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
@@ -263,9 +263,9 @@ void attention_prep(cudaStream_t st, const kp::AttentionParams& p, const float* 
                     const float* q_norm, const float* k_norm, float* q, bf16* k_cache, bf16* v_cache,
                     const int32_t* dpos) {
   const int64_t warps = p.S * (p.n_heads + p.n_kv_heads);
-  if (p.rotary_dim < 0 || p.rotary_dim > 2 * 32 * kRopePerLane || p.rotary_dim % 2 || p.rotary_dim > p.head_dim)
+  if (p.rotary_dim > 2 * 32 * kRopePerLane)  // (even and <= head_dim: the config's own checks)
     throw std::invalid_argument("[lily] cuda attention: rotary_dim " + std::to_string(p.rotary_dim) +
-                                ", expected an even number up to min(head_dim, 256)");
+                                ", expected at most " + std::to_string(2 * 32 * kRopePerLane));
   launch_pdl(prep_kernel, dim3(static_cast<unsigned>((warps + 7) / 8)), dim3(256), 8 * p.head_dim * sizeof(float), st,
              p, qg, k, v, q_norm, k_norm, q, k_cache, v_cache, dpos);
 }
