@@ -41,8 +41,8 @@ def label_step(names: list[str]) -> list[str]:
             roles = DELTANET + MOE
         elif nxt.startswith("prep"):
             roles = ATTENTION + MOE
-        else:
-            out += ["head"] * (len(names) - i - 1) + ["argmax"] if len(names) - i > 1 else ["head"]
+        else:  # past the layers: the head, and the greedy step's argmax last
+            out += [n.split("_")[0] if n.startswith("argmax") else "head" for n in names[i:]]
             break
         out += roles
         i += len(roles)
