@@ -99,12 +99,12 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
 // partial sums into `partial`.
 template <int FMT, int STAGE>
 __device__ void run_warp(const Launch& g, const Part& P, int t0, int t1, int unit, int pslot, float* xs,
-                         float* partial, Smem& sm) {
+                         float* partial, Smem& sm, EpiPre& pre) {
   const int lane = threadIdx.x & 31;
   constexpr bool kQuant = FmtTraits<FMT>::kQuant;
   Cursor<FMT> cur;
   TileRegs<FMT> cur_t;
-  warp_prologue<STAGE>(g, P.expert < 0, xs, sm, [&](bool routed) {
+  warp_prologue<STAGE>(g, P.expert < 0, xs, sm, pre, [&](bool routed) {
     if (t0 >= t1) return;
     cur.setup(P, routed && P.expert >= 0 ? sm.idx[P.expert] : 0, unit);
     if constexpr (kQuant) cur.load(t0, cur_t);
@@ -193,7 +193,7 @@ struct Q4Cursor {
 
 template <int STAGE>
 __device__ void run_warp_q4(const Launch& g, const Part& P, int t0, int t1, int pslot, float* xs, float* partial,
-                            Smem& sm) {
+                            Smem& sm, EpiPre& pre) {
   constexpr bool kK = STAGE == kStageK;
   const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int sl = (threadIdx.x >> 5) % g.slices;
@@ -212,7 +212,7 @@ __device__ void run_warp_q4(const Launch& g, const Part& P, int t0, int t1, int 
   Q4Tile cur_t, nxt;  // the register double buffer
   bool early = P.expert < 0;
   if constexpr (kK) early = g.part[pk[0]].expert < 0 && g.part[pk[1]].expert < 0;
-  warp_prologue<STAGE>(g, early, xs, sm, [&](bool routed) {
+  warp_prologue<STAGE>(g, early, xs, sm, pre, [&](bool routed) {
     if (t0 >= t1) return;
     if constexpr (kK) {
       const Part* Ph[2] = {&g.part[pk[0]], &g.part[pk[1]]};
@@ -301,8 +301,9 @@ __device__ void run_warp_q4(const Launch& g, const Part& P, int t0, int t1, int 
 __device__ __forceinline__ float silu_(float v) { return v / (1.f + expf(-v)); }
 
 // Output row `row` of part P: v0 is the row's dot product (the gate's for a dual part), v1 the up projection's.
+// `pre`: the row's operands loaded early (EpiPre), or null.
 __device__ __forceinline__ void epilogue(const Launch& g, const Part& P, int64_t row, float v0, float v1,
-                                         unsigned long long& key) {
+                                         unsigned long long& key, const EpiPre* pre) {
   const int sg = P.seg;
   const int64_t o = P.slot * g.y_step[sg] + row;
   const int mode = g.mode[sg];
@@ -310,19 +311,64 @@ __device__ __forceinline__ void epilogue(const Launch& g, const Part& P, int64_t
     g.y[sg][o] = v0;
     key = max(key, argmax_key(v0, row));
   } else if (mode == kOAccum) {
-    g.y[sg][o] += v0;
+    g.y[sg][o] = (pre && pre->kind == 2 ? pre->y : g.y[sg][o]) + v0;
   } else if (mode == kODual) {
     g.yb[sg][o] = __float2bfloat16(silu_(v0) * v1);
   } else {  // DeltaNet causal conv of channel `row` + SiLU, state shifted by one
     const int K = g.conv_k;
     const int64_t C = g.conv_dim;
-    const float* w = g.conv_w + row * K;
     float* cs = g.conv_state;
     float cv = 0.f;
+    if (pre && pre->kind == 1) {
+#pragma unroll
+      for (int j = 0; j < kMaxConvK - 1; ++j)
+        if (j < K - 1) cv += pre->w[j] * pre->st[j];
+#pragma unroll
+      for (int j = 0; j < kMaxConvK; ++j)
+        if (j == K - 1) cv += pre->w[j] * v0;
+      g.u[row] = cv / (1.f + expf(-cv));
+#pragma unroll
+      for (int r = 0; r < kMaxConvK - 1; ++r)
+        if (r < K - 1) cs[r * C + row] = r + 1 < K - 1 ? pre->st[r + 1 < kMaxConvK - 1 ? r + 1 : 0] : v0;
+      return;
+    }
+    const float* w = g.conv_w + row * K;
     for (int j = 0; j < K - 1; ++j) cv += w[j] * cs[j * C + row];
     cv += w[K - 1] * v0;
     g.u[row] = cv / (1.f + expf(-cv));
     for (int r = 0; r < K - 1; ++r) cs[r * C + row] = r + 1 < K - 1 ? cs[(r + 1) * C + row] : v0;
+  }
+}
+
+// The epilogue row that thread `tid` handles first (i = tid of the epilogue loop), as that loop finds it: its part,
+// row and whether the thread writes it; then its early operands (EpiPre).
+template <bool kK>
+__device__ __forceinline__ void epi_pre(const Launch& g, EpiPre& pre) {
+  const int tid = threadIdx.x, nrow = g.mwarps * g.tpw * kR;
+  if (tid >= nrow) return;
+  const int T = blockIdx.x * g.mwarps * g.tpw + tid / kR, r4 = tid % kR;
+  if constexpr (kK) {
+    const int64_t row = static_cast<int64_t>(T) * kR + r4;
+    if (row < g.rows) pre.kind = 2, pre.acc = g.xacc, pre.idx = row;
+  } else {
+    int q = 0;
+    while (q + 1 < g.nparts && T >= g.part[q + 1].first) ++q;
+    const Part& Q = g.part[q];
+    const int lt = T - Q.first;
+    if (lt >= Q.tiles || Q.dual) return;
+    const int64_t row = static_cast<int64_t>(lt) * kR + r4;
+    if (row >= Q.rows) return;
+    const int mode = g.mode[Q.seg];
+    if (mode == kOAccum) {
+      pre.kind = 2, pre.acc = g.y[Q.seg], pre.idx = Q.slot * g.y_step[Q.seg] + row;
+    } else if (mode == kOConv && g.conv_k <= kMaxConvK) {  // before the wait: constants and this layer's own state
+      pre.kind = 1, pre.idx = row;
+      const int K = g.conv_k;
+#pragma unroll
+      for (int j = 0; j < kMaxConvK; ++j) pre.w[j] = j < K ? g.conv_w[row * K + j] : 0.f;
+#pragma unroll
+      for (int j = 0; j < kMaxConvK - 1; ++j) pre.st[j] = j < K - 1 ? g.conv_state[j * static_cast<int64_t>(g.conv_dim) + row] : 0.f;
+    }
   }
 }
 
@@ -357,17 +403,19 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
   if (t1 < t0) t1 = t0;
   const Part& P = g.part[p];
   const int pslot = m * g.tpw;
+  EpiPre pre;
+  epi_pre<kK>(g, pre);
   if constexpr (SET == kSetQ4) {
-    run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm);
+    run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm, pre);
   } else if constexpr (SET == kSetQ4Q8) {
-    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm);
-    else run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm);
+    if (P.fmt == kQ8) run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, pre);
+    else run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm, pre);
   } else {
     switch (P.fmt) {
-      case kQ4: run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm); break;
-      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
-      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm); break;
+      case kQ4: run_warp_q4<STAGE>(g, P, t0, t1, pslot, xs, partial, sm, pre); break;
+      case kQ8: run_warp<kQ8, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, pre); break;
+      case kBF16: run_warp<kBF16, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, pre); break;
+      default: run_warp<kF32, STAGE>(g, P, t0, t1, u, pslot, xs, partial, sm, pre); break;
     }
   }
   __syncthreads();
@@ -383,7 +431,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
     const int T = bt0 + i / kR, r4 = i % kR;
     if constexpr (kK) {
       const int64_t row = static_cast<int64_t>(T) * kR + r4;
-      if (row < g.rows) g.xacc[row] += rowv[i];
+      if (row < g.rows) g.xacc[row] = (i == tid && pre.kind == 2 ? pre.y : g.xacc[row]) + rowv[i];
     } else {
       int q = 0;
       while (q + 1 < g.nparts && T >= g.part[q + 1].first) ++q;
@@ -393,10 +441,10 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 2) gemv_kernel(const __grid_
       if (Q.dual) {
         if (r4 >= 2) continue;
         const int64_t row = 2 * lt + r4;
-        if (row < Q.rows) epilogue(g, Q, row, rowv[i], rowv[i + 2], key);
+        if (row < Q.rows) epilogue(g, Q, row, rowv[i], rowv[i + 2], key, nullptr);
       } else {
         const int64_t row = static_cast<int64_t>(lt) * kR + r4;
-        if (row < Q.rows) epilogue(g, Q, row, rowv[i], 0.f, key);
+        if (row < Q.rows) epilogue(g, Q, row, rowv[i], 0.f, key, i == tid ? &pre : nullptr);
       }
     }
   }
