@@ -41,6 +41,8 @@ def label_step(names: list[str]) -> list[str]:
             roles = DELTANET + MOE
         elif nxt.startswith("prep"):
             roles = ATTENTION + MOE
+        elif nxt.startswith("gemv"):  # the step in the in-projection's tail: two DeltaNet launches
+            roles = ["dn_in", "dn_out"] + MOE
         else:  # past the layers: the head, and the greedy step's argmax last
             out += [n.split("_")[0] if n.startswith("argmax") else "head" for n in names[i:]]
             break
