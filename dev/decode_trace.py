@@ -27,10 +27,13 @@ from lily.testing.synthetic import config_dict  # noqa: E402
 DELTANET = ["dn_in", "dn_step", "dn_out"]
 ATTENTION = ["attn_qkv", "attn_prep", "attn", "attn_combine", "attn_o"]
 MOE = ["moe_entry", "moe_experts", "moe_down"]
+# the MoE entry and the experts' gate/up in one launch (dev/exp_gemv_moe_own_routing.patch): --moe-launches 2
+MOE_OWN_ROUTING = ["moe_entry_experts", "moe_down"]
 
 
-def label_step(names: list[str]) -> list[str]:
-    """Roles of one step's launches (embed first, argmax last), from the kernel names' sequence."""
+def label_step(names: list[str], moe: list[str] = MOE) -> list[str]:
+    """Roles of one step's launches (embed first, argmax last), from the kernel names' sequence; `moe`: the MoE's
+    launches."""
     out, i = [], 0
     if names and names[0].startswith("embed"):
         out.append("embed")
@@ -38,11 +41,11 @@ def label_step(names: list[str]) -> list[str]:
     while i < len(names):
         nxt = names[i + 1] if i + 1 < len(names) else ""
         if nxt.startswith("deltanet_step"):
-            roles = DELTANET + MOE
+            roles = DELTANET + moe
         elif nxt.startswith("prep"):
-            roles = ATTENTION + MOE
+            roles = ATTENTION + moe
         elif nxt.startswith("gemv"):  # the step in the in-projection's tail: two DeltaNet launches
-            roles = ["dn_in", "dn_out"] + MOE
+            roles = ["dn_in", "dn_out"] + moe
         else:  # past the layers: the head, and the greedy step's argmax last
             out += [n.split("_")[0] if n.startswith("argmax") else "head" for n in names[i:]]
             break
@@ -63,13 +66,13 @@ def trace(eng, st, tok: int, steps: int):
     return per_step
 
 
-def analyse(per_step) -> dict:
+def analyse(per_step, moe: list[str] = MOE) -> dict:
     roles: dict[str, list[float]] = {}
     durs: dict[str, list[float]] = {}
     periods, launches = [], []
     for k, st in enumerate(per_step[1:-1], start=1):  # whole steps only, the first and last left out
         names = [kernel_family(e.name) for e in st]
-        labels = label_step(names)
+        labels = label_step(names, moe)
         prev_end = per_step[k - 1][-1].time_range.end
         periods.append(st[-1].time_range.end - prev_end)
         launches.append(len(st))
@@ -90,7 +93,10 @@ def main() -> int:
     ap.add_argument("--lengths", default="4096")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", default="")
+    ap.add_argument("--moe-launches", type=int, choices=(2, 3), default=3,
+                    help="launches per MoE layer: 3 (entry, experts, down), 2 (own routing: entry + experts, down)")
     a = ap.parse_args()
+    moe = MOE if a.moe_launches == 3 else MOE_OWN_ROUTING
     cfg = ModelConfig.from_dict(config_dict("full"))
     tensors, quant = conditioned_weights(cfg)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -105,10 +111,10 @@ def main() -> int:
         eng.decode_greedy(st, tok, 32)
         plain_us = (time.perf_counter() - t0) / 32 * 1e6
         per_step = trace(eng, st, tok, a.steps)
-        res = analyse(per_step)
+        res = analyse(per_step, moe)
         if len(per_step) > 2:  # one whole step's first launches and its last, raw
             one, prev = per_step[1], per_step[0][-1].time_range.end
-            labels = label_step([kernel_family(e.name) for e in one])
+            labels = label_step([kernel_family(e.name) for e in one], moe)
             for j, (e, lab) in enumerate(zip(one, labels)):
                 if j < 16 or j >= len(one) - 4:
                     print(f"  {j:3d} {lab:13s} start {e.time_range.start - prev:+7.2f} end {e.time_range.end - prev:+7.2f}"
