@@ -42,9 +42,10 @@ def label_step(names: list[str], moe: list[str] = MOE) -> list[str]:
         nxt = names[i + 1] if i + 1 < len(names) else ""
         if nxt.startswith("deltanet_step"):
             roles = DELTANET + moe
-        elif nxt.startswith("prep"):
-            roles = ATTENTION + moe
-        elif nxt.startswith("gemv"):  # the step in the in-projection's tail: two DeltaNet launches
+        elif nxt.startswith("prep"):  # the split combine may be in the o-projection's launch (exp_gemv_combine_front)
+            combine = i + 3 < len(names) and names[i + 3].startswith("attn_combine")
+            roles = [r for r in ATTENTION if combine or r != "attn_combine"] + moe
+        elif nxt.startswith("gemv"):  # the step in another launch (the in-projection's tail, the out-projection's front)
             roles = ["dn_in", "dn_out"] + moe
         else:  # past the layers: the head, and the greedy step's argmax last
             out += [n.split("_")[0] if n.startswith("argmax") else "head" for n in names[i:]]
