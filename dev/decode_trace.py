@@ -42,9 +42,13 @@ def label_step(names: list[str], moe: list[str] = MOE) -> list[str]:
         nxt = names[i + 1] if i + 1 < len(names) else ""
         if nxt.startswith("deltanet_step"):
             roles = DELTANET + moe
-        elif nxt.startswith("prep"):  # the split combine may be in the o-projection's launch (exp_gemv_combine_front)
-            combine = i + 3 < len(names) and names[i + 3].startswith("attn_combine")
-            roles = [r for r in ATTENTION if combine or r != "attn_combine"] + moe
+        elif nxt.startswith("prep") or nxt.startswith("attn"):
+            # the prep may be in the attention's launch (exp_attention_prep_front), the split combine in the
+            # o-projection's (exp_gemv_combine_front)
+            prep = nxt.startswith("prep")
+            j = i + (3 if prep else 2)
+            combine = j < len(names) and names[j].startswith("attn_combine")
+            roles = [r for r in ATTENTION if (prep or r != "attn_prep") and (combine or r != "attn_combine")] + moe
         elif nxt.startswith("gemv"):  # the step in another launch (the in-projection's tail, the out-projection's front)
             roles = ["dn_in", "dn_out"] + moe
         else:  # past the layers: the head, and the greedy step's argmax last
