@@ -328,8 +328,8 @@ __device__ __forceinline__ void epilogue(const Launch& g, const Part& P, int64_t
         if (j == K - 1) cv += pre->w[j] * v0;
       g.u[row] = cv / (1.f + expf(-cv));
 #pragma unroll
-      for (int r = 0; r < kMaxConvK - 1; ++r)
-        if (r < K - 1) cs[r * C + row] = r + 1 < K - 1 ? pre->st[r + 1 < kMaxConvK - 1 ? r + 1 : 0] : v0;
+      for (int r = 0; r < kMaxConvK - 1; ++r)  // (the min only bounds the unrolled index: r + 1 < K - 1 <= 2 there)
+        if (r < K - 1) cs[r * C + row] = r + 1 < K - 1 ? pre->st[min(r + 1, kMaxConvK - 2)] : v0;
       return;
     }
     const float* w = g.conv_w + row * K;
