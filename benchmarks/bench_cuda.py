@@ -155,9 +155,11 @@ class FlagStub:
 # own prefill and first step cancelled out. Why: a request of these random ids holds no <|im_start|>, so the prefix
 # cache restores it from the last multiple of its 4,096-token snapshot interval and prefills the rest (up to 4,095
 # tokens) on every request; "request to last chunk" over 33 tokens then read 156 tok/s at 2K and 377 at 4K
-# (twelfth session: not the server's rate, the re-prefill). Chunks hold text, so a chunk may carry several tokens
-# (random weights emit byte tokens that complete a character only now and then): the counts come from the usage
-# block. The openai client builds no timed request: its request building walks the prompt list in Python, ~14 us
+# (twelfth session: not the server's rate, the re-prefill). Chunks hold text, so a chunk may carry several tokens and
+# most carry none: the synthetic checkpoint's tokenizer (write_tokenizer, trained on a small text) holds 727 of the
+# model's 248,320 ids, and an id past it decodes to no text, so a random-weight model's stream sends a chunk for ~0.3%
+# of its tokens and a request's first chunk often arrives with its last (first_chunk_s = request_s at 4K and above,
+# thirteenth session): the counts come from the usage block. The openai client builds no timed request: its request building walks the prompt list in Python, ~14 us
 # per prompt token (the tenth session's sweep timed it as the server's: 282 tok/s at 4K, 20 at 128K).
 SERVE_CLIENT = r"""
 import http.client, json, sys, time, urllib.parse
