@@ -22,6 +22,7 @@
 #include "core/backend.h"
 #include "cuda/cuda_memory.h"
 #include "cuda/attention.cuh"
+#include "cuda/decode_layers.cuh"
 #include "cuda/deltanet.cuh"
 #include "cuda/embed_norm.cuh"
 #include "cuda/gemm.cuh"
@@ -77,6 +78,7 @@ class CudaBackend final : public Backend {
     LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, 0));
     w_ = cuda::upload_weights(cfg_, w, mem_);
     fused_ok_ = cuda::fused_decode_fits(cfg_, w_);
+    dec_.cfg = &cfg_, dec_.st = st_, dec_.sm_count = sm_count_;
     alloc_decode();
   }
 
@@ -135,11 +137,11 @@ class CudaBackend final : public Backend {
         cuda::linear(st_, w_.lm_head, h_, cfg_.hidden, 1, lg, cfg_.vocab, false);
         return;
       }
-      cuda::gemv::ProjArgs h = norm_args(w_.final_norm);
+      cuda::gemv::ProjArgs h = dec_.norm_args(w_.final_norm);
       h.nseg = 1;
-      h.seg[0] = seg(w_.lm_head, cuda::gemv::kOStore, lg);
+      h.seg[0] = cuda::decode_seg(w_.lm_head, cuda::gemv::kOStore, lg);
       h.amax = damax_;  // always: the head kernel is then the same whether the step draws or not
-      const unsigned nb = run_proj(h);
+      const unsigned nb = cuda::gemv::proj(st_, h);
       if (nb > head_blocks_) throw std::logic_error("[lily] cuda decode: head block count");
       step_launches_ += 1;
       if (!d.draw) return;
@@ -250,7 +252,7 @@ class CudaBackend final : public Backend {
           for (auto& [p, n] : dec_poison_) cuda::poison(st_, p, n);
           cuda::poison(st_, dlg_ + (step_.index & 1) * cfg_.vocab, cfg_.vocab * sizeof(float));  // not the other
         }                                                                   // slot: the previous step's logits stay held
-        cuda::embed(st_, w_.embed, &dctl_->slot[step_.index & 1].token, 1, dx_);
+        cuda::embed(st_, w_.embed, &dctl_->slot[step_.index & 1].token, 1, dec_.b.x);
         step_launches_ += 1;
       });
       return;
@@ -262,7 +264,7 @@ class CudaBackend final : public Backend {
 
   void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
     const DLayer& L = w_.layers[layer];
-    if (fused_step(S)) return issue([this, &L, &st] { fused_deltanet(L, st); });
+    if (fused_step(S)) return issue([this, &L, &st] { step_launches_ += dec_.deltanet(L, st); });
     const int64_t H = cfg_.hidden;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
     {  // qkv, z, b, a: one GEMM over their concatenated rows
@@ -271,7 +273,7 @@ class CudaBackend final : public Backend {
       const int64_t ldy[] = {L.qkv.p.out, L.z.p.out, L.b.p.out, L.a.p.out};
       cuda::linear_concat(st_, L.deltanet_in, parts, 4, h_, H, S, y, ldy);
     }
-    const kp::DeltaNetParams p = deltanet_params(S);
+    const kp::DeltaNetParams p = cuda::deltanet_params(cfg_, S);
     cuda::deltanet_conv(st_, p, qkv_, L.conv_w, st.conv.as<float>(), u_);
     const int form = cuda::deltanet_scan_pick(p, deltanet_form_);
     const size_t scratch = form == cuda::kScanChunked ? cuda::deltanet_chunk_scratch_bytes(p) : 0;  // W, U, decays, S_n
@@ -283,7 +285,10 @@ class CudaBackend final : public Backend {
 
   void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override {
     const DLayer& L = w_.layers[layer];
-    if (fused_step(S)) return issue([this, &L, &kv] { fused_attention(L, kv); });
+    if (fused_step(S))
+      return issue([this, &L, &kv] {
+        step_launches_ += dec_.attention(L, kv, &dctl_->slot[step_.index & 1].pos, split_k_, gqa_pack_);
+      });
     const int64_t H = cfg_.hidden, D = cfg_.head_dim;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
     {  // q (with its gate), k, v: one GEMM over their concatenated rows
@@ -292,7 +297,7 @@ class CudaBackend final : public Backend {
       const int64_t ldy[] = {L.q.p.out, L.k.p.out, L.v.p.out};
       cuda::linear_concat(st_, L.attn_in, parts, 3, h_, H, S, y, ldy);
     }
-    const kp::AttentionParams p = attention_params(pos0, S);
+    const kp::AttentionParams p = cuda::attention_params(cfg_, pos0, S);
     cuda::attention_prep(st_, p, qg_, k_, v_, L.q_norm, L.k_norm, q_, kv.k.as<bf16>(), kv.v.as<bf16>());
     const kp::AttnSplitParams sp = cuda::attention_plan(p, sm_count_);
     float* part = part_.get<float>(mem_, S * cfg_.n_heads * sp.n_splits * (D + 2));
@@ -302,7 +307,7 @@ class CudaBackend final : public Backend {
 
   void moe_block(int layer, int64_t S) override {
     const DLayer& L = w_.layers[layer];
-    if (fused_step(S)) return issue([this, &L] { fused_moe(L); });
+    if (fused_step(S)) return issue([this, &L] { step_launches_ += dec_.moe(L); });
     const int64_t H = cfg_.hidden, Is = cfg_.shared_inter;
     const int k = cfg_.top_k;
     const kp::MoeParams p{cfg_.hidden, cfg_.n_experts, cfg_.top_k, cfg_.moe_inter, cfg_.shared_inter,
@@ -349,16 +354,7 @@ class CudaBackend final : public Backend {
   // Tile-map capacity for S rows at the smallest expert tile (any tile size fits).
   int64_t max_tiles(int64_t S) const { return cuda::grouped_max_tiles(S * cfg_.top_k, cfg_.n_experts, 16); }
 
-  kp::DeltaNetParams deltanet_params(int64_t S) const {
-    return {cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim, cfg_.conv_kernel,
-            cfg_.conv_dim(),  cfg_.rms_eps,     1e-6f,          S};
-  }
-  kp::AttentionParams attention_params(int64_t pos0, int64_t S) const {
-    return {cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim, static_cast<float>(cfg_.rope_theta),
-            cfg_.rms_eps, 1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, pos0, S};
-  }
-
-  // ---- decode steps: inputs, graphs, the fused sub-blocks ---------------------------------------------------
+  // ---- decode steps: inputs, graphs (the fused sub-blocks: decode_layers.cuh) ---------------------------------------------------
   bool fused_step(int64_t S) const { return in_step_ && fused_ && S == 1; }
 
   // The step's inputs into control slot p: position and uniform always, the token when the host gives it (else
@@ -506,156 +502,32 @@ class CudaBackend final : public Backend {
     LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&drawn_host_), 2 * sizeof(int32_t)));
     LILY_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&lg_host_), cfg_.vocab * sizeof(float)));
     if (!fused_ok_) return;
-    dx_ = dalloc<float>(H, true);
-    dh_ = dalloc<bf16>(H, true);
-    du_ = dalloc<float>(cfg_.conv_dim(), true);
-    dz_ = dalloc<float>(cfg_.value_dim(), true);
-    dy_ = dalloc<float>(cfg_.value_dim(), true);
-    dyb_ = dalloc<bf16>(cfg_.value_dim(), true);
-    dhead_done_ = dalloc<int32_t>(cfg_.deltanet_v_heads, false);  // deltanet_step's counters: zero, and left zero
-    LILY_CUDA_CHECK(cudaMemset(dhead_done_, 0, std::max<int64_t>(cfg_.deltanet_v_heads, 1) * sizeof(int32_t)));
-    db_ = dalloc<float>(cfg_.deltanet_v_heads, true);
-    da_ = dalloc<float>(cfg_.deltanet_v_heads, true);
-    dqg_ = dalloc<float>(2 * Hq * D, true);
-    dq_ = dalloc<float>(Hq * D, true);
-    dk_ = dalloc<float>(Hkv * D, true);
-    dv_ = dalloc<float>(Hkv * D, true);
-    dob_ = dalloc<bf16>(Hq * D, true);
-    drl_ = dalloc<float>(cfg_.n_experts, true);
-    dtop_idx_ = dalloc<int32_t>(cfg_.top_k, false);
-    dtop_w_ = dalloc<float>(cfg_.top_k, true);
-    dact_ = dalloc<bf16>(static_cast<int64_t>(cfg_.top_k) * cfg_.moe_inter, true);
-    dsact_ = dalloc<bf16>(cfg_.shared_inter, true);
-    dsg_ = dalloc<float>(1, true);
-    max_splits_ = std::max<int64_t>(1, (2 * sm_count_ + std::max(Hkv, int64_t{1}) - 1) / std::max(Hkv, int64_t{1}));
-    dpart_ = dalloc<float>(Hq * max_splits_ * (D + 2), true);
+    cuda::DecodeBuffers& b = dec_.b;
+    b.x = dalloc<float>(H, true);
+    b.h = dalloc<bf16>(H, true);
+    b.u = dalloc<float>(cfg_.conv_dim(), true);
+    b.z = dalloc<float>(cfg_.value_dim(), true);
+    b.y = dalloc<float>(cfg_.value_dim(), true);
+    b.yb = dalloc<bf16>(cfg_.value_dim(), true);
+    b.head_done = dalloc<int32_t>(cfg_.deltanet_v_heads, false);  // deltanet_step's counters: zero, and left zero
+    LILY_CUDA_CHECK(cudaMemset(b.head_done, 0, std::max<int64_t>(cfg_.deltanet_v_heads, 1) * sizeof(int32_t)));
+    b.b = dalloc<float>(cfg_.deltanet_v_heads, true);
+    b.a = dalloc<float>(cfg_.deltanet_v_heads, true);
+    b.qg = dalloc<float>(2 * Hq * D, true);
+    b.q = dalloc<float>(Hq * D, true);
+    b.k = dalloc<float>(Hkv * D, true);
+    b.v = dalloc<float>(Hkv * D, true);
+    b.ob = dalloc<bf16>(Hq * D, true);
+    b.router = dalloc<float>(cfg_.n_experts, true);
+    b.top_idx = dalloc<int32_t>(cfg_.top_k, false);
+    b.top_w = dalloc<float>(cfg_.top_k, true);
+    b.act = dalloc<bf16>(static_cast<int64_t>(cfg_.top_k) * cfg_.moe_inter, true);
+    b.sact = dalloc<bf16>(cfg_.shared_inter, true);
+    b.sgate = dalloc<float>(1, true);
+    b.max_splits = std::max<int64_t>(1, (2 * sm_count_ + std::max(Hkv, int64_t{1}) - 1) / std::max(Hkv, int64_t{1}));
+    b.part = dalloc<float>(Hq * b.max_splits * (D + 2), true);
     head_blocks_ = cuda::gemv::head_blocks(cfg_.vocab);
     damax_ = dalloc<unsigned long long>(head_blocks_, false);
-  }
-
-  cuda::gemv::Seg seg(const DLinear& w, int mode, float* y, bf16* yb = nullptr) const {
-    cuda::gemv::Seg g;
-    g.w0 = g.w1 = w;
-    g.mode = mode;
-    g.y = y;
-    g.yb = yb;
-    return g;
-  }
-
-  unsigned run_proj(const cuda::gemv::ProjArgs& a) { return cuda::gemv::proj(st_, a); }
-
-  cuda::gemv::ProjArgs norm_args(const float* w) const {
-    cuda::gemv::ProjArgs a;
-    a.xmode = cuda::gemv::kXNorm;
-    a.in = cfg_.hidden;
-    a.eps = cfg_.rms_eps;
-    a.xf = dx_;
-    a.nw = w;
-    return a;
-  }
-
-  // x += DeltaNet(RMSNorm(x)) for one token: [norm + qkv/z/b/a + conv] -> [scan + gated norm] -> [out + residual].
-  void fused_deltanet(const DLayer& L, DeltaNetState& s) {
-    namespace d = cuda::gemv;
-    d::ProjArgs a = norm_args(L.in_norm);
-    a.nseg = 4;
-    a.seg[0] = seg(L.qkv, d::kOConv, nullptr);
-    a.seg[1] = seg(L.z, d::kOStore, dz_);
-    a.seg[2] = seg(L.b, d::kOStore, db_);
-    a.seg[3] = seg(L.a, d::kOStore, da_);
-    a.conv_w = L.conv_w;
-    a.conv_state = s.conv.as<float>();
-    a.u = du_;
-    a.conv_dim = cfg_.conv_dim();
-    a.conv_k = cfg_.conv_kernel;
-    run_proj(a);
-    cuda::deltanet_step(st_, deltanet_params(1), du_, db_, da_, L.dt_bias, L.a_log, s.ssm.as<float>(), dy_, dz_,
-                        L.deltanet_norm, dyb_, dhead_done_);
-    d::ProjArgs o;
-    o.nseg = 1;
-    o.xmode = d::kXBf16;
-    o.in = cfg_.value_dim();
-    o.xb = dyb_;
-    o.seg[0] = seg(L.out, d::kOAccum, dx_);
-    run_proj(o);
-    step_launches_ += 3;
-  }
-
-  // x += Attention(RMSNorm(x)) for one token at the control block's position: [norm + q/k/v] -> prep (q/k norm,
-  // RoPE, cache append) -> attention (+ split combine) -> [o + residual].
-  void fused_attention(const DLayer& L, KVCache& kv) {
-    namespace d = cuda::gemv;
-    d::ProjArgs a = norm_args(L.in_norm);
-    a.nseg = 3;
-    a.seg[0] = seg(L.q, d::kOStore, dqg_);
-    a.seg[1] = seg(L.k, d::kOStore, dk_);
-    a.seg[2] = seg(L.v, d::kOStore, dv_);
-    run_proj(a);
-    const kp::AttentionParams p = attention_params(0, 1);
-    const int32_t* dpos = &dctl_->slot[step_.index & 1].pos;
-    cuda::attention_prep(st_, p, dqg_, dk_, dv_, L.q_norm, L.k_norm, dq_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpos);
-    // Split count fixed by the capacity (a step is recorded per capacity); split length follows the position.
-    kp::AttentionParams cap = p;
-    cap.pos0 = kv.capacity - 1;
-    kp::AttnSplitParams sp = cuda::attention_plan(cap, sm_count_);
-    if (!split_k_) sp.n_splits = 1;          // ablation: one block per (row tile, KV head) reads every key
-    if (!gqa_pack_) sp.heads_per_block = 1;  // ablation: one query head per block (the CUDA-core kernel)
-    if (sp.n_splits > max_splits_) throw std::logic_error("[lily] cuda decode: attention split count");
-    cuda::attention(st_, p, sp, dq_, dqg_, kv.k.as<bf16>(), kv.v.as<bf16>(), dpart_, dob_, dpos,
-                    /*tensor_core_decode=*/gqa_pack_ != 0);  // the tensor-core kernel always packs 8 heads
-    d::ProjArgs o;
-    o.nseg = 1;
-    o.xmode = d::kXBf16;
-    o.in = cfg_.n_heads * cfg_.head_dim;
-    o.xb = dob_;
-    o.seg[0] = seg(L.o, d::kOAccum, dx_);
-    run_proj(o);
-    step_launches_ += 5;
-  }
-
-  // x += MoE(RMSNorm(x)) for one token: [norm + router + shared gate/up + shared gate] -> [routing + experts'
-  // gate/up] -> [experts' down + shared down + combine + residual].
-  void fused_moe(const DLayer& L) {
-    namespace d = cuda::gemv;
-    const int k = cfg_.top_k;
-    d::ProjArgs a = norm_args(L.post_norm);
-    a.h_out = dh_;
-    a.nseg = 3;
-    a.seg[0] = seg(L.router, d::kOStore, drl_);
-    a.seg[1] = seg(L.sh_gate, d::kODual, nullptr, dsact_);
-    a.seg[1].w1 = L.sh_up;
-    a.seg[2] = seg(L.sh_expert_gate, d::kOStore, dsg_);
-    run_proj(a);
-    d::ProjArgs e;
-    e.nseg = 1;
-    e.xmode = d::kXBf16;
-    e.in = cfg_.hidden;
-    e.xb = dh_;
-    e.route = 1;
-    e.rlogits = drl_;
-    e.E = cfg_.n_experts;
-    e.top_k = k;
-    e.norm_topk = cfg_.norm_topk_prob ? 1 : 0;
-    e.top_idx = dtop_idx_;
-    e.top_w = dtop_w_;
-    e.seg[0] = seg(L.gate, d::kODual, nullptr, dact_);
-    e.seg[0].w1 = L.up;
-    e.seg[0].routed = 1;
-    e.seg[0].slots = k;
-    e.seg[0].y_step = cfg_.moe_inter;
-    run_proj(e);
-    d::DownArgs dn;
-    dn.wd = L.down;
-    dn.ws = L.sh_down;
-    dn.act = dact_;
-    dn.sact = dsact_;
-    dn.top_idx = dtop_idx_;
-    dn.top_w = dtop_w_;
-    dn.sgate = dsg_;
-    dn.x = dx_;
-    dn.k = k;
-    d::moe_down(st_, dn);
-    step_launches_ += 3;
   }
 
   void check_supported() const {
@@ -770,13 +642,10 @@ class CudaBackend final : public Backend {
   int32_t* drawn_host_ = nullptr;           // pinned [2]: the token step slot p drew
   float* lg_host_ = nullptr;                // pinned [V]
   cuda::sample::DeviceSampler sampler_;
-  float *dx_ = nullptr, *du_ = nullptr, *dz_ = nullptr, *dy_ = nullptr, *db_ = nullptr, *da_ = nullptr;
-  float *dqg_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *drl_ = nullptr, *dtop_w_ = nullptr;
-  float *dsg_ = nullptr, *dpart_ = nullptr, *dlg_ = nullptr;  // dlg_: [2, V] logits per step slot
-  bf16 *dh_ = nullptr, *dob_ = nullptr, *dact_ = nullptr, *dsact_ = nullptr, *dyb_ = nullptr;
-  int32_t *dtop_idx_ = nullptr, *dhead_done_ = nullptr;
+  cuda::DecodeLayers dec_;  // the fused sub-blocks and their buffers
+  float* dlg_ = nullptr;    // [2, V] logits per step slot
   unsigned long long* damax_ = nullptr;
-  int64_t max_splits_ = 0, head_blocks_ = 0;
+  int64_t head_blocks_ = 0;
   int64_t graph_nodes_ = 0, graph_kernels_ = 0, graph_captures_ = 0, step_launches_ = 0;
 };
 
