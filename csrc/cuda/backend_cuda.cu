@@ -354,7 +354,7 @@ class CudaBackend final : public Backend {
   // Tile-map capacity for S rows at the smallest expert tile (any tile size fits).
   int64_t max_tiles(int64_t S) const { return cuda::grouped_max_tiles(S * cfg_.top_k, cfg_.n_experts, 16); }
 
-  // ---- decode steps: inputs, graphs (the fused sub-blocks: decode_layers.cuh) ---------------------------------------------------
+  // ---- decode steps: inputs, graphs (the fused sub-blocks: decode_layers.cuh) -----------------------------
   bool fused_step(int64_t S) const { return in_step_ && fused_ && S == 1; }
 
   // The step's inputs into control slot p: position and uniform always, the token when the host gives it (else
