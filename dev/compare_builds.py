@@ -43,11 +43,11 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def run(path: str, lengths: str, steps: int) -> dict:
+def run(path: str, lengths: str, steps: int, timeout: float = 900) -> dict:
     path, _, chunk = path.partition("#")  # PATH#N: prefill in chunks of N rows (0 / none: the backend's default)
     env = {**os.environ, "PYTHONPATH": path}
     r = subprocess.run([sys.executable, "-c", CHILD, lengths, str(steps), chunk or "0"], env=env, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=timeout)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
         raise RuntimeError(f"build at {path} failed (rc {r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
@@ -63,21 +63,35 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="compare_builds.json")
+    ap.add_argument("--child-timeout", type=float, default=900, help="seconds a build's process may take per round")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a build that fails or times out (a kernel that hangs) is reported and left out of the later "
+                         "rounds and the table, instead of ending the run (the first build must not fail)")
     args = ap.parse_args()
     builds = [tuple(b.split("=", 1)) for b in args.builds.split(",")]
     samples: dict[tuple[str, int, str], list[float]] = {}
     tokens: dict[tuple[str, int], list[int]] = {}  # each build's greedy tokens (first round) per length
+    failed: dict[str, str] = {}
     for rnd in range(args.rounds):
         for name, path in (builds if rnd % 2 == 0 else builds[::-1]):
+            if name in failed:
+                continue
             t0 = time.time()
-            res = run(path, args.lengths, args.steps)
+            try:
+                res = run(path, args.lengths, args.steps, args.child_timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                if not args.keep_going or name == builds[0][0]:
+                    raise
+                failed[name] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"round {rnd} {name}: FAILED after {time.time() - t0:.0f} s, left out: {failed[name]}", flush=True)
+                continue
             for L, v in res.items():
                 tokens.setdefault((name, L), v.pop("tokens"))
                 for k, x in v.items():
                     samples.setdefault((name, L, k), []).append(x)
             print(f"round {rnd} {name}: {time.time() - t0:.0f} s " +
                   " ".join(f"{L}:{v['prefill_tok_s']:.0f}/{v['decode_tok_s']:.1f}" for L, v in res.items()), flush=True)
-    names = [n for n, _ in builds]
+    names = [n for n, _ in builds if n not in failed]
     a = names[0]
     rows = []
     print("\n| L | metric | " + " | ".join(names) + " | " + " | ".join(f"{b}/{a}" for b in names[1:]) + " |")
@@ -103,8 +117,10 @@ def main() -> int:
     sys.path.insert(0, builds[0][1])  # lily.bench from the first build, whatever this process's path
     from lily.bench import git_sha, hardware
     json.dump({"benchmark": "compare_builds", "git_sha": git_sha(), "hardware": hardware(), "settings": vars(args),
-               "rows": rows, "tokens_vs_first": same}, open(args.out, "w"), indent=1)
-    return 0
+               "rows": rows, "tokens_vs_first": same, "failed": failed}, open(args.out, "w"), indent=1)
+    if failed:
+        print("failed builds (left out): " + ", ".join(f"{k}: {v}" for k, v in failed.items()))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
