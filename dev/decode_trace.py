@@ -29,6 +29,8 @@ ATTENTION = ["attn_qkv", "attn_prep", "attn", "attn_combine", "attn_o"]
 MOE = ["moe_entry", "moe_experts", "moe_down"]
 # the MoE entry and the experts' gate/up in one launch (dev/exp_gemv_moe_own_routing.patch): --moe-launches 2
 MOE_OWN_ROUTING = ["moe_entry_experts", "moe_down"]
+# the whole MoE in one launch, the down in its K part (dev/exp_gemv_moe_one_launch.patch): --moe-launches 1
+MOE_ONE_LAUNCH = ["moe"]
 
 
 def label_step(names: list[str], moe: list[str] = MOE) -> list[str]:
@@ -98,10 +100,11 @@ def main() -> int:
     ap.add_argument("--lengths", default="4096")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", default="")
-    ap.add_argument("--moe-launches", type=int, choices=(2, 3), default=3,
-                    help="launches per MoE layer: 3 (entry, experts, down), 2 (own routing: entry + experts, down)")
+    ap.add_argument("--moe-launches", type=int, choices=(1, 2, 3), default=3,
+                    help="launches per MoE layer: 3 (entry, experts, down), 2 (own routing: entry + experts, down), "
+                         "1 (the MoE launch)")
     a = ap.parse_args()
-    moe = MOE if a.moe_launches == 3 else MOE_OWN_ROUTING
+    moe = {3: MOE, 2: MOE_OWN_ROUTING, 1: MOE_ONE_LAUNCH}[a.moe_launches]
     cfg = ModelConfig.from_dict(config_dict("full"))
     tensors, quant = conditioned_weights(cfg)
     lengths = [int(x) for x in a.lengths.split(",")]
