@@ -7,8 +7,8 @@
 // (begin_step .. end_step): there they run the fused decode sub-blocks (decode_layers.cuh, on the decode GEMV of
 // gemv.cuh: norms folded into the projections, projections that read the same row in one launch, conv into the
 // in-projection, MoE combine into the down projection) on dedicated buffers, with the token and position in a device
-// control block, so the whole step
-// (embed -> layers -> head -> draw) is one CUDA graph, recorded once per key (step_key) and replayed.
+// control block, so the whole step (embed -> layers -> head -> draw) is one CUDA graph, recorded once per key
+// (step_key) and replayed.
 // Flag "cuda_graph" (1 default, 0: the step's kernels launched one by one, no capture).
 #include <algorithm>
 #include <cmath>
