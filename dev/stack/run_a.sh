@@ -3,7 +3,7 @@
 # all5 = the tree + dev/exp_gemv_moe_own_routing.patch + exp_gemv_step_front.patch + exp_gemv_combine_front.patch
 #        + exp_attention_prep_front.patch + exp_gemv_moe_one_launch.patch (133 launches a step);
 # all6 = all5 + exp_gemv_own_prefetch_stacked.patch (each row group's later tiles into L2 with its first); before = the
-# tree (7337ef8).
+# tree.
 # kb.tar.xz: check_decode5 / check_decode6 (own routing, fronts, combine front, the MoE launch; 6 also prefetches),
 #   check_attention and check_small of all4 (= all5, all6 there).
 set -u
@@ -25,7 +25,7 @@ if [ $rc -ne 0 ]; then
   PYTHONPATH=/tmp/b_all5 timeout 100 python3 benchmarks/cuda_check.py --configs tiny,tiny_odd --tokens 128 --no-bundled > $L/cuda_check_all5.txt 2>&1
   echo "[$(el)s] cuda_check all5 rc=$?: $(tail -1 $L/cuda_check_all5.txt)"
 fi
-# the tree itself (before: 7337ef8, the fused sub-blocks moved to decode_layers.cu this session, not yet run on a GPU)
+# the tree itself (before: the fused sub-blocks moved to decode_layers.cu in b653034, not yet run on a GPU)
 mkdir -p /tmp/b_before && cp -r src/lily /tmp/b_before/ && xz -dc .h200/next/before.so.xz > /tmp/b_before/lily/_lily.cpython-312-x86_64-linux-gnu.so
 PYTHONPATH=/tmp/b_before timeout 100 python3 benchmarks/cuda_check.py --configs tiny,tiny_odd --tokens 128 --no-bundled > $L/cuda_check_before.txt 2>&1
 echo "[$(el)s] cuda_check before rc=$?: $(tail -1 $L/cuda_check_before.txt)"

@@ -1,6 +1,6 @@
 # Prepared 2026-12-04 (fourteenth session): call B of two. The A/B of the prepared patches and all5's trace.
 #   run: bash .h200/next/run_b.sh   (carry [".h200/next"]; ~7-8 min, under the 10-minute limit; built by dev/stack/build.sh)
-# builds (the extension for Python 3.12): before = the tree (7337ef8: ef8674a's kernels, the fused sub-blocks in decode_layers.cu); pf = the tree + exp_gemv_own_prefetch.patch;
+# builds (the extension for Python 3.12): before = the tree (ef8674a's kernels; the fused sub-blocks in decode_layers.cu since b653034); pf = the tree + exp_gemv_own_prefetch.patch;
 #   pfh = pf built with LILY_EXP_PF_HALF (a launch that prefetches plans for half the block slots, so the next one is
 #   resident beside it); the stack, cumulative: moe = + exp_gemv_moe_own_routing.patch, both = + exp_gemv_step_front.patch,
 #   all4 = + exp_gemv_combine_front.patch + exp_attention_prep_front.patch, all5 = + exp_gemv_moe_one_launch.patch,
