@@ -44,8 +44,9 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def run(path: str, lengths: str, steps: int, timeout: float = 900) -> dict:
+    path, *assigns = path.split("|")  # PATH|VAR=VALUE|...: environment variables of this build's process
     path, _, chunk = path.partition("#")  # PATH#N: prefill in chunks of N rows (0 / none: the backend's default)
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, **dict(a.split("=", 1) for a in assigns), "PYTHONPATH": path}
     r = subprocess.run([sys.executable, "-c", CHILD, lengths, str(steps), chunk or "0"], env=env, capture_output=True, text=True,
                        timeout=timeout)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -57,8 +58,9 @@ def run(path: str, lengths: str, steps: int, timeout: float = 900) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--builds", required=True,
-                    help="name=PYTHONPATH[#CHUNK],... (two or more builds; ratios against the first; #CHUNK: the "
-                         "prefill chunk rows for that build, the chunk-size ablation)")
+                    help="name=PYTHONPATH[#CHUNK][|VAR=VALUE...],... (two or more builds; ratios against the first; "
+                         "#CHUNK: the prefill chunk rows for that build, the chunk-size ablation; |VAR=VALUE: an "
+                         "environment variable of that build's process, a dev patch's experiment switch)")
     ap.add_argument("--lengths", default="512,4096,32768,131072")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
