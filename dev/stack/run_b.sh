@@ -15,6 +15,6 @@ xz -dc .h200/next/all6.so.xz > src/lily/_lily.cpython-312-x86_64-linux-gnu.so
 for v in before pf pfh moe both all4 all5; do mkdir -p /tmp/b_$v && cp -r src/lily /tmp/b_$v/ && xz -dc .h200/next/$v.so.xz > /tmp/b_$v/lily/_lily.cpython-312-x86_64-linux-gnu.so; done
 export PYTHONPATH=src
 echo "[$(el)s] unpacked"
-timeout 480 python3 dev/compare_builds.py --builds before=/tmp/b_before,pf=/tmp/b_pf,pfh=/tmp/b_pfh,moe=/tmp/b_moe,both=/tmp/b_both,all4=/tmp/b_all4,all5=/tmp/b_all5,all6=src,all6f=src|LILY_EXP_MOE_DOWN_FULL=1 --lengths 512,4096 --rounds 2 --keep-going --child-timeout 100 --out $OUT/compare_builds_h200.json > $L/compare.txt 2>&1
+timeout 480 python3 dev/compare_builds.py --builds "before=/tmp/b_before,pf=/tmp/b_pf,pfh=/tmp/b_pfh,moe=/tmp/b_moe,both=/tmp/b_both,all4=/tmp/b_all4,all5=/tmp/b_all5,all6=src,all6f=src|LILY_EXP_MOE_DOWN_FULL=1" --lengths 512,4096 --rounds 2 --keep-going --child-timeout 100 --out $OUT/compare_builds_h200.json > $L/compare.txt 2>&1
 echo "[$(el)s] compare rc=$?"; grep -E "^round" $L/compare.txt | tail -3; tail -12 $L/compare.txt
 cp $L/*.txt $OUT/ 2>/dev/null
