@@ -116,7 +116,7 @@ def main() -> int:
             d = next((i for i, (x, y) in enumerate(zip(ref, t)) if x != y), None)
             same[f"{b}@{L}"] = "same" if d is None else f"first differs at step {d}"
     print("greedy tokens against " + a + ": " + ", ".join(f"{k} {v}" for k, v in same.items()))
-    sys.path.insert(0, builds[0][1])  # lily.bench from the first build, whatever this process's path
+    sys.path.insert(0, builds[0][1].split("|")[0].partition("#")[0])  # lily.bench from the first build's path
     from lily.bench import git_sha, hardware
     json.dump({"benchmark": "compare_builds", "git_sha": git_sha(), "hardware": hardware(), "settings": vars(args),
                "rows": rows, "tokens_vs_first": same, "failed": failed}, open(args.out, "w"), indent=1)

@@ -11,7 +11,6 @@
 // (step_key) and replayed.
 // Flag "cuda_graph" (1 default, 0: the step's kernels launched one by one, no capture).
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
