@@ -18,6 +18,9 @@ CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer |
 for n in check_decode6 check_decode5 check_attention check_small; do
   timeout 100 /tmp/kb/$n > $L/$n.txt 2>&1; echo "[$(el)s] $n rc=$? $(grep SUMMARY $L/$n.txt)"; grep -E "^FAIL" $L/$n.txt | head -8
 done
+# the MoE launch's other plan (the K part for the whole GPU, its later blocks started as row blocks end): build all6f
+LILY_EXP_MOE_DOWN_FULL=1 timeout 100 /tmp/kb/check_decode6 > $L/check_decode6f.txt 2>&1
+echo "[$(el)s] check_decode6 (LILY_EXP_MOE_DOWN_FULL=1) rc=$? $(grep SUMMARY $L/check_decode6f.txt)"; grep -E "^FAIL" $L/check_decode6f.txt | head -8
 grep -E "moe launch|counters" $L/check_decode6.txt | head -24
 timeout 150 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 --no-bundled > $L/cuda_check.txt 2>&1
 rc=$?; echo "[$(el)s] cuda_check all6 rc=$rc: $(tail -1 $L/cuda_check.txt)"; grep FAIL $L/cuda_check.txt | head
