@@ -6,7 +6,8 @@
 # Builds: before = the tree; pf = + dev/exp_gemv_own_prefetch.patch; pfh = pf with -DLILY_EXP_PF_HALF; the stack,
 # cumulative: moe = + exp_gemv_moe_own_routing, both = + exp_gemv_step_front, all4 = + exp_gemv_combine_front +
 # exp_attention_prep_front, all5 = + exp_gemv_moe_one_launch, all6 = + exp_gemv_own_prefetch_stacked.
-# Kernel checks (kb.tar.xz): check_decode5 (all5), check_decode6 (all6), check_attention and check_small (all4).
+# Kernel checks (kb.tar.xz): check_decode_fused5 (all5), check_decode6 and check_decode_fused6 (all6), check_attention
+# and check_small (all4).
 # It applies each patch set to the working tree, builds in build/h200 (incremental), then restores the tree
 # (git checkout of csrc, benchmarks, docs): do not edit those while it runs.
 set -euo pipefail
@@ -19,7 +20,10 @@ P=dev
 S1="$P/exp_gemv_moe_own_routing.patch"; S2="$S1 $P/exp_gemv_step_front.patch"
 S4="$S2 $P/exp_gemv_combine_front.patch $P/exp_attention_prep_front.patch"; S5="$S4 $P/exp_gemv_moe_one_launch.patch"
 S6="$S5 $P/exp_gemv_own_prefetch_stacked.patch"
-restore() { git checkout -- csrc benchmarks docs; rm -f csrc/cuda/gemv_front.cuh csrc/cuda/attention_prep.cuh; }
+restore() {  # the patches' new files too
+  git checkout -- csrc benchmarks docs
+  rm -f csrc/cuda/gemv_front.cuh csrc/cuda/attention_prep.cuh benchmarks/kernels/check_decode_fused.cu
+}
 trap restore EXIT
 KB=/tmp/lily_stack/kb; mkdir -p $KB
 FLAGS="-std=c++17 -O3 -lineinfo --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc"
@@ -36,8 +40,8 @@ bld() {  # bld NAME [define] -- patches...
   xz -T0 -6 -c "/tmp/lily_stack/$name.so" > ".h200/next/$name.so.xz"
   case $name in
     all4) kcheck check_attention check_attention; kcheck check_small check_small ;;
-    all5) kcheck check_decode5 check_decode ;;
-    all6) kcheck check_decode6 check_decode ;;
+    all5) kcheck check_decode_fused5 check_decode_fused ;;
+    all6) kcheck check_decode6 check_decode; kcheck check_decode_fused6 check_decode_fused ;;
   esac
   restore
   echo "built $name"
@@ -50,6 +54,6 @@ bld both "" $S2
 bld all4 "" $S4
 bld all5 "" $S5
 bld all6 "" $S6
-tar -cJf .h200/next/kb.tar.xz -C $KB check_decode5 check_decode6 check_attention check_small
+tar -cJf .h200/next/kb.tar.xz -C $KB check_decode_fused5 check_decode6 check_decode_fused6 check_attention check_small
 cp dev/stack/run_a.sh dev/stack/run_b.sh .h200/next/
 du -sh .h200/next

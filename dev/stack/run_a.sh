@@ -4,8 +4,9 @@
 #        + exp_attention_prep_front.patch + exp_gemv_moe_one_launch.patch (133 launches a step);
 # all6 = all5 + exp_gemv_own_prefetch_stacked.patch (each row group's later tiles into L2 with its first); before = the
 # tree.
-# kb.tar.xz: check_decode5 / check_decode6 (own routing, fronts, combine front, the MoE launch; 6 also prefetches),
-#   check_attention and check_small of all4 (= all5, all6 there).
+# kb.tar.xz: check_decode_fused5 / check_decode_fused6 (own routing, fronts, combine front, the MoE launch; 6 also
+#   prefetches), check_decode6 (the GEMV's own cases, with the prefetch), check_attention and check_small of all4
+#   (= all5, all6 there).
 set -u
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -15,13 +16,13 @@ cp -r src/lily /tmp/b_all5/ && xz -dc .h200/next/all5.so.xz > /tmp/b_all5/lily/_
 tar -xJf .h200/next/kb.tar.xz -C /tmp/kb
 export PYTHONPATH=src
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer | head -1)
-for n in check_decode6 check_decode5 check_attention check_small; do
+for n in check_decode_fused6 check_decode6 check_decode_fused5 check_attention check_small; do
   timeout 100 /tmp/kb/$n > $L/$n.txt 2>&1; echo "[$(el)s] $n rc=$? $(grep SUMMARY $L/$n.txt)"; grep -E "^FAIL" $L/$n.txt | head -8
 done
 # the MoE launch's other plan (the K part for the whole GPU, its later blocks started as row blocks end): build all6f
-LILY_EXP_MOE_DOWN_FULL=1 timeout 100 /tmp/kb/check_decode6 > $L/check_decode6f.txt 2>&1
-echo "[$(el)s] check_decode6 (LILY_EXP_MOE_DOWN_FULL=1) rc=$? $(grep SUMMARY $L/check_decode6f.txt)"; grep -E "^FAIL" $L/check_decode6f.txt | head -8
-grep -E "moe launch|counters" $L/check_decode6.txt | head -24
+LILY_EXP_MOE_DOWN_FULL=1 timeout 100 /tmp/kb/check_decode_fused6 > $L/check_decode_fused6f.txt 2>&1
+echo "[$(el)s] check_decode_fused6 (LILY_EXP_MOE_DOWN_FULL=1) rc=$? $(grep SUMMARY $L/check_decode_fused6f.txt)"; grep -E "^FAIL" $L/check_decode_fused6f.txt | head -8
+grep -E "moe launch|counters" $L/check_decode_fused6.txt | head -24
 timeout 150 python3 benchmarks/cuda_check.py --configs tiny,tiny_dk_ne_dv,tiny_odd,mid_real_heads --tokens 256 --no-bundled > $L/cuda_check.txt 2>&1
 rc=$?; echo "[$(el)s] cuda_check all6 rc=$rc: $(tail -1 $L/cuda_check.txt)"; grep FAIL $L/cuda_check.txt | head
 if [ $rc -ne 0 ]; then
