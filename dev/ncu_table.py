@@ -6,7 +6,7 @@ samples). LABELS: a file with one label per profiled launch, in launch order (op
 --families: one row per kernel (template arguments dropped) instead: launches, total us and its share, DRAM MB,
 GB/s over the family's time, the time-weighted DRAM % and warps active, the stall samples summed over its launches
 (for `--graph-profiling node` of a step graph: the step's time by kernel family, each launch timed alone); where the
-CSV holds the tensor-path op counters (sm__ops_path_tensor_*.sum: the prefill mode of dev/h200_run.sh) also the
+CSV holds the tensor-path op counters (sm__ops_path_tensor_*.sum, e.g. ncu over dev/ncu_prefill.py) also the
 time-weighted SM throughput % and the tensor ops per second over the family's time (TOP/s)."""
 import csv
 import sys

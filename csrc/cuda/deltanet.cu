@@ -188,7 +188,7 @@ __global__ void gated_norm_kernel(kp::DeltaNetParams p, const float* y, const fl
 // (gated_norm_kernel's arithmetic), so the out-projection stages a plain bf16 row. (The norm in the
 // out-projection's staging cost every one of its 256 blocks two dependent passes over y and z: 11.7 us against
 // 6.7 for the same bytes with a bf16 row. A thread-block cluster per head, the squares added through distributed
-// shared memory, measured 1.1% slower in the step: dev/exp_deltanet_step_cluster.patch; decode_gemv_h200.md.)
+// shared memory, measured 1.1% slower in the step: dev/README.md; decode_gemv_h200.md.)
 template <int NK>
 __global__ void __launch_bounds__(kStepWarps * 32)
     deltanet_step_kernel(kp::DeltaNetParams p, const float* u, const float* b, const float* a, const float* dt_bias,

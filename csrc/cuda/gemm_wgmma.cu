@@ -18,7 +18,8 @@
 //     the producer fills the next item's stages during this item's epilogue. On the H200 (check_gemm, 2,048
 //     tokens): the MoE down 312 -> 284 us, the shared gate/up 48.6 -> 43.9, the DeltaNet out-projection 152 ->
 //     158 (its accumulate reads); a 4K prefill 1.024x (dev/compare_builds.py, seventh session).
-// Measured on the H200 (dev/gemm_lab/gemm_wgmma.cu v4, M = 4096): 470 TFLOP/s on the DeltaNet in-projection and
+// Measured on the H200 (the lab's v4: git show 92ce5fc:dev/gemm_lab/gemm_wgmma.cu; M = 4096): 470 TFLOP/s on the
+// DeltaNet in-projection and
 // the attention q/k/v (48% of 990), 2.4x the mma.sync GEMM's shape of kernel that dequantised into a shared tile
 // (whose ncu showed the L1/shared pipe at 90%, the tensor pipe idle).
 // Plain rows (tokens) or grouped tiles (MoE experts: one expert per token tile, rows gathered through a_rows,

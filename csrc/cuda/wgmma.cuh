@@ -1,5 +1,5 @@
-// Hopper helpers shared by the warp-specialised wgmma GEMM (gemm_wgmma.cu), the wgmma flash attention
-// (attention_prefill_wgmma.cu) and the GEMM lab (dev/gemm_lab): mbarriers (init, arrive, parity wait, and the arrival
+// Hopper helpers shared by the warp-specialised wgmma GEMM (gemm_wgmma.cu) and the wgmma flash attention
+// (attention_prefill_wgmma.cu): mbarriers (init, arrive, parity wait, and the arrival
 // of a thread's cp.async copies), the 4-byte cp.async, a 32-bit shared load, the word holding a bf16 and which half,
 // the 128-byte swizzle with wgmma's shared-memory descriptors, and the wgmma instructions themselves.
 #pragma once
