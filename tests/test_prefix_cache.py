@@ -138,7 +138,7 @@ def test_session_save_load_round_trip(model, tmp_path):
     s.generate(msgs + [{"role": "user", "content": "More?"}], max_tokens=5, temperature=0, enable_thinking=False)
     path = s.save(tmp_path / "s.lily-session.safetensors", metadata={"messages": msgs})
     cache2 = PrefixCache(interval=0)
-    s2 = lily.Session.load(path, model, cache2)
+    s2 = model.load_session(path, cache2)
     assert s2.tokens == s.tokens and s2.position == s.position and s2.metadata == {"messages": msgs}
     assert len(cache2) >= 1  # the earlier turn boundaries came back too
     a = s.generate(" and then", max_tokens=5, temperature=0)
@@ -146,7 +146,7 @@ def test_session_save_load_round_trip(model, tmp_path):
     assert a.token_ids == b.token_ids and b.stats.cached_tokens == a.stats.cached_tokens
     # an earlier boundary of the loaded file still serves a different continuation
     other = msgs + [{"role": "user", "content": "Different question"}]
-    r = lily.Session(model, cache2).generate(other, max_tokens=2, temperature=0, enable_thinking=False)
+    r = model.session(cache2).generate(other, max_tokens=2, temperature=0, enable_thinking=False)
     assert r.stats.cached_tokens > 0
 
 
@@ -170,10 +170,10 @@ def test_cache_dir_round_trip(model, tmp_path):
     s = model.session(prefix_cache=cache)
     for n in (1, 2):
         s.generate(conversation(n) + [{"role": "user", "content": "ok?"}], max_tokens=3, temperature=0)
-    files = cache.save_dir(tmp_path, model)
+    files = cache.save_dir(tmp_path, model.identity)
     assert files and len(files) == len(cache.paths())
     back = PrefixCache(interval=0)
-    assert back.load_dir(tmp_path, model) == len(cache)
+    assert back.load_dir(tmp_path, model.identity, model.engine) == len(cache)
     assert sorted(len(e.tokens) for e in back.entries()) == sorted(len(e.tokens) for e in cache.entries())
 
 

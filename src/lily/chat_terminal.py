@@ -164,13 +164,12 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
 def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
     """The chat loop of `lily chat` on a loaded model; sampling: the generate() keywords."""
     from .prefix_cache import PrefixCache, ReplyTokens
-    from .session import Session
 
     cache = PrefixCache(max_bytes=2 << 30)
     replies = ReplyTokens()
     session = model.session(prefix_cache=cache)
     if args.session and os.path.exists(args.session):
-        session = Session.load(args.session, model, cache)
+        session.load_file(args.session)
         print(f"[loaded {args.session}: {session.position} tokens]", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict] = list(session.metadata.get("messages") or system)

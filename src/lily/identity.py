@@ -1,16 +1,15 @@
-"""What identifies a model for its saved states: a cheap digest of the checkpoint's weights (recorded by
-`lily.load`) and the fingerprint (config + tokenizer + that digest) that session files carry."""
+"""What identifies a model for its saved states: a cheap digest of the checkpoint's weights (computed by
+`lily.load`), the fingerprint (config + tokenizer + that digest) that session files carry, and `ModelIdentity`,
+the values a session file records of its model and checks on reading."""
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import Any, Mapping
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .model import Model
 
 
 def weights_digest(tensors: Mapping[str, np.ndarray], sample: int = 256) -> str:
@@ -28,16 +27,27 @@ def weights_digest(tensors: Mapping[str, np.ndarray], sample: int = 256) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(model: "Model") -> str:
-    """Identity of the model a session state belongs to: config, tokenizer, and the weights digest that
-    `lily.load` records (models built by hand without one are identified by config + tokenizer only)."""
+def model_fingerprint(config: Mapping[str, Any], tokenizer_path: str | Path, tokenizer_vocab_size: int,
+                      weights: str | None) -> str:
+    """Identity of the model a session state belongs to: its config (as a dict), its tokenizer (file and vocab
+    size) and the digest of its weights (`weights_digest`; None for a model built by hand, which is then
+    identified by config + tokenizer only). The bytes hashed are those of every earlier lily, so session files
+    saved before stay readable."""
     h = hashlib.sha256()
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    tok = model.tokenizer
-    h.update(f"|vocab={tok.vocab_size}|".encode())
+    h.update(json.dumps(dict(config), sort_keys=True, default=str).encode())
+    h.update(f"|vocab={tokenizer_vocab_size}|".encode())
     try:
-        h.update(hashlib.sha256(Path(tok.path).read_bytes()).digest())
+        h.update(hashlib.sha256(Path(tokenizer_path).read_bytes()).digest())
     except OSError:
         pass
-    h.update(str(getattr(model, "weights_digest", None)).encode())
+    h.update(str(weights).encode())
     return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a session file records of the model it was saved from, and checks on reading."""
+
+    fingerprint: str   # model_fingerprint: a file from another model is refused
+    path: str | None   # where the model was loaded from (named in messages and in the file's metadata)
+    vocab_size: int    # rows of its logits

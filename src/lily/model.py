@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -17,9 +18,9 @@ from .chat import ChatTemplate
 from .config import ModelConfig
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError
 from .generation import GenerationChunk, GenerationResult
-from .identity import model_fingerprint, weights_digest
+from .identity import ModelIdentity, model_fingerprint, weights_digest
 from .sampling import takes_sampling_options
-from .session import PrefillResult, Session
+from .session import PrefillResult, PromptEncoder, Session, SessionLimits
 from .tokenizer import Tokenizer
 
 BACKENDS = ("auto", "cpu", "cuda", "metal", "reference")
@@ -193,11 +194,15 @@ def _human_count(n: int) -> str:
 
 
 class Model:
-    """A loaded model: engine + tokenizer + chat template. Use `lily.load()` to make one."""
+    """A loaded model: engine + tokenizer + chat template. Use `lily.load()` to make one.
+
+    weights_digest: `lily.identity.weights_digest` of the checkpoint's tensors (`lily.load` computes it), part of
+    the fingerprint that saved sessions carry; None for a model built by hand."""
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, config: ModelConfig, *,
                  chat_template: ChatTemplate | str | None = None, generation_config: Mapping[str, Any] | None = None,
-                 path: str | Path | None = None, nbytes: int = 0, params: int = 0, chunk_size: int = 0):
+                 path: str | Path | None = None, nbytes: int = 0, params: int = 0, chunk_size: int = 0,
+                 weights_digest: str | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -208,6 +213,7 @@ class Model:
         self.nbytes = int(nbytes)
         self.params = int(params)
         self.chunk_size = int(chunk_size)
+        self.weights_digest = weights_digest
         self.stop_token_ids = self._stop_tokens()
 
     def _stop_tokens(self) -> tuple[int, ...]:
@@ -263,26 +269,38 @@ class Model:
     def session(self, prefix_cache: Any = None) -> Session:
         """A fresh session (empty state) for multi-turn use. With a `lily.prefix_cache.PrefixCache`, it keeps
         state snapshots at turn boundaries and continues any later prompt from the longest one it holds."""
-        return Session(self, prefix_cache)
+        return Session(self.engine, PromptEncoder(self.tokenizer, self.chat_template, self.stop_token_ids),
+                       SessionLimits(self.max_context, self.vocab_size, self.chunk_size), self.identity,
+                       prefix_cache=prefix_cache, sampling_defaults=self.generation_config)
 
     def load_session(self, path: str | Path, prefix_cache: Any = None) -> Session:
-        """A session saved by `Session.save` with this model (SessionFileError for another model's file)."""
-        return Session.load(path, self, prefix_cache)
+        """A session saved by `Session.save` with this model (SessionFileError for another model's file); the
+        file's earlier snapshots go into `prefix_cache` when given."""
+        s = self.session(prefix_cache)
+        s.load_file(path)
+        return s
+
+    @cached_property
+    def identity(self) -> ModelIdentity:
+        """What saved sessions record of this model (the fingerprint: weights digest + tokenizer + config)."""
+        fingerprint = model_fingerprint(self.config.to_dict(), self.tokenizer.path, self.tokenizer.vocab_size,
+                                        self.weights_digest)
+        return ModelIdentity(fingerprint, self.path, self.vocab_size)
 
     @property
     def fingerprint(self) -> str:
         """Identity of these weights + tokenizer + config (session files carry it)."""
-        return model_fingerprint(self)
+        return self.identity.fingerprint
 
     def prefill(self, prompt: Any, **template_kwargs: Any) -> Session:
         """Run a prompt; returns the session holding it, ready for `.generate()`."""
-        s = Session(self)
+        s = self.session()
         s.prefill(prompt, **template_kwargs)
         return s
 
     def prefill_stats(self, prompt: Any, **template_kwargs: Any) -> PrefillResult:
         """Run a prompt in a throwaway session and report its prefill timing."""
-        return Session(self).prefill(prompt, **template_kwargs)
+        return self.session().prefill(prompt, **template_kwargs)
 
     @takes_sampling_options
     def generate(self, prompt: Any, *, stream: bool = False, enable_thinking: bool | None = None,
@@ -303,7 +321,7 @@ class Model:
                             ("tools", tools)):
             if value is not None:
                 kwargs[name] = value
-        return Session(self).generate(prompt, stream=stream, **kwargs)
+        return self.session().generate(prompt, stream=stream, **kwargs)
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [S, vocab] for token_ids, from an empty state."""
@@ -355,8 +373,6 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     engine = factory(engine_config, ckpt.tensors, ckpt.quant, threads=threads, max_context=max_context)
     tokenizer = Tokenizer(ckpt.tokenizer_path)
     template = ChatTemplate(ckpt.chat_template, _special_token_strings(ckpt.tokenizer_path), origin=str(ckpt.path))
-    model = Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
-                  path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
-                  chunk_size=chunk_size)
-    model.weights_digest = weights_digest(ckpt.tensors)  # identifies saved sessions' model
-    return model
+    return Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
+                 path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
+                 chunk_size=chunk_size, weights_digest=weights_digest(ckpt.tensors))

@@ -19,20 +19,17 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .identity import model_fingerprint
+from .identity import ModelIdentity
 from .session_file import SESSION_SUFFIX, SessionFileError, load_session_file, save_session_file
 from .snapshot import SessionSnapshot, snapshot_nbytes
 
 # SessionFileError and snapshot_nbytes were defined here before lily.session_file / lily.snapshot: still importable
 __all__ = ["PrefixCache", "ReplyTokens", "DEFAULT_CACHE_BYTES", "DEFAULT_SNAPSHOT_INTERVAL", "DEFAULT_MIN_GAP",
            "SESSION_SUFFIX", "SessionFileError", "snapshot_nbytes"]
-
-if TYPE_CHECKING:
-    from .model import Model
 
 DEFAULT_CACHE_BYTES = 4 << 30
 DEFAULT_SNAPSHOT_INTERVAL = 4096
@@ -255,32 +252,31 @@ class PrefixCache:
             out.append([nd.entry for nd in reversed(chain)])
         return out
 
-    def save_dir(self, folder: str | os.PathLike, model: "Model", extra: Sequence[SessionSnapshot] = ()
+    def save_dir(self, folder: str | os.PathLike, owner: ModelIdentity, extra: Sequence[SessionSnapshot] = ()
                  ) -> list[Path]:
-        """Write every stored snapshot (plus `extra`) under `folder`, one file per trie path; files this
-        cache loaded or wrote earlier whose path no longer exists are removed (other files are left alone).
-        Returns the files of the current paths."""
+        """Write every stored snapshot (plus `extra`) of the model `owner` (`Model.identity`) under `folder`, one
+        file per trie path; files this cache loaded or wrote earlier whose path no longer exists are removed
+        (other files are left alone). Returns the files of the current paths."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         for snap in extra:
             if not self.contains(snap.tokens):
                 self.insert(snap)
         keep = []
-        fingerprint = model_fingerprint(model)
         for chain in self.paths():
-            name = _path_name(chain, fingerprint)
-            path = folder / name
+            path = folder / _path_name(chain, owner.fingerprint)
             if not path.exists():
-                save_session_file(path, chain, model)
+                save_session_file(path, chain, owner)
             keep.append(path)
         for old in self._files - set(keep):
             old.unlink(missing_ok=True)
         self._files = set(keep)
         return keep
 
-    def load_dir(self, folder: str | os.PathLike, model: "Model") -> int:
-        """Load session files from `folder` (newest first, while they fit the budget); returns the number
-        of snapshots added. Files from another model are skipped with a warning."""
+    def load_dir(self, folder: str | os.PathLike, owner: ModelIdentity, engine: Any) -> int:
+        """Load session files from `folder` into states of `engine`, which runs the model `owner`
+        (`Model.identity`, `Model.engine`): newest first, while they fit the budget; returns the number of
+        snapshots added. Files from another model are skipped with a warning."""
         import warnings
         folder = Path(folder)
         if not folder.is_dir():
@@ -289,7 +285,7 @@ class PrefixCache:
         added = 0
         for path in files:
             try:
-                snaps, _ = load_session_file(path, model)
+                snaps, _ = load_session_file(path, owner, engine)
             except SessionFileError as e:
                 warnings.warn(str(e), stacklevel=2)
                 continue

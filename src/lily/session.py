@@ -9,7 +9,11 @@ fed at the start of the next prefill/generate, so a finished generation costs no
 Prefix reuse: a prompt that is the *whole* context (chat messages, or `whole=True`) continues from the
 session's state when the session holds a prefix of it, else from the longest snapshot of the session's
 `PrefixCache` that is a prefix of it; snapshots are taken at turn boundaries and every N tokens while
-prefilling (see lily.prefix_cache). `save(path)` / `Session.load(path, model)` keep a session on disk.
+prefilling (see lily.prefix_cache). `save(path)` / `load_file(path)` keep a session on disk.
+
+A session is given values, not the `Model` above it (`Model.session()` makes one): the engine, its
+`PromptEncoder` (tokenizer, chat template, stop ids), its `SessionLimits` and the `ModelIdentity` its files
+carry.
 """
 from __future__ import annotations
 
@@ -20,20 +24,71 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .chat import ChatTemplate
 from .errors import ContextLengthError, LilyError, NonFiniteLogitsError
 from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
                          StopStringMatcher, collect, split_reasoning)
 from .sampling import (Sampler, SamplingParams, device_sampling_supported, resolve_sampling, split_sampling_options,
                        takes_sampling_options)
+from .identity import ModelIdentity
 from .session_file import load_session_file, read_session_user_metadata, save_session_file
 from .snapshot import SessionSnapshot
+from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from .model import Model
     from .prefix_cache import PrefixCache
 
 # progress(done, total) is called between prefill pieces; it may raise (e.g. to cancel a request)
 ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """The sizes a session works within."""
+
+    max_context: int     # tokens its state holds at most
+    vocab_size: int      # token ids are 0 .. vocab_size - 1 (the logits rows' length)
+    chunk_size: int = 0  # prefill rows per engine chunk (0 = the backend's default)
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """Prompts to token ids and generated ids back to text: the checkpoint's tokenizer and chat template, and
+    the ids that end a reply (from config.json, generation_config.json and the tokenizer)."""
+
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    stop_token_ids: tuple[int, ...] = ()
+
+    def encode(self, prompt: Any, vocab_size: int, **template_kwargs: Any) -> tuple[list[int], str | None]:
+        """prompt -> (token ids, the rendered chat text or None). str: raw text; ints: token ids (each below
+        vocab_size); dicts: chat messages."""
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError("[generate] the prompt is bytes: pass text (prompt.decode('utf-8')) or a list of "
+                            "token ids")
+        if isinstance(prompt, str):
+            if template_kwargs:
+                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
+                                f"but the prompt is a string (pass a list of {{'role', 'content'}} messages)")
+            return self.tokenizer.encode(prompt), None
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            kw = {"add_generation_prompt": True, **template_kwargs}
+            text = self.chat_template.render(prompt, **kw)
+            return self.tokenizer.encode(text), text
+        if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"[generate] token id {bad[0]} is out of range: expected 0..{vocab_size - 1}")
+            if template_kwargs:
+                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
+                                f"but the prompt is token ids")
+            return ids, None
+        raise TypeError(f"[generate] prompt must be a string, a list of token ids or a list of chat message "
+                        f"dicts, got {type(prompt).__name__}")
 
 
 @dataclass
@@ -51,15 +106,21 @@ class PrefillResult:
 class Session:
     """Explicit state for multi-turn use.
 
-    s = model.session()
+    s = model.session()                     # Model.session builds it from the model's values
     s.prefill("Once upon a time")           # text/ids are appended; chat messages are the whole conversation
     r = s.generate(max_tokens=32)           # continues from the state; the reply's tokens join s.tokens
     snap = s.snapshot(); ...; s.restore(snap)
     """
 
-    def __init__(self, model: "Model", prefix_cache: "PrefixCache | None" = None):
-        self.model = model
-        self._engine = model.engine
+    def __init__(self, engine: Any, encoder: PromptEncoder, limits: SessionLimits, owner: ModelIdentity, *,
+                 prefix_cache: "PrefixCache | None" = None, sampling_defaults: Mapping[str, Any] | None = None):
+        """engine: runs the model (new_state, forward, open_stream); owner: what its saved files carry;
+        sampling_defaults: the checkpoint's generation_config.json (options a request leaves unset)."""
+        self.encoder = encoder
+        self.limits = limits
+        self.owner = owner
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self._engine = engine
         self._state = self._engine.new_state()
         self._tokens: list[int] = []     # run through the model (in the state)
         self._pending: list[int] = []    # sampled, not yet run through the model
@@ -83,7 +144,7 @@ class Session:
 
     @property
     def max_context(self) -> int:
-        return self.model.max_context
+        return self.limits.max_context
 
     @property
     def nbytes(self) -> int:
@@ -115,41 +176,10 @@ class Session:
         """The tokens this prompt adds to the session, and the rendered text when it is chat messages. Chat
         messages (and any prompt with whole=True) are the whole context: the session keeps the longest prefix
         of it that it can, see `_reuse`."""
-        ids, chat_text = self._prompt_ids(prompt, **template_kwargs)
+        ids, chat_text = self.encoder.encode(prompt, self.limits.vocab_size, **template_kwargs)
         if chat_text is None and not whole:
             return ids, None
         return self._reuse(ids), chat_text
-
-    def _prompt_ids(self, prompt: Any, **template_kwargs: Any) -> tuple[list[int], str | None]:
-        """prompt -> (token ids, the rendered chat text or None). str: raw text; ints: token ids; dicts: chat
-        messages."""
-        model = self.model
-        if isinstance(prompt, (bytes, bytearray, memoryview)):
-            raise TypeError("[generate] the prompt is bytes: pass text (prompt.decode('utf-8')) or a list of "
-                            "token ids")
-        if isinstance(prompt, str):
-            if template_kwargs:
-                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
-                                f"but the prompt is a string (pass a list of {{'role', 'content'}} messages)")
-            return model.tokenizer.encode(prompt), None
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.reshape(-1).tolist()
-        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            kw = {"add_generation_prompt": True, **template_kwargs}
-            text = model.chat_template.render(prompt, **kw)
-            return model.tokenizer.encode(text), text
-        if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                for t in prompt):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < model.vocab_size]
-            if bad:
-                raise ValueError(f"[generate] token id {bad[0]} is out of range: expected 0..{model.vocab_size - 1}")
-            if template_kwargs:
-                raise TypeError(f"[generate] {', '.join(sorted(template_kwargs))} only apply to chat messages, "
-                                f"but the prompt is token ids")
-            return ids, None
-        raise TypeError(f"[generate] prompt must be a string, a list of token ids or a list of chat message "
-                        f"dicts, got {type(prompt).__name__}")
 
     def _reuse(self, ids: Sequence[int]) -> list[int]:
         """Make the state hold the longest available prefix of `ids` (the live state if it is a prefix,
@@ -210,7 +240,7 @@ class Session:
         self._last_logits = None
         try:
             out = self._engine.forward(self._state, np.asarray(run, np.int32), logits=logits,
-                                       chunk_size=self.model.chunk_size)
+                                       chunk_size=self.limits.chunk_size)
         finally:  # keep the token bookkeeping true to the state even if interrupted
             done = max(0, min(len(run), self._state.position - before))
             self._tokens.extend(run[:done])
@@ -229,7 +259,7 @@ class Session:
             return self._last_logits
         snaps: set[int] = set()
         if self.prefix_cache is not None:
-            snaps = set(self.prefix_cache.snapshot_points(full, start, end, self.model.tokenizer.im_start_id))
+            snaps = set(self.prefix_cache.snapshot_points(full, start, end, self.encoder.tokenizer.im_start_id))
             if start in snaps:  # the state as it is now (its pending token not run yet)
                 self.prefix_cache.insert(SessionSnapshot(
                     self._state.snapshot(), tuple(self._tokens), (),
@@ -271,30 +301,28 @@ class Session:
     # ---- disk ----------------------------------------------------------------------------------------
     def save(self, path: str | Any, metadata: Mapping[str, Any] | None = None) -> Any:
         """Write the session (state, tokens, and the prefix-cache snapshots on its own token path) to a
-        safetensors file; `Session.load(path, model)` brings it back on the same model. `metadata` (JSON
-        data, e.g. the chat messages) comes back as `.metadata` of the loaded session."""
+        safetensors file; `load_file(path)` (`Model.load_session(path)`) brings it back on the same model.
+        `metadata` (JSON data, e.g. the chat messages) comes back as `.metadata` of the loaded session."""
         chain = []
         if self.prefix_cache is not None:
             n = len(self._tokens)
             chain = [e for e in self.prefix_cache.entries()
                      if len(e.tokens) < n and list(e.tokens) == self._tokens[:len(e.tokens)]]
         chain.append(SessionSnapshot(self._state, tuple(self._tokens), (), self._last_logits))
-        return save_session_file(path, chain, self.model, pending=self._pending, metadata=metadata)
+        return save_session_file(path, chain, self.owner, pending=self._pending, metadata=metadata)
 
-    @classmethod
-    def load(cls, path: str | Any, model: "Model", prefix_cache: "PrefixCache | None" = None) -> "Session":
-        """A session read from a file written by `Session.save` with the same model (SessionFileError if
-        it came from another one). Earlier snapshots in the file go into `prefix_cache` when given."""
-        snaps, pending = load_session_file(path, model)
-        s = cls(model, prefix_cache)
-        s.metadata = read_session_user_metadata(path)
+    def load_file(self, path: str | Any) -> None:
+        """Continue from a file written by `save` with the same model (SessionFileError if it came from another
+        one): its state, tokens and metadata replace this session's; its earlier snapshots go into the
+        session's prefix cache, when it has one."""
+        snaps, pending = load_session_file(path, self.owner, self._engine)
+        self.metadata = read_session_user_metadata(path)
         head = snaps[-1]
-        s._state, s._tokens, s._pending = head.state, list(head.tokens), list(pending)
-        s._last_logits = None if head.last_logits is None else np.asarray(head.last_logits, np.float32)
-        if prefix_cache is not None:
+        self._state, self._tokens, self._pending = head.state, list(head.tokens), list(pending)
+        self._last_logits = None if head.last_logits is None else np.asarray(head.last_logits, np.float32)
+        if self.prefix_cache is not None:
             for snap in snaps[:-1]:
-                prefix_cache.insert(snap)
-        return s
+                self.prefix_cache.insert(snap)
 
     # ---- generation -------------------------------------------------------------------------------
     @takes_sampling_options
@@ -313,7 +341,7 @@ class Session:
         """
         options, template_kwargs = split_sampling_options(kwargs)
         if sampling is None:
-            sampling = resolve_sampling(self.model.generation_config, **options)
+            sampling = resolve_sampling(self.sampling_defaults, **options)
         t0 = time.perf_counter()
         new, chat_text = ([], None) if prompt is None else self._new_tokens(prompt, template_kwargs, whole)
         budget = self._check_room(len(new), sampling.max_tokens)
@@ -328,14 +356,13 @@ class Session:
                      progress: ProgressCallback | None = None, constraint: Any = None) -> Iterator[GenerationChunk]:
         # timings start when the stream is first pulled (plus the prompt preparation time)
         t0 = time.perf_counter() - prep_s
-        model = self.model
         stats = GenerationStats(prompt_tokens=self.position + len(new), cached_tokens=len(self._tokens))
         logits = self._feed_prompt(new, progress)
         stats.prefill_s = time.perf_counter() - t0
         sampler = Sampler(params, logits.shape[-1], prompt_tokens=self.tokens, constraint=constraint)
-        detok = model.tokenizer.streaming_detokenizer(skip_special_tokens=True)
+        detok = self.encoder.tokenizer.streaming_detokenizer(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
-        stop_ids = set(model.stop_token_ids) | set(params.stop_token_ids)
+        stop_ids = set(self.encoder.stop_token_ids) | set(params.stop_token_ids)
         t_first = None
 
         def chunk(token: int, lp: Any) -> GenerationChunk | None:

@@ -29,6 +29,7 @@ from .grammar import GrammarConstraint, json_schema_grammar, tool_call_grammar
 from .metrics import Metrics
 from .middleware import APIKeyMiddleware, RequestGuard, SSEResponse, error_response
 from .output import ChatOutput
+from .prepared import Prepared, PreparedChat, PreparedCompletion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        bad_request, completion_logprobs, max_tokens_of, new_id, normalize_chat_messages, now,
                        parse_request, sampling_of)
@@ -87,7 +88,7 @@ class LilyServer:
     # ---- lifecycle ----------------------------------------------------------------------------------
     def startup(self) -> None:
         if self.config.session_dir:
-            self.cache.load_dir(self.config.session_dir, self.model)
+            self.cache.load_dir(self.config.session_dir, self.model.identity, self.model.engine)
             self.replies.load(Path(self.config.session_dir) / REPLIES_FILE)
         self.worker.start()
 
@@ -98,7 +99,7 @@ class LilyServer:
                               "sessions on disk")
         extra = [s.snapshot() for s in self.worker.sessions if s._tokens]
         extra = [type(e)(e.state, e.tokens, (), e.last_logits) for e in extra]  # the pending token is not in the state
-        files = [str(p) for p in self.cache.save_dir(self.config.session_dir, self.model, extra)]
+        files = [str(p) for p in self.cache.save_dir(self.config.session_dir, self.model.identity, extra)]
         self.replies.save(Path(self.config.session_dir) / REPLIES_FILE)
         return files
 
@@ -142,7 +143,7 @@ class LilyServer:
                               param=param, code="context_length_exceeded")
         return capped
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedChat:
         model = self.model
         self.check_model(req.model)
         tools = validate_tools(req.tools) or None
@@ -205,8 +206,8 @@ class LilyServer:
                 raise bad_request("response_format and a forced tool_choice cannot be combined", param="tool_choice")
             grammar = tool_call_grammar(tools, forced, parallel=req.parallel_tool_calls is not False)
             constraint = GrammarConstraint(model, grammar, start_after)
-        return {"ids": ids, "sampling": sampling, "constraint": constraint, "in_reasoning": in_reasoning,
-                "tools": tools, "parse_tools": bool(tools) and choice != "none", "request": req}
+        return PreparedChat(ids=ids, sampling=sampling, constraint=constraint, request=req, in_reasoning=in_reasoning,
+                            tools=tools, parse_tools=bool(tools) and choice != "none")
 
     def fim_prompt(self, prefix: str, suffix: str) -> str:
         tok = self.model.tokenizer
@@ -217,7 +218,7 @@ class LilyServer:
                               "template; send the prompt without suffix", param="suffix")
         return f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
 
-    def prepare_completion(self, req: CompletionRequest) -> dict[str, Any]:
+    def prepare_completion(self, req: CompletionRequest) -> PreparedCompletion:
         model = self.model
         self.check_model(req.model)
         prompt = req.prompt
@@ -253,22 +254,23 @@ class LilyServer:
             max_tokens = self._max_tokens(16 if req.max_tokens is None else max_tokens_of(req), len(ids), "prompt")
         sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens or None,
                                logprobs=n_top is not None, top_logprobs=n_top)
-        return {"ids": ids, "sampling": sampling, "prompt_text": text, "raw": isinstance(prompt, str),
-                "score_prompt": bool(req.echo) and n_top is not None, "n_top": n_top or 0, "max_tokens": max_tokens}
+        return PreparedCompletion(ids=ids, sampling=sampling, prompt_text=text, raw=isinstance(prompt, str),
+                                  score_prompt=bool(req.echo) and n_top is not None, n_top=n_top or 0,
+                                  max_tokens=max_tokens)
 
     # ---- running a job -----------------------------------------------------------------------------------
-    def submit(self, prep: dict[str, Any]) -> tuple[Job, int]:
+    def submit(self, prep: Prepared) -> tuple[Job, int]:
         timeout = self.config.request_timeout_s or None
-        job = Job(prep["ids"], prep["sampling"], asyncio.get_running_loop(), constraint=prep.get("constraint"),
+        job = Job(prep.ids, prep.sampling, asyncio.get_running_loop(), constraint=prep.constraint,
                   timeout_s=timeout)
         return job, self.worker.submit(job)
 
-    def remember_completion(self, prep: dict[str, Any], ids: list[int], stop_reason: Any) -> None:
+    def remember_completion(self, prep: PreparedCompletion, ids: list[int], stop_reason: Any) -> None:
         """Keep prompt + completion text -> exact tokens, so a longer prompt that extends it reuses them."""
         if isinstance(stop_reason, int) and ids and ids[-1] == stop_reason:
             ids = ids[:-1]
-        if prep.get("raw"):
-            self.replies.remember_text(prep["prompt_text"] + self.model.tokenizer.decode(ids), prep["ids"] + ids)
+        if prep.raw:
+            self.replies.remember_text(prep.prompt_text + self.model.tokenizer.decode(ids), prep.ids + ids)
 
     def remember_reply(self, ids: list[int], stop_reason: Any) -> None:
         """Keep the exact tokens of a reply (without its stop token) for the next turn's tokenization (the
@@ -431,8 +433,8 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         req = await parse(ChatCompletionRequest, request)
         prep = await run_in_threadpool(srv.prepare_chat, req)
         job, ahead = srv.submit(prep)
-        out = ChatOutput(model.tokenizer, in_reasoning=prep["in_reasoning"], tools=prep["tools"],
-                         parse_tools=prep["parse_tools"], logprobs=bool(req.logprobs),
+        out = ChatOutput(model.tokenizer, in_reasoning=prep.in_reasoning, tools=prep.tools,
+                         parse_tools=prep.parse_tools, logprobs=bool(req.logprobs),
                          reasoning_field=config.reasoning_field)
         rid, created, name = new_id("chatcmpl"), now(), req.model or srv.name
         include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -446,11 +448,11 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         req = await parse(CompletionRequest, request)
         prep = await run_in_threadpool(srv.prepare_completion, req)
         rid, created, name = new_id("cmpl"), now(), req.model or srv.name
-        echo = prep["prompt_text"] if req.echo else ""
-        if prep["score_prompt"]:
-            fut = srv.worker.call(lambda: prompt_logprobs(model, prep["ids"], prep["n_top"]))
-            prep["prompt_logprobs"] = await asyncio.wrap_future(fut)
-        if prep["max_tokens"] == 0:
+        echo = prep.prompt_text if req.echo else ""
+        if prep.score_prompt:
+            fut = srv.worker.call(lambda: prompt_logprobs(model, prep.ids, prep.n_top))
+            prep.prompt_logprobs = await asyncio.wrap_future(fut)
+        if prep.max_tokens == 0:
             return JSONResponse(_scored_prompt(srv, prep, rid, created, name, echo))
         job, ahead = srv.submit(prep)
         if req.stream:
@@ -464,12 +466,12 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def _scored_prompt(srv: LilyServer, prep: dict[str, Any], rid: str, created: int, name: str,
+def _scored_prompt(srv: LilyServer, prep: PreparedCompletion, rid: str, created: int, name: str,
                    echo: str) -> dict[str, Any]:
     """max_tokens 0: the prompt (with its logprobs when asked), nothing generated."""
-    items = prep.get("prompt_logprobs")
+    items = prep.prompt_logprobs
     lp = completion_logprobs(srv.model.tokenizer, items, 0) if items else None
-    n = len(prep["ids"])
+    n = len(prep.ids)
     return {"id": rid, "object": "text_completion", "created": created, "model": name,
             "choices": [{"index": 0, "text": echo, "logprobs": lp, "finish_reason": "length"}],
             "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,

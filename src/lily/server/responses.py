@@ -297,8 +297,8 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
         chat, conversation = await run_in_threadpool(to_chat_request, req, history)
         prep = await run_in_threadpool(srv.prepare_chat, chat)
         job, ahead = srv.submit(prep)
-        out = ChatOutput(srv.model.tokenizer, in_reasoning=prep["in_reasoning"], tools=prep["tools"],
-                         parse_tools=prep["parse_tools"], logprobs=False, reasoning_field="reasoning_content")
+        out = ChatOutput(srv.model.tokenizer, in_reasoning=prep.in_reasoning, tools=prep.tools,
+                         parse_tools=prep.parse_tools, logprobs=False, reasoning_field="reasoning_content")
         rid, created, items = new_id("resp"), now(), _Items()
         ids: list[int] = []
         if not req.stream:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from .errors import as_api_error
 from .middleware import sse
 from .output import ChatOutput
+from .prepared import PreparedCompletion
 from .protocol import completion_logprobs, timings, usage
 from .worker import Cancelled, Job
 
@@ -132,13 +133,13 @@ async def chat_whole(srv: LilyServer, request: Request, job: Job, out: ChatOutpu
 
 
 # ---- completions --------------------------------------------------------------------------------------------
-async def completion_stream(srv: LilyServer, prep: dict[str, Any], job: Job, ahead: int, rid: str, created: int,
+async def completion_stream(srv: LilyServer, prep: PreparedCompletion, job: Job, ahead: int, rid: str, created: int,
                              name: str, echo: str, include_usage: bool) -> AsyncIterator[str]:
     base = {"id": rid, "object": "text_completion", "created": created, "model": name}
     want_lp = job.sampling.logprobs
     if ahead:
         yield f": queued, {ahead} request(s) ahead\n\n"
-    prompt_items = prep.get("prompt_logprobs")
+    prompt_items = prep.prompt_logprobs
     offset = len(echo)
     if echo:
         lp = completion_logprobs(srv.model.tokenizer, prompt_items, 0) if prompt_items else None
@@ -173,7 +174,7 @@ async def completion_stream(srv: LilyServer, prep: dict[str, Any], job: Job, ahe
     yield "data: [DONE]\n\n"
 
 
-async def completion_whole(srv: LilyServer, prep: dict[str, Any], request: Request, job: Job, rid: str,
+async def completion_whole(srv: LilyServer, prep: PreparedCompletion, request: Request, job: Job, rid: str,
                             created: int, name: str, echo: str) -> JSONResponse:
     texts: list[str] = []
     items: list[tuple] = []
@@ -187,7 +188,7 @@ async def completion_whole(srv: LilyServer, prep: dict[str, Any], request: Reque
 
     last, queue_s = await collect(srv, request, job, on_chunk)
     srv.remember_completion(prep, ids, last.stop_reason)
-    prompt_items = prep.get("prompt_logprobs") or []
+    prompt_items = prep.prompt_logprobs or []
     lp = completion_logprobs(srv.model.tokenizer, prompt_items + items, 0 if prompt_items else len(echo)) \
         if job.sampling.logprobs else None
     body = {"id": rid, "object": "text_completion", "created": created, "model": name,
