@@ -55,7 +55,7 @@ def measure_ceilings(device: str = "cuda") -> tuple[float, float, str]:
 
 # ---- cost model ---------------------------------------------------------------------------------------------
 class CostModel:
-    """Bytes read per decoded token and FLOPs per prefilled token, from the config (perf.md's method):
+    """Bytes read per decoded token and FLOPs per prefilled token, from the config (docs/model.md §6):
     weights: every module's codes + scales + biases, experts scaled by top_k / E, the embedding one row;
     DeltaNet state fp32 read + written; KV bf16 read over the context; prefill FLOPs 2 x active matrix
     parameters (no embedding, no head) + attention QK^T and PV over the causal triangle (average context L/2)."""

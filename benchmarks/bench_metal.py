@@ -1,5 +1,5 @@
 """Metal benchmark for a Mac: lily (backend "metal") against MLX-LM on the same checkpoint bytes, prefill and decode
-from 256 to 128K tokens (design.md §9), the engines alternating order each round, with a cooldown before every
+from 256 to 128K tokens (benchmarks/results/README.md), the engines alternating order each round, with a cooldown before every
 timed run (M-series chips throttle under sustained load). JSON (hardware, git sha, settings, rows) + PNG.
 
 On a Mac (Apple Silicon, ~20 GB free for the real checkpoint; see docs/metal.md "Benchmark on your Mac"):

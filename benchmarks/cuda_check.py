@@ -3,7 +3,7 @@ tiny configs plus one with the real per-head shapes, judged against a rounding e
 table last and writes JSON to --json. The checks themselves are lily.testing.cuda_checks (tests/test_cuda_backend.py
 runs the same ones under pytest); this script adds the bundled model's session-sampling check and the full size.
 
-Envelope (design.md §8): the NumPy reference run with bf16 rounding where a bf16 engine rounds (every matrix
+Envelope (docs/numerics.md): the NumPy reference run with bf16 rounding where a bf16 engine rounds (every matrix
 product's activation input and its dequantized weights) against the CPU engine in fp32. The CUDA engine passes
 when its agreement with the CPU engine is no worse than that envelope plus ENVELOPE_SLACK_* (lily.testing.tolerances).
 

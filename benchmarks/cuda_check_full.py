@@ -1,6 +1,6 @@
 """Full-size correctness for cuda_check.py --full DIR: whole-model logits of the CUDA engine against the CPU engine
 (fp32, the executable spec) on the checkpoint of benchmarks/full_checkpoint.py, teacher-forced over T (192)
-positions, judged against the rounding envelope of design.md §8 (the NumPy reference with bf16 rounding of every
+positions, judged against the rounding envelope of docs/numerics.md (the NumPy reference with bf16 rounding of every
 matrix product's operands vs the CPU engine), plus ENVELOPE_SLACK_* (1 point of top-1).
 
 The envelope at full size: the reference dequantizes lazily, one layer at a time (all 256 experts of a module

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         config = args.config if not args.model else Path(args.model).name
         print(f"{model!r} (loaded in {load_s:.1f} s)")
         warm_up(model)
-        # the two conversations advance in alternating order, turn by turn (design.md §9), so that a change
+        # the two conversations advance in alternating order, turn by turn (benchmarks/results/README.md), so that a change
         # in machine load hits both alike
         convs = {key: Conversation(model, reuse=reuse, turns=args.turns, target=args.target_tokens, seed=0,
                                    max_tokens=args.max_tokens) for key, reuse in (("reuse_on", True), ("reuse_off", False))}

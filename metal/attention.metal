@@ -1,4 +1,4 @@
-// Gated full attention (model.md §4.2; design.md §4 items 5, 7 and 9).
+// Gated full attention (docs/model.md §4.2; docs/metal.md, Kernels: attention).
 // attn_prep: per (row, head) q/k RMSNorm, partial half-split RoPE, K/V append to the cache.
 // attn_prefill: causal attention over the cache; one simdgroup per query row, the HPG query heads of a
 //   KV head packed in the same simdgroup so every K/V row load serves all of them (GQA packing).

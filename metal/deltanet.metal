@@ -1,4 +1,4 @@
-// Gated DeltaNet mixer core (model.md §4.3; design.md §4 items 4 and 7): causal conv + SiLU, then the
+// Gated DeltaNet mixer core (docs/model.md §4.3; docs/metal.md, Kernels: DeltaNet): causal conv + SiLU, then the
 // recurrence with the state kept in registers for the whole chunk, and the gated RMSNorm.
 // Layouts: u [S, C] = conv output, channels q | k | v; state [Hv, Dv, Dk] fp32 (MLX layout); conv state
 // [K-1, C] (pre-conv rows, oldest first); o / y [S, Hv, Dv]. Value head h reads key head h / (Hv/Hk).

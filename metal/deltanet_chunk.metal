@@ -1,4 +1,4 @@
-// Gated DeltaNet recurrence, chunked form (model.md §4.3 step 7): the WY/UT transform of the CUDA kernels
+// Gated DeltaNet recurrence, chunked form (docs/model.md §4.3 step 7): the WY/UT transform of the CUDA kernels
 // (csrc/cuda/deltanet_chunk.cu: same math, same names), chunk C = 64, every matrix product on 8x8 simdgroup
 // matrices with fp32 accumulation. It reads and writes the same fp32 state [Hv, Dv, Dk] as deltanet_scan
 // (deltanet.metal), so the prefill chunks of one prompt may alternate forms; o [S, Hv, Dv] is the output

@@ -1,4 +1,4 @@
-// Fused-dequant GEMM for prefill (design.md §4 items 1 and 3): Y[p, n] = A[row(p), :] . W[n, :] with W in
+// Fused-dequant GEMM for prefill (docs/metal.md, Kernels: GEMM): Y[p, n] = A[row(p), :] . W[n, :] with W in
 // its checkpoint format, dequantized one BN x BK tile at a time into threadgroup memory (the full bf16
 // weight never exists), multiplied on 8x8 simdgroup matrices with fp32 accumulation.
 // Plain: tile t = rows [t*BM, +BM). Grouped (MoE experts): tile t = sorted (row, expert) pairs

@@ -1,4 +1,4 @@
-// Row-parallel GEMV for decode (design.md §4 item 6): y[s, r] (+)= dot(W[r, :], x[s, :]).
+// Row-parallel GEMV for decode (docs/metal.md, Kernels: GEMV): y[s, r] (+)= dot(W[r, :], x[s, :]).
 // A simdgroup owns ROWS output rows; its 32 lanes stride over 16-byte chunks of each row (coalesced),
 // dequantize in registers (s*dot(q, x) + b*sum(x) per group) and reduce with simd_sum. The x chunk is
 // loaded once and reused for the ROWS rows. Grid: (ceil(out / (ROWS*NSG)), S); NSG simdgroups per group.

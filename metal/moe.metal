@@ -1,4 +1,4 @@
-// Sparse MoE on the GPU (design.md §4 items 2 and 7; model.md §4.4).
+// Sparse MoE on the GPU (docs/model.md §4.4; docs/metal.md, Kernels: routing, fused decode chains).
 // Routing, all in one command buffer with no host round trip: moe_topk (softmax over E, top-k, renorm)
 // -> moe_count (per block of rows: expert histogram) -> moe_offsets (scan: expert offsets, per-block
 // bases, block map of BM-row tiles for the grouped GEMM) -> moe_scatter (stable: rows ascending within

@@ -1,7 +1,7 @@
 """The small model bundled with lily (src/lily/models/default, issue 3): it loads with no argument,
 writes text in its corpus' style quickly on the CPU, routes tokens over its experts, and agrees with
 mlx-lm teacher-forced on held-out text (never trained on), judged against the rounding envelope
-(design.md §8).
+(docs/numerics.md).
 
 On this CPU-only CI machine the bf16 peer is mlx-lm's CPU backend, whose bf16 `quantized_matmul`
 has ~2% relative error (about 12x the rounding of its bf16 output, measured on random data), so the

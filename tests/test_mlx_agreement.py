@@ -1,5 +1,5 @@
 """Independent check against mlx-lm (issue 2): the same synthetic checkpoint bytes loaded by both,
-teacher-forced over 256 positions, judged against the rounding envelope (design.md §8)."""
+teacher-forced over 256 positions, judged against the rounding envelope (docs/numerics.md)."""
 import numpy as np
 import pytest
 

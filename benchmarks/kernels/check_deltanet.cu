@@ -1,5 +1,5 @@
 // build: csrc/cuda/deltanet.cu csrc/cuda/deltanet_seq.cu csrc/cuda/deltanet_chunk.cu
-// Gated DeltaNet prefill recurrence (model.md §4.3 step 7): every deltanet_scan form against an fp64 host
+// Gated DeltaNet prefill recurrence (docs/model.md §4.3 step 7): every deltanet_scan form against an fp64 host
 // sequential reference, then timing of the forms at the real head shapes.
 //   forms: seq8 / seq16 (sequential, 8 or 16 lanes per row), chunk (chunked, WY form, C = 64, TF32 mma.sync),
 //   auto (the default of deltanet_scan). The fp64 recurrence is the reference of both (the chunked form's fp32

@@ -485,7 +485,7 @@ static void check_dn_gated_norm(int Hv, int Dv, int64_t S) {
 }
 
 // ---------------------------------------------------------------- deltanet.cu: deltanet_step (decode)
-// One token: l2 norm of q (times Dk^-0.5), k fused in, then the gated delta rule (model.md 4.3):
+// One token: l2 norm of q (times Dk^-0.5), k fused in, then the gated delta rule (docs/model.md §4.3):
 // S *= g; delta = beta (v - S k); S += delta k^T; o = S q; then, fused, out = bf16(RMSNorm(o_h; w) * silu(z_h)) per
 // head. u = silu(N(0, 1.5)) (post-conv, q/k not normalised), b in [-4, 4], a in [-3, 0.5], dt_bias in [-1, 0.5],
 // A_log in [-1.5, 0]; state ~ U(-0.5, 0.5) or zero. Launched twice from the same inputs with the same head counters

@@ -35,8 +35,8 @@ struct StreamOptions {
 
 class Engine;
 
-// One generation's token loop over one State, inside the extension (design.md §3). The stream feeds `first` (the
-// last token sampled, at st.position) and every token it returns.
+// One generation's token loop over one State, inside the extension (docs/engine_contract.md). The stream feeds
+// `first` (the last token sampled, at st.position) and every token it returns.
 //
 // Device mode (the backend draws): next() launches the step that feeds the token it is about to return before
 // waiting for the step that drew it, so the device runs one step ahead of the host and never waits for it. That

@@ -1,4 +1,4 @@
-// Gated full attention core (model.md §4.2 steps 2-8, without the projections).
+// Gated full attention core (docs/model.md §4.2 steps 2-8, without the projections).
 #pragma once
 #include "cpu/thread_pool.h"
 #include "kernels/params.h"

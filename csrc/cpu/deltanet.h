@@ -1,4 +1,4 @@
-// Gated DeltaNet core (model.md §4.3 steps 3-8, without the projections).
+// Gated DeltaNet core (docs/model.md §4.3 steps 3-8, without the projections).
 #pragma once
 #include "cpu/thread_pool.h"
 #include "kernels/params.h"

@@ -1,4 +1,4 @@
-// Sparse MoE FFN (model.md §4.4): fp32 router softmax over all experts, top-k, optional renormalisation,
+// Sparse MoE FFN (docs/model.md §4.4): fp32 router softmax over all experts, top-k, optional renormalisation,
 // rows grouped by expert, SiLU(gate)*up -> down, plus the sigmoid-gated shared expert.
 #pragma once
 #include <vector>

@@ -1,4 +1,4 @@
-// The Gated DeltaNet family (model.md §4.3), in the order a layer runs it: the causal conv (+ SiLU, q/k l2 norm),
+// The Gated DeltaNet family (docs/model.md §4.3), in the order a layer runs it: the causal conv (+ SiLU, q/k l2 norm),
 // the recurrence (prefill: deltanet_scan, whose forms live in deltanet_seq.cu and deltanet_chunk.cu; one token:
 // deltanet_step, with the l2 norm and the gated RMSNorm fused in), the gated RMSNorm (prefill: deltanet_scan_norm,
 // fused into the chunked form's output kernel where the head fits it, else gated_norm_kernel after the scan).

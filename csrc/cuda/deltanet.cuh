@@ -13,7 +13,7 @@ namespace lily::cuda {
 // state copy, a separate l2 norm launch. Same conv arithmetic (tap order, SiLU) either way.
 void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qkv, const float* conv_w,
                    float* conv_state, float* u);
-// Gated delta rule recurrence over S rows (model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
+// Gated delta rule recurrence over S rows (docs/model.md §4.3 step 7); the state ssm: fp32 [Hv, Dv, Dk] is read and
 // written in place; b, a: fp32 [S, Hv] raw (before sigmoid / softplus); y: fp32 [S, Hv*Dv] (before the gated
 // norm). `form` selects the implementation (flag deltanet_form):
 //   kScanSequential  exact fp32 sequential scan, 8 lanes per row, inputs staged by cp.async (deltanet_seq.cu);

@@ -1,4 +1,4 @@
-// Gated DeltaNet prefill, chunked form (model.md §4.3 step 7; chunk_prep_kernel, chunk_state_kernel,
+// Gated DeltaNet prefill, chunked form (docs/model.md §4.3 step 7; chunk_prep_kernel, chunk_state_kernel,
 // chunk_out_kernel): the chunked WY/UT form (Gated DeltaNet paper; fla chunk_gated_delta_rule's split), chunk C = 64,
 // its matrix products on TF32 mma.sync (fragments of k-contiguous tiles through ldmatrix, which moves 32-bit words
 // as they are, see ldsm_x4; tiles read [k][n] by scalar or, n-tiles interleaved, vector loads).

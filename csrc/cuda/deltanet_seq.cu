@@ -1,4 +1,4 @@
-// Gated DeltaNet prefill, sequential form (model.md §4.3 step 7): the exact per-token fp32 recurrence with 8 (or 16)
+// Gated DeltaNet prefill, sequential form (docs/model.md §4.3 step 7): the exact per-token fp32 recurrence with 8 (or 16)
 // lanes per state row (3 shuffle steps per reduction, 4 rows per warp) and the token inputs staged into shared
 // memory 32 tokens ahead with cp.async, so no global load sits on the per-token critical path. deltanet_scan
 // (deltanet.cu) runs it for short prompts; the chunked form (deltanet_chunk.cu) takes the long ones.

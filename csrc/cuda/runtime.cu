@@ -1,5 +1,5 @@
-// CUDA backend skeleton: device discovery and one trivial kernel. The real backend (fused-dequant
-// grouped GEMM, GDN scan, decode attention, graphs) lands in later issues; see docs/design.md §4.
+// CUDA runtime: device discovery and one trivial kernel. The backend itself: docs/architecture.md, "The CUDA
+// backend".
 #include <cuda_runtime.h>
 
 #include "cuda/runtime.h"

@@ -67,7 +67,7 @@ class BufferTable {
 
 class MetalBackend final : public Backend {
  public:
-  // kv_bf16: bf16 KV cache (20,480 B per token on the real model, design.md §3), else fp32.
+  // kv_bf16: bf16 KV cache (20,480 B per token on the real model, docs/model.md §5), else fp32.
   MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug, bool kv_bf16);
   ~MetalBackend() override;
 

@@ -4,7 +4,7 @@
     result = run_bench(lily.load(), prefill_lengths=[256, 1024], decode_contexts=[256, 1024], repeats=3,
                        peer="mlx-lm", out="benchmarks/results/cpu_default_model")
 
-Method (design.md §9, perf.md): prefill tok/s at each prompt length from a fresh state (random valid token ids,
+Method (benchmarks/results/README.md): prefill tok/s at each prompt length from a fresh state (random valid token ids,
 the last row's logits computed, as a real prompt does); decode tok/s at each context length (prefill to the
 context untimed, two untimed steps, then `decode_steps` timed greedy single-token steps: forward + argmax fed
 back). Each engine gets one untimed warm-up first; every figure is the median of `repeats`. With a peer the

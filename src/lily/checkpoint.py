@@ -6,7 +6,7 @@ Sources:
     read-only memory maps of the shards (zero copy).
   * Hugging Face bf16 originals (`model.language_model.*`, fused `experts.gate_up_proj` or per-expert
     `experts.{e}.*_proj`, conv1d [C,1,K], zero-centred norms): converted exactly as
-    `mlx_lm.convert -q` would (model.md §2.3; mlx_lm qwen3_5 sanitize + quant_predicate), so the
+    `mlx_lm.convert -q` would (docs/model.md §2.3; mlx_lm qwen3_5 sanitize + quant_predicate), so the
     result is bit-identical to an MLX 4-bit export of the same weights.
 
 Every tensor the architecture needs is checked (presence, shape from the config, dtype) with a

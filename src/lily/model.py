@@ -60,7 +60,7 @@ def _engine_factory(backend: str, backend_options: Mapping[str, str] | None = No
     if backend == "metal" and emulated and any(k.startswith("emu_") for k in backend_options or {}):
         built = [*built, "metal"]  # Linux: emu_* options select the emulated device, for tests
     if backend == "auto":
-        # design.md §1: metal on a Mac, cuda where a device is visible, else cpu. Metal that is unavailable
+        # README.md: metal on a Mac, cuda where a device is visible, else cpu. Metal that is unavailable
         # (no device, a kernel that does not compile) falls back to cpu with a warning.
         if "metal" in built:
             return _metal_or_cpu(_lily, dict(backend_options or {})), "metal"

@@ -1,4 +1,4 @@
-"""bf16 bit helpers and MLX affine quantization (model.md §2.2), in NumPy.
+"""bf16 bit helpers and MLX affine quantization (docs/model.md §2.2), in NumPy.
 
 bf16 tensors are carried as np.uint16 bit patterns (NumPy has no bfloat16).
 Quantized weight of logical shape [..., out, in]: codes uint32 [..., out, in*bits/32] (LSB first),

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 from .errors import CheckpointError
 
-# Qwen special/added tokens the API needs by name (model.md §8)
+# Qwen special/added tokens the API needs by name (docs/model.md §8)
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"

@@ -3,7 +3,7 @@ backend: `lily._lily.Engine(backend="metal", options={"emu_kernel_libs": ...})`,
 layer loop, the bindings and the token loop run on emulated Metal. Prefill in several chunks (teacher-forced
 logits for every row), lock-step decode steps (logits) and device-mode greedy streams (tokens drawn on the
 device, one step ahead) are compared with the CPU backend. The backend computes in fp32, so the fp32 rows of
-the tolerance table apply (design.md §8: a fp32 backend matches a fp32 reference almost exactly). Each run
+the tolerance table apply (docs/numerics.md: a fp32 backend matches a fp32 reference almost exactly). Each run
 happens in a forked child: a crash inside the emulator fails the test instead of the test process."""
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_stream_closed_early_continues_as_lock_step():
 
 @pytest.mark.parametrize("name", ["tiny", "mid_real_heads"])
 def test_model_bf16_kv_cache(name):
-    """The default on Apple: a bf16 KV cache (everything else fp32). Judged by design.md §8's bar for a
+    """The default on Apple: a bf16 KV cache (everything else fp32). Judged by docs/numerics.md's bar for a
     backend that computes in fp32 (top-1 >= 99 %, relative RMS <= 1e-3); measured 6e-5 here."""
     cfg = _configs()[name]
     tensors, quant = random_weights(cfg, seed=21)
@@ -353,7 +353,7 @@ class _HalfMatrix:
 
 
 def _half_envelope(cfg, tensors, quant, seq):
-    """Logits of lily.reference with every matrix product's inputs rounded to half (design.md §8 envelope)."""
+    """Logits of lily.reference with every matrix product's inputs rounded to half (docs/numerics.md envelope)."""
     from lily.reference import ReferenceEngine
     ref = ReferenceEngine(cfg, tensors, quant, max_context=256)
     dense = ref.weights.linear
@@ -365,7 +365,7 @@ def _half_envelope(cfg, tensors, quant, seq):
 def test_model_tensor_op_gemms(name):
     """The device reports Metal 4 tensor ops: every prefill GEMM (plain, GLU, grouped experts) runs the
     tensor-op kernels of gemm_tensor.metal (half tiles, fp32 accumulation) through the shim's matmul2d.
-    Judged against the rounding envelope of design.md §8 for that precision: lily.reference with every
+    Judged against the rounding envelope of docs/numerics.md for that precision: lily.reference with every
     matrix product's inputs rounded to half, vs the CPU backend (fp32). The prefill must also differ from
     the fp32-tile run of the simdgroup path (else the option did not select the tensor-op kernels)."""
     cfg = _configs()[name]

@@ -1,4 +1,4 @@
-"""lily.reference: a readable NumPy implementation of the whole model, op by op (model.md §4).
+"""lily.reference: a readable NumPy implementation of the whole model, op by op (docs/model.md §4).
 
 The spec in code: every backend kernel family has its twin here.
 """

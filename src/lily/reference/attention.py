@@ -1,4 +1,4 @@
-"""Gated full attention (model.md §4.2): q/gate split per head, q/k norm, partial RoPE, GQA, sigmoid gate."""
+"""Gated full attention (docs/model.md §4.2): q/gate split per head, q/k norm, partial RoPE, GQA, sigmoid gate."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixer (model.md §4.3), with the naive per-token recurrence.
+"""Gated DeltaNet mixer (docs/model.md §4.3), with the naive per-token recurrence.
 
 State layout: S [Hv, Dv, Dk] fp32 (MLX layout), conv state [K-1, C] (pre-conv qkv rows, oldest first).
 """

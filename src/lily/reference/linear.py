@@ -49,7 +49,7 @@ class Weights:
 class Bf16Matrix:
     """A weight matrix whose products round the activation operand to bf16 first, as a bf16 engine does (the
     matrix itself is rounded by whoever builds it). numpy defers `x @ m` and `m @ x` to it (the rounding
-    envelope of design.md §8: lily.testing.cuda_checks and benchmarks/cuda_check_full.py)."""
+    envelope of docs/numerics.md: lily.testing.cuda_checks and benchmarks/cuda_check_full.py)."""
 
     __array_ufunc__ = None
 

@@ -1,4 +1,4 @@
-"""Sparse MoE with shared expert (model.md §4.4)."""
+"""Sparse MoE with shared expert (docs/model.md §4.4)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Qwen3.6 XML tool calls -> OpenAI `tool_calls`, incrementally.
 
-The model writes (model.md §8):
+The model writes (docs/model.md §8):
 
     <tool_call>
     <function=get_weather>

@@ -1,4 +1,4 @@
-"""A Jinja chat template with the documented behaviour of Qwen3.6's (model.md §8), written for the
+"""A Jinja chat template with the documented behaviour of Qwen3.6's (docs/model.md §8), written for the
 synthetic test checkpoints (text only; image/video parts raise).
 
 Behaviour:

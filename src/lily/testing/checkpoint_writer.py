@@ -5,7 +5,7 @@
   overrides, `language_model.`-prefixed names, sharded safetensors + `model.safetensors.index.json`,
   bf16 stored with the real `BF16` safetensors dtype).
 * `write_hf_checkpoint`: the Hugging Face bf16 original (`model.language_model.*`, fused
-  `experts.gate_up_proj`, conv1d [C,1,K], zero-centred norms): the inverse of model.md §2.3.
+  `experts.gate_up_proj`, conv1d [C,1,K], zero-centred norms): the inverse of docs/model.md §2.3.
 * `write_tokenizer`: a small byte-level BPE tokenizer with the Qwen special tokens, its
   tokenizer_config.json and a chat template (see chat_template.py).
 """
@@ -36,7 +36,7 @@ QWEN_SPECIAL_TOKENS: list[tuple[str, bool]] = [
     ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
     ("</tool_response>", False), ("<think>", False), ("</think>", False),
 ]
-# the pre-tokenizer split of Qwen3.5 (model.md §8)
+# the pre-tokenizer split of Qwen3.5 (docs/model.md §8)
 QWEN35_PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
                       r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 

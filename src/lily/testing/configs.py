@@ -49,7 +49,7 @@ def tiny_config_dicts() -> dict[str, dict]:
 
 
 def full_config_dict() -> dict:
-    """The real Qwen3.6-35B-A3B text config (model.md §1)."""
+    """The real Qwen3.6-35B-A3B text config (docs/model.md §1)."""
     return _base(hidden_size=2048, num_hidden_layers=40, vocab_size=248320, num_attention_heads=16,
                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                  linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8,

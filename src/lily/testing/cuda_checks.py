@@ -2,7 +2,7 @@
 rounding envelope; shared by benchmarks/cuda_check.py (the GPU script, its table and JSON) and
 tests/test_cuda_backend.py (the same checks under pytest where a device is visible).
 
-Envelope (design.md §8): the NumPy reference run with bf16 rounding where a bf16 engine rounds (every matrix
+Envelope (docs/numerics.md): the NumPy reference run with bf16 rounding where a bf16 engine rounds (every matrix
 product's activation input and its dequantized weights) against the CPU engine in fp32. The CUDA engine passes
 when its agreement with the CPU engine is no worse than that envelope plus ENVELOPE_SLACK_* (lily.testing.tolerances).
 

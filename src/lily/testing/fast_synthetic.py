@@ -8,7 +8,7 @@ tokenizer files and chat template from `write_tokenizer`), loadable by `lily.loa
 
 Conditioning (why the defaults are what they are). A 40-layer random MoE is chaotic unless the residual stream
 dominates every branch output: a one-ulp change then grows layer over layer and the bf16-vs-fp32 envelope
-(design.md §8) says nothing (the second H200 pass measured this on an earlier generator whose embedding had
+(docs/numerics.md) says nothing (the second H200 pass measured this on an earlier generator whose embedding had
 std 1/sqrt(hidden) = 0.022 while each branch added ~0.05: every layer rewrote the stream; the notes of that pass:
 `git show 82eaca8:benchmarks/results/cuda_notes.md`).
   * embed_std = 1.0: the stream starts at RMS 1, as in `random_weights` (tiny configs, envelope top-1 ~1.0);

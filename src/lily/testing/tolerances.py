@@ -21,7 +21,7 @@ TOLERANCES = {
     # one rounding of each input (measured 2e-4 for half, 2e-3 for bf16)
     ("op_vs_reference", "f16_tiles"): {"rel_rms": 2e-3},
     ("op_vs_reference", "bf16_tiles"): {"rel_rms": 8e-3},
-    # a backend with a bf16 KV cache, fp32 otherwise, vs the fp32 CPU backend: the fp32 bar of design.md §8
+    # a backend with a bf16 KV cache, fp32 otherwise, vs the fp32 CPU backend: the fp32 bar of docs/numerics.md
     ("model_vs_cpu", "bf16_kv"): {"rel_rms": 1e-3, "top1": 0.99},
     # the CUDA backend (bf16 matrix inputs, fp32 accumulation) vs the fp32 CPU engine, per sub-block residual
     # and per exported state array (lily.testing.cuda_checks): one bf16 rounding of every GEMM input
@@ -72,7 +72,7 @@ KERNEL_CHECKS = {
     "sample_scratch_rel": 1e-6,
 }
 
-# Against mlx-lm in bf16, lily must be no worse than mlx-lm's own fp32-vs-bf16 envelope (design.md §8)
+# Against mlx-lm in bf16, lily must be no worse than mlx-lm's own fp32-vs-bf16 envelope (docs/numerics.md)
 # plus this slack; the envelope itself must be tight enough to mean something.
 ENVELOPE_SLACK_TOP1 = 0.01
 ENVELOPE_SLACK_PPL = 0.005

@@ -1,6 +1,6 @@
 """Random but well-scaled weights in the engine-contract format (docs/engine_contract.md).
 
-Conditioning (design.md §8): residual-branch output projections (out_proj, o_proj, expert and shared
+Conditioning (docs/numerics.md): residual-branch output projections (out_proj, o_proj, expert and shared
 expert down_proj) are scaled by 0.1 so rounding noise does not grow chaotically through the layers and
 the fp32-vs-bf16 envelope stays tight enough to catch real bugs.
 """
