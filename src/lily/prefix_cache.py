@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,7 +41,9 @@ DEFAULT_MIN_GAP = 64
 
 # ---- the trie ------------------------------------------------------------------------------------------
 class _Node:
-    __slots__ = ("edge", "children", "parent", "entry", "nbytes")
+    # The parent link is weak: with strong links both ways every node would be in a reference cycle, so a dropped
+    # cache's snapshots (engine states, device memory on a GPU) would wait for the garbage collector, not go at once.
+    __slots__ = ("edge", "children", "_parent", "entry", "nbytes", "__weakref__")
 
     def __init__(self, edge: tuple[int, ...], parent: "_Node | None"):
         self.edge = edge
@@ -48,6 +51,14 @@ class _Node:
         self.parent = parent
         self.entry: SessionSnapshot | None = None
         self.nbytes = 0
+
+    @property
+    def parent(self) -> "_Node | None":
+        return None if self._parent is None else self._parent()
+
+    @parent.setter
+    def parent(self, node: "_Node | None") -> None:
+        self._parent = None if node is None else weakref.ref(node)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
