@@ -326,6 +326,7 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
         bar.close()
 
     extra = sorted(set(sources.src) - ctx.used)
+    _check_no_layers_beyond(extra, cfg.num_hidden_layers, cfg_path)
     if extra:
         warnings.warn(f"[lily.load] {len(extra)} tensor(s) in the checkpoint are not used by the "
                       f"Qwen3.5/3.6-MoE text model and were ignored: {', '.join(extra[:5])}"
@@ -339,6 +340,50 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
         generation_config=_read_json(folder / "generation_config.json", required=False) or {},
         nbytes=nbytes,
         source_format="hf" if hf_layout else "mlx", raw_config=raw)
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_no_layers_beyond(unused: list[str], n_layers: int, cfg_path: Path) -> None:
+    """Tensors of layers past num_hidden_layers mean the config does not describe these weights (a model
+    cut short would run, and answer, without them): refused rather than ignored."""
+    beyond = sorted({int(m[1]) for n in unused if (m := _LAYER_INDEX.match(n)) and int(m[1]) >= n_layers})
+    if beyond:
+        raise CheckpointError(f"[lily.load] {cfg_path} says num_hidden_layers={n_layers}, but the checkpoint has "
+                              f"tensors of layer{'s' if len(beyond) > 1 else ''} "
+                              f"{', '.join(map(str, beyond[:8]))}{' ...' if len(beyond) > 8 else ''} as well: the "
+                              f"config does not describe these weights (expected num_hidden_layers="
+                              f"{beyond[-1] + 1}, or the config.json that came with them)")
+
+
+# bf16 bytes read as f16 land almost all in one or two binades ([0.5, 2)); real weights span about 7
+_F16_SAMPLE = 1 << 16
+_F16_MIN_SPREAD = 2.0
+
+
+def _check_f16_bytes(s: _Src) -> None:
+    """CheckpointError for a tensor labelled F16 whose bytes are bfloat16 (a mislabelled export would load
+    as garbage weights and generate noise). Judged on up to 64K values of a matrix or conv weight: the spread
+    of log2|x| (1st to 99th percentile) as f16 is under 2 binades, and as bf16 a plausible one."""
+    if s.tag != "F16" or int(np.prod(s.shape)) < 256:
+        return
+    rows = max(1, min(s.shape[0], _F16_SAMPLE // max(1, int(np.prod(s.shape[1:])))))
+    bits = np.ascontiguousarray(s.read(0, rows)).reshape(-1)[:_F16_SAMPLE].view(np.uint16)
+
+    def spread(x: np.ndarray) -> float:
+        a = np.abs(x[np.isfinite(x) & (x != 0)]).astype(np.float64)
+        if a.size < 64:
+            return float("inf")
+        lo, hi = np.percentile(np.log2(a), [1, 99])
+        return float(hi - lo)
+
+    as_f16, as_bf16 = spread(bits.view(np.float16).astype(np.float32)), spread(bf16_to_f32(bits))
+    if as_f16 < _F16_MIN_SPREAD and 3.0 <= as_bf16 <= 30.0:
+        raise CheckpointError(f"[lily.load] tensor {s.name} is labelled F16, but its bytes are bfloat16: read as "
+                              f"f16 its values span {as_f16:.1f} binades (weights span about 7), read as bf16 "
+                              f"{as_bf16:.1f}; the file's header has the wrong dtype (expected BF16 for these "
+                              f"bytes; re-export the checkpoint)")
 
 
 def _is_hf_layout(sources: _Sources, cfg: ModelConfig) -> bool:
@@ -409,6 +454,7 @@ class _Ctx:
             raise CheckpointError(f"[lily.load] missing tensor {module}.scales: "
                                   f"{w.name} is packed (U32) but has no scales/biases{self.suffix}")
         self.check(w, shape, ("BF16", "F16", "F32"))
+        _check_f16_bytes(w)
         spec = convert_spec(module, i) if self.convert else None
         if spec is None:
             if w.tag == "BF16" or (w.tag == "F32" and not self.convert):
@@ -471,6 +517,8 @@ class _Ctx:
         else:
             x = None
         self.check(s, shape, ("BF16", "F16", "F32"))
+        if name.endswith(".conv1d.weight") and x is None:  # norms sit near 1: only matrices and convs are judged
+            _check_f16_bytes(s)
         if x is None:
             x = _as_f32(s.read(), s.tag)
         if shift:

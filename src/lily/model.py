@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError
 from .generation import GenerationChunk, GenerationResult
 from .identity import ModelIdentity, model_fingerprint, weights_digest
+from .prompt_checks import check_messages, check_options, is_chat, template_kwargs
 from .sampling import takes_sampling_options
 from .session import PrefillResult, PromptEncoder, Session, SessionLimits
 from .tokenizer import Tokenizer
@@ -292,35 +293,52 @@ class Model:
         """Identity of these weights + tokenizer + config (session files carry it)."""
         return self.identity.fingerprint
 
-    def prefill(self, prompt: Any, **template_kwargs: Any) -> Session:
-        """Run a prompt; returns the session holding it, ready for `.generate()`."""
+    def prefill(self, prompt: Any, *, enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
+                tools: Sequence[Any] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> Session:
+        """Run a prompt; returns the session holding it, ready for `.generate()`. Template variables of a chat
+        prompt: the named ones, others in chat_template_kwargs."""
         s = self.session()
-        s.prefill(prompt, **template_kwargs)
+        s.prefill(prompt, **self._template_kwargs(prompt, "prefill", enable_thinking, preserve_thinking, tools,
+                                                  chat_template_kwargs))
         return s
 
-    def prefill_stats(self, prompt: Any, **template_kwargs: Any) -> PrefillResult:
+    def prefill_stats(self, prompt: Any, *, enable_thinking: bool | None = None,
+                      preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None) -> PrefillResult:
         """Run a prompt in a throwaway session and report its prefill timing."""
-        return self.session().prefill(prompt, **template_kwargs)
+        return self.session().prefill(prompt, **self._template_kwargs(
+            prompt, "prefill", enable_thinking, preserve_thinking, tools, chat_template_kwargs))
+
+    @staticmethod
+    def _template_kwargs(prompt: Any, where: str, enable_thinking: bool | None, preserve_thinking: bool | None,
+                         tools: Sequence[Any] | None, chat_template_kwargs: Mapping[str, Any] | None
+                         ) -> dict[str, Any]:
+        if is_chat(prompt):
+            check_messages(prompt, where)
+        return template_kwargs(chat_template_kwargs, where, enable_thinking=enable_thinking,
+                               preserve_thinking=preserve_thinking, tools=tools)
 
     @takes_sampling_options
     def generate(self, prompt: Any, *, stream: bool = False, enable_thinking: bool | None = None,
-                 preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None, **kwargs: Any
+                 preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
                  ) -> GenerationResult | Iterator[GenerationChunk]:
         """Generate from a prompt, starting from an empty state.
 
-        prompt: str (raw text, no template), list[int] (token ids), or a list of chat message dicts
-        (rendered with the checkpoint's chat template and add_generation_prompt=True; enable_thinking,
-        preserve_thinking, tools and other template kwargs apply to these only).
-        Sampling options (max_tokens, temperature, top_p, ... : lily.sampling.SAMPLING_OPTIONS; the other
-        keywords are template kwargs) left as None come from the checkpoint's generation_config.json, else neutral
-        defaults (SamplingParams). max_tokens=None: until a stop token/string or the context is full.
+        prompt: str (raw text, no template), list[int] (token ids), or a list of chat message dicts, each with
+        a role and content (rendered with the checkpoint's chat template and add_generation_prompt=True;
+        enable_thinking, preserve_thinking, tools and any other template variable, given in
+        chat_template_kwargs={...}, apply to these only).
+        The other keywords are the sampling options (max_tokens, temperature, top_p, ... :
+        lily.sampling.SAMPLING_OPTIONS; any other keyword is a TypeError); left as None they come from the
+        checkpoint's generation_config.json, else neutral defaults (SamplingParams). max_tokens=None: until a
+        stop token/string or the context is full.
         stream=True returns an iterator of GenerationChunk; the last one has finish_reason and stats.
         Raises ContextLengthError when the prompt plus max_tokens does not fit in max_context.
         """
-        for name, value in (("enable_thinking", enable_thinking), ("preserve_thinking", preserve_thinking),
-                            ("tools", tools)):
-            if value is not None:
-                kwargs[name] = value
+        check_options(kwargs, "generate")
+        kwargs.update(self._template_kwargs(prompt, "generate", enable_thinking, preserve_thinking, tools,
+                                            chat_template_kwargs))
         return self.session().generate(prompt, stream=stream, **kwargs)
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
