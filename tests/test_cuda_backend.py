@@ -39,3 +39,61 @@ def test_cuda_vs_cpu(name, monkeypatch):
     for r in results:
         print(r)
     assert all(r["pass"] for r in results), [r for r in results if not r["pass"]]
+
+
+# ---- one seed, one text: the CUDA device sampler draws what the host sampler draws ----------------------------
+PROMPT = "The list type"
+SEEDED = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0.7, seed=2),
+          dict(temperature=1.0, top_k=50, top_p=0.95, seed=3),
+          dict(temperature=1.1, top_k=20, min_p=0.01, repetition_penalty=1.3, presence_penalty=0.3,
+               frequency_penalty=0.2, logit_bias={5: 1.5}, seed=5)]
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device")
+def test_cuda_device_draws_equal_host_draws_for_a_seed():
+    """On the same CUDA rows, a session drawing on the device (one step ahead) and one drawing every token on the
+    host Sampler (lock-step) give the same tokens for the same seed and options."""
+    import lily
+    model = lily.load(backend="cuda")
+    for kw in SEEDED:
+        dev, host = model.session(), model.session()
+        host.device_sampling = False
+        begins = model.engine.backend_flag("sampler_begins")
+        a = dev.generate(PROMPT, max_tokens=32, **kw)
+        assert model.engine.backend_flag("sampler_begins") > begins, "the CUDA backend declined the sampler"
+        b = host.generate(PROMPT, max_tokens=32, **kw)
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 8, kw
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device")
+def test_cuda_generates_the_cpu_tokens_for_a_seed():
+    """The same seed and options give the same tokens on the CPU backend (host Sampler) and on CUDA (device sampler).
+    CUDA computes within the bf16 envelope of the CPU, so a step's two rows differ a little: where two texts part,
+    the parting must be explained by that difference (the CPU's token is a draw from the CUDA row with a number
+    within the rows' distance of the step's: lily.testing.stream_checks.parting_explained), and at most one of the
+    cases may part at all."""
+    import numpy as np
+
+    import lily
+    from lily.sampling import resolve_sampling, stream_uniform
+    from lily.testing.stream_checks import parting_explained
+
+    cpu, gpu = lily.load(backend="cpu"), lily.load(backend="cuda")
+    parted = []
+    for kw in SEEDED:
+        want = cpu.generate(PROMPT, max_tokens=32, **kw).token_ids
+        got = gpu.generate(PROMPT, max_tokens=32, **kw).token_ids
+        assert len(want) > 8, kw
+        if got == want:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
+        ids = cpu.tokenize(PROMPT) + want[:i]
+        seen = np.zeros(cpu.vocab_size, bool)
+        seen[ids] = True
+        counts = np.bincount(np.asarray(want[:i], np.int64), minlength=cpu.vocab_size).astype(np.int32)
+        params = resolve_sampling(cpu.generation_config, **kw)
+        ok, delta = parting_explained(cpu.logits(ids)[-1], gpu.logits(ids)[-1], params, seen, counts,
+                                      stream_uniform(params.seed, i), want[i])
+        assert ok, (kw, i, want[i], got[i], delta)
+        parted.append((kw, i, delta))
+    assert len(parted) <= 1, parted

@@ -1,8 +1,9 @@
-"""Sampling on the device: the NumPy twin (lily.sampling.device_sample_reference) against the host Sampler's
-distribution (its C++ twin against it: tests/kernels/test_sample.py); the token stream's input checks; and the
-session's device-mode token loop on the CPU backend's device twin (Engine flag "device_draw"; the CUDA kernel is
-checked against the twin on the GPU by lily.testing.cuda_sampling_checks, run by benchmarks/cuda_check.py, and
-by benchmarks/kernels/check_sample.cu).
+"""One sampling semantics (lily.sampling): the draw walks the kept tokens in vocab order with the uniform numbers of the
+seed, ties at the top-k / top-p boundary all kept; the host Sampler's steps take the seed's numbers in turn; and
+the session's tokens are the same whether the host or a device draws them: here the CPU backend's device twin
+(Engine flag "device_draw", csrc/cpu/sample.cpp), which also runs the engine's device-mode token loop without a
+GPU (emulated Metal: tests/metal/test_metal_sampling.py; CUDA: tests/test_cuda_backend.py and
+lily.testing.cuda_sampling_checks, run by benchmarks/cuda_check.py).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import collections
 import numpy as np
 import pytest
 
-from lily.sampling import Sampler, SamplingParams, device_sample_reference
-from lily.testing.stream_checks import draws_vs_twin, host_record, run_and_replay
+from lily.sampling import Sampler, SamplingParams, draw_token, stream_uniform
+from lily.testing.stream_checks import draws_vs_host, host_record, parting_explained, run_and_replay
 
 _lily = pytest.importorskip("lily._lily")
 
@@ -21,7 +22,7 @@ GRID = 4000  # draws on a uniform grid: each token's share is its probability to
 
 def _shares(x, params, seen=None, counts=None):
     us = (np.arange(GRID) + 0.5) / GRID
-    c = collections.Counter(device_sample_reference(x, params, seen, counts, u) for u in us)
+    c = collections.Counter(draw_token(x, params, seen, counts, u) for u in us)
     return {k: v / GRID for k, v in c.items()}
 
 
@@ -32,18 +33,18 @@ def _shares(x, params, seen=None, counts=None):
     SamplingParams(min_p=0.08),
     SamplingParams(temperature=0.9, top_k=30, top_p=0.85, min_p=0.01, logit_bias={4: 3.0, 9: -50.0}),
 ], ids=["t1", "topk", "topp", "minp", "all"])
-def test_twin_matches_host_distribution(params):
+def test_draws_follow_the_kept_distribution(params):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(301) * 2.5).astype(np.float32)
     host = Sampler(params, x.size)
     ids, probs = host.candidates(host.process(x))
     want = dict(zip(ids.tolist(), probs.tolist()))
     got = _shares(x, params)
-    assert set(got) <= set(want)  # never a token the host would not keep
+    assert set(got) <= set(want)  # never a token outside the kept set
     assert max(abs(got.get(k, 0.0) - p) for k, p in want.items()) <= 1.5 / GRID
 
 
-def test_twin_penalties_match_host_processing():
+def test_draw_applies_the_penalties_of_its_record():
     rng = np.random.default_rng(2)
     x = (rng.standard_normal(97) * 2).astype(np.float32)
     p = SamplingParams(temperature=0.0, repetition_penalty=1.4, presence_penalty=0.7, frequency_penalty=0.5)
@@ -51,28 +52,74 @@ def test_twin_penalties_match_host_processing():
     for t in (11, 11, 13):
         host.accept(t)
     want = int(np.argmax(host.process(x)))
-    assert device_sample_reference(x, p, host._seen, host._counts, 0.3) == want
+    assert draw_token(x, p, host.seen, host.counts, 0.3) == want
     # the penalised row really changes the choice here (else the check above could not fail)
     x2 = x.copy()
     x2[want] = x.max() + 1
     host2 = Sampler(p, x.size)
-    assert device_sample_reference(x2, p, host2._seen, host2._counts, 0.3) == want
+    assert draw_token(x2, p, host2.seen, host2.counts, 0.3) == want
 
 
-def test_twin_keeps_ties_at_the_boundary():
+def test_ties_at_the_boundary_are_all_kept():
     x = np.array([1.0, 3.0, 3.0, 3.0, 0.5], np.float32)
     got = _shares(x, SamplingParams(top_k=2))  # the 2nd largest value is tied three ways: all three stay
     assert set(got) == {1, 2, 3} and all(abs(v - 1 / 3) < 2 / GRID for v in got.values())
     got = _shares(x, SamplingParams(top_p=0.1))
     assert set(got) == {1, 2, 3}
-    assert device_sample_reference(x, SamplingParams(temperature=0.0), None, None, 0.5) == 1  # lowest index
+    assert draw_token(x, SamplingParams(temperature=0.0), None, None, 0.5) == 1  # lowest index
 
 
-def test_twin_draw_is_vocab_order_cdf():
+def test_draw_is_the_vocab_order_cdf():
     x = np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float64))
     p = SamplingParams()
-    assert [device_sample_reference(x, p, None, None, u) for u in (0.0, 0.0999, 0.1001, 0.2999, 0.3001, 0.6, 0.9999)] \
-        == [0, 0, 1, 1, 2, 3, 3]
+    assert [draw_token(x, p, None, None, u) for u in (0.0, 0.0999, 0.1001, 0.2999, 0.3001, 0.5999, 0.6001, 0.9999)] \
+        == [0, 0, 1, 1, 2, 2, 3, 3]
+    # the first index whose inclusive cumulative weight *exceeds* u * total (equal weights: exact sums)
+    assert [draw_token(np.zeros(4, np.float32), p, None, None, u) for u in (0.0, 0.25, 0.5, 0.75)] == [0, 1, 2, 3]
+    # the best token last in vocab order: a draw in any other order (e.g. best first) gives other tokens here
+    y = np.log(np.array([0.05, 0.15, 0.8], np.float64))
+    assert [draw_token(y, SamplingParams(top_p=0.9), None, None, u) for u in (0.01, 0.1, 0.3)] == [1, 1, 2]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, seed=5),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.4,
+                   frequency_penalty=0.2, logit_bias={1: 2.0}, seed=123456789),
+], ids=["t0.9", "all"])
+def test_sampler_step_i_draws_with_the_seeds_number_i(params):
+    """The host Sampler's i-th draw takes the seed's i-th uniform number (the one a device stream's step takes), its
+    record following the drawn tokens; stream_seed() continues the numbers after the draws made."""
+    rng = np.random.default_rng(3)
+    V = 500
+    rows = (rng.standard_normal((12, V)) * 2.0).astype(np.float32)
+    host = Sampler(params, V, prompt_tokens=[2, 3])
+    seen = np.zeros(V, bool)
+    seen[[2, 3]] = True
+    counts = np.zeros(V, np.int32)
+    for i, row in enumerate(rows):
+        want = draw_token(row, params, seen, counts, stream_uniform(params.seed, i))
+        assert host.sample(row) == want, i
+        seen[want], counts[want] = True, counts[want] + 1
+    assert host.stream_seed() == params.seed + len(rows)
+    assert stream_uniform(host.stream_seed(), 0) == stream_uniform(params.seed, len(rows))
+
+
+def test_parting_explained_accepts_rounding_and_refuses_another_draw():
+    """The rule tests/test_cuda_backend.py applies where the CPU's and CUDA's texts for one seed part: a token the
+    other row's draw reaches by moving the number within the rows' distance is explained, another one is not."""
+    rng = np.random.default_rng(4)
+    V = 400
+    a = (rng.standard_normal(V) * 2).astype(np.float32)
+    b = a + (rng.standard_normal(V) * 1e-2).astype(np.float32)  # a few rounding-sized differences
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+    seen, counts = np.zeros(V, bool), np.zeros(V, np.int32)
+    parts = [u for u in np.linspace(0, 1, 4001)[:-1]
+             if draw_token(a, p, seen, counts, u) != draw_token(b, p, seen, counts, u)]
+    assert parts  # the rows do part somewhere
+    for u in parts:
+        ok, delta = parting_explained(a, b, p, seen, counts, u, draw_token(a, p, seen, counts, u))
+        assert ok and delta < 0.05
+    assert not parting_explained(a, b, p, seen, counts, 0.1, draw_token(a, p, seen, counts, 0.9))[0]
 
 
 # ---- the engine's token streams: input checks, and the device mode on the CPU backend's twin ----------------
@@ -116,8 +163,8 @@ def test_stream_option_checks(cpu_engine):
     SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.4,
                    frequency_penalty=0.2, logit_bias={1: 2.0}),
 ], ids=["t1", "all"])
-def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(cpu_engine, params):
-    """Each token a device-mode stream draws is the NumPy twin's draw from that step's logits (replayed lock-step)
+def test_device_stream_draws_are_the_host_samplers_with_the_stream_uniforms(cpu_engine, params):
+    """Each token a device-mode stream draws is the host sampler's draw from that step's logits (replayed lock-step)
     with the stream's documented uniform sequence, seen / counts following the drawn tokens."""
     cfg, eng = cpu_engine
     V = cfg.vocab_size
@@ -132,7 +179,7 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(cpu_engine, p
             run = run_and_replay(eng, st, snap, first, 8, params, seen0, counts0, seed)
             assert run.device and run.position == len(prompt) + 8  # the 8th token stays pending
             np.testing.assert_array_equal(run.held, run.rows[-1])
-            assert draws_vs_twin(run, params, seen0, counts0, seed, exact=True) == ([], 0), seed
+            assert draws_vs_host(run, params, seen0, counts0, seed, exact=True) == ([], 0), seed
     finally:
         eng.set_backend_flag("device_draw", 0)
 
@@ -217,6 +264,24 @@ def test_stop_string_run_ahead_leaves_the_exact_state(models):
     b = ref.generate(" next", max_tokens=3, stream=False, temperature=0.0)
     assert a.token_ids == b.token_ids
     np.testing.assert_array_equal(dev.logits(s.tokens), host.logits(ref.tokens))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.9, seed=3),
+    dict(temperature=1.2, top_p=0.95, seed=2**64 - 1),  # the stream's seed wraps past 2^64
+    dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.4,
+         frequency_penalty=0.2, logit_bias={5: 1.5}, seed=13),
+], ids=["t0.9", "topp", "all"])
+def test_one_seed_one_text_whether_the_host_or_the_device_draws(models, kw):
+    """The same seed and options give the same tokens from the host Sampler (lock-step) and from a device-mode
+    stream (the CPU backend's device twin): the first token is the host's draw with number 0, the stream's steps
+    take numbers 1, 2, ... as the host's would."""
+    host, dev = models
+    a = host.generate("The list type", max_tokens=32, **kw)
+    begins = dev.engine.backend_flag("sampler_begins")
+    b = dev.generate("The list type", max_tokens=32, **kw)
+    assert dev.engine.backend_flag("sampler_begins") > begins  # the device drew them
+    assert b.token_ids == a.token_ids and len(a.token_ids) > 8
 
 
 def test_session_device_sampling_seeded_and_interleaved(models):

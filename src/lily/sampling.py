@@ -1,8 +1,17 @@
 """Sampling: `SamplingParams` (validated options) and `Sampler` (NumPy, one float32 logits row per step).
 
-Order of operations (HF / vLLM): logit bias -> repetition penalty (prompt + generated tokens) ->
-presence / frequency penalties (generated tokens) -> temperature -> top-k -> top-p -> min-p -> draw from
-a seeded `np.random.Generator`. Temperature 0 is greedy argmax of the biased, penalised logits.
+One semantics on every backend: the host `Sampler` here is the spec, and the device samplers (the CPU backend's
+test twin csrc/cpu/sample.cpp, csrc/cuda/sample.cu, metal/sample.metal) draw the same token from the same row,
+so one seed gives one text wherever the draws run (up to a uniform number landing within float32 rounding of a
+CDF step; the tests' CDF_TOL, lily.testing.stream_checks):
+  x = logits + logit_bias; repetition penalty on tokens of the prompt or output (x/rp if x > 0 else x*rp);
+  x -= frequency * count + presence on generated tokens (HF / vLLM order);
+  greedy (temperature 0): argmax x, the lowest index on ties;
+  else w = exp((x - max x) / T); kept = top-k by x (ties at the k-th value all kept), then top-p on the kept (a
+  value stays while the kept mass strictly above it is < top_p of the kept mass; ties kept), then min-p
+  (w >= min_p); the token is the first index i (vocab order) whose inclusive cumulative kept weight exceeds
+  u * total, u being the step's number of the splitmix64 sequence of the seed (`stream_uniform`, the
+  engine's TokenStream::next_uniform).
 Logprobs are the log-softmax of the raw logits (before bias, penalties and temperature), as in vLLM.
 
 A `constraint` (e.g. a grammar, lily.server.grammar) masks the processed logits before the filters: its
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
@@ -20,9 +30,7 @@ import numpy as np
 from .errors import LilyError
 
 MAX_TOP_LOGPROBS = 20
-# top-p first looks at this many best candidates and sorts the whole row only when they do not reach top_p
-_TOP_P_CANDIDATES = 1024
-# ... and on rows longer than this it finds the nucleus with a mass histogram instead of the full sort
+# top-p on more candidates than this finds its cut with a mass histogram instead of sorting them all
 _NUCLEUS_HISTOGRAM_MIN = 32 * 1024
 _NUCLEUS_BINS = 4096
 
@@ -261,7 +269,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    """Applies `SamplingParams` to one logits row per step; tracks token counts for the penalties.
+    """Applies `SamplingParams` to one logits row per step; tracks token counts for the penalties and the step's
+    uniform number.
 
     sampler = Sampler(params, vocab_size, prompt_tokens)
     token = sampler.sample(logits_row)   # also records `token` as generated
@@ -273,19 +282,27 @@ class Sampler:
         self.params = params
         self.constraint = constraint
         self.vocab_size = int(vocab_size)
-        self.rng = np.random.default_rng(params.seed)
+        # the uniform numbers: draw i takes stream_uniform(seed, i); seed=None takes 64 bits of OS entropy
+        self.seed = int(params.seed) & _M64 if params.seed is not None else secrets.randbits(64)
+        self.draws = 0
         self._bias_ids = self._bias_vals = None
         if params.logit_bias:
             self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64)
             self._bias_vals = np.fromiter(params.logit_bias.values(), np.float32)
         self._needs_rep = params.repetition_penalty != 1.0
         self._needs_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        # token ids seen in prompt or output (repetition penalty); counts over the output only
-        self._seen = np.zeros(self.vocab_size, bool)
-        self._counts = np.zeros(self.vocab_size, np.int32)
+        # token ids seen in prompt or output (repetition penalty) [vocab]; counts over the output only [vocab]
+        self.seen = np.zeros(self.vocab_size, bool)
+        self.counts = np.zeros(self.vocab_size, np.int32)
         prompt = np.asarray(list(prompt_tokens), np.int64)
         if prompt.size:
-            self._seen[prompt[(prompt >= 0) & (prompt < self.vocab_size)]] = True
+            self.seen[prompt[(prompt >= 0) & (prompt < self.vocab_size)]] = True
+
+    def stream_seed(self) -> int:
+        """The seed of an engine token stream that continues this sampler's uniform numbers: a stream opened with
+        seed s draws with stream_uniform(s, j) at its step j, which is stream_uniform(s - d, d + j) (splitmix64
+        adds one constant per number), so the device's draws are the ones this sampler would make next."""
+        return (self.seed + self.draws) & _M64
 
     # ---- pieces, each a pure function of a logits row (exposed for tests) -------------------------
     def process(self, logits: np.ndarray) -> np.ndarray:
@@ -297,152 +314,98 @@ class Sampler:
         if self._bias_ids is not None:
             x[self._bias_ids] += self._bias_vals
         if self._needs_rep:
-            ids = np.flatnonzero(self._seen)
+            ids = np.flatnonzero(self.seen)
             v = x[ids]
             x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if self._needs_counts:
-            ids = np.flatnonzero(self._counts)
-            c = self._counts[ids].astype(np.float32)
+            ids = np.flatnonzero(self.counts)
+            c = self.counts[ids].astype(np.float32)
             x[ids] -= p.frequency_penalty * c + p.presence_penalty
         return x
 
     def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Temperature, top-k, top-p, min-p on processed logits -> (token ids, probabilities summing to 1).
-
-        The best token first when top-p is active; otherwise in no particular order.
-        """
-        ids, weights = self._weights(x)
+        """Temperature, top-k, top-p, min-p on processed logits [vocab] -> (the kept token ids in vocab order, their
+        probabilities summing to 1): the draw walks them in this order."""
+        ids, weights = self._kept(x)
         return (np.arange(x.shape[0]) if ids is None else ids), weights / weights.sum()
 
-    def _weights(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """(token ids or None for the whole row, unnormalised probabilities) after the filters."""
+    def _kept(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(kept token ids in vocab order, or None for the whole row; their weights exp((x - max x) / T), float64)."""
         p = self.params
         n = x.shape[0]
-        # temperature keeps the order, so top-k picks on the float32 row; the maths runs in float64
-        pool = _top_k_pool(x, p.top_k) if 0 < p.top_k < n else None
-        rest = 0.0  # probability mass (unnormalised) of the row outside the pool, for the top-p total
-        if pool is None and (p.top_p < 1.0 or p.min_p > 0.0):
+        m = np.float64(x.max())
+        rest = 0.0  # weight of the row outside the pool, for the top-p total
+        if 0 < p.top_k < n:
+            # the k largest, then every entry tied with the k-th (temperature keeps the order: picked on x)
+            pool = np.flatnonzero(x >= x[_top_k_pool(x, p.top_k)].min())
+        elif p.top_p < 1.0 or p.min_p > 0.0:
             pool, rest = self._likely_pool(x)
-        zp = (x if pool is None else x[pool]).astype(np.float64)
-        zp -= zp.max()
+        else:
+            pool = None
+        xv = x if pool is None else x[pool]
+        w = xv.astype(np.float64)
+        w -= m
         if p.temperature != 1.0:
-            zp *= 1.0 / p.temperature
-        e = np.exp(zp, out=zp)
-        keep = None  # indices into e; None = all
+            w *= 1.0 / p.temperature
+        np.exp(w, out=w)
+        keep = None  # mask over xv; None = all
         if p.top_p < 1.0:
-            keep = self._nucleus(e, e.sum() + rest)
-        if p.min_p > 0.0:
-            threshold = p.min_p * (1.0 if keep is None else e[keep[0]])  # the best token has e == 1
-            keep = np.flatnonzero(e >= threshold) if keep is None else keep[e[keep] >= threshold]
+            keep = xv >= _top_p_cut(xv, w, p.top_p * (w.sum() + rest))
+        if p.min_p > 0.0:  # the row's best token has w == 1 and is always kept
+            keep = w >= p.min_p if keep is None else keep & (w >= p.min_p)
         if keep is None:
-            return pool, e
-        return (keep if pool is None else pool[keep]), e[keep]
+            return pool, w
+        at = np.flatnonzero(keep)
+        return (at if pool is None else pool[at]), w[at]
 
     def _likely_pool(self, x: np.ndarray) -> tuple[np.ndarray | None, float]:
-        """Tokens sure to hold the top-p and min-p sets, and the mass of the others (relative to the best
-        token's 1), from a float32 pass over the row: a float64 exp of a 248k row costs ~8x a float32 one, and
-        only the few likely tokens need float64. None when no cheap pool qualifies (a flat row)."""
+        """Tokens sure to hold the top-p and min-p sets (in vocab order), and the weight of the others (relative to
+        the best token's 1), from a float32 pass over the row: a float64 exp of a 248k row costs ~8x a float32 one,
+        and only the few likely tokens need float64. None when no cheap pool qualifies (a flat row)."""
         p = self.params
         m = x.max()
         e32 = np.exp((x - m) * np.float32(1.0 / p.temperature))
         total = float(e32.sum(dtype=np.float64))
         for tau in (1e-4, 1e-8):
-            if p.min_p > 0.0 and tau > 0.5 * p.min_p:  # min-p keeps every token with e >= min_p
+            if p.min_p > 0.0 and tau > 0.5 * p.min_p:  # min-p keeps every token with w >= min_p
                 continue
             pool = np.flatnonzero(e32 >= tau)
             mass = float(e32[pool].sum(dtype=np.float64))
-            # every token outside the pool is below all inside it, so once the pool holds top_p of the mass
-            # (with room for float32 rounding) the nucleus lies inside it
+            # the pool is every value above a threshold, so once it holds top_p of the mass (with room for float32
+            # rounding) the kept mass strictly above any value outside it is >= top_p: the cut lies inside it
             if p.top_p >= 1.0 or mass >= p.top_p * total * (1 + 1e-5):
                 return pool, max(total - mass, 0.0)
         return None, 0.0
 
-    def _nucleus(self, e: np.ndarray, total: float) -> np.ndarray:
-        """Indices into e (unnormalised probabilities) of the top-p set, the best first (min-p reads it). Sorts
-        only the best few when they already hold top_p of the mass (the usual case for a language model); a
-        long flat row goes by histogram (`_nucleus_by_histogram`)."""
-        top_p = self.params.top_p
-        if e.size > _NUCLEUS_HISTOGRAM_MIN:  # a long row here is a flat one (the likely pool did not narrow it)
-            return self._nucleus_by_histogram(e, total)
-        order = None
-        for m in (_TOP_P_CANDIDATES, 16 * _TOP_P_CANDIDATES):
-            if e.size <= 2 * m:
-                break
-            part = np.argpartition(e, e.size - m)[e.size - m:]
-            if e[part].sum() >= top_p * total * (1 + 1e-9):
-                order = part[np.argsort(-e[part])]
-                break
-        if order is None:
-            order = np.argsort(-e)
-        probs = e[order] / total
-        mass_before = np.cumsum(probs) - probs
-        return order[:max(int(np.count_nonzero(mass_before < top_p)), 1)]
-
-    def _nucleus_by_histogram(self, e: np.ndarray, total: float) -> np.ndarray:
-        """The top-p set of a flat row without sorting it: a mass histogram over -log e (4,096 bins) finds the
-        bin where the cumulative mass from the top reaches top_p; every token above that bin is in, every token
-        below is out, and only that bin is sorted. Returns the best token first, the others in index order."""
-        target = self.params.top_p * total
-        # float32 bins are enough: rounding is monotone, so a larger e never lands in a later bin, and the one
-        # bin that is cut is sorted on the float64 e
-        lg = np.log(e.astype(np.float32))  # <= 0, 0 at the best token (-inf for e == 0)
-        lo = float(lg.min())
-        if not np.isfinite(lo):  # some weights underflowed to 0: they go to the last bin
-            lo = float(np.min(lg, initial=0.0, where=np.isfinite(lg)))
-        width = max(-lo, 1e-12) / (_NUCLEUS_BINS - 2)
-        b = np.minimum(lg * np.float32(-1.0 / width), np.float32(_NUCLEUS_BINS - 1)).astype(np.int32)
-        cum = np.cumsum(np.bincount(b, weights=e, minlength=_NUCLEUS_BINS))
-        cut = min(int(np.searchsorted(cum, target, side="left")), _NUCLEUS_BINS - 1)
-        before = float(cum[cut - 1]) if cut > 0 else 0.0
-        edge = np.flatnonzero(b == cut)
-        edge = edge[np.argsort(-e[edge], kind="stable")]
-        edge = edge[before + np.cumsum(e[edge]) - e[edge] < target]
-        keep = np.concatenate([np.flatnonzero(b < cut), edge])
-        best = int(np.argmax(e))
-        return np.concatenate([[best], keep[keep != best]]) if keep.size else np.array([best])
+    def choose(self, x: np.ndarray, uniform: float) -> int:
+        """The token of processed (and masked) logits x [vocab] for the uniform number `uniform` in [0, 1)."""
+        if self.params.greedy:
+            return int(np.argmax(x))  # the lowest index on ties
+        ids, w = self._kept(x)
+        i = _vocab_order_draw(w, uniform)
+        return i if ids is None else int(ids[i])
 
     def sample(self, logits: np.ndarray) -> int:
-        """Choose the next token from one logits row ([vocab] or [1, vocab]) and record it as generated."""
+        """Choose the next token from one logits row ([vocab] or [1, vocab]) and record it as generated. Every call
+        takes the next uniform number (also when greedy), so step i draws with number i on every backend."""
         x = self.process(logits)
         if self.constraint is not None:
             x = self.constraint.mask(x)
             if not np.isfinite(x.max()):
                 raise LilyError("[Sampler] the constraint (grammar) allows no token at this step: the "
                                 "grammar cannot continue the text generated so far")
-        if self.params.greedy:
-            token = int(np.argmax(x))
-        else:
-            ids, weights = self._weights(x)
-            i = self._draw(weights)
-            token = i if ids is None else int(ids[i])
+        token = self.choose(x, stream_uniform(self.seed, self.draws))
+        self.draws += 1
         self.accept(token)
         return token
-
-    def _draw(self, w: np.ndarray, block: int = 1024) -> int:
-        """Index drawn with probability w / w.sum(). Two levels (block sums, then one block's cumsum)
-        because a cumsum over a 248k row costs more than everything else in a sampling step."""
-        r = self.rng.random()
-        if w.size <= 4 * block:
-            cdf = np.cumsum(w)
-            return min(int(np.searchsorted(cdf, r * cdf[-1], side="right")), w.size - 1)
-        full = w.size // block * block
-        sums = w[:full].reshape(-1, block).sum(axis=1)
-        if full < w.size:
-            sums = np.append(sums, w[full:].sum())
-        cdf = np.cumsum(sums)
-        target = r * cdf[-1]
-        b = min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)
-        target -= cdf[b - 1] if b > 0 else 0.0
-        inner = np.cumsum(w[b * block:(b + 1) * block])
-        return b * block + min(int(np.searchsorted(inner, target, side="right")), inner.size - 1)
 
     def accept(self, token: int) -> None:
         """Record a generated token (for the penalties and the constraint)."""
         if self.constraint is not None:
             self.constraint.accept(token)
         if 0 <= token < self.vocab_size:
-            self._seen[token] = True
-            self._counts[token] += 1
+            self.seen[token] = True
+            self.counts[token] += 1
 
     def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs:
         """Log-softmax of the raw logits: the chosen token's logprob and the top_logprobs best."""
@@ -458,7 +421,70 @@ class Sampler:
         return TokenLogprobs(int(token), float(x[token]) - log_z, top)
 
 
-# ---- sampling on the device (csrc/cuda/sample.cu) ------------------------------------------------------
+def _top_p_cut(xv: np.ndarray, w: np.ndarray, target: float) -> np.floating:
+    """The smallest value of xv (float32 [n]) whose weight strictly above it (w: float64 [n]) is below target: top-p
+    keeps xv >= it (ties kept; the largest value always). A long row goes by a mass histogram over -log w: every bin
+    before the one where the cumulative weight reaches the target is in, every bin after it out, and only that bin
+    is sorted (rounding is monotone, so a larger w never lands in a later bin; equal values share a bin)."""
+    if xv.size <= _NUCLEUS_HISTOGRAM_MIN:
+        before, edge = 0.0, None
+    else:
+        lg = np.log(w.astype(np.float32))  # <= 0, 0 at the best token (-inf where w underflowed to 0)
+        lo = float(np.min(lg, initial=0.0, where=np.isfinite(lg)))
+        width = max(-lo, 1e-12) / (_NUCLEUS_BINS - 2)
+        b = np.minimum(lg * np.float32(-1.0 / width), np.float32(_NUCLEUS_BINS - 1)).astype(np.int32)
+        cum = np.cumsum(np.bincount(b, weights=w, minlength=_NUCLEUS_BINS))
+        cut = min(int(np.searchsorted(cum, target, side="left")), _NUCLEUS_BINS - 1)
+        before = float(cum[cut - 1]) if cut > 0 else 0.0
+        edge = np.flatnonzero(b == cut)
+    vals, ws = (xv, w) if edge is None else (xv[edge], w[edge])
+    if vals.size == 0:  # the target rounded past the row's total (top_p ~ 1): everything stays
+        return xv.min()
+    order = np.argsort(-vals, kind="stable")
+    vals, ws = vals[order], ws[order]
+    starts = np.flatnonzero(np.r_[True, vals[1:] != vals[:-1]])  # each distinct value's first position
+    above = before + (np.cumsum(ws) - ws)[starts]                 # the weight strictly above each distinct value
+    return vals[starts[max(int(np.count_nonzero(above < target)), 1) - 1]]
+
+
+def _vocab_order_draw(w: np.ndarray, uniform: float, block: int = 1024) -> int:
+    """The first index i of w (float64 [n], in vocab order) whose inclusive cumulative weight exceeds uniform * total;
+    past the end (rounding), the last positive one. Two levels (block sums, then one block's cumsum) because a cumsum
+    over a 248k row costs more than everything else in a sampling step."""
+    if w.size <= 4 * block:
+        cdf = np.cumsum(w)
+        i = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+    else:
+        full = w.size // block * block
+        sums = w[:full].reshape(-1, block).sum(axis=1)
+        if full < w.size:
+            sums = np.append(sums, w[full:].sum())
+        cdf = np.cumsum(sums)
+        target = uniform * cdf[-1]
+        b = min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)
+        target -= cdf[b - 1] if b > 0 else 0.0
+        inner = np.cumsum(w[b * block:(b + 1) * block])
+        i = b * block + min(int(np.searchsorted(inner, target, side="right")), inner.size - 1)
+    if i >= w.size or w[i] <= 0.0:
+        i = int(np.flatnonzero(w > 0.0)[-1]) if (w > 0.0).any() else 0
+    return i
+
+
+def draw_token(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None, counts: np.ndarray | None,
+               uniform: float) -> int:
+    """The token every lily sampler draws from logits [V] with the record seen [V] (prompt or generated) / counts
+    [V] (generated; None: all zero) and the uniform number `uniform`: one step of `Sampler` (the device samplers'
+    tests compare with it)."""
+    x = np.asarray(logits, np.float32).reshape(-1)
+    s = Sampler(params, x.size)
+    if seen is not None:
+        s.seen[:] = np.asarray(seen).astype(bool)
+    if counts is not None:
+        s.counts[:] = np.asarray(counts, np.int32)
+    return s.choose(s.process(x), uniform)
+
+
+# ---- the uniform numbers, and the device ------------------------------------------------------------------
 
 def device_sampling_supported(params: SamplingParams, constraint: object = None) -> bool:
     """Whether the device sampler covers these options: everything except a constraint (a grammar mask
@@ -467,60 +493,19 @@ def device_sampling_supported(params: SamplingParams, constraint: object = None)
 
 
 _M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (also the seed's multiplier in the engine)
+
+
+def stream_uniform(seed: int, i: int) -> float:
+    """The i-th uniform number of `seed` (csrc/core/engine.cpp TokenStream::next_uniform, splitmix64: the state
+    starts at seed * GOLDEN + 0x2545F4914F6CDD1D and adds GOLDEN per number): 24 random bits, exact in float32."""
+    z = ((int(seed) + int(i) + 1) * _GOLDEN + 0x2545F4914F6CDD1D) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z ^= z >> 31
+    return (z >> 40) / 16777216.0
 
 
 def stream_uniforms(seed: int, n: int) -> list[float]:
-    """The uniform numbers of a device-mode token stream opened with `seed` (csrc/core/engine.cpp
-    TokenStream::next_uniform, splitmix64): the i-th is the draw of the stream's i-th step, 24 random bits."""
-    state = (int(seed) * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D) & _M64
-    out = []
-    for _ in range(n):
-        state = (state + 0x9E3779B97F4A7C15) & _M64
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-        z ^= z >> 31
-        out.append((z >> 40) / 16777216.0)
-    return out
-
-
-def device_sample_reference(logits: np.ndarray, params: SamplingParams, seen: np.ndarray | None,
-                            counts: np.ndarray | None, uniform: float) -> int:
-    """The NumPy twin of the device sampler (float64; csrc/cuda/sample.cuh states the semantics): same
-    processed logits as `Sampler.process`, same kept set as `Sampler._weights` except that ties at the top-k
-    or top-p boundary are all kept, and the token is the first index (vocab order) whose inclusive cumulative
-    kept weight exceeds uniform * total (the host sampler walks its candidates in another order)."""
-    x = np.array(logits, np.float64).reshape(-1)
-    p = params
-    for k, v in (p.logit_bias or {}).items():
-        x[k] += v
-    if p.repetition_penalty != 1.0 and seen is not None:
-        s = np.asarray(seen, bool)
-        x[s] = np.where(x[s] > 0, x[s] / p.repetition_penalty, x[s] * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and counts is not None:
-        c = np.asarray(counts, np.float64)
-        x -= np.where(c > 0, p.frequency_penalty * c + p.presence_penalty, 0.0)
-    if p.greedy:
-        return int(np.argmax(x))
-    m = x.max()
-    w = np.exp((x - m) / p.temperature)
-    keep = np.ones(x.size, bool)
-    if 0 < p.top_k < x.size:
-        keep &= x >= np.sort(x)[x.size - p.top_k]
-    if p.top_p < 1.0:
-        kept_mass = w[keep].sum()
-        vals = np.unique(x[keep])[::-1]                    # distinct kept values, best first
-        mass_at = np.array([w[keep & (x == v)].sum() for v in vals]) if vals.size < 4096 else None
-        if mass_at is None:                                 # many distinct values: group by sorting
-            order = np.argsort(-x[keep], kind="stable")
-            xs, ws = x[keep][order], w[keep][order]
-            starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
-            vals, mass_at = xs[starts], np.add.reduceat(ws, starts)
-        above = np.cumsum(mass_at) - mass_at               # kept mass strictly above each value
-        cut = vals[above < p.top_p * kept_mass].min()
-        keep &= x >= cut
-    if p.min_p > 0.0:
-        keep &= w >= p.min_p
-    cdf = np.cumsum(np.where(keep, w, 0.0))
-    i = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
-    return min(i, int(np.flatnonzero(keep)[-1]))
+    """The first n uniform numbers of `seed`: the draws of a token stream opened with it, step by step."""
+    return [stream_uniform(seed, i) for i in range(n)]

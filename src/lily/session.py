@@ -332,9 +332,10 @@ class Session:
         """Generate from the session's state (after running `prompt`, if given, through it).
 
         The sampling options (max_tokens, temperature, top_p, ... : lily.sampling.SAMPLING_OPTIONS) are
-        keywords; the other keywords are template kwargs. Options left as None come from the checkpoint's generation_config.json, else neutral defaults
-        (see SamplingParams). `sampling=` passes a ready SamplingParams instead. Template kwargs
-        (enable_thinking, preserve_thinking, tools, add_generation_prompt, ...) apply to chat messages.
+        keywords; the other keywords are template kwargs. Options left as None come from the checkpoint's
+        generation_config.json (sampling_defaults), else neutral defaults (see SamplingParams). `sampling=`
+        passes a ready SamplingParams instead. Template kwargs (enable_thinking, preserve_thinking, tools,
+        add_generation_prompt, ...) apply to chat messages.
         whole=True: the prompt (text or ids) is the whole context, reusing the longest prefix held (chat
         messages always are). progress(done, total) is called during the prefill and may raise to cancel.
         constraint: a token mask applied before sampling (see `lily.sampling.Sampler`), e.g. a grammar.
@@ -414,9 +415,9 @@ class Session:
         start = self._state.position  # (a device stream launches its first step at once)
         stream = self._engine.open_stream(
             self._state, first, max_tokens, stop_ids=sorted(stop_ids), device=device, **p.draw_options(),
-            seen=sampler._seen.view(np.uint8) if p.repetition_penalty != 1.0 else None,
-            counts=sampler._counts if (p.presence_penalty or p.frequency_penalty) else None,
-            seed=int(sampler.rng.integers(0, 2**63)))
+            seen=sampler.seen.view(np.uint8) if p.repetition_penalty != 1.0 else None,
+            counts=sampler.counts if (p.presence_penalty or p.frequency_penalty) else None,
+            seed=sampler.stream_seed())  # the device draws the numbers the host sampler would take next
         generated = list(self._pending)  # [first]
         n_base = len(self._tokens)
         last_logits = None

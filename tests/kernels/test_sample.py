@@ -1,7 +1,8 @@
-"""Sample family: the device sampler's draw on every backend against its NumPy twin
-(lily.sampling.device_sample_reference): greedy (temperature 0, ties to the lower index) everywhere, every
-sampling option where the backend draws them (CPU, and Metal's sample.metal: fp32 sums, so a Metal draw within
-CDF_TOL of a CDF step of the twin counts as the twin's, the CUDA rule); then the Metal argmax kernel."""
+"""Sample family: the device sampler's draw on every backend against the host sampler's (lily.sampling.draw_token,
+one step of lily.sampling.Sampler: one semantics everywhere): greedy (temperature 0, ties to the lower index)
+everywhere, every sampling option where the backend draws them (CPU, and Metal's sample.metal: fp32 sums, so a
+Metal draw within CDF_TOL of a CDF step of the host's counts as the host's, the CUDA rule); then the Metal argmax
+kernel."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from ops_metal import argmax
 
-from lily.sampling import SamplingParams, device_sample_reference
+from lily.sampling import SamplingParams, draw_token
 from lily.testing.stream_checks import near_boundary
 
 
@@ -46,9 +47,9 @@ def test_sampled_draw(backend, rng, V, params):
 
 def _check_draws(backend, x, params, seen, counts, uniforms):
     for u in uniforms:
-        want = device_sample_reference(x, params, seen, counts, float(u))
+        want = draw_token(x, params, seen, counts, float(u))
         got = backend.sample_draw(x, float(u), seen=seen, counts=counts, **params.draw_options())
-        if got != want:  # the CPU twin is exact (float64); a GPU's fp32 sums may step over within CDF_TOL
+        if got != want:  # the CPU twin weighs in float64 as the host; a GPU's fp32 sums may step over within CDF_TOL
             assert backend.NAME != "cpu" and near_boundary(x, params, seen, counts, float(u), got), (u, got, want)
 
 
@@ -59,7 +60,7 @@ def _check_draws(backend, x, params, seen, counts, uniforms):
 ], ids=["topk", "topp", "all"])
 @pytest.mark.parametrize("V", [63, 5003])
 def test_sampled_draw_on_tied_values(backend, rng, V, params):
-    """Few distinct values: ties at the top-k and top-p boundaries, all kept (the twin's rule)."""
+    """Few distinct values: ties at the top-k and top-p boundaries, all kept (the one semantics' rule)."""
     if backend.SAMPLER != "full":
         pytest.skip(f"the {backend.NAME} backend draws greedy only")
     x = np.round(rng.standard_normal(V) * 2.0).astype(np.float32) / 2

@@ -1,7 +1,7 @@
 """The Python API on emulated Metal: `lily.load(..., backend="metal", backend_options={"emu_kernel_libs": ...})`
 runs Model.generate and Session through the engine's token loop on the Metal backend (device draws, one step
-ahead, greedy and sampled: the CPU reference then draws with its device twin, backend flag device_draw 1), and
-the results must equal the CPU backend's. The Metal
+ahead, greedy and sampled), and the results must equal the CPU backend's (whose host Sampler draws: one sampling
+semantics, lily.sampling). The Metal
 backend computes in fp32 like the CPU one (logits within 5e-7 relative RMS, test_metal_backend.py), so the same
 seed draws the same tokens; a draw that fell within that distance of a CDF boundary would show as a mismatch
 (not seen on these seeds). Every Metal run happens in a forked child (test_metal_backend._in_child)."""
@@ -61,8 +61,7 @@ def test_load_refuses_metal_on_linux_without_the_emulator_options(checkpoint):
 
 
 def test_model_generate_on_emulated_metal_equals_cpu(checkpoint):
-    cpu = lily.load(checkpoint, backend="cpu", threads=2, max_context=160)
-    cpu.engine.set_backend_flag("device_draw", 1)  # Metal draws sampled tokens on the device too
+    cpu = lily.load(checkpoint, backend="cpu", threads=2, max_context=160)  # the host Sampler draws
     cases = _cases(cpu)
     want = _generate_all(cpu, cases)
     del cpu

@@ -1,10 +1,11 @@
 """Device sampling on emulated Metal (metal/sample.metal through MetalBackend::sampler_begin / head_step): a
-device-mode token stream draws, at every step, the NumPy twin's token (lily.sampling.device_sample_reference)
-from that step's logits with the stream's uniform sequence (lily.sampling.stream_uniforms), seen / counts
-following the drawn tokens, the draws running one step ahead; and Model.generate sampled on Metal equals the
-same seeds drawn by the CPU backend's device twin (backend flag device_draw = 1). The Metal sampler sums in
-fp32, so a draw within CDF_TOL of a CDF step of the float64 twin counts as the twin's (the CUDA rule,
-lily.testing.stream_checks). Every Metal run happens in a forked child (test_metal_backend._in_child)."""
+device-mode token stream draws, at every step, the host sampler's token (lily.sampling.draw_token) from that step's
+logits with the stream's uniform sequence (lily.sampling.stream_uniforms), seen / counts following the drawn
+tokens, the draws running one step ahead; and Model.generate sampled on Metal gives, for the same seeds and
+options, the tokens of the CPU backend, whose host Sampler draws them (one sampling semantics, lily.sampling). The
+Metal sampler sums in fp32, so a draw within CDF_TOL of a CDF step of the host's float64 weights counts as the
+host's (the CUDA rule, lily.testing.stream_checks). Every Metal run happens in a forked child
+(test_metal_backend._in_child)."""
 from __future__ import annotations
 
 import gc
@@ -16,7 +17,7 @@ import test_metal_backend as t_be
 import lily
 from lily.sampling import SamplingParams
 from lily.testing import random_weights, tiny_configs, write_synthetic_checkpoint
-from lily.testing.stream_checks import draws_vs_twin, host_record, run_and_replay
+from lily.testing.stream_checks import draws_vs_host, host_record, run_and_replay
 
 STEPS = 8
 SEEDS = (0, 7, 123456789)
@@ -29,7 +30,7 @@ SEEDS = (0, 7, 123456789)
                    frequency_penalty=0.2, logit_bias={1: 2.0}),
     SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4, logit_bias={3: 1.0}),
 ], ids=["topp+penalties+bias", "all", "greedy+penalties"])
-def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(params):
+def test_device_stream_draws_are_the_host_samplers_with_the_stream_uniforms(params):
     cfg = tiny_configs()["tiny"]
     tensors, quant = random_weights(cfg, seed=3)
     V = cfg.vocab_size
@@ -51,7 +52,7 @@ def test_device_stream_draws_are_the_twin_with_the_stream_uniforms(params):
     for seed, run in zip(SEEDS, out):
         assert run.device and run.position == len(prompt) + STEPS, "the Metal backend declined the sampler"
         np.testing.assert_array_equal(run.held, run.rows[-1])  # the last step's row, held on the device
-        bad, near = draws_vs_twin(run, params, seen0, counts0, seed, exact=False)
+        bad, near = draws_vs_host(run, params, seen0, counts0, seed, exact=False)
         assert not bad, (seed, bad)
         boundary += near
     assert boundary <= 1, f"{boundary} draws within CDF_TOL of a step: expected (almost) none"
@@ -105,11 +106,16 @@ def _generate_all(model):
     return [model.generate(PROMPT, max_tokens=16, **kw).token_ids for kw in CASES]
 
 
-def test_model_generate_sampled_on_metal_equals_the_cpu_device_twin(tmp_path):
+def test_model_generate_sampled_on_metal_equals_the_cpu_backend(tmp_path):
+    """One seed, one text: the CPU backend's host Sampler (lock-step: each step's row on the host) and Metal's
+    device sampler (one step ahead) draw the same tokens for the same seed and options; so does the CPU backend's
+    device twin (backend flag device_draw = 1)."""
     folder = write_synthetic_checkpoint(tmp_path, "tiny", seed=3)
     cpu = lily.load(folder, backend="cpu", threads=2, max_context=160)
-    cpu.engine.set_backend_flag("device_draw", 1)  # the CPU backend's twin draws as a device would
     want = _generate_all(cpu)
+    assert cpu.engine.backend_flag("sampler_begins") == 0  # the host drew every token
+    cpu.engine.set_backend_flag("device_draw", 1)
+    assert _generate_all(cpu) == want
     assert cpu.engine.backend_flag("sampler_begins") >= len(CASES)
     del cpu
     gc.collect()

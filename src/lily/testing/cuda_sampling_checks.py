@@ -1,15 +1,15 @@
 """Device sampling checks of lily.testing.cuda_checks (rows in its format; benchmarks/cuda_check.py prints them):
-device-mode token streams of the CUDA engine against the NumPy twin lily.sampling.device_sample_reference on each
-step's own logits, over option sets and seeds, seen/counts carried across steps on the device; streams parking
-each other; and, on the bundled model, greedy generation with the device sampler == with the host sampler, plus
-seeded reproducibility.
+device-mode token streams of the CUDA engine against the host sampler (lily.sampling.draw_token) on each step's own
+logits, over option sets and seeds, seen/counts carried across steps on the device; streams parking each other;
+and, on the bundled model, generation with the device sampler == with the host sampler (greedy, and sampled with
+one seed), plus seeded reproducibility.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..sampling import SamplingParams
-from .stream_checks import draws_vs_twin, run_and_replay
+from .stream_checks import draws_vs_host, run_and_replay
 
 OPTION_SETS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -25,8 +25,8 @@ OPTION_SETS = {
 
 
 def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
-    """Device-mode token streams (the engine's token loop, drawing on the GPU) against the twin: every drawn token
-    is the twin's draw from that step's logits (the same tokens replayed lock-step) with the stream's uniform
+    """Device-mode token streams (the engine's token loop, drawing on the GPU) against the host sampler: every drawn
+    token is the host's draw from that step's logits (the same tokens replayed lock-step) with the stream's uniform
     sequence (lily.sampling.stream_uniforms), seen / counts following the drawn tokens; and two streams pulled
     in turn (each parks the other) draw what each draws alone."""
     V = cfg.vocab_size
@@ -52,11 +52,11 @@ def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
             if run.held is not None:
                 row_err = max(row_err, float(np.sqrt(np.mean((run.held - run.rows[-1]) ** 2) /
                                                      np.mean(run.rows[-1] ** 2))))
-            bad, near = draws_vs_twin(run, p, seen0, counts0, seed, exact=False)
+            bad, near = draws_vs_host(run, p, seen0, counts0, seed, exact=False)
             total += len(run.tokens)
             boundary += near
             mism += [(label, seed, *b) for b in bad]
-    add("device stream draws == twin (lock-step replayed rows)", not mism and not not_device and row_err < 2e-2,
+    add("device stream draws == host sampler (lock-step replayed rows)", not mism and not not_device and row_err < 2e-2,
         cases=total, boundary=boundary, mismatches=mism[:4], not_device=not_device,
         held_logits_rel_rms_vs_lockstep=row_err)
 
@@ -94,8 +94,9 @@ def check_engine_sampling(name, cfg, gpu, toks, add, steps=8):
 
 
 def check_session_sampling(results):
-    """The bundled model on CUDA: greedy generation with the device sampler == with the host sampler; a seeded
-    sampled generation is reproducible; decode tok/s of both samplers."""
+    """The bundled model on CUDA: generation with the device sampler == with the host sampler, greedy and sampled
+    with one seed (one sampling semantics); a seeded sampled generation is reproducible; decode tok/s of both
+    samplers."""
     import lily
 
     def add(check, ok, **fig):
@@ -116,6 +117,8 @@ def check_session_sampling(results):
     add("session greedy: device == host", out[(True, "greedy")] == out[(False, "greedy")],
         tokens=len(out[(True, "greedy")]))
     add("session greedy+rep penalty: device == host", out[(True, "greedy+rep")] == out[(False, "greedy+rep")])
+    add("session sampled, one seed: device == host", out[(True, "sampled")] == out[(False, "sampled")],
+        tokens=len(out[(True, "sampled")]))
     s = model.session()
     again = s.generate(prompt, max_tokens=96, stream=False, temperature=0.8, top_p=0.9, top_k=50, seed=5)
     again = list(again.token_ids)
