@@ -788,8 +788,9 @@ NB_MODULE(_lily, m) {
         "repetition_penalty"_a = 1.0, "presence_penalty"_a = 0.0, "frequency_penalty"_a = 0.0,
         "bias_ids"_a = std::vector<int32_t>{}, "bias_vals"_a = std::vector<float>{}, "seen"_a = nb::none(),
         "counts"_a = nb::none(),
-        "The device sampler's draw on the host (the CPU backend's 'device_draw' twin; lily.sampling."
-        "device_sample_reference is its NumPy twin): the token drawn from logits [V] with uniform in [0, 1).");
+        "The device sampler's draw on the host (the CPU backend's 'device_draw' twin; lily.sampling.draw_token, "
+        "one step of the host Sampler, has the same semantics): the token drawn from logits [V] with uniform in "
+        "[0, 1).");
   m.def("build_info", &build_info, "backends compiled, cuda flag, SIMD features, compiler");
   m.def("cuda_device_count", &cuda_device_count, "visible CUDA devices; 0 when there is no driver");
   cpu_ops::register_cpu_ops(m);

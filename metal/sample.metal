@@ -1,5 +1,5 @@
 // Sampling on the device: the logits row becomes the next token without leaving the GPU. The semantics are
-// the CUDA sampler's (csrc/cuda/sample.cuh; twins: csrc/cpu/sample.cpp, lily.sampling.device_sample_reference):
+// the CUDA sampler's and the host's (csrc/cuda/sample.cuh; twins: csrc/cpu/sample.cpp, lily.sampling.Sampler):
 //   x = logits + bias; repetition penalty on `seen` tokens (x/rp if x > 0 else x*rp); x -= freq*count + pres on
 //   generated tokens; greedy: argmax x (lowest index on ties); else w = exp((x - max x) / T), kept = top-k by x
 //   (ties at the k-th value kept), then top-p on the kept (a value stays while the kept mass strictly above it is

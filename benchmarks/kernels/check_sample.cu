@@ -1,7 +1,7 @@
 // build: csrc/cuda/sample.cu
-// The device sampler (sample.cuh / sample.cu) against an fp64 host twin that follows the NumPy twin
-// lily.sampling.device_sample_reference step for step: bias, repetition, presence / frequency; greedy argmax (lowest
-// index), or top-k (ties kept), top-p over the kept (ties kept), min-p, and the first index of the vocab-order
+// The device sampler (sample.cuh / sample.cu) against an fp64 host twin that follows the host sampler
+// lily.sampling.Sampler step for step: bias, repetition, presence / frequency; greedy argmax (lowest index), or
+// top-k (ties kept), top-p over the kept (ties kept), min-p, and the first index of the vocab-order
 // inclusive CDF above u * total (searchsorted side=right) clamped to the last kept index. Option values are the
 // float32 ones the kernel reads. Fresh random rows each run (seed from the clock, printed; `check_sample <seed>`
 // replays one), the real vocab and awkward ones, the scratch x poisoned with NaN before every launch, one line per

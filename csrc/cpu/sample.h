@@ -1,5 +1,5 @@
-// The device sampler's semantics on the host (csrc/cuda/sample.cuh states them; the NumPy twin is
-// lily.sampling.device_sample_reference). The CPU backend uses it behind its test switch "device_draw", so the
+// The device sampler's semantics on the host (csrc/cuda/sample.cuh states them; lily.sampling.Sampler, the host
+// sampler, has the same). The CPU backend uses it behind its test switch "device_draw", so the
 // engine's device-mode token loop (run ahead, park, resume) runs in CI without a GPU.
 #pragma once
 #include <cstdint>

@@ -1,13 +1,13 @@
 // Sampling on the device: the logits row becomes the next token without leaving the GPU (sample.cu: three launches).
-// Semantics (the NumPy twin is lily.sampling.device_sample_reference):
+// Semantics (the host sampler lily.sampling.Sampler has the same, and is this kernel's twin: lily.sampling.draw_token):
 //   x = logits + logit_bias; repetition penalty on tokens marked `seen` (x/rp if x > 0 else x*rp);
 //   x -= frequency * count + presence * (count > 0) on generated tokens;
 //   greedy (temperature 0): argmax x, lowest index on ties.
 //   else w = exp((x - max x) / T); kept = top-k by x (ties at the k-th value all kept), then top-p on the kept
 //   (a token stays while the kept mass strictly above its value is < top_p of the kept mass; ties kept),
 //   then min-p (w >= min_p); the token is the first index i (vocab order) whose inclusive cumulative kept
-//   weight exceeds uniform * total. The host sampler draws from the same distribution in another order, so a
-//   seed gives a different (equally distributed) sequence on the device than on the host.
+//   weight exceeds uniform * total. The uniform numbers are the seed's (lily.sampling.stream_uniform), so a seed
+//   gives the same tokens whether the device or the host draws them (up to fp32 rounding at a CDF step).
 // The chosen token is written to `token` (the next decode step's input) and recorded in seen/counts.
 #pragma once
 #include <cstddef>
