@@ -662,6 +662,7 @@ void register_cpu_ops(nb::module_& m) {
 
 }  // namespace cpu_ops
 }  // namespace
+void register_cuda_ops(nb::module_& parent);  // lily._lily.cuda_ops (bindings_cuda_ops.cpp; CUDA builds only)
 
 NB_MODULE(_lily, m) {
   m.doc() = "lily C++ engine (see docs/engine_contract.md)";
@@ -794,4 +795,5 @@ NB_MODULE(_lily, m) {
   m.def("build_info", &build_info, "backends compiled, cuda flag, SIMD features, compiler");
   m.def("cuda_device_count", &cuda_device_count, "visible CUDA devices; 0 when there is no driver");
   cpu_ops::register_cpu_ops(m);
+  register_cuda_ops(m);
 }

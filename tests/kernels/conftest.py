@@ -1,5 +1,7 @@
 """Fixtures of the kernel suite: `backend`, the op table of each backend (cpu: lily._lily.ops, metal: the emulator
-wrappers of ops_metal.py, cuda: none yet), and `rng`, fresh inputs per run from a printed seed.
+wrappers of ops_metal.py, cuda: ops_cuda.py over lily._lily.cuda_ops), `cuda`, the CUDA op table itself for the
+kernel-by-kernel tests (test_cuda_*.py), and `rng`, fresh inputs per run from a printed seed. CUDA entries skip
+with "no CUDA device" where none is visible (CI builds the CUDA backend without a GPU).
 
 Reproduce a failure with the seed its captured output prints: LILY_TEST_SEED=<seed> pytest <test id>."""
 from __future__ import annotations
@@ -28,10 +30,20 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-def _cuda_ops():
-    """The CUDA op table: no per-op Python entry points yet. A module with the names of ops_cpu.py goes here
-    (e.g. over a lily._lily.cuda_ops submodule); until then a visible device still skips."""
-    return None
+def cuda_ops():
+    """lily._lily.cuda_ops, or a skip (no CUDA device) / failure (a device, but an extension built without CUDA)."""
+    _lily = pytest.importorskip("lily._lily")
+    if _lily.cuda_device_count() == 0:
+        pytest.skip("no CUDA device")
+    if not hasattr(_lily, "cuda_ops"):
+        pytest.fail("a CUDA device is visible but lily._lily has no cuda_ops: rebuild the extension with nvcc")
+    return _lily.cuda_ops
+
+
+@pytest.fixture
+def cuda():
+    """The CUDA op table (lily._lily.cuda_ops) of the kernel-by-kernel tests."""
+    return cuda_ops()
 
 
 BACKENDS = ["cpu", "metal", "cuda"]
@@ -47,13 +59,9 @@ def op_table(name: str):
     if name == "metal":
         import ops_metal
         return ops_metal
-    _lily = pytest.importorskip("lily._lily")
-    if _lily.cuda_device_count() == 0:
-        pytest.skip("no CUDA device")
-    table = _cuda_ops()
-    if table is None:
-        pytest.skip("no CUDA per-op entry points yet (the CUDA kernels are checked by benchmarks/kernels/run.sh)")
-    return table
+    cuda_ops()
+    import ops_cuda
+    return ops_cuda
 
 
 @pytest.fixture(params=BACKENDS)

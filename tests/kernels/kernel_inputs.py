@@ -1,10 +1,24 @@
 """Inputs of the kernel tests that every backend shares: linear weights in the checkpoint formats (lily.quant)
-with their dequantized float32 twins, one MoE layer's weights, the expert block map of the grouped GEMM."""
+with their dequantized float32 twins, one MoE layer's weights, the expert block map of the grouped GEMM; and each
+backend's bounds for a family (rel_tol) and its KV cache's values (kv_values)."""
 from __future__ import annotations
 
 import numpy as np
+from tolerances import tol
 
-from lily.quant import bf16_to_f32, dequantize, f32_to_bf16, quantize
+from lily.quant import bf16_to_f32, dequantize, f32_to_bf16, quantize, round_bf16
+
+
+def rel_tol(backend, family: str) -> float:
+    """The rel RMS bound of `family` on `backend`: its table's TOLERANCE entry (a backend with bf16 operands), else
+    the fp32 one (op_vs_reference; "self": the backend run two ways, self_consistency)."""
+    default = tol("self_consistency" if family == "self" else "op_vs_reference")["rel_rms"]
+    return getattr(backend, "TOLERANCE", {}).get(family, default)
+
+
+def kv_values(backend, a: np.ndarray) -> np.ndarray:
+    """a [..] as the backend's KV cache holds it: rounded to bf16 where the cache is bf16, else as is."""
+    return round_bf16(a) if getattr(backend, "KV_CACHE", "f32") == "bf16" else a
 
 FORMATS = ("q4", "q8", "bf16", "f32")
 BITS = {"q4": 4, "q8": 8}
