@@ -10,7 +10,8 @@ Sources:
     result is bit-identical to an MLX 4-bit export of the same weights.
 
 Every tensor the architecture needs is checked (presence, shape from the config, dtype) with a
-CheckpointError naming the tensor and what was expected.
+CheckpointError naming the tensor and what was expected. The MTP head (`mtp.*`, docs/model.md §7) is not read
+here: lily.mtp_source reads it under the same rules (`load_with_mtp`), kept apart from the main model's tensors.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class LoadedCheckpoint:
     nbytes: int
     source_format: str = "mlx"          # "mlx" (pre-quantized / dense MLX export) or "hf" (converted)
     raw_config: dict[str, Any] = field(default_factory=dict)
+    mtp: Any = None                     # lily.mtp_source.MtpWeights (load_with_mtp sets it), or None: no MTP head
 
 
 # ---- where the files are -----------------------------------------------------------------------------
@@ -99,11 +101,18 @@ def resolve_checkpoint(path_or_repo_id: str | os.PathLike, revision: str | None 
 
 
 # ---- names -------------------------------------------------------------------------------------------
+# where exports put the MTP head: HF originals at the top level, MLX exports under language_model.
+_MTP_PREFIXES = ("mtp.", "language_model.mtp.", "model.language_model.mtp.", "language_model.model.mtp.", "model.mtp.")
+
+
 def _contract_name(name: str) -> str | None:
-    """Checkpoint tensor name -> contract name (`model.*` / `lm_head.*`), None for tensors lily skips
-    (vision tower, MTP head), or the name unchanged when it is not recognised."""
-    if name.startswith(("vision_tower.", "model.visual.", "visual.")) or "mtp." in name:
+    """Checkpoint tensor name -> contract name (`model.*` / `lm_head.*`; `mtp.*` for the MTP head), None for
+    tensors lily skips (vision tower), or the name unchanged when it is not recognised."""
+    if name.startswith(("vision_tower.", "model.visual.", "visual.")):
         return None
+    for pre in _MTP_PREFIXES:
+        if name.startswith(pre):
+            return "mtp." + name[len(pre):]
     for pre, rep in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                      ("model.language_model.", "model.")):
         if name.startswith(pre):
@@ -114,44 +123,54 @@ def _contract_name(name: str) -> str | None:
 def expected_modules(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """(linear modules -> logical weight shape (out, in) / (E, out, in),
         vector tensors -> shape) for every tensor the architecture needs."""
-    H, E = cfg.hidden_size, cfg.num_experts
-    I, SI = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    lin: dict[str, tuple[int, ...]] = {"model.embed_tokens": (cfg.vocab_size, H)}
+    lin: dict[str, tuple[int, ...]] = {"model.embed_tokens": (cfg.vocab_size, cfg.hidden_size)}
     vec: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        vec[p + ".input_layernorm.weight"] = (H,)
-        vec[p + ".post_attention_layernorm.weight"] = (H,)
-        if cfg.is_attention(i):
-            a, D = p + ".self_attn", cfg.head_dim
-            lin[a + ".q_proj"] = (2 * cfg.num_attention_heads * D, H)
-            lin[a + ".k_proj"] = (cfg.num_key_value_heads * D, H)
-            lin[a + ".v_proj"] = (cfg.num_key_value_heads * D, H)
-            lin[a + ".o_proj"] = (H, cfg.num_attention_heads * D)
-            vec[a + ".q_norm.weight"] = (D,)
-            vec[a + ".k_norm.weight"] = (D,)
-        else:
-            a, Hv = p + ".linear_attn", cfg.linear_num_value_heads
-            lin[a + ".in_proj_qkv"] = (cfg.conv_dim, H)
-            lin[a + ".in_proj_z"] = (cfg.linear_value_dim, H)
-            lin[a + ".in_proj_b"] = (Hv, H)
-            lin[a + ".in_proj_a"] = (Hv, H)
-            lin[a + ".out_proj"] = (H, cfg.linear_value_dim)
-            vec[a + ".conv1d.weight"] = (cfg.conv_dim, cfg.linear_conv_kernel_dim, 1)
-            vec[a + ".dt_bias"] = (Hv,)
-            vec[a + ".A_log"] = (Hv,)
-            vec[a + ".norm.weight"] = (cfg.linear_value_head_dim,)
-        f = p + ".mlp"
-        lin[f + ".gate"] = (E, H)
-        lin[f + ".switch_mlp.gate_proj"] = (E, I, H)
-        lin[f + ".switch_mlp.up_proj"] = (E, I, H)
-        lin[f + ".switch_mlp.down_proj"] = (E, H, I)
-        lin[f + ".shared_expert.gate_proj"] = (SI, H)
-        lin[f + ".shared_expert.up_proj"] = (SI, H)
-        lin[f + ".shared_expert.down_proj"] = (H, SI)
-        lin[f + ".shared_expert_gate"] = (1, H)
-    vec["model.norm.weight"] = (H,)
-    lin["lm_head"] = (cfg.vocab_size, H)
+        layer_lin, layer_vec = layer_modules(cfg, f"model.layers.{i}", cfg.is_attention(i))
+        lin.update(layer_lin)
+        vec.update(layer_vec)
+    vec["model.norm.weight"] = (cfg.hidden_size,)
+    lin["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    return lin, vec
+
+
+def layer_modules(cfg: ModelConfig, p: str, attention: bool
+                  ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """expected_modules' tables for one decoder layer under prefix p ("model.layers.3", "mtp.layers.0"): its
+    mixer (gated attention or Gated DeltaNet), its norms and its sparse MoE."""
+    H, E = cfg.hidden_size, cfg.num_experts
+    I, SI = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    lin: dict[str, tuple[int, ...]] = {}
+    vec: dict[str, tuple[int, ...]] = {p + ".input_layernorm.weight": (H,),
+                                       p + ".post_attention_layernorm.weight": (H,)}
+    if attention:
+        a, D = p + ".self_attn", cfg.head_dim
+        lin[a + ".q_proj"] = (2 * cfg.num_attention_heads * D, H)
+        lin[a + ".k_proj"] = (cfg.num_key_value_heads * D, H)
+        lin[a + ".v_proj"] = (cfg.num_key_value_heads * D, H)
+        lin[a + ".o_proj"] = (H, cfg.num_attention_heads * D)
+        vec[a + ".q_norm.weight"] = (D,)
+        vec[a + ".k_norm.weight"] = (D,)
+    else:
+        a, Hv = p + ".linear_attn", cfg.linear_num_value_heads
+        lin[a + ".in_proj_qkv"] = (cfg.conv_dim, H)
+        lin[a + ".in_proj_z"] = (cfg.linear_value_dim, H)
+        lin[a + ".in_proj_b"] = (Hv, H)
+        lin[a + ".in_proj_a"] = (Hv, H)
+        lin[a + ".out_proj"] = (H, cfg.linear_value_dim)
+        vec[a + ".conv1d.weight"] = (cfg.conv_dim, cfg.linear_conv_kernel_dim, 1)
+        vec[a + ".dt_bias"] = (Hv,)
+        vec[a + ".A_log"] = (Hv,)
+        vec[a + ".norm.weight"] = (cfg.linear_value_head_dim,)
+    f = p + ".mlp"
+    lin[f + ".gate"] = (E, H)
+    lin[f + ".switch_mlp.gate_proj"] = (E, I, H)
+    lin[f + ".switch_mlp.up_proj"] = (E, I, H)
+    lin[f + ".switch_mlp.down_proj"] = (E, H, I)
+    lin[f + ".shared_expert.gate_proj"] = (SI, H)
+    lin[f + ".shared_expert.up_proj"] = (SI, H)
+    lin[f + ".shared_expert.down_proj"] = (H, SI)
+    lin[f + ".shared_expert_gate"] = (1, H)
     return lin, vec
 
 
@@ -182,15 +201,16 @@ def _direct(f: SafetensorsFile, name: str) -> _Src:
 
 
 class _Sources:
-    """Every tensor of every shard by contract name, with the HF layouts mapped to MLX's."""
+    """Every tensor of every shard by contract name, with the HF layouts mapped to MLX's; the MTP head's only with
+    mtp=True (lily.mtp_source)."""
 
-    def __init__(self, files: dict[str, SafetensorsFile]):
+    def __init__(self, files: dict[str, SafetensorsFile], mtp: bool = False):
         self.src: dict[str, _Src] = {}
         self.skipped = 0
         for fname, f in files.items():
             for name in f:
                 cn = _contract_name(name)
-                if cn is None:
+                if cn is None or (cn.startswith("mtp.") and not mtp):
                     self.skipped += 1
                     continue
                 if cn in self.src:
@@ -285,6 +305,7 @@ def load_checkpoint(path_or_repo_id: str | os.PathLike, *, revision: str | None 
         dense bf16.
     progress: tqdm bar (None = on a terminal, unless HF_HUB_DISABLE_PROGRESS_BARS is set).
     threads: worker threads for quantizing at load (0 = all cores, up to 16).
+    The MTP head's tensors are skipped (lily.mtp_source.load_with_mtp loads them too).
     """
     folder = resolve_checkpoint(path_or_repo_id, revision)
     cfg_path = folder / "config.json"

@@ -203,7 +203,7 @@ class Model:
     def __init__(self, engine: Any, tokenizer: Tokenizer, config: ModelConfig, *,
                  chat_template: ChatTemplate | str | None = None, generation_config: Mapping[str, Any] | None = None,
                  path: str | Path | None = None, nbytes: int = 0, params: int = 0, chunk_size: int = 0,
-                 weights_digest: str | None = None):
+                 weights_digest: str | None = None, mtp: Any = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -215,6 +215,8 @@ class Model:
         self.params = int(params)
         self.chunk_size = int(chunk_size)
         self.weights_digest = weights_digest
+        # lily.mtp_source.MtpWeights (the draft head, docs/model.md §7), or None: plain decoding
+        self.mtp = mtp
         self.stop_token_ids = self._stop_tokens()
 
     def _stop_tokens(self) -> tuple[int, ...]:
@@ -246,7 +248,10 @@ class Model:
                 "max_context": self.max_context, "params": self.params, "bytes": self.nbytes,
                 "vocab_size": self.vocab_size, "layers": self.config.num_hidden_layers,
                 "experts": f"{self.config.num_experts_per_tok}/{self.config.num_experts}",
-                "chat_template": self.chat_template.available, "stop_token_ids": list(self.stop_token_ids)}
+                "chat_template": self.chat_template.available, "stop_token_ids": list(self.stop_token_ids),
+                "mtp": self.mtp.describe() if self.mtp is not None else
+                "none: plain decoding (lily.load(path, mtp=SOURCE) takes the head from an HF original, e.g. "
+                "Qwen/Qwen3.6-35B-A3B)"}
 
     def __repr__(self) -> str:
         return (f"Model(path={self.path!r}, backend={self.backend!r}, params={_human_count(self.params)}, "
@@ -351,7 +356,8 @@ class Model:
 
 
 def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_context: int | None = None,
-         threads: int = 0, chunk_size: int = 0, backend_options: Mapping[str, str] | None = None) -> Model:
+         threads: int = 0, chunk_size: int = 0, backend_options: Mapping[str, str] | None = None,
+         mtp: bool | str | Path | None = None) -> Model:
     """Load a checkpoint (local folder or Hugging Face repo id) onto a backend.
 
     path_or_repo_id=None loads the small model bundled with the package (lily/models/default).
@@ -364,6 +370,10 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     ({"emu_runtime_compile": "1"} or {"emu_kernel_libs": ...}) runs the emulated Metal device (tests only).
     Metal that is unavailable (no device, a kernel that does not compile) raises BackendUnavailableError
     with backend="metal"; backend="auto" then runs on the CPU and warns (RuntimeWarning) with the reason.
+    mtp: the multi-token-prediction head (Model.mtp, lily.mtp_source): None = the checkpoint's own if it has one,
+    False = none, True = the checkpoint's own (an error without), or a folder / .safetensors file / Hugging Face repo
+    id to take it from (only the shards its index lists for mtp.* are downloaded); a source that does not match
+    the model or is damaged raises CheckpointError and nothing loads.
     """
     factory, backend_name = _engine_factory(backend, backend_options)
     if path_or_repo_id is None:
@@ -373,9 +383,9 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
                 f"{BUNDLED_MODEL_DIR}); pass a local checkpoint folder or a Hugging Face repo id, e.g. "
                 f"lily.load('mlx-community/Qwen3.6-35B-A3B-4bit')")
         path_or_repo_id = BUNDLED_MODEL_DIR
-    from .checkpoint import load_checkpoint
+    from .mtp_source import load_with_mtp
 
-    ckpt = load_checkpoint(path_or_repo_id)
+    ckpt = load_with_mtp(path_or_repo_id, mtp=mtp)
     cfg = ckpt.config if isinstance(ckpt.config, ModelConfig) else ModelConfig.from_dict(ckpt.config)
     if max_context is None:
         max_context = min(DEFAULT_MAX_CONTEXT, cfg.max_position_embeddings)
@@ -393,4 +403,4 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
     template = ChatTemplate(ckpt.chat_template, _special_token_strings(ckpt.tokenizer_path), origin=str(ckpt.path))
     return Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,
                  path=ckpt.path, nbytes=ckpt.nbytes, params=_count_params(ckpt.tensors, ckpt.quant),
-                 chunk_size=chunk_size, weights_digest=weights_digest(ckpt.tensors))
+                 chunk_size=chunk_size, weights_digest=weights_digest(ckpt.tensors), mtp=ckpt.mtp)

@@ -28,6 +28,8 @@ from .chat_template import CHAT_TEMPLATE
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3          # mlx-lm's default shard size
 _SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
                   ".k_norm.weight")
+# the MTP head's own norms, zero-centred in HF originals too (docs/model.md §7)
+_SHIFTED_MTP_NORMS = ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 
 # Qwen3.5/3.6 special tokens, in their real relative order. `special` as in the real tokenizer.json:
 # the think / tool tags are added tokens but not "special", so decoding keeps them.
@@ -71,6 +73,13 @@ def text_config_dict(cfg: ModelConfig | Mapping[str, Any]) -> dict[str, Any]:
         full = [i for i, t in enumerate(lt) if t == "full_attention"]
         d["full_attention_interval"] = full[0] + 1 if full else len(lt) + 1
     return d
+
+
+def with_mtp_layers(cfg: ModelConfig | Mapping[str, Any], n: int) -> dict[str, Any]:
+    """A full config dict whose text config says mtp_num_hidden_layers = n (the head's tensors are written too)."""
+    full = dict(cfg) if isinstance(cfg, Mapping) and "text_config" in cfg else _full_config(cfg)
+    full["text_config"] = {**full["text_config"], "mtp_num_hidden_layers": n}
+    return full
 
 
 def _full_config(cfg: ModelConfig | Mapping[str, Any]) -> dict[str, Any]:
@@ -187,8 +196,9 @@ def write_hf_checkpoint(folder: str | os.PathLike, cfg_dict: ModelConfig | Mappi
                         a_log_dtype: str = "bf16", shard_bytes: int = DEFAULT_SHARD_BYTES,
                         extra_tensors: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write dense MLX-convention float32 weights (contract names: `module.weight` for linears, norms
-    already 1+w, conv1d [C,K,1]; lily.testing.random_dense_weights) as an HF bf16 original:
-    `model.language_model.*` / `lm_head.weight`, experts fused as `mlp.experts.gate_up_proj`
+    already 1+w, conv1d [C,K,1]; lily.testing.random_dense_weights, plus random_mtp_dense_weights for an MTP
+    head) as an HF bf16 original: `model.language_model.*` / `lm_head.weight` / `mtp.*`, experts fused as
+    `mlp.experts.gate_up_proj`
     [E, 2I, H] (gate first) + `mlp.experts.down_proj` (expert_layout="per_expert":
     `mlp.experts.{e}.{gate,up,down}_proj.weight`), conv1d [C,1,K], norms stored as w-1 except
     linear_attn.norm. a_log_dtype "bf16" (Qwen3.6) or "f32" (Qwen3.5).
@@ -217,12 +227,12 @@ def write_hf_checkpoint(folder: str | os.PathLike, cfg_dict: ModelConfig | Mappi
             continue
         if name.endswith(".conv1d.weight"):
             arr = np.moveaxis(arr, 2, 1)                       # MLX [C,K,1] -> HF [C,1,K]
-        elif name.endswith(_SHIFTED_NORMS) or name == "model.norm.weight":
+        elif name.endswith(_SHIFTED_NORMS) or name in ("model.norm.weight", *_SHIFTED_MTP_NORMS):
             arr = arr - np.float32(1.0)                        # HF norms are zero-centred
         out[name] = arr
     named: list[tuple[str, np.ndarray, str]] = []
     for name, arr in out.items():
-        hf = name if name.startswith("lm_head.") else "model.language_model." + name[len("model."):]
+        hf = name if name.startswith(("lm_head.", "mtp.")) else "model.language_model." + name[len("model."):]
         if name.endswith(".A_log") and a_log_dtype == "f32":
             named.append((hf, np.ascontiguousarray(arr), "F32"))
         else:
@@ -307,7 +317,12 @@ def export_checkpoint(ck: Any, folder: str | os.PathLike, *, shard_bytes: int = 
     and chat template copied from the source folder. The basis of `lily convert`."""
     import shutil
     folder = Path(folder)
-    write_mlx_checkpoint(folder, ck.raw_config or ck.config, ck.tensors, ck.quant, shard_bytes=shard_bytes,
+    config, tensors, quant = ck.raw_config or ck.config, ck.tensors, ck.quant
+    if getattr(ck, "mtp", None) is not None:
+        # the MTP head travels as language_model.mtp.*, quantized by the main layers' rules (lily.mtp_source)
+        config = with_mtp_layers(config, ck.mtp.num_layers)
+        tensors, quant = {**tensors, **ck.mtp.tensors}, {**quant, **ck.mtp.quant}
+    write_mlx_checkpoint(folder, config, tensors, quant, shard_bytes=shard_bytes,
                          generation_config=ck.generation_config or None)
     src = Path(ck.path)
     for pattern in ("tokenizer*", "chat_template.jinja", "vocab.json", "merges.txt", "special_tokens_map.json"):

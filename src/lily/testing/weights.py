@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..checkpoint import CONVERT_GROUP, convert_spec, expected_modules
-from ..quant import f32_to_bf16, quantize
+from ..quant import f32_to_bf16, quantize, round_bf16
 
 RESIDUAL_SCALE = 0.1
 GROUP = CONVERT_GROUP
@@ -38,10 +38,21 @@ def random_weights(cfg: ModelConfig, seed: int = 0, quantized: bool = True
 
     quantized=False keeps every linear dense bf16 (the HF-like source for quantize-at-load tests).
     """
-    dense = random_dense_weights(cfg, seed)
+    return _contract_format(random_dense_weights(cfg, seed), linear_modules(cfg), quantized)
+
+
+def random_mtp_weights(cfg: ModelConfig, seed: int = 0, quantized: bool = True
+                       ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
+    """A random MTP head for cfg (docs/model.md §7) -> (tensors, quant) in the contract format, `mtp.*` names,
+    quantized by the main layers' rules; lily.mtp_source.MtpWeights holds the same."""
+    from ..mtp_source import expected_mtp_modules
+    return _contract_format(random_mtp_dense_weights(cfg, seed), expected_mtp_modules(cfg)[0], quantized)
+
+
+def _contract_format(dense: dict[str, np.ndarray], mods: dict[str, tuple[int, ...]], quantized: bool
+                     ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
     tensors: dict[str, np.ndarray] = {}
     quant: dict[str, tuple[int, int]] = {}
-    mods = linear_modules(cfg)
     for name, arr in dense.items():
         module = name[:-len(".weight")] if name.endswith(".weight") else None
         if module in mods:
@@ -56,23 +67,40 @@ def random_weights(cfg: ModelConfig, seed: int = 0, quantized: bool = True
     return tensors, quant
 
 
-def random_dense_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Float32 weights with MLX names (no prefix), bf16-representable, before quantization."""
-    rng = np.random.default_rng(seed)
+def _bf(x: np.ndarray) -> np.ndarray:
+    return round_bf16(np.asarray(x, np.float32))
+
+
+def _random_linears(rng: np.random.Generator, mods: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-
-    def bf(x: np.ndarray) -> np.ndarray:
-        from ..quant import round_bf16
-        return round_bf16(x.astype(np.float32))
-
-    for module, shape in linear_modules(cfg).items():
+    for module, shape in mods.items():
         fan_in = shape[-1]
         std = 1.0 if module == "model.embed_tokens" else fan_in ** -0.5
         if _is_residual_out(module):
             std *= RESIDUAL_SCALE
         if module.endswith(".mlp.gate"):
             std *= 2.0  # a decisive router: top-k choices that bf16 noise rarely flips
-        out[module + ".weight"] = bf(rng.standard_normal(shape, dtype=np.float32) * std)
+        out[module + ".weight"] = _bf(rng.standard_normal(shape, dtype=np.float32) * std)
+    return out
+
+
+def random_mtp_dense_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float32 weights of a random MTP head with MLX names (`mtp.fc.weight`, `mtp.layers.0.*`, norms already 1 + γ),
+    bf16-representable, before quantization (lily.testing.write_hf_checkpoint writes them as an HF original)."""
+    from ..mtp_source import expected_mtp_modules
+    rng = np.random.default_rng([seed, 0x6D7470])  # apart from the main weights' stream of the same seed
+    lin, vec = expected_mtp_modules(cfg)
+    out = _random_linears(rng, lin)
+    for name, shape in vec.items():
+        out[name] = _bf(1.0 + 0.1 * rng.standard_normal(shape))
+    return out
+
+
+def random_dense_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float32 weights with MLX names (no prefix), bf16-representable, before quantization."""
+    rng = np.random.default_rng(seed)
+    out = _random_linears(rng, linear_modules(cfg))
+    bf = _bf
     H = cfg.hidden_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
