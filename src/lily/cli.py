@@ -322,15 +322,17 @@ def _print_metal_status(built: list[str]) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .checkpoint import load_checkpoint
     from .errors import CheckpointError
+    from .mtp_source import load_with_mtp
     from .testing.checkpoint_writer import export_checkpoint
     out = Path(args.output)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"[lily convert] output folder {out} is not empty; pass a new folder")
-    ck = load_checkpoint(args.source)
+    ck = load_with_mtp(args.source)  # the MTP head too, when the source has one, quantized by the same rules
     export_checkpoint(ck, out)
-    print(f"wrote {out} ({ck.source_format} -> mlx 4-bit, {ck.nbytes / 2**20:.1f} MiB of weights)", file=sys.stderr)
+    head = "MTP head kept" if ck.mtp is not None else "no MTP head"
+    print(f"wrote {out} ({ck.source_format} -> mlx 4-bit, {ck.nbytes / 2**20:.1f} MiB of weights, {head})",
+          file=sys.stderr)
     return 0
 
 
