@@ -3,7 +3,7 @@ each launch's start, end and its *marginal* time, end - the previous launch's en
 step under programmatic dependent launch (a launch starts early and waits, so its own duration over-counts).
 Launches are labelled by their role in the layer (DeltaNet: in, step, out, moe_entry, experts, down; attention:
 qkv, prep, attn, combine, o, then the MoE's three), and the marginal times summed by role: where the step's time
-goes in place, not kernel by kernel alone (dev/h200_run.sh families is that view). Also times the same number of
+goes in place, not kernel by kernel alone (decode_step_profile.py under ncu is that view). Also times the same number of
 steps unprofiled, to show what the profiler itself adds.
 
     python3 dev/decode_trace.py --lengths 4096,131072 --steps 8 [--json out.json]      (H200, ~1 min)
@@ -27,9 +27,9 @@ from lily.testing.synthetic import config_dict  # noqa: E402
 DELTANET = ["dn_in", "dn_step", "dn_out"]
 ATTENTION = ["attn_qkv", "attn_prep", "attn", "attn_combine", "attn_o"]
 MOE = ["moe_entry", "moe_experts", "moe_down"]
-# the MoE entry and the experts' gate/up in one launch (dev/exp_gemv_moe_own_routing.patch): --moe-launches 2
+# the MoE entry and the experts' gate/up in one launch: --moe-launches 2
 MOE_OWN_ROUTING = ["moe_entry_experts", "moe_down"]
-# the whole MoE in one launch, the down in its K part (dev/exp_gemv_moe_one_launch.patch): --moe-launches 1
+# the whole MoE sub-block in one launch: --moe-launches 1
 MOE_ONE_LAUNCH = ["moe"]
 
 
