@@ -37,13 +37,13 @@ def attention_core(qg: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndar
 
 
 def attention_mixer(h: np.ndarray, w, layer: int, cfg, k_cache: np.ndarray, v_cache: np.ndarray,
-                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One attention layer on normalised rows.
+                    positions: np.ndarray, prefix: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One attention layer on normalised rows; prefix names another layer's weights ("mtp.layers.0", the MTP head).
 
     Shapes: h [S, hidden]; k_cache, v_cache [P, Hkv, D] (past, post-RoPE); positions int [S] = P..P+S-1.
     Returns (out [S, hidden], k_cache' [P+S, Hkv, D], v_cache' [P+S, Hkv, D]).
     """
-    p = f"model.layers.{layer}.self_attn"
+    p = f"{prefix or f'model.layers.{layer}'}.self_attn"
     o, K, V = attention_core(h @ w.linear(p + ".q_proj").T, h @ w.linear(p + ".k_proj").T,
                              h @ w.linear(p + ".v_proj").T, w.vec(p + ".q_norm.weight"), w.vec(p + ".k_norm.weight"),
                              k_cache, v_cache, positions, cfg.num_attention_heads, cfg.rotary_dim, cfg.rope_theta,

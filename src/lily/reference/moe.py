@@ -16,9 +16,9 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray
     return idx, wts
 
 
-def moe_ffn(h: np.ndarray, w, layer: int, cfg) -> np.ndarray:
-    """h [S, hidden] normalised rows -> [S, hidden]."""
-    p = f"model.layers.{layer}.mlp"
+def moe_ffn(h: np.ndarray, w, layer: int, cfg, prefix: str | None = None) -> np.ndarray:
+    """h [S, hidden] normalised rows -> [S, hidden]; prefix names another layer's weights ("mtp.layers.0")."""
+    p = f"{prefix or f'model.layers.{layer}'}.mlp"
     idx, wts = route(h @ w.linear(p + ".gate").T, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     Wg = w.linear(p + ".switch_mlp.gate_proj")  # [E, I, hidden]
     Wu = w.linear(p + ".switch_mlp.up_proj")
