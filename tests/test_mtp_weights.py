@@ -39,6 +39,16 @@ def _mlx_without_head(folder: Path, name: str = "tiny", seed: int = 2) -> Path:
     return folder
 
 
+def _split_source(tmp_path: Path) -> tuple[Path, dict[str, list[str]]]:
+    """An HF original sharded small, so the head lies in shards of its own; returns it and shard -> tensor names."""
+    folder, _ = _hf_with_head(tmp_path / "source", shard_bytes=60_000)
+    wm = json.loads((folder / INDEX).read_text())["weight_map"]
+    shards: dict[str, list[str]] = {}
+    for name, shard in wm.items():
+        shards.setdefault(shard, []).append(name)
+    return folder, shards
+
+
 def _load(path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the "cannot be proven" note of an external head
@@ -120,7 +130,7 @@ def test_broken_own_head_is_an_error_and_mtp_false_skips_it(tmp_path):
     write_mlx_checkpoint(tmp_path, tiny_config_dicts()["tiny"], tensors, quant,
                          extra_tensors={"language_model.mtp.fc.weight": np.ones((4, 4), np.float32)})
     with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight has shape \(4, 4\), expected \(128, 256\) \(MTP head "
-                                              r"from the checkpoint.*pass mtp=False"):
+                                              r"from .*pass mtp=False to load the model without its MTP head"):
         _load(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -128,17 +138,19 @@ def test_broken_own_head_is_an_error_and_mtp_false_skips_it(tmp_path):
     assert ck.mtp is None and set(ck.tensors) == set(tensors)
 
 
+def test_own_head_with_a_shard_missing(tmp_path):
+    """The main model does not need the head's shards: without them the default load names the missing shard, and
+    mtp=False loads the model."""
+    folder, shards = _split_source(tmp_path)
+    head_only = [s for s, names in shards.items() if all(n.startswith("mtp.") for n in names)]
+    assert head_only
+    (folder / head_only[0]).unlink()
+    with pytest.raises(CheckpointError, match=rf"lists the MTP head in {head_only[0]}, missing from .*pass mtp=False"):
+        _load(folder)
+    assert _load(folder, mtp=False).mtp is None
+
+
 # ---- a head from elsewhere --------------------------------------------------------------------------------------
-def _split_source(tmp_path: Path) -> tuple[Path, dict[str, list[str]]]:
-    """An HF original sharded small, so the head lies in shards of its own; returns it and shard -> tensor names."""
-    folder, _ = _hf_with_head(tmp_path / "source", shard_bytes=60_000)
-    wm = json.loads((folder / INDEX).read_text())["weight_map"]
-    shards: dict[str, list[str]] = {}
-    for name, shard in wm.items():
-        shards.setdefault(shard, []).append(name)
-    return folder, shards
-
-
 def test_head_from_another_folder_reads_only_its_shards(tmp_path):
     source, shards = _split_source(tmp_path)
     want = _load(source).mtp

@@ -257,6 +257,7 @@ class _Sources:
 
 # ---- loading -----------------------------------------------------------------------------------------
 def _shard_files(folder: Path) -> dict[str, SafetensorsFile]:
+    """The shards holding the main model's tensors (a shard of the MTP head alone is lily.mtp_source's to open)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -266,7 +267,8 @@ def _shard_files(folder: Path) -> dict[str, SafetensorsFile]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"[lily.load] {index} is not a valid safetensors index: "
                                   f"{type(e).__name__}: {e}") from None
-        names = sorted({f for n, f in wm.items() if _contract_name(n) is not None})
+        names = sorted({f for n, f in wm.items()
+                        if (cn := _contract_name(n)) is not None and not cn.startswith("mtp.")})
         for n in names:
             if not (folder / n).is_file():
                 raise CheckpointError(f"[lily.load] {index} lists shard {n} but {folder / n} is missing "

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import (SHIFTED_NORM_SUFFIXES, LoadedCheckpoint, _contract_name, _Ctx, _read_json, _shard_files,
-                         _Sources, layer_modules, load_checkpoint)
+from .checkpoint import (SHIFTED_NORM_SUFFIXES, LoadedCheckpoint, _contract_name, _Ctx, _read_json, _Sources,
+                         layer_modules, load_checkpoint)
 from .config import ModelConfig
 from .errors import CheckpointError
 from .quant import bf16_to_f32
@@ -115,12 +115,13 @@ def open_mtp_source(source: str | os.PathLike) -> MtpSource:
     return MtpSource(_local_mtp_files(folder, s), raw, s)
 
 
-def _local_mtp_files(folder: Path, label: str) -> dict[str, SafetensorsFile]:
+def _local_mtp_files(folder: Path, label: str, required: bool = True) -> dict[str, SafetensorsFile]:
     """The shards of folder that hold mtp.* tensors: those its index lists for them, else every *.safetensors that
-    has one. Only these are opened, so a source's other shards may be absent."""
+    has one. Only these are opened, so a source's other shards may be absent. None there: an error, or {} when not
+    required (a checkpoint without a head)."""
     index = folder / INDEX
     if index.is_file():
-        names = _mtp_shards_of_index(index, label)
+        names = _mtp_shards_of_index(index, label, required)
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise CheckpointError(f"[lily.load] MTP source {label}: its index lists the MTP head in "
@@ -128,13 +129,13 @@ def _local_mtp_files(folder: Path, label: str) -> dict[str, SafetensorsFile]:
         return {n: SafetensorsFile(folder / n) for n in names}
     files = {f.name: SafetensorsFile(f) for f in sorted(folder.glob("*.safetensors"))}
     files = {n: f for n, f in files.items() if any(is_mtp_name(t) for t in f)}
-    if not files:
+    if not files and required:
         raise CheckpointError(f"[lily.load] MTP source {label} has no mtp.* tensor in any *.safetensors file "
                               f"(expected the MTP head of {HF_ORIGINAL_HINT})")
     return files
 
 
-def _mtp_shards_of_index(index: Path, label: str) -> list[str]:
+def _mtp_shards_of_index(index: Path, label: str, required: bool = True) -> list[str]:
     try:
         wm = json.loads(index.read_text())["weight_map"]
         if not isinstance(wm, dict):
@@ -143,7 +144,7 @@ def _mtp_shards_of_index(index: Path, label: str) -> list[str]:
         raise CheckpointError(f"[lily.load] MTP source {label}: {index} is not a valid safetensors index: "
                               f"{type(e).__name__}: {e}") from None
     names = sorted({f for n, f in wm.items() if is_mtp_name(n)})
-    if not names:
+    if not names and required:
         raise CheckpointError(f"[lily.load] MTP source {label}: its index lists no mtp.* tensor, so it has no MTP "
                               f"head (mlx-community exports drop it; use {HF_ORIGINAL_HINT})")
     return names
@@ -216,19 +217,20 @@ def load_with_mtp(path_or_repo_id: str | os.PathLike, *, mtp: bool | str | os.Pa
 
 def _own_head(ck: LoadedCheckpoint, quantize_dense: bool, threads: int) -> MtpWeights | None:
     """The head in the checkpoint's own shards (load_checkpoint skipped it), in the model's layout."""
-    files = _shard_files(Path(ck.path))
-    sources = _Sources(files, mtp=True)
-    if not any(n.startswith("mtp.") for n in sources.src):
-        return None
     main_hf = ck.source_format == "hf"
     try:
+        sources = _Sources(_local_mtp_files(Path(ck.path), str(ck.path), required=False), mtp=True)
+        if not any(n.startswith("mtp.") for n in sources.src):
+            return None
         layout = _hf_layout_of(sources, str(ck.path), default=main_hf)
         if layout != main_hf:
             raise CheckpointError(f"[lily.load] {ck.path}: the MTP head is in the {'HF' if layout else 'MLX'} layout "
                                   f"but the model in the {'HF' if main_hf else 'MLX'} one (a head from another "
                                   f"export mixed in?)")
-        return _read_head(ck.config, sources, ck.raw_config, quantize_dense, "the checkpoint", threads, layout,
-                          "the checkpoint's own head")
+        head = _read_head(ck.config, sources, ck.raw_config, quantize_dense, str(ck.path), threads, layout,
+                          "shipped with the model")
+        head.source = "the checkpoint"
+        return head
     except CheckpointError as e:
         raise CheckpointError(f"{e}; pass mtp=False to load the model without its MTP head") from None
 
