@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--save-interval", type=float, default=300.0, metavar="SECONDS",
                    help="with --session-dir: also save every SECONDS when a request finished since the last "
                         "save, so a kill loses at most that much (default 300; 0 = only at shutdown)")
-    v.add_argument("--cache-gib", type=float, default=4.0, help="prefix-cache budget in GiB (default 4)")
+    v.add_argument("--cache-gib", type=float, default=None,
+                   help="prefix-cache budget in GiB (default: from the model and the free memory: min(1/4 of the "
+                        f"free memory, 4 states at the full context); {_free_memory()}; /health shows the value)")
     v.add_argument("--snapshot-interval", type=int, default=4096,
                    help="also snapshot every N tokens of a long prefill (0 = turn boundaries only)")
     v.add_argument("--thinking", choices=["on", "off"], default=None,
@@ -119,9 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request body limit in MiB; larger bodies get 413 (default 4)")
     g.add_argument("--prefill-slice", type=int, default=512, metavar="N",
                    help="prefill tokens between decode rounds of the other running requests (default 512)")
+    g.add_argument("--park-gib", type=float, default=None, metavar="GIB",
+                   help="all slots busy: a new request parks the longest-running one (state kept, resumed in "
+                        "turn) while parked states fit in this many GiB (default: min(1/8 of the free memory, "
+                        "--parallel states at the full context); 0 = no parking, new requests wait)")
     g.add_argument("--cors-origins", default="", metavar="LIST",
-                   help="comma-separated browser origins allowed by CORS, or '*' (default: none, so no web page "
-                        "can call this server from a browser)")
+                   help="comma-separated browser origins allowed by CORS besides this machine's own (localhost, "
+                        "127.0.0.1, [::1], any port: allowed by default), or '*'; requests from other web pages "
+                        "get 403 and are logged once with this flag")
+    g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="SIGTERM / Ctrl-C: running requests end with their text so far, queued ones get 503, "
+                        "sessions are saved and the server exits within S seconds (default 5)")
 
     b = sub.add_parser("bench", help="prefill/decode throughput sweeps (batch 1), optional peer; JSON, and a "
                                      "PNG plot when matplotlib is installed")
@@ -150,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name in NOT_YET:
         sub.add_parser(name, help=f"({name}: not yet available in this version)", add_help=False)
     return parser
+
+
+def _free_memory() -> str:
+    """`lily serve --help`: the free memory now (the server's default budgets scale with it)."""
+    try:
+        from .server.budget import describe_free_memory
+    except ImportError:  # the server's dependencies are not installed
+        return "free memory unknown"
+    return describe_free_memory()
 
 
 def _load(args: argparse.Namespace):
@@ -218,16 +237,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server.app import ServerConfig, serve
     except ImportError as e:
-        print(f"error: lily serve needs the server extra ({e}): pip install 'lily[server]'", file=sys.stderr)
+        print(f"error: lily serve needs fastapi, uvicorn and llguidance ({e}): pip install fastapi uvicorn "
+              f"llguidance (or, from a lily checkout, pip install '.[server]', which also rebuilds the extension)",
+              file=sys.stderr)
         return 1
     for name in ("max_tokens", "parallel"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} {getattr(args, name)} is invalid: expected at least 1",
                   file=sys.stderr)
             return 2
-    if args.max_queue < 0 or args.request_timeout < 0 or args.max_body_mb <= 0 or args.prefill_slice < 1:
-        print("error: --max-queue and --request-timeout must be >= 0, --max-body-mb > 0, --prefill-slice >= 1",
-              file=sys.stderr)
+    if args.max_queue < 0 or args.request_timeout < 0 or args.max_body_mb <= 0 or args.prefill_slice < 1 or \
+            (args.cache_gib is not None and args.cache_gib < 0) or (args.park_gib is not None and args.park_gib < 0) \
+            or args.shutdown_grace <= 0:
+        print("error: --max-queue, --request-timeout, --cache-gib and --park-gib must be >= 0, --max-body-mb and "
+              "--shutdown-grace > 0, --prefill-slice >= 1", file=sys.stderr)
         return 2
     import socket
     try:  # before loading the model (which can take minutes): is the port free?
@@ -239,7 +262,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     model = _load(args)
     config = ServerConfig(model_name=args.model_name, api_key=args.api_key or os.environ.get("LILY_API_KEY"),
-                          session_dir=args.session_dir, cache_bytes=int(args.cache_gib * (1 << 30)),
+                          session_dir=args.session_dir,
+                          cache_bytes=None if args.cache_gib is None else int(args.cache_gib * (1 << 30)),
+                          park_bytes=None if args.park_gib is None else int(args.park_gib * (1 << 30)),
+                          shutdown_grace_s=args.shutdown_grace,
                           snapshot_interval=args.snapshot_interval, keepalive_s=args.keepalive,
                           progress_tokens=args.progress_tokens,
                           default_thinking=None if args.thinking is None else args.thinking == "on",

@@ -31,17 +31,19 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`python -m lily serve ...` in a subprocess; stop() sends SIGINT (graceful: sessions are saved)."""
+    """`python -m lily serve ...` in a subprocess; stop() sends SIGINT (graceful: sessions are saved).
+    ckpt None: the bundled model; max_context None: the server's default."""
 
-    def __init__(self, ckpt: Path, log: Path, *extra: str, api_key: str | None = API_KEY, max_context: int = 4096,
-                 env: dict | None = None):
+    def __init__(self, ckpt: Path | None, log: Path, *extra: str, api_key: str | None = API_KEY,
+                 max_context: int | None = 4096, env: dict | None = None, model_name: str = "tiny"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log
-        args = [sys.executable, "-m", "lily", "serve", "--model", str(ckpt), "--backend", backend(),
-                "--port", str(self.port), "--max-context", str(max_context), "--threads", "2",
-                "--model-name", "tiny", "--log-level", "warning", *extra]
+        args = [sys.executable, "-m", "lily", "serve", *(["--model", str(ckpt)] if ckpt is not None else []),
+                "--backend", backend(), "--port", str(self.port), "--threads", "2",
+                *(["--max-context", str(max_context)] if max_context is not None else []),
+                "--model-name", model_name, "--log-level", "warning", *extra]
         if api_key:
             args += ["--api-key", api_key]
         env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})}  # the same lily as this process
@@ -69,6 +71,16 @@ class LiveServer:
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5.0).json()
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def rss_bytes(self) -> int:
+        """The server process's resident memory (Linux)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0,

@@ -18,10 +18,11 @@ MSG = [{"role": "user", "content": "Tell me a story."}]
 @pytest.fixture(scope="module")
 def slow_server(tiny_ckpt, tmp_path_factory):
     """A server whose decode steps take 20 ms (LILY_TEST_STEP_DELAY, a test hook read from the environment
-    only): the tiny model would otherwise finish a long generation before a client can hang up."""
+    only): the tiny model would otherwise finish a long generation before a client can hang up. No parking
+    (--park-gib 0): the second request queues behind the first."""
     from _live import LiveServer
     srv = LiveServer(tiny_ckpt, tmp_path_factory.mktemp("slow") / "serve.log", "--keepalive", "0.2", "--parallel", "1",
-                     env={"LILY_TEST_STEP_DELAY": "0.02"})
+                     "--park-gib", "0", env={"LILY_TEST_STEP_DELAY": "0.02"})
     yield srv
     srv.stop()
 

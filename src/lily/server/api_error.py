@@ -5,12 +5,13 @@ from typing import Any
 
 
 class APIError(Exception):
-    """An error answered as an OpenAI error object."""
+    """An error answered as an OpenAI error object (with `headers` added to the response, e.g. Retry-After)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,12 +1,19 @@
-"""Exceptions -> OpenAI error objects with the HTTP status OpenAI (or HTTP) uses for them."""
+"""Exceptions -> OpenAI error objects with the HTTP status OpenAI (or HTTP) uses for them, and the headers that
+tell clients whether and when to retry (the official SDKs read `x-should-retry`, `retry-after-ms` and
+`Retry-After`)."""
 from __future__ import annotations
+
+import math
 
 from ..chat import ChatTemplateError
 from ..errors import ContextLengthError
 from ..sampling import SamplingParamsError
 from .grammar import GrammarError
 from .protocol import APIError, bad_request
-from .worker import Cancelled, NonFiniteLogits, QueueFull, RequestTimeout
+from .worker import Cancelled, NonFiniteLogits, QueueFull, RequestTimeout, ServerShutdown
+
+# a request the server stopped must not be sent again: the SDKs retry a 408 (and 5xx) unless told not to
+NO_RETRY = {"x-should-retry": "false"}
 
 
 def as_api_error(e: BaseException) -> APIError:
@@ -19,13 +26,19 @@ def as_api_error(e: BaseException) -> APIError:
     if isinstance(e, Cancelled):
         return APIError(499, str(e), type="cancelled")
     if isinstance(e, QueueFull):
-        return APIError(503, str(e), type="server_busy", code="queue_full")
+        return APIError(503, str(e), type="server_busy", code="queue_full", headers=retry_headers(e))
+    if isinstance(e, ServerShutdown):
+        return APIError(503, str(e), type="server_error", code="server_shutting_down")
     if isinstance(e, RequestTimeout):
-        return APIError(408, str(e), type="timeout", code="request_timeout")
+        return APIError(408, str(e), type="timeout", code="request_timeout", headers=dict(NO_RETRY))
     if isinstance(e, NonFiniteLogits):
         return APIError(500, str(e), type="server_error", code="non_finite_logits")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
 def retry_headers(e: BaseException) -> dict[str, str] | None:
-    return {"Retry-After": str(e.retry_after_s)} if isinstance(e, QueueFull) else None
+    """Retry-After (whole seconds, HTTP) and retry-after-ms (what the OpenAI SDKs read first) of a full queue."""
+    if not isinstance(e, QueueFull):
+        return None
+    return {"Retry-After": str(max(1, math.ceil(e.retry_after_s))),
+            "retry-after-ms": str(max(1, round(e.retry_after_s * 1000)))}

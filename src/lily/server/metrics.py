@@ -1,8 +1,9 @@
 """`GET /metrics`: Prometheus text exposition format (version 0.0.4), written by hand (no dependency).
 
 Counters: requests by endpoint and status, prompt / cached / generated tokens, errors by kind, prefix-cache
-hits and misses. Histograms: time to first token, time per output token, decode time, time queued, request
-duration. Gauges: running and queued requests, prefix-cache bytes and snapshots.
+hits and misses, parks. Histograms: time to first token, time per output token, decode time, time queued,
+request duration. Gauges: running, parked and queued requests, parked bytes and their budget, prefix-cache
+bytes, budget and snapshots.
 """
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ class Metrics:
             key = (endpoint, status)
             self.requests[key] = self.requests.get(key, 0) + 1
 
-    def render(self, gauges: dict[str, tuple[str, float]], cache: Any) -> str:
-        """The exposition text; `gauges`: {name: (help, value)}."""
+    def render(self, gauges: dict[str, tuple[str, float]], cache: Any,
+               counters: dict[str, tuple[str, float]] | None = None) -> str:
+        """The exposition text; `gauges` and `counters` kept elsewhere: {name: (help, value)}."""
         out: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -108,6 +110,8 @@ class Metrics:
                [("", cache.hits)])
         metric("lily_prefix_cache_misses_total", "counter", "Prefix-cache lookups that found none",
                [("", cache.misses)])
+        for name, (help_, v) in (counters or {}).items():
+            metric(name, "counter", help_, [("", v)])
         for name, (help_, v) in gauges.items():
             metric(name, "gauge", help_, [("", v)])
         return "\n".join(out) + "\n"

@@ -38,7 +38,7 @@ class ChatOutput:
 
     def push(self, chunk: GenerationChunk) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """-> (deltas, logprob items of this token or None)."""
-        if self.counting_reasoning:
+        if self.counting_reasoning and chunk.token_id >= 0:  # (-1: the server's final chunk, no token)
             if chunk.token_id == self.think_end:
                 self.counting_reasoning = False
             else:

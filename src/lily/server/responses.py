@@ -303,7 +303,8 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
         ids: list[int] = []
         if not req.stream:
             def on_chunk(c):
-                ids.append(c.token_id)
+                if c.token_id >= 0:
+                    ids.append(c.token_id)
                 for d in out.push(c)[0]:
                     items.push(d)
 
@@ -329,7 +330,8 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
             async for ev in events(job, config.keepalive_s):
                 if ev[0] == "chunk":
                     c = ev[1]
-                    ids.append(c.token_id)
+                    if c.token_id >= 0:
+                        ids.append(c.token_id)
                     for d in out.push(c)[0]:
                         for kind, data in items.push(d):
                             yield event(kind, data)

@@ -1,9 +1,14 @@
 """Turning a running `Job`'s events into HTTP answers: SSE streams and whole JSON bodies for chat completions
-and text completions (`/v1/responses` has its own, server/responses.py)."""
+and text completions (`/v1/responses` has its own, server/responses.py; Ollama's API server/ollama.py).
+
+A job the server stopped early (its --request-timeout passed, or the server is shutting down) ends with a
+final chunk of no token: its choice gets finish_reason "length" and `stop_reason` "request_timeout" or
+"server_shutdown" (vLLM's field), so the answer holds what was generated; a shutdown then adds an error event
+(a stream) or answers 503 (not streamed)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -13,10 +18,15 @@ from .middleware import sse
 from .output import ChatOutput
 from .prepared import PreparedCompletion
 from .protocol import completion_logprobs, timings, usage
-from .worker import Cancelled, Job
+from .service import LilyServer
+from .worker import STOP_SHUTDOWN, STOP_TIMEOUT, Cancelled, Job
 
-if TYPE_CHECKING:
-    from .app import LilyServer
+SERVER_STOPS = (STOP_TIMEOUT, STOP_SHUTDOWN)
+
+
+def stopped_by_server(chunk: Any) -> dict[str, Any]:
+    """{"stop_reason": ...} for the final chunk of a job the server stopped, else {}."""
+    return {"stop_reason": chunk.stop_reason} if chunk.token_id < 0 and chunk.stop_reason in SERVER_STOPS else {}
 
 
 async def watch_disconnect(request: Request, job: Job) -> None:
@@ -49,6 +59,10 @@ def comment(ev: tuple) -> str | None:
         return f": prefill {ev[1]}/{ev[2]} tokens\n\n"
     if ev[0] == "idle":
         return ": keep-alive\n\n"
+    if ev[0] == "parked":
+        return ": paused for a newer request, resumes in turn\n\n"
+    if ev[0] == "resumed":
+        return ": resumed\n\n"
     return None
 
 
@@ -57,8 +71,9 @@ async def chat_stream(srv: LilyServer, job: Job, ahead: int, out: ChatOutput, ri
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
             "system_fingerprint": srv.fingerprint}
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, stop: dict | None = None,
+              **extra: Any) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **(stop or {})}
         return sse({**base, "choices": [choice], **extra})
 
     if ahead:
@@ -71,7 +86,8 @@ async def chat_stream(srv: LilyServer, job: Job, ahead: int, out: ChatOutput, ri
             queue_s = ev[1]
         elif ev[0] == "chunk":
             c = ev[1]
-            ids.append(c.token_id)
+            if c.token_id >= 0:
+                ids.append(c.token_id)
             deltas, items = out.push(c)
             lp = {"content": items} if items else None
             for k, d in enumerate(deltas):
@@ -81,7 +97,7 @@ async def chat_stream(srv: LilyServer, job: Job, ahead: int, out: ChatOutput, ri
             if c.finish_reason is not None:
                 srv.remember_reply(ids, c.stop_reason)
                 extra = {"timings": timings(c.stats, queue_s)}
-                yield chunk({}, out.finish_reason, **extra)
+                yield chunk({}, out.finish_reason, stop=stopped_by_server(c), **extra)
                 if include_usage:
                     yield sse({**base, "choices": [], "usage": usage(c.stats, out.reasoning_tokens), **extra})
         elif ev[0] == "error":
@@ -118,7 +134,8 @@ async def chat_whole(srv: LilyServer, request: Request, job: Job, out: ChatOutpu
     ids: list[int] = []
 
     def on_chunk(c):
-        ids.append(c.token_id)
+        if c.token_id >= 0:
+            ids.append(c.token_id)
         out.push(c)
 
     last, queue_s = await collect(srv, request, job, on_chunk)
@@ -127,7 +144,7 @@ async def chat_whole(srv: LilyServer, request: Request, job: Job, out: ChatOutpu
             "system_fingerprint": srv.fingerprint,
             "choices": [{"index": 0, "message": out.message(),
                          "logprobs": {"content": out.logprobs} if out.want_logprobs else None,
-                         "finish_reason": out.finish_reason}],
+                         "finish_reason": out.finish_reason, **stopped_by_server(last)}],
             "usage": usage(last.stats, out.reasoning_tokens), "timings": timings(last.stats, queue_s)}
     return JSONResponse(body)
 
@@ -153,7 +170,8 @@ async def completion_stream(srv: LilyServer, prep: PreparedCompletion, job: Job,
             queue_s = ev[1]
         elif ev[0] == "chunk":
             c = ev[1]
-            ids.append(c.token_id)
+            if c.token_id >= 0:
+                ids.append(c.token_id)
             if c.finish_reason:
                 srv.remember_completion(prep, ids, c.stop_reason)
             lp = completion_logprobs(srv.model.tokenizer, [(c.token_id, c.logprob, c.top_logprobs)], offset) \
@@ -162,7 +180,8 @@ async def completion_stream(srv: LilyServer, prep: PreparedCompletion, job: Job,
             extra = {"timings": timings(c.stats, queue_s)} if c.finish_reason else {}
             if c.text or lp or c.finish_reason:
                 yield sse({**base, "choices": [{"index": 0, "text": c.text, "logprobs": lp,
-                                                "finish_reason": c.finish_reason}], **extra})
+                                                "finish_reason": c.finish_reason, **stopped_by_server(c)}],
+                           **extra})
             if c.finish_reason and include_usage:
                 yield sse({**base, "choices": [], "usage": usage(c.stats), **extra})
         elif ev[0] == "error":
@@ -182,7 +201,8 @@ async def completion_whole(srv: LilyServer, prep: PreparedCompletion, request: R
 
     def on_chunk(c):
         texts.append(c.text)
-        ids.append(c.token_id)
+        if c.token_id >= 0:
+            ids.append(c.token_id)
         if c.logprob is not None:
             items.append((c.token_id, c.logprob, c.top_logprobs))
 
@@ -193,6 +213,6 @@ async def completion_whole(srv: LilyServer, prep: PreparedCompletion, request: R
         if job.sampling.logprobs else None
     body = {"id": rid, "object": "text_completion", "created": created, "model": name,
             "choices": [{"index": 0, "text": echo + "".join(texts), "logprobs": lp,
-                         "finish_reason": last.finish_reason}],
+                         "finish_reason": last.finish_reason, **stopped_by_server(last)}],
             "usage": usage(last.stats), "timings": timings(last.stats, queue_s)}
     return JSONResponse(body)

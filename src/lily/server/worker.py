@@ -4,14 +4,24 @@ Each running request (at most `parallel`) has its own `Session` of the shared mo
 all sessions sharing one `PrefixCache`). The thread pulls one chunk from each running request's
 `Session.generate(stream=True)` iterator in turn (round-robin), so a short request never waits for a long
 one to finish. A new request's prefill runs in slices of `prefill_slice` tokens and, between slices, every
-request that is already decoding makes one step. Requests beyond `parallel` wait in arrival order;
-`max_queue` bounds how many may wait (`submit` raises `QueueFull`, answered 503 + Retry-After).
+request that is already decoding makes one step.
+
+All slots busy: a new request does not wait for one to free up. The running request that has run longest is
+*parked* (its generator and session state kept, not stepped) and the new one starts at once; parked requests
+resume in turn, when a slot frees up or every `PARK_SLICE_STEPS` steps of the one that has run longest (time
+slicing, so a stream of new requests cannot starve them). The states of parked requests are bounded by
+`park_bytes`; past it, and with parking off (0), new requests wait in arrival order, and `max_queue` bounds
+how many may wait (`submit` raises `QueueFull`, answered 503 + Retry-After from the measured drain rate).
 
 Handlers (asyncio) submit `Job`s; the worker pushes events back to the handler's asyncio queue:
 ("queued", ahead) when the job's place in the queue changes, ("start", queue_s), ("progress", done, total)
 during the prefill, ("chunk", GenerationChunk) per token, ("error", exception), ("end",). A job whose
-`cancel` is set (client gone) or whose deadline passed stops after the step in flight, or between prefill
-slices.
+`cancel` is set (client gone) stops after the step in flight, or between prefill slices.
+
+A job stopped by the server after it started (its deadline passed, or the server is shutting down) gets a last
+("chunk", ...) with finish_reason "length" and stop_reason `STOP_TIMEOUT` / `STOP_SHUTDOWN` (empty text, its
+stats so far), so every handler answers with what was generated; a timeout then ends with ("end",) (a final
+answer no client re-runs), a shutdown with ("error", ServerShutdown).
 """
 from __future__ import annotations
 
@@ -25,16 +35,21 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
-
+from typing import Any, Callable, Iterator
 
 from ..errors import LilyError, NonFiniteLogitsError
+from ..generation import FINISH_LENGTH, GenerationChunk, GenerationStats
+from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
+from ..session import Session
 
-if TYPE_CHECKING:
-    from ..model import Model
-    from ..prefix_cache import PrefixCache
-    from ..session import Session
+# the stop reasons of a job the server ended early (the final choice's `stop_reason`, vLLM's field)
+STOP_TIMEOUT = "request_timeout"
+STOP_SHUTDOWN = "server_shutdown"
+# steps a resumed (or new) request runs before it may be parked again for one that waits in the parking lot
+PARK_SLICE_STEPS = 32
+# finishes the drain rate (Retry-After) is measured over
+DRAIN_WINDOW = 32
 
 
 class Cancelled(Exception):
@@ -45,14 +60,18 @@ class RequestTimeout(LilyError):
     """The request ran (queued + prefill + decode) longer than the server's --request-timeout."""
 
 
+class ServerShutdown(LilyError):
+    """The server is shutting down: queued and new requests are refused (503), running ones end early."""
+
+
 # The model produced NaN/inf logits (Session.generate raises it; prompt scoring too): a 500 non_finite_logits.
 NonFiniteLogits = NonFiniteLogitsError
 
 
 class QueueFull(LilyError):
-    """--max-queue requests are already waiting; `retry_after_s` estimates when a slot frees up."""
+    """--max-queue requests are already waiting; `retry_after_s` estimates when the queue will have drained."""
 
-    def __init__(self, message: str, retry_after_s: int):
+    def __init__(self, message: str, retry_after_s: float):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
@@ -75,11 +94,16 @@ class Job:
     cancel_step: int | None = None  # `steps` when the cancel was requested
     finished: bool = False
     # worker-side state
-    session: "Session | None" = None
+    session: Session | None = None
     gen: Iterator[Any] | None = None
     decoding: bool = False         # the first chunk came: the prefill is done
     ahead: int = -1                # last queue position sent
     next_progress: int = 0
+    began: float = 0.0             # when it started (perf_counter)
+    first_token_at: float = 0.0
+    cached_tokens: int = 0         # prompt tokens its session already held
+    slice_steps: int = 0           # steps since it started or was resumed
+    parked_bytes: int = 0          # its session's state while parked
 
     def emit(self, *event: Any) -> None:
         try:
@@ -97,33 +121,41 @@ class Job:
 
 
 class EngineWorker:
-    """Owns `model`, a pool of sessions (one per running request) and the wait queue."""
+    """Owns `model`, a pool of sessions (one per started request) and the wait queue."""
 
-    def __init__(self, model: "Model", cache: "PrefixCache | None", progress_tokens: int = 4096, *,
-                 parallel: int = 4, max_queue: int = 64, prefill_slice: int = 512, metrics: Any = None):
+    def __init__(self, model: Any, cache: PrefixCache | None, progress_tokens: int = 4096, *,
+                 parallel: int = 4, max_queue: int = 64, prefill_slice: int = 512, park_bytes: int = 0,
+                 metrics: Any = None):
         if parallel < 1:
             raise ValueError(f"parallel={parallel} is invalid: expected at least 1 running request")
         self.model = model
         self.cache = cache
         self.parallel = parallel
         self.max_queue = max_queue
+        self.park_bytes = max(0, int(park_bytes))
         self.progress_tokens = progress_tokens
         self.prefill_slice = max(1, min(prefill_slice, progress_tokens) if progress_tokens > 0 else prefill_slice)
         self.metrics = metrics
-        self.sessions: list["Session"] = []          # the pool; a session is busy while a job holds it
+        self.sessions: list[Session] = []            # the pool; a session is busy while a job holds it
         self._busy_sessions: set[int] = set()
-        self._dirty: list["Session"] = []            # sessions with a sampled token not yet run (flush when idle)
+        self._dirty: list[Session] = []              # sessions with a sampled token not yet run (flush when idle)
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
+        self._parked: collections.deque[Job] = collections.deque()
         self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
         self._lock = threading.Lock()
         self.waiting = 0        # submitted, not started (read by handlers)
-        self.running = 0        # started, not finished
-        self._job_seconds = collections.deque(maxlen=32)  # recent run times, for Retry-After
+        self.running = 0        # started and stepped
+        self.parked = 0         # started and parked
+        self.parked_bytes = 0   # their sessions' state
+        self._drain_gaps: collections.deque[float] = collections.deque(maxlen=DRAIN_WINDOW)
+        self._last_finish = 0.0
+        self._busy_since = 0.0
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "timeouts": 0, "rejected": 0,
-                      "last_cancel_steps": None, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
-        self._stopping = False
+                      "parks": 0, "resumes": 0, "shutdown_ended": 0, "last_cancel_steps": None,
+                      "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        self._draining = False
         # test hook: pretend every decode step takes this long (a fast tiny model finishes before a client
         # can hang up); only read from the environment, never from a request
         self._step_delay = float(os.environ.get("LILY_TEST_STEP_DELAY", "0") or 0)
@@ -133,10 +165,10 @@ class EngineWorker:
 
     @property
     def busy(self) -> bool:
-        return self.running > 0
+        return self.running + self.parked > 0
 
     @property
-    def session(self) -> "Session":
+    def session(self) -> Session:
         """The first session of the pool (made on demand)."""
         return self.sessions[0] if self.sessions else self._new_session()
 
@@ -146,29 +178,44 @@ class EngineWorker:
         with self._lock:
             return max(0, self.waiting + self.running - self.parallel)
 
+    def idle(self) -> bool:
+        with self._lock:
+            return self.waiting + self.running + self.parked == 0
+
     def check_room(self) -> None:
-        """Raise QueueFull when a new request would have to wait and the queue is full."""
+        """Raise ServerShutdown while shutting down, QueueFull when the queue is full."""
         with self._lock:
             self._check_room_locked()
 
     def _check_room_locked(self) -> None:
+        if self._draining:
+            self.stats["rejected"] += 1
+            raise ServerShutdown("the server is shutting down and takes no new requests")
         would_wait = self.waiting + self.running >= self.parallel
         if would_wait and self.waiting + self.running - self.parallel >= self.max_queue:
             self.stats["rejected"] += 1
-            raise QueueFull(f"the server is busy: {self.running} request(s) running and "
+            raise QueueFull(f"the server is busy: {self.running} request(s) running, {self.parked} parked and "
                             f"{self.waiting} waiting (--max-queue {self.max_queue}); retry later",
-                            self.retry_after_locked())
+                            self.drain_seconds_locked())
 
-    def retry_after_locked(self) -> int:
-        per_job = (sum(self._job_seconds) / len(self._job_seconds)) if self._job_seconds else 1.0
-        ahead = max(1, self.waiting + self.running - self.parallel + 1)
-        return max(1, min(600, math.ceil(per_job * ahead / self.parallel)))
+    def drain_seconds_locked(self) -> float:
+        """Seconds until the requests in the server now have finished, at the measured drain rate (the mean
+        time between finishes while busy); 1 s per request per slot before anything was measured."""
+        ahead = max(1, self.waiting + self.running + self.parked)
+        if self._drain_gaps:
+            per_job = sum(self._drain_gaps) / len(self._drain_gaps)
+        else:
+            per_job = 1.0 / self.parallel
+        return max(0.05, min(600.0, per_job * ahead))
 
     def submit(self, job: Job) -> int:
-        """Queue a job; returns how many requests must finish before it starts (0: it starts now)."""
+        """Queue a job; returns how many requests must finish before it starts (0: it starts now, or soon
+        by parking another)."""
         with self._lock:
             self._check_room_locked()
             ahead = max(0, self.waiting + self.running - self.parallel + 1)
+            if self.park_bytes > 0:
+                ahead = 0
             self.waiting += 1
         job.ahead = ahead
         self._inbox.put(("job", job))
@@ -180,23 +227,28 @@ class EngineWorker:
         self._inbox.put(("call", (fn, fut)))
         return fut
 
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; end the queued ones (503) and the started ones (their text so far, then a
+        shutdown error) at the next step. Returns at once; `idle()` says when all have ended."""
+        with self._lock:
+            self._draining = True
+        self._inbox.put(("wake", None))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel running jobs, drop queued ones, and end the thread."""
-        self._stopping = True
-        for job in list(self._active):
-            job.request_cancel()
+        self._draining = True
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
 
     # ---- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            idle = not self._active and not self._waiting
+            idle = not self._active and not self._waiting and not self._parked
             if idle and self._inbox.empty():
                 self._flush_idle_sessions()
             if not self._take_inbox(block=idle):
                 return
-            self._start_waiting()
+            self._schedule()
             for job in list(self._active):
                 if not job.finished:
                     self._step(job)
@@ -210,8 +262,8 @@ class EngineWorker:
                 return True
             block = False
             if kind == "stop":
-                for job in list(self._active) + list(self._waiting):
-                    self._end(job, Cancelled("the server is shutting down"))
+                for job in list(self._active) + list(self._parked) + list(self._waiting):
+                    self._end(job, Cancelled("the server is shutting down"), started=job.session is not None)
                 return False
             if kind == "call":
                 fn, fut = item
@@ -220,31 +272,91 @@ class EngineWorker:
                         fut.set_result(fn())
                     except BaseException as e:  # handed to the caller
                         fut.set_exception(e)
-            else:
+            elif kind == "job":
                 self._waiting.append(item)
 
-    def _start_waiting(self) -> None:
+    def _schedule(self) -> None:
+        """Drop what ended while not stepped, start new requests (parking others if need be), resume parked
+        ones into free slots, and rotate one parked request in every PARK_SLICE_STEPS steps."""
         now = time.perf_counter()
-        for job in [j for j in self._waiting if j.cancel.is_set() or j.overdue(now) or self._stopping]:
+        for job in [j for j in self._waiting if j.cancel.is_set() or j.overdue(now) or self._draining]:
             self._waiting.remove(job)
             with self._lock:
                 self.waiting -= 1
-            self._end(job, RequestTimeout(self._timeout_message(job)) if job.overdue(now) else
-                      Cancelled("the request was cancelled before it started"), started=False)
-        while self._waiting and len(self._active) < self.parallel:
+            self._end(job, self._why_stopped(job, now, "the request was cancelled before it started"), started=False)
+        for job in [j for j in self._parked if j.cancel.is_set() or j.overdue(now) or self._draining]:
+            self._end(job, self._why_stopped(job, now, "the client disconnected"))
+        while self._waiting and (len(self._active) < self.parallel or self._park_longest_running(now)):
             job = self._waiting.popleft()
             with self._lock:
                 self.waiting -= 1
                 self.running += 1
             self._begin(job)
+        while self._parked and len(self._active) < self.parallel:
+            self._resume(self._parked.popleft())
+        if self._parked and not self._waiting:
+            victim = self._longest_running(now, PARK_SLICE_STEPS)
+            incoming = self._parked[0]
+            if victim is not None and self._fits(victim.session.nbytes - incoming.session.nbytes):
+                self._resume(self._parked.popleft())
+                self._park(victim)
         for i, job in enumerate(self._waiting):  # everyone behind moved up
             if job.ahead != i + 1:
                 job.ahead = i + 1
                 job.emit("queued", i + 1)
 
-    def _pick_session(self, ids: list[int]) -> "Session":
-        """An idle session whose live state is the longest prefix of ids; else a new one (pool not full);
-        else the least recently used idle one (its state goes to the prefix cache when replaced)."""
+    def _why_stopped(self, job: Job, now: float, cancelled: str) -> BaseException:
+        if self._draining:
+            return ServerShutdown("the server is shutting down")
+        if job.overdue(now):
+            return RequestTimeout(self._timeout_message(job))
+        return Cancelled(cancelled)
+
+    # ---- parking ---------------------------------------------------------------------------------------
+    def _fits(self, extra_bytes: int) -> bool:
+        return self.park_bytes > 0 and self.parked_bytes + extra_bytes <= self.park_bytes
+
+    def _longest_running(self, now: float, min_slice_steps: int = 1) -> Job | None:
+        """The decoding job that started longest ago and ran at least min_slice_steps since it (re)started."""
+        ready = [j for j in self._active if j.decoding and not j.finished and j.slice_steps >= min_slice_steps]
+        return min(ready, key=lambda j: j.began) if ready else None
+
+    def _park_longest_running(self, now: float) -> bool:
+        victim = self._longest_running(now)
+        if victim is None or not self._fits(victim.session.nbytes):
+            return False
+        self._park(victim)
+        return True
+
+    def _park(self, job: Job) -> None:
+        self._active.remove(job)
+        self._parked.append(job)
+        nbytes = job.session.nbytes
+        with self._lock:
+            self.running -= 1
+            self.parked += 1
+            self.parked_bytes += nbytes
+        job.parked_bytes = nbytes
+        self.stats["parks"] += 1
+        job.emit("parked")
+
+    def _resume(self, job: Job) -> None:
+        if job in self._parked:
+            self._parked.remove(job)
+        self._active.append(job)
+        with self._lock:
+            self.running += 1
+            self.parked -= 1
+            self.parked_bytes -= job.parked_bytes
+        job.slice_steps = 0
+        self.stats["resumes"] += 1
+        job.emit("resumed")
+
+    # ---- running a job -----------------------------------------------------------------------------------
+    def _pick_session(self, ids: list[int]) -> Session:
+        """An idle session whose live state is the longest prefix of ids; else a new one (pool not full, or
+        every session busy with a running or parked request); else the least recently used idle one (its
+        state goes to the prefix cache when replaced)."""
         best, best_n = None, -1
         for s in self.sessions:
             if id(s) in self._busy_sessions:
@@ -253,22 +365,41 @@ class EngineWorker:
             n = len(held) if len(held) <= len(ids) and ids[:len(held)] == held else 0
             if n > best_n:
                 best, best_n = s, n
-        if (best is None or best_n == 0) and len(self.sessions) < self.parallel:
+        if best is None or (best_n == 0 and len(self.sessions) < self.parallel):
             best = self._new_session()
         self.sessions.remove(best)
         self.sessions.append(best)  # most recently used last
         return best
 
-    def _new_session(self) -> "Session":
+    def _new_session(self) -> Session:
         s = self.model.session(prefix_cache=self.cache)
         self.sessions.insert(0, s)
         return s
 
+    def _trim_pool(self) -> None:
+        """Sessions beyond --parallel were made for requests that started while others were parked: once idle
+        they go (their live state into the prefix cache first, as a session replacing it would do)."""
+        while len(self.sessions) > self.parallel + self.parked:
+            idle = [s for s in self.sessions if id(s) not in self._busy_sessions]
+            if not idle:
+                return
+            s = idle[0]  # least recently used
+            if self.cache is not None and s._tokens and not self.cache.contains(s._tokens):
+                snap = s.snapshot()
+                self.cache.insert(type(snap)(snap.state, snap.tokens, (), snap.last_logits))
+            self.sessions.remove(s)
+            if s in self._dirty:
+                self._dirty.remove(s)
+
     def _begin(self, job: Job) -> None:
+        now = time.perf_counter()
         self.stats["requests"] += 1
-        job.emit("start", time.perf_counter() - job.enqueued)
+        if not self._active and not self._parked:
+            self._busy_since = now
+        job.began = now
+        job.emit("start", now - job.enqueued)
         if self.metrics is not None:
-            self.metrics.observe("queue", time.perf_counter() - job.enqueued)
+            self.metrics.observe("queue", now - job.enqueued)
         s = self._pick_session(job.ids)
         self._busy_sessions.add(id(s))
         if s in self._dirty:
@@ -281,15 +412,13 @@ class EngineWorker:
             job.gen = s.generate(job.ids, whole=True, stream=True, sampling=job.sampling,
                                  progress=lambda done, total: self._progress(job, done, total),
                                  constraint=job.constraint)
+            job.cached_tokens = len(s._tokens)  # the generator reused the longest prefix held
         except Exception as e:  # e.g. the prompt does not fit: reported to the client
             self._end(job, e)
 
     def _progress(self, job: Job, done: int, total: int) -> None:
         """Between prefill slices of `job`: stop it if cancelled, report, and let decoding jobs step."""
-        if job.cancel.is_set():
-            raise Cancelled
-        if job.overdue(time.perf_counter()):
-            raise RequestTimeout(self._timeout_message(job))
+        self._check_going(job)
         if self.progress_tokens > 0 and (done >= job.next_progress or done == total):
             job.emit("progress", done, total)
             while job.next_progress <= done:
@@ -298,13 +427,18 @@ class EngineWorker:
             if other is not job and other.decoding and not other.finished:
                 self._step(other)
 
+    def _check_going(self, job: Job) -> None:
+        if job.cancel.is_set():
+            raise Cancelled
+        if self._draining:
+            raise ServerShutdown("the server is shutting down")
+        if job.overdue(time.perf_counter()):
+            raise RequestTimeout(self._timeout_message(job))
+
     def _step(self, job: Job) -> None:
         """Pull one chunk from the job's stream (the first pull runs its prefill)."""
         try:
-            if job.cancel.is_set():
-                raise Cancelled
-            if job.overdue(time.perf_counter()):
-                raise RequestTimeout(self._timeout_message(job))
+            self._check_going(job)
             chunk = next(job.gen)
         except StopIteration:
             self._end(job, LilyError("the generation ended without a final chunk"))
@@ -312,8 +446,10 @@ class EngineWorker:
         except Exception as e:
             self._end(job, e)
             return
-        job.decoding = True
+        if not job.decoding:
+            job.decoding, job.first_token_at = True, time.perf_counter()
         job.steps += 1
+        job.slice_steps += 1
         job.emit("chunk", chunk)
         if self._step_delay:
             time.sleep(self._step_delay)
@@ -327,16 +463,36 @@ class EngineWorker:
                     self.metrics.finished(s)
             self._end(job, None)
 
+    def _final_chunk(self, job: Job, reason: str) -> GenerationChunk:
+        """The last chunk of a job the server stopped: no token (-1), no text, finish 'length', its stats."""
+        now = time.perf_counter()
+        first = job.first_token_at or now
+        stats = GenerationStats(prompt_tokens=len(job.ids), cached_tokens=job.cached_tokens,
+                                generated_tokens=job.steps, ttft_s=first - job.began if job.steps else 0.0,
+                                prefill_s=first - job.began, decode_s=now - first if job.steps else 0.0,
+                                total_s=now - job.began)
+        return GenerationChunk("", -1, finish_reason=FINISH_LENGTH, stop_reason=reason, stats=stats)
+
     def _end(self, job: Job, error: BaseException | None, started: bool = True) -> None:
         if job.finished:
             return
         job.finished = True
+        was_parked = job in self._parked
         if job in self._active:
             self._active.remove(job)
+        if was_parked:
+            self._parked.remove(job)
         if started and job.session is not None:
+            now = time.perf_counter()
             with self._lock:
-                self.running -= 1
-                self._job_seconds.append(time.perf_counter() - job.enqueued)
+                if was_parked:
+                    self.parked -= 1
+                    self.parked_bytes -= job.parked_bytes
+                else:
+                    self.running -= 1
+                # the drain rate: time between finishes while the server was busy (queue time excluded)
+                self._drain_gaps.append(now - max(self._last_finish, self._busy_since))
+                self._last_finish = now
             if job.gen is not None:
                 try:
                     job.gen.close()
@@ -344,6 +500,10 @@ class EngineWorker:
                     pass
             self._busy_sessions.discard(id(job.session))
             self._dirty.append(job.session)
+            self._trim_pool()
+            if isinstance(error, (RequestTimeout, ServerShutdown)):
+                job.emit("chunk", self._final_chunk(job, STOP_TIMEOUT if isinstance(error, RequestTimeout)
+                                                    else STOP_SHUTDOWN))
         if error is None:
             self.stats["completed"] += 1
             job.emit("end")
@@ -356,10 +516,15 @@ class EngineWorker:
                 error = Cancelled("the client disconnected")
         elif isinstance(error, RequestTimeout):
             self.stats["timeouts"] += 1
+        elif isinstance(error, ServerShutdown):
+            self.stats["shutdown_ended"] += 1
         else:
             self.stats["errors"] += 1
         if self.metrics is not None:
             self.metrics.failed(type(error).__name__)
+        if isinstance(error, RequestTimeout) and started and job.session is not None:
+            job.emit("end")  # the final chunk above is the answer: a timeout is not an error to retry
+            return
         job.emit("error", error)
 
     def _timeout_message(self, job: Job) -> str:
