@@ -61,6 +61,18 @@ def _same_head(a, b) -> None:
         np.testing.assert_array_equal(a.tensors[k], b.tensors[k], err_msg=k)
 
 
+def test_the_head_of_the_spec(tmp_path):
+    """docs/model.md §7.1: 19 HF tensors (fused experts) and 844,640,768 parameters at full size."""
+    from lily.testing import full_config
+    lin, vec = expected_mtp_modules(full_config())
+    assert sum(int(np.prod(s)) for s in (*lin.values(), *vec.values())) == 844_640_768
+    assert lin["mtp.fc"] == (2048, 4096) and lin["mtp.layers.0.self_attn.q_proj"] == (8192, 2048)
+    folder, _ = _hf_with_head(tmp_path / "hf")
+    names = json.loads((folder / INDEX).read_text())["weight_map"]
+    assert len([n for n in names if n.startswith("mtp.")]) == 19
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in names and "mtp.pre_fc_norm_hidden.weight" in names
+
+
 # ---- the checkpoint's own head --------------------------------------------------------------------------------
 def test_hf_head_is_converted_by_the_main_layers_rules(tmp_path):
     """fc, attention and experts 4-bit g64, the router and shared-expert gate 8-bit, exactly as mx.quantize does
