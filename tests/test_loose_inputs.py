@@ -27,6 +27,8 @@ def test_a_message_without_content_raises(model):
         model.generate([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], max_tokens=2)
     with pytest.raises(ValueError, match=r"messages\[0\] has no role"):
         model.prefill([{"content": "hi"}])
+    with pytest.raises(ValueError, match=r"messages\[0\] \(user\) has no content"):
+        model.session().generate([{"role": "user", "content": None}], max_tokens=2)
     # an assistant turn that only calls a tool is complete
     call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
     model.generate([{"role": "user", "content": "hi"}, call, {"role": "tool", "content": "1"}], max_tokens=1)
@@ -41,6 +43,10 @@ def test_a_misspelled_option_raises_naming_the_valid_ones(model):
     assert "max_tokens" in text and "top_p" in text and "chat_template_kwargs" in text
     with pytest.raises(TypeError, match="unknown keyword argument 'enable_thinkng'"):
         model.generate(msgs, max_tokens=2, enable_thinkng=False)
+    with pytest.raises(TypeError, match="did you mean 'top_p'"):
+        model.session().generate(msgs, max_tokens=2, topp=0.5)
+    with pytest.raises(TypeError, match="enable_thinkng"):
+        model.session().prefill(msgs, enable_thinkng=False)
 
 
 def test_template_variables_go_by_name_or_in_chat_template_kwargs(model):

@@ -19,7 +19,6 @@ from .config import ModelConfig
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError
 from .generation import GenerationChunk, GenerationResult
 from .identity import ModelIdentity, model_fingerprint, weights_digest
-from .prompt_checks import check_messages, check_options, is_chat, template_kwargs
 from .sampling import takes_sampling_options
 from .session import PrefillResult, PromptEncoder, Session, SessionLimits
 from .tokenizer import Tokenizer
@@ -298,30 +297,24 @@ class Model:
         """Identity of these weights + tokenizer + config (session files carry it)."""
         return self.identity.fingerprint
 
-    def prefill(self, prompt: Any, *, enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
-                tools: Sequence[Any] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> Session:
+    def prefill(self, prompt: Any, *, add_generation_prompt: bool | None = None, enable_thinking: bool | None = None,
+                preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> Session:
         """Run a prompt; returns the session holding it, ready for `.generate()`. Template variables of a chat
         prompt: the named ones, others in chat_template_kwargs."""
         s = self.session()
-        s.prefill(prompt, **self._template_kwargs(prompt, "prefill", enable_thinking, preserve_thinking, tools,
-                                                  chat_template_kwargs))
+        s.prefill(prompt, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                  preserve_thinking=preserve_thinking, tools=tools, chat_template_kwargs=chat_template_kwargs)
         return s
 
-    def prefill_stats(self, prompt: Any, *, enable_thinking: bool | None = None,
-                      preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
-                      chat_template_kwargs: Mapping[str, Any] | None = None) -> PrefillResult:
+    def prefill_stats(self, prompt: Any, *, add_generation_prompt: bool | None = None,
+                      enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
+                      tools: Sequence[Any] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None
+                      ) -> PrefillResult:
         """Run a prompt in a throwaway session and report its prefill timing."""
-        return self.session().prefill(prompt, **self._template_kwargs(
-            prompt, "prefill", enable_thinking, preserve_thinking, tools, chat_template_kwargs))
-
-    @staticmethod
-    def _template_kwargs(prompt: Any, where: str, enable_thinking: bool | None, preserve_thinking: bool | None,
-                         tools: Sequence[Any] | None, chat_template_kwargs: Mapping[str, Any] | None
-                         ) -> dict[str, Any]:
-        if is_chat(prompt):
-            check_messages(prompt, where)
-        return template_kwargs(chat_template_kwargs, where, enable_thinking=enable_thinking,
-                               preserve_thinking=preserve_thinking, tools=tools)
+        return self.session().prefill(prompt, add_generation_prompt=add_generation_prompt,
+                                      enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
+                                      tools=tools, chat_template_kwargs=chat_template_kwargs)
 
     @takes_sampling_options
     def generate(self, prompt: Any, *, stream: bool = False, enable_thinking: bool | None = None,
@@ -341,10 +334,9 @@ class Model:
         stream=True returns an iterator of GenerationChunk; the last one has finish_reason and stats.
         Raises ContextLengthError when the prompt plus max_tokens does not fit in max_context.
         """
-        check_options(kwargs, "generate")
-        kwargs.update(self._template_kwargs(prompt, "generate", enable_thinking, preserve_thinking, tools,
-                                            chat_template_kwargs))
-        return self.session().generate(prompt, stream=stream, **kwargs)
+        return self.session().generate(prompt, stream=stream, enable_thinking=enable_thinking,
+                                       preserve_thinking=preserve_thinking, tools=tools,
+                                       chat_template_kwargs=chat_template_kwargs, **kwargs)
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [S, vocab] for token_ids, from an empty state."""

@@ -65,3 +65,11 @@ def template_kwargs(chat_template_kwargs: Mapping[str, Any] | None, where: str, 
     out = dict(chat_template_kwargs or {})
     out.update({k: v for k, v in named.items() if v is not None})
     return out
+
+
+def chat_variables(prompt: Any, where: str, chat_template_kwargs: Mapping[str, Any] | None, **named: Any
+                   ) -> dict[str, Any]:
+    """The checked template variables of a generate / prefill call (its chat messages checked too)."""
+    if is_chat(prompt):
+        check_messages(prompt, where)
+    return template_kwargs(chat_template_kwargs, where, **named)

@@ -28,8 +28,8 @@ from .chat import ChatTemplate
 from .errors import ContextLengthError, LilyError, NonFiniteLogitsError
 from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, GenerationResult, GenerationStats,
                          StopStringMatcher, collect, split_reasoning)
-from .sampling import (Sampler, SamplingParams, device_sampling_supported, resolve_sampling, split_sampling_options,
-                       takes_sampling_options)
+from .prompt_checks import chat_variables, check_options
+from .sampling import Sampler, SamplingParams, device_sampling_supported, resolve_sampling, takes_sampling_options
 from .identity import ModelIdentity
 from .session_file import load_session_file, read_session_user_metadata, save_session_file
 from .snapshot import SessionSnapshot
@@ -280,13 +280,18 @@ class Session:
         return logits
 
     def prefill(self, prompt: Any, *, whole: bool = False, progress: ProgressCallback | None = None,
-                **template_kwargs: Any) -> PrefillResult:
+                add_generation_prompt: bool | None = None, enable_thinking: bool | None = None,
+                preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> PrefillResult:
         """Run a prompt through the model. Text and token ids are appended to the session; a list of chat
         messages is the whole conversation so far (rendered with the chat template, add_generation_prompt
-        defaulting to True) and reuses the session's state (or its prefix cache) for the longest prefix held.
-        whole=True treats text / token ids the same way (the prompt is the whole context)."""
+        defaulting to True; its variables by name or in chat_template_kwargs) and reuses the session's state
+        (or its prefix cache) for the longest prefix held. whole=True treats text / token ids the same way (the
+        prompt is the whole context)."""
         t0 = time.perf_counter()
-        new, _ = self._new_tokens(prompt, template_kwargs, whole)
+        template = chat_variables(prompt, "prefill", chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                                  enable_thinking=enable_thinking, preserve_thinking=preserve_thinking, tools=tools)
+        new, _ = self._new_tokens(prompt, template, whole)
         cached = len(self._tokens)
         self._check_room(len(new), 0)
         self._feed_prompt(new, progress)
@@ -328,19 +333,25 @@ class Session:
     @takes_sampling_options
     def generate(self, prompt: Any = None, *, stream: bool = False, sampling: SamplingParams | None = None,
                  whole: bool = False, progress: ProgressCallback | None = None, constraint: Any = None,
+                 enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
+                 tools: Sequence[Any] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
                  **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
         """Generate from the session's state (after running `prompt`, if given, through it).
 
-        The sampling options (max_tokens, temperature, top_p, ... : lily.sampling.SAMPLING_OPTIONS) are
-        keywords; the other keywords are template kwargs. Options left as None come from the checkpoint's
-        generation_config.json (sampling_defaults), else neutral defaults (see SamplingParams). `sampling=`
-        passes a ready SamplingParams instead. Template kwargs (enable_thinking, preserve_thinking, tools,
-        add_generation_prompt, ...) apply to chat messages.
+        The other keywords are the sampling options (max_tokens, temperature, top_p, ... :
+        lily.sampling.SAMPLING_OPTIONS; any other keyword is a TypeError naming them). Options left as None come
+        from the checkpoint's generation_config.json (sampling_defaults), else neutral defaults (see
+        SamplingParams). `sampling=` passes a ready SamplingParams instead. Chat messages (each with a role and
+        content) are rendered with enable_thinking, preserve_thinking, tools and the other template variables
+        given in chat_template_kwargs (add_generation_prompt, ...).
         whole=True: the prompt (text or ids) is the whole context, reusing the longest prefix held (chat
         messages always are). progress(done, total) is called during the prefill and may raise to cancel.
         constraint: a token mask applied before sampling (see `lily.sampling.Sampler`), e.g. a grammar.
         """
-        options, template_kwargs = split_sampling_options(kwargs)
+        check_options(kwargs, "generate")
+        options = kwargs
+        template_kwargs = chat_variables(prompt, "generate", chat_template_kwargs, enable_thinking=enable_thinking,
+                                         preserve_thinking=preserve_thinking, tools=tools)
         if sampling is None:
             sampling = resolve_sampling(self.sampling_defaults, **options)
         t0 = time.perf_counter()
