@@ -90,7 +90,7 @@ def test_errors_in_ollamas_shape(server, client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="tiny", messages=[{"role": "user"}])
     assert e.value.status_code == 400 and "content" in e.value.error
-    r = httpx.post(server.url + "/api/chat", content=b"{not json", headers={"Authorization": f"Bearer {server.api_key}"})
+    r = httpx.post(server.url + "/api/chat", content=b"{not json", headers=server.headers())
     assert r.status_code == 400 and set(r.json()) == {"error"}
     r = httpx.get(server.url + "/api/tags")  # the API key applies to /api/ as to /v1/
     assert r.status_code == 401 and set(r.json()) == {"error"}

@@ -235,7 +235,8 @@ class OllamaRoutes:
         context = body.get("context") or []
         if not isinstance(context, list) or not all(isinstance(t, int) and 0 <= t < model.vocab_size
                                                     for t in context):
-            raise OllamaError(400, f"context must be the token ids a previous answer returned (0..{model.vocab_size - 1})")
+            raise OllamaError(400, f"context must be the token ids a previous answer returned (each "
+                                   f"0..{model.vocab_size - 1})")
         ids = list(context) + srv.tokenizer.encode(text)
         if not ids:
             raise OllamaError(400, "prompt is empty")
