@@ -46,6 +46,8 @@ _MATCH_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "h
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 INDEX = "model.safetensors.index.json"
 HF_ORIGINAL_HINT = "the Hugging Face original, e.g. Qwen/Qwen3.6-35B-A3B"
+# elements per slice of the finiteness check (16 MB of float32)
+_CHECK_ELEMS = 4 * 1024 * 1024
 
 
 @dataclass
@@ -280,7 +282,7 @@ def _read_head(cfg: ModelConfig, sources: _Sources, raw: dict[str, Any] | None, 
     if unused:
         raise CheckpointError(f"[lily.load] MTP source {label} has tensor(s) the Qwen3.5/3.6-MoE MTP layer does not "
                               f"have: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
-    _check_finite(tensors, quant, label)
+    _check_finite(tensors, label)
     nbytes = int(sum(a.nbytes for a in tensors.values()))
     return MtpWeights(tensors, quant, label, match, nbytes)
 
@@ -297,17 +299,21 @@ def _check_layer_count(sources: _Sources, raw: dict[str, Any] | None, label: str
                               f"lily runs the one-layer head of Qwen3.5/3.6 (expected 1)")
 
 
-def _check_finite(tensors: dict[str, np.ndarray], quant: dict[str, tuple[int, int]], label: str) -> None:
-    """A damaged head (NaN or infinite norms, scales, biases or dense weights) is refused: drafts from it would be
-    noise, or NaN logits would stop generation."""
+def _check_finite(tensors: dict[str, np.ndarray], label: str) -> None:
+    """A damaged head (NaN or infinite norms, scales, biases or dense weights; a NaN weight quantizes to a NaN scale)
+    is refused: drafts from it would be noise, or NaN logits would stop generation. Read in slices of the first axis
+    so a dense bf16 head never needs a float32 copy of a whole expert stack."""
     for name, a in tensors.items():
         if a.dtype == np.uint32:
             continue  # packed codes: every value is a valid code
-        x = bf16_to_f32(a) if a.dtype == np.uint16 else a
-        bad = ~np.isfinite(x)
-        if bad.any():
-            raise CheckpointError(f"[lily.load] MTP source {label}: tensor {name} has {int(bad.sum())} NaN or "
-                                  f"infinite value(s) (expected finite weights; the file is damaged)")
+        step = max(1, _CHECK_ELEMS // max(1, a.size // max(1, a.shape[0])))
+        bad = 0
+        for lo in range(0, a.shape[0], step):
+            part = a[lo:lo + step]
+            bad += int(np.count_nonzero(~np.isfinite(bf16_to_f32(part) if a.dtype == np.uint16 else part)))
+        if bad:
+            raise CheckpointError(f"[lily.load] MTP source {label}: tensor {name} has {bad} NaN or infinite "
+                                  f"value(s) (expected finite weights; the file is damaged)")
 
 
 def _check_source_config(cfg: ModelConfig, source: MtpSource) -> str:
