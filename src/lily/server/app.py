@@ -255,7 +255,6 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, config: Serve
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             # before uvicorn closes the listener: the jobs end (half the grace at most), new requests get 503
-            srv.draining = True
             await srv.drain(grace / 2)
             await super().shutdown(sockets)
 

@@ -133,16 +133,19 @@ class RequestGuard:
                 status[0] = message["status"]
             await send(message)
 
-        length = None
+        length, expect = None, False
         for k, v in scope.get("headers", []):
             if k.lower() == b"content-length":
                 try:
                     length = int(v)
                 except ValueError:
                     length = None
+            elif k.lower() == b"expect":
+                expect = v.lower() == b"100-continue"
         try:
             if length is not None and length > self.max_body_bytes:
-                drained = await drain_body(receive, max(DRAIN_MAX_BYTES, 4 * self.max_body_bytes))
+                # a client that waits for "100 Continue" has sent no body yet: answer before asking for it
+                drained = not expect and await drain_body(receive, max(DRAIN_MAX_BYTES, 4 * self.max_body_bytes))
                 await error_response(too_large(self.max_body_bytes, length),
                                      headers=None if drained else {"Connection": "close"},
                                      path=path)(scope, receive, send_counted)

@@ -317,7 +317,7 @@ def add_ollama_routes(app: FastAPI, srv: LilyServer, parse: Callable) -> None:
     @app.post("/api/show")
     async def show(request: Request):
         try:
-            body = _obj(await request.body())
+            body = _obj(await read_body(request, config.max_body_bytes))
             return routes.show(routes.check_model(body.get("model") or body.get("name")))
         except (OllamaError, APIError, LilyError) as e:
             return fail(e)
