@@ -191,7 +191,9 @@ class EngineWorker:
         if self._draining:
             self.stats["rejected"] += 1
             raise ServerShutdown("the server is shutting down and takes no new requests")
-        would_wait = self.waiting + self.running >= self.parallel
+        # with room left in the parking budget a new request starts at once (parking another): it will not wait
+        parking = self.park_bytes > 0 and self.parked_bytes < self.park_bytes
+        would_wait = self.waiting + self.running >= self.parallel and not parking
         if would_wait and self.waiting + self.running - self.parallel >= self.max_queue:
             self.stats["rejected"] += 1
             raise QueueFull(f"the server is busy: {self.running} request(s) running, {self.parked} parked and "
