@@ -288,7 +288,7 @@ class EngineWorker:
             self._end(job, self._why_stopped(job, now, "the request was cancelled before it started"), started=False)
         for job in [j for j in self._parked if j.cancel.is_set() or j.overdue(now) or self._draining]:
             self._end(job, self._why_stopped(job, now, "the client disconnected"))
-        while self._waiting and (len(self._active) < self.parallel or self._park_longest_running(now)):
+        while self._waiting and (len(self._active) < self.parallel or self._park_longest_running()):
             job = self._waiting.popleft()
             with self._lock:
                 self.waiting -= 1
@@ -297,7 +297,7 @@ class EngineWorker:
         while self._parked and len(self._active) < self.parallel:
             self._resume(self._parked.popleft())
         if self._parked and not self._waiting:
-            victim = self._longest_running(now, PARK_SLICE_STEPS)
+            victim = self._longest_running(PARK_SLICE_STEPS)
             incoming = self._parked[0]
             if victim is not None and self._fits(victim.session.nbytes - incoming.session.nbytes):
                 self._resume(self._parked.popleft())
@@ -318,13 +318,13 @@ class EngineWorker:
     def _fits(self, extra_bytes: int) -> bool:
         return self.park_bytes > 0 and self.parked_bytes + extra_bytes <= self.park_bytes
 
-    def _longest_running(self, now: float, min_slice_steps: int = 1) -> Job | None:
+    def _longest_running(self, min_slice_steps: int = 1) -> Job | None:
         """The decoding job that started longest ago and ran at least min_slice_steps since it (re)started."""
         ready = [j for j in self._active if j.decoding and not j.finished and j.slice_steps >= min_slice_steps]
         return min(ready, key=lambda j: j.began) if ready else None
 
-    def _park_longest_running(self, now: float) -> bool:
-        victim = self._longest_running(now)
+    def _park_longest_running(self) -> bool:
+        victim = self._longest_running()
         if victim is None or not self._fits(victim.session.nbytes):
             return False
         self._park(victim)

@@ -1,0 +1,106 @@
+"""The engine worker's parking, driven directly (no HTTP): a new request parks the longest-running one, parked
+requests take turns every PARK_SLICE_STEPS steps, the parking budget bounds them, and the drain rate behind
+Retry-After counts the time between finishes, not the time queued."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import lily
+from lily.prefix_cache import PrefixCache
+from lily.sampling import SamplingParams
+from lily.server.worker import PARK_SLICE_STEPS, EngineWorker, Job
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lily.load(backend="cpu", max_context=1024, threads=2)
+
+
+def _no_end(model) -> dict[int, float]:
+    return {i: -100.0 for i in model.stop_token_ids}
+
+
+async def _run(worker: EngineWorker, jobs: list[Job], log: list[tuple[int, str]]) -> None:
+    async def follow(job: Job) -> None:
+        while True:
+            ev = await job.events.get()
+            if ev[0] in ("parked", "resumed", "end", "error"):
+                log.append((job.number, ev[0]))
+            if ev[0] in ("end", "error"):
+                return
+    await asyncio.gather(*(follow(j) for j in jobs))
+
+
+def test_parked_requests_take_turns_and_all_finish(model):
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(model, PrefixCache(), parallel=1, park_bytes=1 << 30)
+        worker.start()
+        params = SamplingParams(max_tokens=3 * PARK_SLICE_STEPS, temperature=0.0, logit_bias=_no_end(model))
+        first = Job(model.tokenize("first request"), params, loop)
+        worker.submit(first)
+        while first.steps < 3:
+            await asyncio.sleep(0.005)
+        second = Job(model.tokenize("second request"), params, loop)
+        worker.submit(second)
+        log: list[tuple[int, str]] = []
+        await _run(worker, [first, second], log)
+        stats = dict(worker.stats)
+        worker.stop()
+        return first, second, log, stats
+
+    first, second, log, stats = asyncio.run(go())
+    a, b = first.number, second.number
+    assert log[0] == (a, "parked"), log                      # the new request did not wait
+    assert (a, "resumed") in log and (b, "parked") in log     # ... and the parked one had its turn before it ended
+    assert log.index((a, "resumed")) < log.index((b, "end"))
+    assert first.steps == second.steps == 3 * PARK_SLICE_STEPS
+    assert stats["parks"] >= 2 and stats["completed"] == 2
+
+
+def test_past_the_parking_budget_new_requests_wait(model):
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(model, PrefixCache(), parallel=1, park_bytes=1)  # no state fits
+        worker.start()
+        params = SamplingParams(max_tokens=20, temperature=0.0, logit_bias=_no_end(model))
+        first = Job(model.tokenize("first"), params, loop)
+        worker.submit(first)
+        while first.steps < 2:
+            await asyncio.sleep(0.005)
+        second = Job(model.tokenize("second"), params, loop)
+        worker.submit(second)
+        log: list[tuple[int, str]] = []
+        await _run(worker, [first, second], log)
+        worker.stop()
+        return log
+
+    log = asyncio.run(go())
+    assert [e for _, e in log] == ["end", "end"] and log[0][0] < log[1][0]  # in order, nobody parked
+
+
+def test_the_drain_rate_leaves_the_queue_time_out(model):
+    """Eight 1-token requests queued behind each other: each waits for all before it, but they finish a
+    fixed interval apart, and that interval is what Retry-After multiplies."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(model, PrefixCache(), parallel=1, park_bytes=0)
+        worker.start()
+        jobs = [Job(model.tokenize(f"request {i}"), SamplingParams(max_tokens=1, temperature=0.0), loop)
+                for i in range(8)]
+        for j in jobs:
+            worker.submit(j)
+        t0 = loop.time()
+        await _run(worker, jobs, [])
+        took = loop.time() - t0
+        with worker._lock:
+            worker.waiting = 8  # as if eight were in the server now
+            estimate = worker.drain_seconds_locked()
+            worker.waiting = 0
+        worker.stop()
+        return took, estimate
+
+    took, estimate = asyncio.run(go())
+    assert took / 2 <= estimate <= took * 2, (took, estimate)
