@@ -27,6 +27,7 @@ def test_list_show_and_version(server, client):
     assert client.show("tiny:latest").details.family == "qwen3moe"
     v = httpx.get(server.url + "/api/version", timeout=5)  # open without the key, as health probes need
     assert v.status_code == 200 and v.json()["version"]
+    assert httpx.get(server.url + "/", timeout=5).text.startswith("Ollama is running")
 
 
 def test_chat_whole_and_streamed(client):

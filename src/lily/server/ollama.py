@@ -1,6 +1,6 @@
 """Ollama's API on the same server, for tools that speak only Ollama's (Open WebUI's Ollama mode, editor
 plugins, the `ollama` Python client): POST /api/chat and /api/generate (NDJSON streaming, on by default as in
-Ollama), GET /api/tags, POST /api/show, GET /api/ps, GET /api/version.
+Ollama), GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, and GET / ("Ollama is running").
 
 A request becomes the same prepared job as an OpenAI one (template, tools, grammar, limits, worker, prefix
 cache), so both APIs share one engine and its reuse. `options` map to lily's sampling: temperature, top_p,
@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import LilyError
@@ -303,6 +303,10 @@ def add_ollama_routes(app: FastAPI, srv: LilyServer, parse: Callable) -> None:
     @app.get("/api/version")
     async def version():
         return {"version": OLLAMA_API_VERSION}
+
+    @app.get("/", response_class=PlainTextResponse)
+    async def root():  # what Ollama answers there: some clients probe it before anything else
+        return "Ollama is running (lily serve: Ollama's API under /api, OpenAI's under /v1)"
 
     @app.get("/api/tags")
     async def tags():
