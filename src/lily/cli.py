@@ -237,9 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server.app import ServerConfig, serve
     except ImportError as e:
-        print(f"error: lily serve needs fastapi, uvicorn and llguidance ({e}): pip install fastapi uvicorn "
-              f"llguidance (or, from a lily checkout, pip install '.[server]', which also rebuilds the extension)",
-              file=sys.stderr)
+        print(f"error: lily serve needs fastapi, uvicorn and llguidance, lily's own dependencies, and one is "
+              f"missing from this environment ({e}): pip install fastapi uvicorn llguidance", file=sys.stderr)
         return 1
     for name in ("max_tokens", "parallel"):
         if getattr(args, name) < 1:

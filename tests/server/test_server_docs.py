@@ -1,9 +1,12 @@
 """How to install and run `lily serve`, as the docs say it (issue 38 item 5): `pip install 'lily[server]'`
 fetches an unrelated PyPI project, so no doc or message may tell users to run it; the server's packages are
-named, and `pip install '.[server]'` comes with the rebuild it costs."""
+lily's own dependencies (the README's `pip install .` gives a working `lily serve`), and a message names them
+when one is missing from an environment."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from lily.cli import build_parser
 
@@ -30,11 +33,16 @@ def test_no_doc_installs_the_unrelated_pypi_project():
         for block in _code_blocks(doc.read_text()):
             assert "lily[server]" not in block, f"{doc.name}: {block}"
     server_md = (ROOT / "docs" / "server.md").read_text()
-    install = _code_blocks(server_md[server_md.index("## The server"):])[0]
-    assert "pip install fastapi uvicorn llguidance" in install
-    assert "pip install '.[server]'" in server_md and "extension again" in server_md
-    readme = (ROOT / "README.md").read_text()
-    assert "pip install fastapi uvicorn llguidance" in readme and "rebuilds" in readme
+    assert "lily serve" in _code_blocks(server_md[server_md.index("## The server"):])[0]
+    assert "dependencies of lily itself" in server_md and "extension" in server_md
+
+
+def test_pip_install_dot_brings_the_servers_packages():
+    """The README's first command is `pip install .`: the server's packages must be in the base dependencies."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip().lower() for d in deps}
+    assert {"fastapi", "uvicorn", "llguidance"} <= names, names
 
 
 def test_the_missing_dependency_message_names_the_right_install(monkeypatch, capsys):
@@ -51,7 +59,7 @@ def test_the_missing_dependency_message_names_the_right_install(monkeypatch, cap
     from lily.cli import main
     assert main(["serve"]) == 1
     err = capsys.readouterr().err
-    assert "pip install fastapi uvicorn llguidance" in err and "'.[server]'" in err and "lily[server]" not in err
+    assert "pip install fastapi uvicorn llguidance" in err and "lily[server]" not in err
 
 
 def test_serve_help_shows_the_new_limits_and_the_memory_budgets():

@@ -3,6 +3,6 @@
     from lily.server.app import ServerConfig, create_app, serve
     serve(lily.load(...), port=8000, config=ServerConfig(api_key="...", session_dir="..."))
 
-`app` needs the server extra (fastapi, uvicorn, llguidance); the output parsers (`reasoning`, `tool_calls`)
+`app` needs fastapi, uvicorn and llguidance (lily's dependencies); the output parsers (`reasoning`, `tool_calls`)
 are plain Python.
 """

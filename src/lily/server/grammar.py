@@ -28,7 +28,7 @@ def _llg():
         import llguidance
     except ImportError:
         raise GrammarError("response_format json_schema and forced tool calls need the llguidance package "
-                           "(pip install 'lily[server]' or pip install llguidance)") from None
+                           "(a dependency of lily: pip install llguidance)") from None
     return llguidance
 
 
