@@ -567,7 +567,8 @@ nb::object gemv_moe_down(const F32& x, const U16& act, const U16& sact, const I3
   check(op, "sact", sact, {Ws.in});
   check(op, "x", x, {Wd.out});
   require(Ws.out == Wd.out, op, "wd and ws must have the same output rows");
-  for (int64_t j = 0; j < k; ++j) require(ids.data()[j] >= 0 && ids.data()[j] < Wd.experts, op, "expert id out of range");
+  for (int64_t j = 0; j < k; ++j)
+    require(ids.data()[j] >= 0 && ids.data()[j] < Wd.experts, op, "expert id out of range");
   auto [xo, px] = copy_of(x);
   ops::gemv_moe_down(Wd, Ws, act.data(), sact.data(), ids.data(), w.data(), static_cast<float>(sgate),
                      static_cast<int>(k), px);

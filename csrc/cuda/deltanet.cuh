@@ -23,7 +23,7 @@ void deltanet_conv(cudaStream_t st, const kp::DeltaNetParams& p, const float* qk
 // The chunked form needs deltanet_chunk_scratch_bytes(p) bytes of device scratch: pass it (required under
 // graph capture); otherwise a lazily grown internal buffer is used (cudaMalloc: synchronises once per growth).
 enum DeltaNetScanForm : int { kScanAuto = 0, kScanSequential = 1, kScanChunked = 2 };
-// Auto threshold, measured (benchmarks/kernels/check_deltanet.cu prints the crossover): on the H200 the chunked form
+// Auto threshold, measured (benchmarks/kernels/time_deltanet.cu prints the crossover): on the H200 the chunked form
 // (3 launches + ceil(S/64) sequential chunk steps) ties the sequential one at S = 128 and wins from 256 on.
 constexpr int64_t kScanChunkMinRows = 128;
 void deltanet_scan(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,

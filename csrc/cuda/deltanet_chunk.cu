@@ -3,7 +3,7 @@
 // its matrix products on TF32 mma.sync (fragments of k-contiguous tiles through ldmatrix, which moves 32-bit words
 // as they are, see ldsm_x4; tiles read [k][n] by scalar or, n-tiles interleaved, vector loads).
 // deltanet_scan (deltanet.cu) picks it over the sequential form (deltanet_seq.cu) for long prompts;
-// benchmarks/kernels/check_deltanet.cu compares both with an fp64 recurrence.
+// tests/kernels/test_cuda_deltanet.py compares both with an fp64 recurrence.
 //
 // Chunked math (MLX layout: state S[dv, dk], read m = S k). Inside a chunk with incoming state S0, token i
 // (0-based) has lg_i = sum_{j<=i} log g_j and gamma_i = exp(lg_i). Unrolling the recurrence gives

@@ -2,7 +2,7 @@
 // lanes per state row (3 shuffle steps per reduction, 4 rows per warp) and the token inputs staged into shared
 // memory 32 tokens ahead with cp.async, so no global load sits on the per-token critical path. deltanet_scan
 // (deltanet.cu) runs it for short prompts; the chunked form (deltanet_chunk.cu) takes the long ones.
-// benchmarks/kernels/check_deltanet.cu compares both with an fp64 host recurrence.
+// tests/kernels/test_cuda_deltanet.py compares both with an fp64 host recurrence.
 #include "cuda/deltanet_scan.cuh"
 
 namespace lily::cuda {

@@ -62,8 +62,8 @@ __device__ __forceinline__ bool gemm_tile_rows(const kp::GemmParams& gp, const G
   return true;
 }
 
-// Check programs only: every GEMM of this process takes the wmma fallback (true) or the normal dispatch (false),
-// so benchmarks/kernels/check_gemm.cu can compare the fallback with the reference on the same quantized weights.
+// Tests and timing only: every GEMM of this process takes the wmma fallback (true) or the normal dispatch (false), so
+// tests/kernels/test_cuda_linear.py checks the fallback too and benchmarks/kernels/time_gemm.cu times it.
 void force_gemm_fallback(bool on);
 
 // Rows per expert tile (16, 32, 64 or 128) for `pairs` routed pairs over n_experts: the same value must go to

@@ -266,7 +266,8 @@ void deltanet_scan(const kp::DeltaNetParams& p, const float* u, const float* b, 
                           s.scratch_bytes);
       break;
     case kScanAutoForm: cuda::deltanet_scan(kStream, p, s.u, s.b, s.a, s.dt_bias, s.a_log, s.ssm, dy); break;
-    default: throw std::invalid_argument("[cuda_ops.deltanet_scan] variant is 0 (seq8), 1 (seq16), 2 (chunk), 3 (auto)");
+    default:
+      throw std::invalid_argument("[cuda_ops.deltanet_scan] variant is 0 (seq8), 1 (seq16), 2 (chunk), 3 (auto)");
   }
   finish("deltanet_scan");
   get(y, dy, ny);

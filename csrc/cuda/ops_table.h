@@ -105,7 +105,8 @@ int deltanet_scan_pick(const kp::DeltaNetParams& p);
 // out bf16 [S, Hv*Dv] = bf16(RMSNorm(y per head; w) * silu(z)); y, z fp32 [S, Hv*Dv], w fp32 [Dv].
 void deltanet_gated_norm(const kp::DeltaNetParams& p, const float* y, const float* z, const float* w, uint16_t* out);
 // One token (p.S == 1): u fp32 [C] (q, k not yet normalised), b, a fp32 [Hv], ssm fp32 [Hv, Dv, Dk] updated,
-// z fp32 [Hv*Dv], norm_w fp32 [Dv], head_done int32 [Hv] (the counters, in and out) -> y fp32 [Hv*Dv], out bf16 [Hv*Dv].
+// z fp32 [Hv*Dv], norm_w fp32 [Dv], head_done int32 [Hv] (the counters, in and out) -> y fp32 [Hv*Dv],
+// out bf16 [Hv*Dv].
 void deltanet_step(const kp::DeltaNetParams& p, const float* u, const float* b, const float* a, const float* dt_bias,
                    const float* a_log, float* ssm, const float* z, const float* norm_w, int32_t* head_done, float* y,
                    uint16_t* out);

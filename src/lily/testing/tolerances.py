@@ -42,7 +42,7 @@ TOLERANCES = {
 
 # The CUDA kernels one by one (tests/kernels/test_cuda_*.py, through lily._lily.cuda_ops) against lily.reference on
 # the operands the kernel reads (bf16 inputs, weights as the kernel rounds them), per kind of output (each test file's
-# header gives the error budget in full). tests/test_cuda_kernel_checks_build.py checks every entry is used.
+# header gives the error budget in full). tests/test_cuda_kernel_drivers_build.py checks every entry is used.
 KERNEL_CHECKS = {
     # small kernels' fp32 outputs (embed, routing weights, combine, conv + l2norm, prep q, the decode scan): a few
     # fp32 roundings per element (expected 1e-7..1e-6)
@@ -89,20 +89,3 @@ ENVELOPE_MIN_TOP1 = 0.90
 
 def tol(comparison: str, dtype: str = "fp32") -> dict:
     return TOLERANCES[(comparison, dtype)]
-
-
-def header() -> str:
-    """benchmarks/kernels/tolerances.h: KERNEL_CHECKS as C++ constants (tolerances::<name>)."""
-    lines = ["// Generated from lily.testing.tolerances.KERNEL_CHECKS (python3 -m lily.testing.tolerances --header);",
-             "// edit the table there, not this file. tests/test_cuda_kernel_checks_build.py checks they agree.",
-             "#pragma once", "", "namespace tolerances {"]
-    lines += [f"constexpr double {name} = {value!r};" for name, value in KERNEL_CHECKS.items()]
-    lines += ["}  // namespace tolerances", ""]
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    import sys
-    if sys.argv[1:] != ["--header"]:
-        raise SystemExit("usage: python3 -m lily.testing.tolerances --header")
-    sys.stdout.write(header())
