@@ -340,7 +340,8 @@ kp::DeltaNetParams dn_params(int64_t S, int k_heads, int64_t Hv, int64_t Dk, int
 nb::tuple deltanet_conv(const F32& qkv, const F32& conv_w, const F32& conv_state, int k_heads, int64_t k_dim,
                         int64_t v_heads, int64_t v_dim, int misalign) {
   const char* op = "deltanet_conv";
-  require(k_heads > 0 && v_heads % k_heads == 0, op, "v_heads must be a multiple of k_heads");
+  // (the conv and its q/k normalisation do not pair value heads with key heads: any counts are valid here)
+  require(k_heads > 0 && v_heads > 0, op, "k_heads and v_heads must be positive");
   require(misalign >= 0 && misalign <= 3, op, "misalign is 0 (none), 1 (qkv), 2 (conv_state) or 3 (u)");
   const int64_t C = 2 * k_heads * k_dim + v_heads * v_dim;
   const int64_t S = check(op, "qkv", qkv, {-1, C})[0];

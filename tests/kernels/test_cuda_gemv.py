@@ -125,8 +125,9 @@ def test_staged(cuda, rng, tag, xmode, routing, inp, out, mode):
 
 def test_rmsnorm_staging_past_its_limit_is_refused(cuda, rng):
     """An RMSNorm staging past kMaxNormIn (4,096) elements: one fetch per thread no longer covers the row, so the
-    launch is refused with a message, not run."""
-    w = _w(rng, 4, 8, 4128)
+    launch is refused with a message, not run. 8-bit weights in groups of 32, so 4,128 inputs are a valid shape and
+    the staging's own limit is what refuses it (4-bit's group of 64 does not divide 4,128)."""
+    w = _w(rng, 8, 8, 4128, group=32)
     with pytest.raises(ValueError, match="RMSNorm staging"):
         cuda.gemv_proj([dict(w0=w.t, mode=STORE)], 4128, xmode=NORM, xf=np.ones(4128, np.float32),
                        nw=np.ones(4128, np.float32))
