@@ -12,6 +12,23 @@ BUILT = "cuda" in _lily.build_info()["backends"]
 HAVE_GPU = BUILT and _lily.cuda_device_count() > 0
 
 
+def test_the_cuda_backend_has_every_flag_its_checks_read():
+    """Runs everywhere: each backend flag the CUDA tests and checks read or set (backend_flag("...") /
+    set_backend_flag("...")) is a name csrc/cuda/backend_cuda.cu knows. (test_cuda_device_draws_equal_host_draws_for_a_seed
+    read "sampler_begins", a counter only the CPU and Metal backends had: on the H200 it stopped with 'backend
+    'cuda' has no flag' before comparing a token.)"""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "csrc" / "cuda" / "backend_cuda.cu").read_text()
+    users = [Path(__file__), root / "src" / "lily" / "testing" / "cuda_sampling_checks.py",
+             root / "src" / "lily" / "testing" / "cuda_checks.py"]
+    names = {n for f in users for n in re.findall(r'backend_flag\(\s*"([a-z_]+)"', f.read_text())}
+    assert "sampler_begins" in names and "cuda_graph" in names
+    missing = sorted(n for n in names if f'"{n}"' not in src)
+    assert not missing, f"backend_cuda.cu has no flag {missing}"
+
+
 @pytest.mark.skipif(HAVE_GPU, reason="a CUDA device is visible")
 def test_cuda_without_device_is_a_clear_error():
     cfg = tiny_configs()["tiny"]
@@ -97,3 +114,36 @@ def test_cuda_generates_the_cpu_tokens_for_a_seed():
         assert ok, (kw, i, want[i], got[i], delta)
         parted.append((kw, i, delta))
     assert len(parted) <= 1, parted
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device")
+def test_cuda_draws_at_every_step_of_the_cpu_text():
+    """Teacher forced (lily.testing.stream_checks.teacher_forced_draws): at every step i of the CPU backend's seeded
+    text, CUDA's device sampler draws at that context (a one-step stream seeded seed + i with the host's record).
+    Each draw must be the host rule's on CUDA's own row (within CDF_TOL of a CDF step: the kernel weighs in fp32),
+    which is what one semantics means; where it is not the CPU's token, the rows' distance must explain it (it does
+    whenever the first holds: the CDFs of two kept distributions differ by at most their L1 distance). Prints, per
+    case, the steps that part and how many the rows' distances predict (the sum over the steps of the measure of u
+    where the two rows' draws differ): the CPU-vs-CUDA texts of test_cuda_generates_the_cpu_tokens_for_a_seed part
+    as often as the bf16 rows make them, which this count shows."""
+    import lily
+    from lily.sampling import draw_token
+    from lily.testing.stream_checks import near_boundary, parting_explained, parting_probability, teacher_forced_draws
+
+    cpu, gpu = lily.load(backend="cpu"), lily.load(backend="cuda")
+    for kw in SEEDED:
+        params, ids, steps = teacher_forced_draws(cpu, gpu, PROMPT, 32, **kw)
+        want = [s.want for s in steps]
+        parted, expected = [], 0.0
+        for s in steps:
+            assert s.row is not None, (kw, s.step)
+            own = draw_token(s.row, params, s.seen, s.counts, s.u)
+            assert s.got == own or near_boundary(s.row, params, s.seen, s.counts, s.u, s.got), \
+                (kw, s.step, s.got, own)
+            cpu_row = cpu.logits(ids + want[:s.step])[-1]
+            expected += parting_probability(cpu_row, s.row, params, s.seen, s.counts)
+            if s.got != s.want:
+                ok, delta = parting_explained(cpu_row, s.row, params, s.seen, s.counts, s.u, s.want)
+                assert ok, (kw, s.step, s.want, s.got, delta)
+                parted.append((s.step, round(delta, 4)))
+        print(f"{kw}: {len(parted)} of {len(steps)} steps part (expected from the rows: {expected:.2f}): {parted}")

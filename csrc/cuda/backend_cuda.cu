@@ -186,6 +186,7 @@ class CudaBackend final : public Backend {
     draw_argmax_ = o.temperature == 0.f && o.bias_ids.empty() && o.repetition_penalty == 1.f &&
                    o.presence_penalty == 0.f && o.frequency_penalty == 0.f;
     sampler_.begin(st_, o, static_cast<int32_t>(cfg_.vocab));
+    ++sampler_begins_;
     return true;
   }
 
@@ -240,6 +241,7 @@ class CudaBackend final : public Backend {
     if (name == "graph_kernels") return graph_kernels_;
     if (name == "graph_captures") return graph_captures_;
     if (name == "decode_launches") return step_launches_;
+    if (name == "sampler_begins") return sampler_begins_;  // counter, as on the CPU and Metal backends
     return Backend::flag(name);
   }
 
@@ -647,6 +649,7 @@ class CudaBackend final : public Backend {
   unsigned long long* damax_ = nullptr;
   int64_t head_blocks_ = 0;
   int64_t graph_nodes_ = 0, graph_kernels_ = 0, graph_captures_ = 0, step_launches_ = 0;
+  int64_t sampler_begins_ = 0;  // samplers accepted (device-mode streams begun or resumed)
 };
 
 }  // namespace
