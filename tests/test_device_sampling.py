@@ -12,8 +12,9 @@ import collections
 import numpy as np
 import pytest
 
-from lily.sampling import Sampler, SamplingParams, draw_token, stream_uniform
-from lily.testing.stream_checks import draws_vs_host, host_record, parting_explained, run_and_replay
+from lily.sampling import Sampler, SamplingParams, draw_token, resolve_sampling, stream_uniform
+from lily.testing.stream_checks import (draws_vs_host, host_record, parting_explained, precision_cases,
+                                        run_and_replay, teacher_forced_draws)
 
 _lily = pytest.importorskip("lily._lily")
 
@@ -120,6 +121,26 @@ def test_parting_explained_accepts_rounding_and_refuses_another_draw():
         ok, delta = parting_explained(a, b, p, seen, counts, u, draw_token(a, p, seen, counts, u))
         assert ok and delta < 0.05
     assert not parting_explained(a, b, p, seen, counts, 0.1, draw_token(a, p, seen, counts, 0.9))[0]
+
+
+PRECISION = precision_cases()
+
+
+@pytest.mark.parametrize("case", PRECISION, ids=[c.name for c in PRECISION])
+def test_cpu_twin_draws_the_hosts_tokens_on_precision_cases(case):
+    """The CPU backend's device twin (lily._lily.sample_draw, csrc/cpu/sample.cpp) on the crafted rows where a
+    precision choice decides the kept set (float32 options, float32 processing rounded per operation: a double
+    processing or a fused multiply-add breaks the ties there, the greedy limit): the host's token at every u."""
+    us = sorted({u for u, _ in case.draws} | set(((np.arange(256) + 0.5) / 256).tolist()))
+    twin, host = [], []
+    for u in us:
+        twin.append(_lily.sample_draw(case.x, u, **case.params.draw_options(), seen=case.seen.astype(np.uint8),
+                                      counts=case.counts.copy()))
+        host.append(draw_token(case.x, case.params, case.seen, case.counts, u))
+    assert twin == host
+    assert set(twin) <= case.kept
+    for u, token in case.draws:
+        assert twin[us.index(u)] == token
 
 
 # ---- the engine's token streams: input checks, and the device mode on the CPU backend's twin ----------------
@@ -316,3 +337,45 @@ def test_session_host_paths_when_device_sampling_is_off(models):
     s.generate("The list type", max_tokens=5, stream=False, temperature=0.0)
     dev.session().generate("The list type", max_tokens=5, stream=False, temperature=0.7, logprobs=True)
     assert dev.engine.backend_flag("sampler_begins") == begins  # off, and logprobs need the host row
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.8, top_p=0.9, seed=1),
+    dict(temperature=1.1, top_k=20, min_p=0.01, repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.2,
+         logit_bias={5: 1.5}, seed=2**64 - 3),
+], ids=["topp", "all"])
+def test_every_step_of_a_seeded_text_is_the_device_draw_at_its_context(models, kw):
+    """Teacher forced (lily.testing.stream_checks.teacher_forced_draws): at every step i of the host's seeded text, a
+    device-mode stream of the CPU twin opened at that context with seed + i and the host's record draws the host's
+    token i. This pins the handover at any step (a session opens its stream with Sampler.stream_seed() = seed + 1
+    after its first draw): stream step j takes the seed's number j, host draw i takes number i, so a stream seeded
+    seed + i continues at the host's draw i; with the seed near 2^64 the sum wraps."""
+    host, dev = models
+    _, _, steps = teacher_forced_draws(host, dev, "The list type", 24, **kw)
+    assert len(steps) == 24
+    assert [s.got for s in steps] == [s.want for s in steps]
+    # and the other numbers give other draws at many steps (else the test could not see a shifted step number)
+    params = resolve_sampling(host.generation_config, **kw)
+    shifted = [draw_token(s.row, params, s.seen, s.counts, stream_uniform(kw["seed"], s.step + 1)) for s in steps]
+    assert sum(a != s.want for a, s in zip(shifted, steps)) >= 3
+
+
+def test_second_turn_after_a_stop_string_draws_the_same_on_host_and_device(models):
+    """A seeded turn that a stop string ends (the device stream ran one step ahead and drew a token that is dropped),
+    then a second seeded turn: the device session's two texts are the host session's (each turn's Sampler starts at
+    the seed's number 0, the first token of a turn is the host's draw, the stream continues at seed + 1, and the
+    dropped run-ahead draw consumes nothing the next turn uses)."""
+    host, dev = models
+    kw = dict(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=7)
+    probe = host.session().generate("The list type", max_tokens=12, stream=False, **kw)
+    stop = host.tokenizer.decode(probe.token_ids[4:6])
+    texts = []
+    for model in (host, dev):
+        s = model.session()
+        begins = model.engine.backend_flag("sampler_begins")
+        a = s.generate("The list type", max_tokens=12, stop=stop, stream=False, **kw)
+        b = s.generate(" and then", max_tokens=16, stream=False, **kw)
+        texts.append((a.finish_reason, a.token_ids, b.token_ids, model.engine.backend_flag("sampler_begins") - begins))
+    (ra, a0, b0, n0), (rb, a1, b1, n1) = texts
+    assert ra == rb == "stop" and (a0, b0) == (a1, b1) and len(b0) > 8
+    assert n0 == 0 and n1 >= 2  # the host drew every token of the first, the twin the device's of the second

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from lily.sampling import Sampler, SamplingParams, SamplingParamsError, log_softmax
+from lily.sampling import Sampler, SamplingParams, SamplingParamsError, draw_token, log_softmax
+from lily.testing.stream_checks import precision_cases
 
 V = 2000
 
@@ -276,3 +277,56 @@ def test_top_k_widens_its_threshold_and_handles_masked_rows():
     got = distribution(Sampler(SamplingParams(top_k=20, seed=0), n), y)
     assert {i for i, q in got.items() if q > 0} == {3, 9}
     assert got[9] == pytest.approx(np.e / (np.e + 1))
+
+
+# ---- one semantics with the devices: the options and the processed row as the devices have them -----------------
+PRECISION = precision_cases()
+
+
+@pytest.mark.parametrize("case", PRECISION, ids=[c.name for c in PRECISION])
+def test_precision_cases_keep_and_draw_what_the_device_rule_does(case):
+    """Crafted rows where the float32 options, the float32 processing (each operation rounded, no fused
+    multiply-add) or the greedy limit decide the kept set: the host keeps and draws what csrc/cuda/sample.cuh's rule
+    keeps and draws (with float64 options or processing it would not)."""
+    s = Sampler(case.params, case.x.size)
+    s.seen[:], s.counts[:] = case.seen, case.counts
+    ids, probs = s.candidates(s.process(case.x))
+    assert set(ids.tolist()) == case.kept and np.all(probs > 0)
+    for u, token in case.draws:
+        assert draw_token(case.x, case.params, case.seen, case.counts, u) == token, (u, token)
+
+
+def test_processed_row_is_float32_arithmetic_rounded_per_operation():
+    """bias, x / rp or x * rp, x - (freq * count + pres): each a float32 operation (the devices' and the CPU twin's
+    row, bit for bit), on awkward values."""
+    rng = np.random.default_rng(21)
+    n = 4000
+    x = (rng.standard_normal(n) * 7).astype(np.float32)
+    p = SamplingParams(repetition_penalty=1.37, presence_penalty=0.31, frequency_penalty=0.17,
+                       logit_bias={3: 0.1, 7: -1.7})
+    s = Sampler(p, n, prompt_tokens=rng.integers(0, n, 300))
+    for t in rng.integers(0, n, 500):
+        s.accept(int(t))
+    got = s.process(x)
+    f = np.float32
+    want = x.copy()
+    for k, v in p.logit_bias.items():
+        want[k] = f(want[k] + f(v))
+    for i in range(n):
+        v = want[i]
+        if s.seen[i]:
+            v = f(v / f(1.37)) if v > 0 else f(v * f(1.37))
+        if s.counts[i]:
+            v = f(v - f(f(f(0.17) * f(s.counts[i])) + f(0.31)))
+        want[i] = v
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_options_beyond_float32_are_refused():
+    """The devices take the options as float32: a temperature or repetition penalty that is inf there, a top_p or
+    repetition penalty that is 0 there, is refused here (the engine would refuse it at open_stream)."""
+    for kw in (dict(temperature=1e39), dict(repetition_penalty=1e39), dict(repetition_penalty=1e-50),
+               dict(top_p=1e-50)):
+        with pytest.raises(SamplingParamsError):
+            SamplingParams(**kw)
+    SamplingParams(temperature=1e-40, top_p=1e-40)  # representable (subnormal) float32 values are fine

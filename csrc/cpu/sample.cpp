@@ -2,60 +2,93 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 
 namespace lily::cpu {
+namespace {
 
+// One float32 product, rounded on its own: through a volatile, so the compiler cannot fuse it into the add that
+// follows (GCC's default -ffp-contract=fast would, with -march=native's FMA, across statements too). The devices
+// and NumPy round the product and the sum apart (CUDA: __fmul_rn / __fadd_rn).
+float rounded_product(float a, float b) {
+  volatile float p = a * b;
+  return p;
+}
+
+}  // namespace
+
+// The rule of lily.sampling.Sampler, step for step (its docstring and csrc/cuda/sample.cuh state it): the processed
+// row in float32, each operation rounded once (bit-identical to the host's and the devices'); the weights
+// exp((x - m) * (1 / T)) in double from the float32 row, max and T, as the host forms them; top-p's target and
+// min-p's threshold with the float32 options (what every device receives).
 int32_t sample_draw(const float* logits, int64_t V, const SampleOptions& o, std::vector<uint8_t>& seen,
                     std::vector<int32_t>& counts, float uniform) {
   if (seen.empty()) seen.assign(static_cast<size_t>(V), 0);
   if (counts.empty()) counts.assign(static_cast<size_t>(V), 0);
-  std::vector<double> x(logits, logits + V);
-  for (size_t i = 0; i < o.bias_ids.size(); ++i) x[o.bias_ids[i]] += o.bias_vals[i];
+  std::vector<float> x(logits, logits + V);
+  for (size_t i = 0; i < o.bias_ids.size(); ++i) x[o.bias_ids[i]] = x[o.bias_ids[i]] + o.bias_vals[i];
   if (o.repetition_penalty != 1.f)
     for (int64_t i = 0; i < V; ++i)
-      if (seen[i]) x[i] = x[i] > 0 ? x[i] / o.repetition_penalty : x[i] * o.repetition_penalty;
+      if (seen[i]) x[i] = x[i] > 0.f ? x[i] / o.repetition_penalty : x[i] * o.repetition_penalty;
   if (o.presence_penalty != 0.f || o.frequency_penalty != 0.f)
     for (int64_t i = 0; i < V; ++i)
-      if (counts[i] > 0) x[i] -= static_cast<double>(o.frequency_penalty) * counts[i] + o.presence_penalty;
+      if (counts[i] != 0) {
+        const float pen = rounded_product(o.frequency_penalty, static_cast<float>(counts[i])) + o.presence_penalty;
+        x[i] = x[i] - pen;
+      }
+  // greedy: T = 0, or a T whose float32 reciprocal overflows (the devices' weights are then NaN / 0: their argmax)
+  const float inv_t32 = o.temperature > 0.f ? 1.f / o.temperature : std::numeric_limits<float>::infinity();
   int64_t tok = 0;
-  if (o.temperature == 0.f) {
+  if (!std::isfinite(inv_t32)) {
     tok = std::max_element(x.begin(), x.end()) - x.begin();  // lowest index on ties
   } else {
-    const double m = *std::max_element(x.begin(), x.end());
+    const float m = *std::max_element(x.begin(), x.end());
+    if (m == -std::numeric_limits<float>::infinity()) {  // nothing above -inf: token 0 (the devices' argmax)
+      seen[0] = 1;
+      counts[0] += 1;
+      return 0;
+    }
+    const double inv_t = 1.0 / static_cast<double>(o.temperature);
     std::vector<double> w(static_cast<size_t>(V));
-    for (int64_t i = 0; i < V; ++i) w[i] = std::exp((x[i] - m) / o.temperature);
+    for (int64_t i = 0; i < V; ++i) {
+      double a = static_cast<double>(x[i]) - static_cast<double>(m);
+      if (inv_t != 1.0) a *= inv_t;
+      w[i] = std::exp(a);
+    }
     std::vector<uint8_t> keep(static_cast<size_t>(V), 1);
-    if (o.top_k > 0 && o.top_k < V) {  // ties at the k-th value all kept
-      std::vector<double> s(x);
+    if (o.top_k > 0 && o.top_k < V) {  // ties at the k-th value all kept (-0 == +0)
+      std::vector<float> s(x);
       std::nth_element(s.begin(), s.begin() + (V - o.top_k), s.end());
-      const double kth = s[V - o.top_k];
+      const float kth = s[V - o.top_k];
       for (int64_t i = 0; i < V; ++i) keep[i] = x[i] >= kth;
     }
     if (o.top_p < 1.f) {  // a value stays while the kept mass strictly above it is < top_p of the kept mass
-      std::map<double, double, std::greater<double>> mass;  // kept value -> its kept mass, best first
+      std::map<float, double, std::greater<float>> mass;  // kept value -> its kept mass, best first
       double total = 0;
       for (int64_t i = 0; i < V; ++i)
         if (keep[i]) mass[x[i]] += w[i], total += w[i];
-      double above = 0, cut = mass.begin()->first;
+      const double target = static_cast<double>(o.top_p) * total;
+      double above = 0;
+      float cut = mass.begin()->first;
       for (const auto& [v, mv] : mass) {
-        if (!(above < o.top_p * total)) break;
+        if (!(above < target)) break;
         cut = v;
         above += mv;
       }
       for (int64_t i = 0; i < V; ++i) keep[i] = keep[i] && x[i] >= cut;
     }
     if (o.min_p > 0.f)
-      for (int64_t i = 0; i < V; ++i) keep[i] = keep[i] && w[i] >= o.min_p;
+      for (int64_t i = 0; i < V; ++i) keep[i] = keep[i] && w[i] >= static_cast<double>(o.min_p);
     double total = 0;
-    int64_t last = 0;
+    int64_t last = 0;  // past the end (rounding): the last kept token of positive weight
     for (int64_t i = 0; i < V; ++i)
-      if (keep[i]) total += w[i], last = i;
+      if (keep[i] && w[i] > 0.0) total += w[i], last = i;
     const double target = static_cast<double>(uniform) * total;
     double cum = 0;
     tok = last;
     for (int64_t i = 0; i < V; ++i) {
-      if (!keep[i]) continue;
+      if (!keep[i] || !(w[i] > 0.0)) continue;
       cum += w[i];
       if (cum > target) {
         tok = i;

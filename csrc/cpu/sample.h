@@ -1,6 +1,7 @@
-// The device sampler's semantics on the host (csrc/cuda/sample.cuh states them; lily.sampling.Sampler, the host
-// sampler, has the same). The CPU backend uses it behind its test switch "device_draw", so the
-// engine's device-mode token loop (run ahead, park, resume) runs in CI without a GPU.
+// The device samplers' rule on the host (csrc/cuda/sample.cuh states it; lily.sampling.Sampler, the host sampler,
+// is this function step for step: float32 processing, float64 weights, float32 options). The CPU backend uses it
+// behind its test switch "device_draw", so the engine's device-mode token loop (run ahead, park, resume) runs in CI
+// without a GPU, and it is lily._lily.sample_draw.
 #pragma once
 #include <cstdint>
 #include <vector>

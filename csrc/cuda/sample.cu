@@ -132,7 +132,9 @@ __global__ void __launch_bounds__(kGridThreads) process_kernel(Args a) {
     if (rep && a.seen[i]) v = v > 0.f ? v / o.repetition_penalty : v * o.repetition_penalty;
     if (cnt) {
       const int c = a.counts[i];
-      if (c) v -= o.frequency_penalty * static_cast<float>(c) + o.presence_penalty;
+      // the product and the sum rounded apart, as the host (NumPy) and the CPU twin do: nvcc would otherwise fuse
+      // them into one FMA (-fmad=true), a processed value one rounding off the host's, and a tie at a cut broken
+      if (c) v -= __fadd_rn(__fmul_rn(o.frequency_penalty, static_cast<float>(c)), o.presence_penalty);
     }
     if (rep || cnt) x[i] = v;
     if (v > m || (v == m && i < am)) m = v, am = i;  // NaN never compares greater
@@ -468,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
         if (topp) z_kept = block_sum<kWarps>(z_kept, s.wd);
       }
       if (n_kept <= kThreads) {
-        token = kept::draw(ks, n_kept, topp, static_cast<float>(o.top_p * z_kept), min_w, *a.uniform, am);
+        token = kept::draw(ks, n_kept, topp, o.top_p * z_kept, min_w, *a.uniform, am);  // target in double
       } else {
         // top-p over the kept: the smallest key whose strictly-greater kept mass is < top_p * kept mass (the
         // row's mass when top-k is off, which the candidate list alone does not hold)

@@ -97,7 +97,7 @@ __device__ inline double block_inclusive_sum(double v, double* sd, double& total
 // case). The mass is summed 8 weights in float, then in double (a double add per pair timed 41 us at 1000): within
 // ~1e-6 of exact, against the radix bins' float sums in any order (float atomics), so only a target within rounding
 // of a key's mass can go the other way.
-__device__ inline uint32_t top_p_key(Smem& s, int ns, float target) {
+__device__ inline uint32_t top_p_key(Smem& s, int ns, double target) {
   const int t = threadIdx.x;
   const int n8 = (ns + 7) / 8 * 8;
   if (t == 0) s.kp = 0xFFFFFFFFu;
@@ -125,10 +125,11 @@ __device__ inline uint32_t top_p_key(Smem& s, int ns, float target) {
   return s.kp;
 }
 
-// Top-p (when topp), min-p and the draw on the gathered set (ns <= kThreads, entry i on thread i): the first kept
-// entry (vocab order) whose inclusive cumulative weight exceeds u * total (double sums); past the end (rounding),
-// the last kept one; none_token when no kept weight is positive.
-__device__ inline int draw(Smem& s, int ns, bool topp, float target, float min_w, float u, int none_token) {
+// Top-p (when topp; target = top_p * the kept mass, in double as the host's, not rounded to float), min-p and the
+// draw on the gathered set (ns <= kThreads, entry i on thread i): the first kept entry (vocab order) whose inclusive
+// cumulative weight exceeds u * total (double sums); past the end (rounding), the last kept one; none_token when no
+// kept weight is positive (NaN weights count as none: a T whose float 1/T overflows leaves the argmax).
+__device__ inline int draw(Smem& s, int ns, bool topp, double target, float min_w, float u, int none_token) {
   const uint32_t kp = topp ? top_p_key(s, ns, target) : 0u;
   const int t = threadIdx.x, lane = t % 32, w = t / 32;
   if (t == 0) s.first = INT_MAX, s.last = -1;

@@ -1,17 +1,23 @@
 """Sampling: `SamplingParams` (validated options) and `Sampler` (NumPy, one float32 logits row per step).
 
-One semantics on every backend: the host `Sampler` here is the spec, and the device samplers (the CPU backend's
-test twin csrc/cpu/sample.cpp, csrc/cuda/sample.cu, metal/sample.metal) draw the same token from the same row,
-so one seed gives one text wherever the draws run (up to a uniform number landing within float32 rounding of a
-CDF step; the tests' CDF_TOL, lily.testing.stream_checks):
+One semantics on every backend: the host `Sampler` here and the device samplers (csrc/cuda/sample.cu, the spec of
+the rule; metal/sample.metal; the CPU backend's test twin csrc/cpu/sample.cpp) draw the same token from the same
+row, so one seed gives one text wherever the draws run:
+  the options are the float32 values every device receives (lily._lily SampleOptions): T, top_p, min_p and the
+  penalties rounded to float32, so top_p=0.9 is 0.89999998 everywhere and a top_p that rounds to 1 is off;
   x = logits + logit_bias; repetition penalty on tokens of the prompt or output (x/rp if x > 0 else x*rp);
-  x -= frequency * count + presence on generated tokens (HF / vLLM order);
-  greedy (temperature 0): argmax x, the lowest index on ties;
+  x -= frequency * count + presence on generated tokens (HF / vLLM order); each of these a float32 operation,
+  rounded once (no fused multiply-add);
+  greedy (T = 0, or a T whose float32 reciprocal overflows: below 2.9e-39): argmax x, the lowest index on ties;
   else w = exp((x - max x) / T); kept = top-k by x (ties at the k-th value all kept), then top-p on the kept (a
   value stays while the kept mass strictly above it is < top_p of the kept mass; ties kept), then min-p
-  (w >= min_p); the token is the first index i (vocab order) whose inclusive cumulative kept weight exceeds
-  u * total, u being the step's number of the splitmix64 sequence of the seed (`stream_uniform`, the
-  engine's TokenStream::next_uniform).
+  (w >= min_p, w relative to the row's best token: 1); the token is the first index i (vocab order) whose
+  inclusive cumulative kept weight exceeds u * total, u being the step's number of the splitmix64 sequence of the
+  seed (`stream_uniform`, the engine's TokenStream::next_uniform).
+The processed row x, and so every tie and every cut by value, is bit-identical on every backend; the weights and
+their sums are float64 here and in the CPU twin (the same operations), float32 on CUDA and Metal, so a device's
+draw can differ from the host's only where u, or a top-p / min-p threshold, lies within float32 rounding of a step
+(the tests' CDF_TOL, lily.testing.stream_checks).
 Logprobs are the log-softmax of the raw logits (before bias, penalties and temperature), as in vLLM.
 
 A `constraint` (e.g. a grammar, lily.server.grammar) masks the processed logits before the filters: its
@@ -114,15 +120,18 @@ class SamplingParams:
                 bad(name, "a number")
             return float(v)
 
-        if not 0.0 <= number("temperature") or math.isinf(self.temperature):
+        # finite also as float32, the value the device samplers receive (above 3.4e38 it would be inf there)
+        if not 0.0 <= number("temperature") or not _finite_f32(self.temperature):
             bad("temperature", "a finite number >= 0 (0 = greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
             bad("top_k", "an integer (<= 0 disables top-k)")
-        if not 0.0 < number("top_p") <= 1.0:
+        # top_p and repetition_penalty also as float32, as the engine checks them (open_stream)
+        if not 0.0 < number("top_p") <= 1.0 or not np.float32(self.top_p) > 0:
             bad("top_p", "0 < top_p <= 1 (1 disables top-p)")
         if not 0.0 <= number("min_p") <= 1.0:
             bad("min_p", "0 <= min_p <= 1 (0 disables min-p)")
-        if not 0.0 < number("repetition_penalty") or math.isinf(self.repetition_penalty):
+        if not 0.0 < number("repetition_penalty") or not _finite_f32(self.repetition_penalty) \
+                or not np.float32(self.repetition_penalty) > 0:
             bad("repetition_penalty", "a finite number > 0 (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
@@ -289,8 +298,23 @@ class Sampler:
         if params.logit_bias:
             self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64)
             self._bias_vals = np.fromiter(params.logit_bias.values(), np.float32)
-        self._needs_rep = params.repetition_penalty != 1.0
-        self._needs_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        # The options as the device samplers receive them (SampleOptions holds float32; csrc/cuda/sample.cuh): the
+        # host computes with the same values, so a threshold at top_p = 0.9 is 0.89999998 * mass here as there,
+        # a top_p that rounds to 1 (or a min_p that rounds to 0) is off on every backend, and T is the float32 T.
+        self._rep, self._pres, self._freq = (np.float32(v) for v in (
+            params.repetition_penalty, params.presence_penalty, params.frequency_penalty))
+        self._top_p, self._min_p = float(np.float32(params.top_p)), float(np.float32(params.min_p))
+        t = np.float32(params.temperature)
+        with np.errstate(divide="ignore", over="ignore"):
+            inv32 = np.float32(1.0) / t if t > 0 else np.float32(np.inf)
+        # greedy: T = 0, and a T so small that the devices' float32 1/T overflows (below 2.9e-39): their weights are
+        # then NaN at the max and 0 elsewhere, which their kernels count as no weight at all and fall back to the
+        # argmax (csrc/cuda/sample.cu: `none_token`, s.token = am); the host takes the argmax directly
+        self._greedy = not bool(np.isfinite(inv32))
+        self._inv_t = 1.0 / float(t) if not self._greedy else 1.0  # float64 1/T of the float32 T
+        self._inv_t32 = inv32 if not self._greedy else np.float32(1.0)
+        self._needs_rep = self._rep != 1.0
+        self._needs_counts = self._pres != 0.0 or self._freq != 0.0
         # token ids seen in prompt or output (repetition penalty) [vocab]; counts over the output only [vocab]
         self.seen = np.zeros(self.vocab_size, bool)
         self.counts = np.zeros(self.vocab_size, np.int32)
@@ -306,53 +330,65 @@ class Sampler:
 
     # ---- pieces, each a pure function of a logits row (exposed for tests) -------------------------
     def process(self, logits: np.ndarray) -> np.ndarray:
-        """Bias and penalties applied: float32 [vocab] (a copy)."""
+        """Bias and penalties applied: float32 [vocab] (a copy). Every step a float32 operation rounded once, as on
+        the devices (CUDA's product and sum of the penalty are __fmul_rn / __fadd_rn: no fused multiply-add), so
+        the processed row, and with it every tie at a top-k or top-p cut, is bit-identical on every backend."""
         x = np.array(logits, np.float32, copy=True).reshape(-1)
         if x.shape[0] != self.vocab_size:
             raise ValueError(f"[Sampler] logits row has {x.shape[0]} entries, expected vocab_size {self.vocab_size}")
-        p = self.params
         if self._bias_ids is not None:
             x[self._bias_ids] += self._bias_vals
         if self._needs_rep:
             ids = np.flatnonzero(self.seen)
             v = x[ids]
-            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            x[ids] = np.where(v > 0, v / self._rep, v * self._rep)
         if self._needs_counts:
             ids = np.flatnonzero(self.counts)
             c = self.counts[ids].astype(np.float32)
-            x[ids] -= p.frequency_penalty * c + p.presence_penalty
+            x[ids] -= self._freq * c + self._pres  # float32 operands: the product rounded, then the sum
         return x
 
     def candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature, top-k, top-p, min-p on processed logits [vocab] -> (the kept token ids in vocab order, their
-        probabilities summing to 1): the draw walks them in this order."""
+        probabilities summing to 1): the draw walks them in this order. Greedy: the argmax alone."""
+        if self._greedy:
+            return np.array([int(np.argmax(x))]), np.ones(1)
         ids, weights = self._kept(x)
         return (np.arange(x.shape[0]) if ids is None else ids), weights / weights.sum()
 
+    def _exponent(self, xv: np.ndarray, m: np.float32) -> np.ndarray:
+        """a = (x - m) * (1/T), float64 [n], of the float32 row, its float32 max and the float32 T; the weight is exp(a).
+        The CPU twin forms it with the same float64 operations (bit-identical); CUDA and Metal in float32 (a within
+        float32 rounding of this, as their exp is)."""
+        a = xv.astype(np.float64)
+        a -= np.float64(m)
+        if self._inv_t != 1.0:
+            a *= self._inv_t
+        return a
+
     def _kept(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """(kept token ids in vocab order, or None for the whole row; their weights exp((x - max x) / T), float64)."""
+        """(kept token ids in vocab order, or None for the whole row; their weights exp(a), a = (x - max x) * (1/T),
+        float64 (`_exponent`))."""
         p = self.params
         n = x.shape[0]
-        m = np.float64(x.max())
+        m = x.max()
+        if m == -np.inf:  # no entry above -inf: token 0, as the devices' argmax of such a row
+            return np.zeros(1, np.int64), np.ones(1)
         rest = 0.0  # weight of the row outside the pool, for the top-p total
         if 0 < p.top_k < n:
             # the k largest, then every entry tied with the k-th (temperature keeps the order: picked on x)
             pool = np.flatnonzero(x >= x[_top_k_pool(x, p.top_k)].min())
-        elif p.top_p < 1.0 or p.min_p > 0.0:
+        elif self._top_p < 1.0 or self._min_p > 0.0:
             pool, rest = self._likely_pool(x)
         else:
             pool = None
         xv = x if pool is None else x[pool]
-        w = xv.astype(np.float64)
-        w -= m
-        if p.temperature != 1.0:
-            w *= 1.0 / p.temperature
-        np.exp(w, out=w)
+        w = np.exp(self._exponent(xv, m))
         keep = None  # mask over xv; None = all
-        if p.top_p < 1.0:
-            keep = xv >= _top_p_cut(xv, w, p.top_p * (w.sum() + rest))
-        if p.min_p > 0.0:  # the row's best token has w == 1 and is always kept
-            keep = w >= p.min_p if keep is None else keep & (w >= p.min_p)
+        if self._top_p < 1.0:
+            keep = xv >= _top_p_cut(xv, w, self._top_p * (w.sum() + rest))
+        if self._min_p > 0.0:  # the row's best token has w == 1 and is always kept
+            keep = w >= self._min_p if keep is None else keep & (w >= self._min_p)
         if keep is None:
             return pool, w
         at = np.flatnonzero(keep)
@@ -362,24 +398,22 @@ class Sampler:
         """Tokens sure to hold the top-p and min-p sets (in vocab order), and the weight of the others (relative to
         the best token's 1), from a float32 pass over the row: a float64 exp of a 248k row costs ~8x a float32 one,
         and only the few likely tokens need float64. None when no cheap pool qualifies (a flat row)."""
-        p = self.params
-        m = x.max()
-        e32 = np.exp((x - m) * np.float32(1.0 / p.temperature))
+        e32 = np.exp((x - x.max()) * self._inv_t32)  # float32: this pass only picks the pool
         total = float(e32.sum(dtype=np.float64))
         for tau in (1e-4, 1e-8):
-            if p.min_p > 0.0 and tau > 0.5 * p.min_p:  # min-p keeps every token with w >= min_p
+            if self._min_p > 0.0 and tau > 0.5 * self._min_p:  # min-p keeps every token with w >= min_p
                 continue
             pool = np.flatnonzero(e32 >= tau)
             mass = float(e32[pool].sum(dtype=np.float64))
             # the pool is every value above a threshold, so once it holds top_p of the mass (with room for float32
             # rounding) the kept mass strictly above any value outside it is >= top_p: the cut lies inside it
-            if p.top_p >= 1.0 or mass >= p.top_p * total * (1 + 1e-5):
+            if self._top_p >= 1.0 or mass >= self._top_p * total * (1 + 1e-5):
                 return pool, max(total - mass, 0.0)
         return None, 0.0
 
     def choose(self, x: np.ndarray, uniform: float) -> int:
         """The token of processed (and masked) logits x [vocab] for the uniform number `uniform` in [0, 1)."""
-        if self.params.greedy:
+        if self._greedy:
             return int(np.argmax(x))  # the lowest index on ties
         ids, w = self._kept(x)
         i = _vocab_order_draw(w, uniform)
@@ -494,6 +528,12 @@ def device_sampling_supported(params: SamplingParams, constraint: object = None)
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment (also the seed's multiplier in the engine)
+
+
+def _finite_f32(v: float) -> bool:
+    """Whether v stays finite as float32 (the options' type on the devices)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(v)))
 
 
 def stream_uniform(seed: int, i: int) -> float:
