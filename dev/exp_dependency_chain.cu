@@ -23,7 +23,7 @@
 //            polls x's lines until both epochs are the stage's
 // A 16 KB page ring differs from "3 slots two stages ahead": a block's share of the in-projection is 109 KB, so
 // three stage-sized slots do not fit in 227 KB; pages hold as much of the next stages as fits.
-// Each form runs with every stage's bytes, none (the pure hop), the dense stages' alone and the routed stages' alone. Rule (issue 36): ring at
+// Each form runs at scale 1 (the bytes above) and 0 (no weights: the pure hop). Decision rule (issue 36): ring at
 // <= 14 us per layer -> the persistent per-layer kernel (a); else per-operation kernels of half an SM (b).
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/exp_dep dev/exp_dependency_chain.cu
 //   /tmp/exp_dep [layers]          (H200: ~30 s, 20 GB of device memory)
@@ -68,7 +68,6 @@ struct Plan {
   uint4* yl;              // [stages + 1][kPairs] lines {v0, epoch, v1, epoch} (ll)
   unsigned* arrived;      // [stages] blocks done with stage i (ring)
   unsigned epoch0;        // level i of this run carries epoch epoch0 + i (ll)
-  int dense_pages = kDensePages, routed_pages = kRoutedPages;  // ring slots used (<= the allocated ones)
 };
 
 // ---- shared by every form ----------------------------------------------------------------------------------------
@@ -349,8 +348,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) ring_kernel(Plan p) {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == kThreads / 32) return produce<kLL>(p, true, sm.dense, sm.dense_full, sm.dense_empty, p.dense_pages);
-  if (warp == kThreads / 32 + 1) return produce<kLL>(p, false, sm.routed, sm.routed_full, sm.routed_empty, p.routed_pages);
+  if (warp == kThreads / 32) return produce<kLL>(p, true, sm.dense, sm.dense_full, sm.dense_empty, kDensePages);
+  if (warp == kThreads / 32 + 1) return produce<kLL>(p, false, sm.routed, sm.routed_full, sm.routed_empty, kRoutedPages);
   uint32_t gd = 0, gr = 0;  // pages consumed from each ring
   const int stages = p.layers * kPerLayer;
   const int jlo = pair_lo(p, blockIdx.x), jhi = pair_lo(p, blockIdx.x + 1);  // this block's pairs
@@ -373,7 +372,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) ring_kernel(Plan p) {
     for (size_t o = lo; o < hi; o += kPageVec) {
       const bool r = routed(s);
       uint32_t& g = r ? gr : gd;
-      const int np = r ? p.routed_pages : p.dense_pages, slot = g % np;
+      const int np = r ? kRoutedPages : kDensePages, slot = g % np;
       uint4* page = r ? sm.routed[slot] : sm.dense[slot];
       mbar_wait(r ? &sm.routed_full[slot] : &sm.dense_full[slot], (g / np) & 1);
       const int n = static_cast<int>(mn(size_t(kPageVec), hi - o));
@@ -498,28 +497,15 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   LILY_CUDA_CHECK(cudaEventCreate(&e0));
   LILY_CUDA_CHECK(cudaEventCreate(&e1));
-  // ring / ll at shallower rings (dense / routed pages): less in flight ahead of each block's read of x
-  const char* names[] = {"pdl", "tma_pdl", "pf_l2", "ring", "ll", "ring_4_3", "ll_4_3", "ring_2_2", "ll_2_2"};
-  constexpr int kForms = 9;
-  auto ring_depth = [](int form, Plan& q) {
-    q.dense_pages = form >= 7 ? 2 : form >= 5 ? 4 : kDensePages;
-    q.routed_pages = form >= 7 ? 2 : form >= 5 ? 3 : kRoutedPages;
-  };
+  const char* names[] = {"pdl", "tma_pdl", "pf_l2", "ring", "ll"};
+  constexpr int kForms = 5;
   int failed = 0;
   unsigned run_no = 0;
   const size_t full_vec[kPerLayer] = {p.stage_vec[0], p.stage_vec[1], p.stage_vec[2], p.stage_vec[3], p.stage_vec[4], p.stage_vec[5]};
-  // Which stages carry their bytes: all, none (the pure hop), the dense ones alone, the routed ones alone (the last
-  // two say which part of a layer's bytes a form fails to hide).
-  const char* mode_names[] = {"all", "none", "dense", "routed"};
-  constexpr int kModes = 4;
-  double table[kModes][kForms] = {};
-  for (int mode = 0; mode < kModes; ++mode) {
-    double mode_mb = 0;
-    for (int s = 0; s < kPerLayer; ++s) {
-      const bool on = mode == 0 || (mode == 2 && !routed(s)) || (mode == 3 && routed(s));
-      p.stage_vec[s] = on ? full_vec[s] : 0;
-      mode_mb += on ? kStageMB[s] : 0;
-    }
+  double table[2][kForms] = {};
+  for (int scale = 1; scale >= 0; --scale) {
+    for (int s = 0; s < kPerLayer; ++s) p.stage_vec[s] = scale ? full_vec[s] : 0;
+    if (!scale) p.gu_vec = 0, p.expert_vec = 0;  // no weights: locate is never called
     cudaGraphExec_t graphs[3];
     for (int f = 0; f < 3; ++f) {
       cudaGraph_t g;
@@ -533,13 +519,20 @@ int main(int argc, char** argv) {
       LILY_CUDA_CHECK(cudaGraphInstantiate(&graphs[f], g, 0));
       LILY_CUDA_CHECK(cudaGraphDestroy(g));
     }
-    const std::vector<float> want = cpu_replica(p, dense, experts, x0);  // empty shares have parity 0
+    std::vector<float> want(kV);
+    if (scale) {
+      want = cpu_replica(p, dense, experts, x0);
+    } else {  // no weights: every parity 0
+      std::vector<float> x = x0;
+      for (int i = 0; i < stages; ++i) {
+        for (int j = 0; j < kV; ++j) want[j] = (0.5f * x[(7 * j + 1) % kV] + 0.25f * x[(13 * j + 5) % kV]) + 0.f;
+        x = want;
+      }
+    }
     auto run = [&](int form) {
       ++run_no;
       p.epoch0 = run_no * (stages + 2);
-      const bool ll = form == 4 || form == 6 || form == 8;
-      ring_depth(form, p);
-      if (ll) {
+      if (form == 4) {
         for (int q = 0; q < kPairs; ++q) {
           uint32_t a, b;
           std::memcpy(&a, &x0[2 * q], 4), std::memcpy(&b, &x0[2 * q + 1], 4);
@@ -555,8 +548,8 @@ int main(int argc, char** argv) {
         LILY_CUDA_CHECK(cudaGraphLaunch(graphs[form], st));
       } else {
         void* args[] = {&p};
-        const void* k = ll ? reinterpret_cast<const void*>(ring_kernel<true>)
-                           : reinterpret_cast<const void*>(ring_kernel<false>);
+        const void* k = form == 3 ? reinterpret_cast<const void*>(ring_kernel<false>)
+                                  : reinterpret_cast<const void*>(ring_kernel<true>);
         LILY_CUDA_CHECK(cudaLaunchCooperativeKernel(k, dim3(nb), dim3(kRingThreads), args, ring_smem, st));
       }
       LILY_CUDA_CHECK(cudaEventRecord(e1, st));
@@ -566,13 +559,12 @@ int main(int argc, char** argv) {
       return static_cast<double>(ms);
     };
     for (int form = 0; form < kForms; ++form) {
-      if (form >= 5 && mode != 0) continue;  // the shallower rings with every stage's bytes only
       run(form);  // warm
       std::vector<double> t;
       for (int r = 0; r < 7; ++r) t.push_back(run(form));
       std::sort(t.begin(), t.end());
       std::vector<float> out(kV);
-      if (form == 4 || form == 6 || form == 8) {
+      if (form == 4) {
         std::vector<uint4> lines(kPairs);
         LILY_CUDA_CHECK(cudaMemcpy(lines.data(), p.yl + size_t(stages) * kPairs, sizeof(uint4) * kPairs,
                                    cudaMemcpyDeviceToHost));
@@ -585,24 +577,19 @@ int main(int argc, char** argv) {
       }
       const bool same = std::memcmp(out.data(), want.data(), sizeof(float) * kV) == 0;
       failed += !same;
-      const double us_layer = t[3] * 1e3 / layers, bytes = mode_mb * 1e6;
-      table[mode][form] = us_layer;
-      std::printf("TIME %-7s %-6s (%4.1f MB)  %7.2f us per layer  %5.2f us per stage  %5.2f TB/s  %s\n", names[form],
-                  mode_names[mode], mode_mb, us_layer, us_layer / kPerLayer, bytes / (us_layer * 1e-6) / 1e12,
-                  same ? "PASS (= CPU replica)" : "FAIL");
+      const double us_layer = t[3] * 1e3 / layers, bytes = per_layer_mb * 1e6 * scale;
+      table[scale][form] = us_layer;
+      std::printf("TIME %-7s scale %d  %7.2f us per layer  %5.2f us per stage  %5.2f TB/s  %s\n", names[form], scale,
+                  us_layer, us_layer / kPerLayer, bytes / (us_layer * 1e-6) / 1e12, same ? "PASS (= CPU replica)" : "FAIL");
     }
     for (auto& g : graphs) LILY_CUDA_CHECK(cudaGraphExecDestroy(g));
   }
-  std::printf("\n| form | us per layer (%.1f MB) | no weights | dense stages' bytes only | routed only | hop (no weights) "
-              "us per stage |\n|---|---:|---:|---:|---:|---:|\n", per_layer_mb);
+  std::printf("\n| form | us per layer (%.1f MB) | us per layer, no weights | hop (no weights) us per stage |\n|---|---:|---:|---:|\n",
+              per_layer_mb);
   for (int f = 0; f < kForms; ++f)
-    if (f < 5)
-      std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f |\n", names[f], table[0][f], table[1][f], table[2][f],
-                  table[3][f], table[1][f] / kPerLayer);
-    else
-      std::printf("| %s | %.2f | - | - | - | - |\n", names[f], table[0][f]);
-  std::printf("decision (issue 36): ring %.2f us per layer -> %s\n", table[0][3],
-              table[0][3] <= 14.0 ? "(a) persistent per-layer kernel" : "(b) per-operation kernels of half an SM");
+    std::printf("| %s | %.2f | %.2f | %.2f |\n", names[f], table[1][f], table[0][f], table[0][f] / kPerLayer);
+  std::printf("decision (issue 36): ring %.2f us per layer -> %s\n", table[1][3],
+              table[1][3] <= 14.0 ? "(a) persistent per-layer kernel" : "(b) per-operation kernels of half an SM");
   std::printf("SUMMARY exp_dependency_chain %d failed\n", failed);
   return failed ? 1 : 0;
 }
