@@ -162,31 +162,13 @@ bool gemv_fits(const Linear& w) {
 
 int64_t gemv_head_blocks(int64_t rows) { return gemv::head_blocks(rows); }
 
-namespace {
-
-// sample::Options of one generation exactly as DeviceSampler::begin fills them.
-sample::Options options_of(const SampleOptions& so) {
-  sample::Options opt;
-  opt.greedy = so.temperature == 0.f;
-  opt.inv_temperature = opt.greedy ? 1.f : 1.f / so.temperature;
-  opt.top_k = so.top_k;
-  opt.top_p = so.top_p;
-  opt.min_p = so.min_p;
-  opt.repetition_penalty = so.repetition_penalty;
-  opt.presence_penalty = so.presence_penalty;
-  opt.frequency_penalty = so.frequency_penalty;
-  opt.n_bias = static_cast<int32_t>(so.bias_ids.size());
-  return opt;
-}
-
-}  // namespace
 
 int32_t sample_launch(const float* logits, int32_t V, const SampleOptions& o, uint8_t* seen, int32_t* counts,
                       int64_t guard, float uniform, float* x_out, float* logits_after) {
   if (o.bias_ids.size() != o.bias_vals.size())
     throw std::invalid_argument("[cuda_ops.sample_launch] bias_ids and bias_vals differ in length");
   Dev dv;
-  const sample::Options opt = options_of(o);
+  const sample::Options opt = sample::options_of(o);
   sample::Args a;
   a.logits = dv.put(logits, V);
   a.x = dv.alloc<float>(V + guard);

@@ -608,8 +608,7 @@ DeviceSampler::~DeviceSampler() {
     if (p) cudaFree(p);
 }
 
-void DeviceSampler::begin(cudaStream_t st, const SampleOptions& so, int32_t V) {
-  ready_ = false;
+Options options_of(const SampleOptions& so) {
   Options opt;
   opt.greedy = so.temperature == 0.f;
   opt.inv_temperature = opt.greedy ? 1.f : 1.f / so.temperature;
@@ -619,8 +618,14 @@ void DeviceSampler::begin(cudaStream_t st, const SampleOptions& so, int32_t V) {
   opt.repetition_penalty = so.repetition_penalty;
   opt.presence_penalty = so.presence_penalty;
   opt.frequency_penalty = so.frequency_penalty;
-  const int32_t n_bias = static_cast<int32_t>(so.bias_ids.size());
-  opt.n_bias = n_bias;
+  opt.n_bias = static_cast<int32_t>(so.bias_ids.size());
+  return opt;
+}
+
+void DeviceSampler::begin(cudaStream_t st, const SampleOptions& so, int32_t V) {
+  ready_ = false;
+  const Options opt = options_of(so);
+  const int32_t n_bias = opt.n_bias;
   const int32_t* bias_ids = so.bias_ids.data();
   const float* bias_vals = so.bias_vals.data();
   const uint8_t* seen = so.seen.empty() ? nullptr : so.seen.data();

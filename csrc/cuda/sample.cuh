@@ -50,6 +50,8 @@ struct Options {
   float frequency_penalty = 0.f;
   int32_t n_bias = 0;           // entries in bias_ids / bias_vals
 };
+// The device options of one generation's SampleOptions (DeviceSampler::begin's, and the kernel suite's op table's).
+Options options_of(const SampleOptions& so);
 
 struct Args {
   const float* logits = nullptr;    // [V] raw logits of the step (left unchanged)
