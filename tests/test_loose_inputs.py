@@ -1,7 +1,6 @@
-"""Issue 38 items 9 and 11: inputs that used to be accepted loosely are clear errors. A chat message without
-content, a misspelled keyword option (it used to reach the chat template, which ignores it), a config with
-fewer layers than the checkpoint's tensors (it only warned), bfloat16 bytes labelled F16 (they loaded as
-garbage weights)."""
+"""Loose inputs are clear errors: a chat message without content, a misspelled keyword option (the chat template
+would ignore it), a config with fewer layers than the checkpoint's tensors, bfloat16 bytes labelled F16 (they
+would load as garbage weights)."""
 from __future__ import annotations
 
 import json

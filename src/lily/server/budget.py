@@ -58,24 +58,18 @@ def memory_budgets(model: Any, parallel: int, cache_bytes: int | None, park_byte
     """The budgets in force: the explicit ones (flags) as given, the others derived as the module says."""
     free = available_memory_bytes() if free_bytes is None else free_bytes
     full = state_bytes(model, model.max_context)
-    how: dict[str, str] = {}
-    if cache_bytes is None:
-        cache_bytes = CACHE_STATES * full
-        how["cache"] = f"auto: {CACHE_STATES} full-context states of {full} bytes"
-        if free is not None and free // CACHE_FREE_FRACTION < cache_bytes:
-            cache_bytes = free // CACHE_FREE_FRACTION
-            how["cache"] = f"auto: 1/{CACHE_FREE_FRACTION} of the {free} bytes free at startup"
-    else:
-        how["cache"] = "--cache-gib"
-    if park_bytes is None:
-        park_bytes = parallel * full
-        how["park"] = f"auto: --parallel {parallel} full-context states of {full} bytes"
-        if free is not None and free // PARK_FREE_FRACTION < park_bytes:
-            park_bytes = free // PARK_FREE_FRACTION
-            how["park"] = f"auto: 1/{PARK_FREE_FRACTION} of the {free} bytes free at startup"
-    else:
-        how["park"] = "--park-gib"
-    return MemoryBudgets(int(cache_bytes), int(park_bytes), how)
+
+    def budget(given: int | None, flag: str, states: int, states_how: str, fraction: int) -> tuple[int, str]:
+        """`given` (the flag) as it is, else `states` full-context states capped at 1/fraction of the free memory."""
+        if given is not None:
+            return int(given), flag
+        if free is not None and free // fraction < states * full:
+            return int(free // fraction), f"auto: 1/{fraction} of the {free} bytes free at startup"
+        return int(states * full), f"auto: {states_how} full-context states of {full} bytes"
+
+    cache, cache_how = budget(cache_bytes, "--cache-gib", CACHE_STATES, str(CACHE_STATES), CACHE_FREE_FRACTION)
+    park, park_how = budget(park_bytes, "--park-gib", parallel, f"--parallel {parallel}", PARK_FREE_FRACTION)
+    return MemoryBudgets(cache, park, {"cache": cache_how, "park": park_how})
 
 
 def describe_free_memory() -> str:
