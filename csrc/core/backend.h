@@ -69,6 +69,29 @@ class Backend {
   // logits[n, V] (host) = RMSNorm(x[row0 : row0+n]; final_norm) W_lm^T.
   virtual void head(int64_t row0, int64_t n, float* logits) = 0;
 
+  // ---- the MTP head (docs/model.md §7): only called when has_mtp() -------------------------------------------
+  // Its decoder layer is Weights::layers[cfg.n_layers] (an attention layer: attention_block / moe_block take that
+  // index, with the State's mtp KV cache), its fc and norms are Weights::mtp. A chunk of the head's rows:
+  // mtp_embed -> attention_block(n_layers) -> moe_block(n_layers) [-> mtp_head]; it overwrites x, so the engine
+  // runs it after the main rows' head / head_step and keep_hidden.
+  virtual bool has_mtp() const { return false; }
+  // hid[S, H] = RMSNorm(x; final_norm) of the rows just run (the head's input), kept until the next keep_hidden.
+  virtual void keep_hidden(int64_t S) { no_mtp(); }
+  // dst [H] fp32 (a State buffer, in this backend's memory) = hid[row].
+  virtual void store_hidden(int64_t row, Buffer& dst) { no_mtp(); }
+  // Starts n rows of the head: x[n, H] = fc([RMSNorm(E[ids]; pre_fc_norm_embedding) | RMSNorm(h; pre_fc_norm_hidden)])
+  // (embedding first). The hidden rows h: src Kept: *prev (when given) then hid[0 ..] (n rows in all); src Draft:
+  // n == 1, prev null, the last row mtp_head kept (a chained draft). ids[i] == -1 (inside a decode step of a device
+  // sampler): the token that step's embed read.
+  enum class MtpHidden { Kept, Draft };
+  virtual void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) { no_mtp(); }
+  // out[n, H] = RMSNorm(x[row0 : row0+n]; mtp.norm), kept (its last row is the next Draft hidden); logits [n, V]
+  // (host) = out W_lm^T.
+  virtual void mtp_head(int64_t row0, int64_t n, float* logits) { no_mtp(); }
+  // on: an S-row forward computes every row as a one-row decode step would, bit for bit where the backend can
+  // (the speculative verify, so that it decides exactly what plain decoding would). Default: no-op.
+  virtual void exact_rows(bool on) {}
+
   // ---- decode steps: the engine brackets every one-token step ---------------------------------------------
   // begin_step(st, d) -> [embed(&d.token, 1), the layer loop for 1 row, head_step(d)] -> end_step(st, d, logits).
   // begin_step returns false when the backend replays a step it recorded earlier (a CUDA graph): the engine then
@@ -103,6 +126,11 @@ class Backend {
   }
   virtual int64_t flag(const std::string& flag_name) const {
     throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
+  }
+
+ private:
+  [[noreturn]] void no_mtp() const {
+    throw std::logic_error(std::string("[lily] backend '") + name() + "' has no MTP head kernels");
   }
 };
 

@@ -1,4 +1,5 @@
 #include "core/engine.h"
+#include "core/speculative.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +22,7 @@ Engine::Engine(const Config& cfg, const TensorMap& tensors, const QuantMap& quan
   if (max_context < 1) throw std::invalid_argument("[lily] max_context must be >= 1");
   if (threads < 0) throw std::invalid_argument("[lily] threads must be >= 0 (0 = all hardware threads)");
   backend_ = make_backend(backend, cfg_, weights_, threads, debug, options);
+  mtp_ = weights_.has_mtp && backend_->has_mtp();
 }
 
 void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
@@ -59,13 +61,54 @@ void Engine::run_layers(State& st, int64_t n, Trace* trace) {
   }
 }
 
+void Engine::advance_mtp(State& st, const int32_t* next_ids, int64_t rows, bool prev, int64_t last_row,
+                         bool exact) {
+  if (rows > 0) {
+    if (exact) backend_->exact_rows(true);
+    try {
+      backend_->mtp_embed(next_ids, rows, prev ? &st.last_hidden : nullptr, Backend::MtpHidden::Kept);
+      backend_->attention_block(cfg_.n_layers, st.mtp_kv, st.mtp_rows, rows);
+      backend_->moe_block(cfg_.n_layers, rows);
+    } catch (...) {
+      backend_->exact_rows(false);
+      throw;
+    }
+    if (exact) backend_->exact_rows(false);
+    st.mtp_rows += rows;
+  }
+  backend_->store_hidden(last_row, st.last_hidden);
+}
+
+void Engine::run_rows(State& st, const int32_t* ids, int64_t n, float* logits) {
+  st.reserve(st.position + n);
+  backend_->exact_rows(true);
+  try {
+    backend_->embed(ids, n);
+    run_layers(st, n, nullptr);
+    if (logits) backend_->head(0, n, logits);
+    backend_->keep_hidden(n);
+  } catch (...) {
+    backend_->exact_rows(false);
+    backend_->abandon();
+    throw;
+  }
+  backend_->exact_rows(false);
+  st.position += n;
+}
+
 int64_t Engine::run_step(State& st, DecodeStep d, float* logits) {
   d.index = next_step_++;
+  const bool head = mtp_ && st.mtp_current();
   try {
     if (backend_->begin_step(st, d)) {
       backend_->embed(&d.token, 1);
       run_layers(st, 1, nullptr);
       backend_->head_step(d);
+      if (head) {  // the MTP head's row (h_{p-1}, x_p) for the token fed (x_p is this step's token)
+        backend_->keep_hidden(1);
+        if (d.position > 0) advance_mtp(st, &d.token, 1, true, 0);
+        else advance_mtp(st, nullptr, 0, false, 0);
+      }
     }
     backend_->end_step(st, d, logits);
   } catch (...) {
@@ -96,10 +139,16 @@ void Engine::forward(State& st, const int32_t* tokens, int64_t S, LogitsMode mod
   try {
     for (int64_t c0 = 0; c0 < S; c0 += chunk) {
       const int64_t n = std::min(chunk, S - c0);
+      const bool head = mtp_ && st.mtp_current();
       backend_->embed(tokens + c0, n);
       run_layers(st, n, trace);
       if (mode == LogitsMode::All) backend_->head(0, n, logits + c0 * V);
       else if (mode == LogitsMode::Last && c0 + n == S) backend_->head(n - 1, 1, logits);
+      if (head) {  // the MTP head's rows (h_{p-1}, x_p) for the chunk's tokens x_p (none for x_0)
+        backend_->keep_hidden(n);
+        const bool prev = st.position > 0;
+        advance_mtp(st, tokens + c0 + (prev ? 0 : 1), prev ? n : n - 1, prev, n - 1);
+      }
       st.position += n;
     }
     backend_->sync();
@@ -147,7 +196,16 @@ std::unique_ptr<TokenStream> Engine::open_stream(State& st, int32_t first, const
       throw std::invalid_argument("[lily] open_stream: stop id " + std::to_string(id) + " is outside 0.." +
                                   std::to_string(cfg_.vocab - 1));
   check_sample_options(opt.sample);
-  const bool device = opt.device && backend_->sampler_begin(opt.sample);
+  if (opt.speculative < 0 || opt.speculative > kMaxDrafts)
+    throw std::invalid_argument("[lily] open_stream: speculative must be 0 (off) or 1.." + std::to_string(kMaxDrafts) +
+                                " drafted tokens per step, got " + std::to_string(opt.speculative));
+  if (opt.speculative > 0 && !mtp_)
+    throw std::invalid_argument(std::string("[lily] open_stream: speculative decoding needs the MTP head, and this "
+                                            "engine has none (") +
+                                (weights_.has_mtp ? "backend '" + std::string(backend_->name()) +
+                                                        "' has no MTP kernels yet"
+                                                  : std::string("the weights carry no mtp.* tensors")) + ")");
+  const bool device = opt.speculative == 0 && opt.device && backend_->sampler_begin(opt.sample);
   std::unique_ptr<TokenStream> s(new TokenStream(*this, st, first, opt, device));
   if (device) {
     active_ = s.get();
@@ -208,10 +266,10 @@ int64_t Engine::backend_flag(const std::string& name) {
 
 TokenStream::TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device)
     : eng_(eng), st_(st), opt_(opt), device_(device), rng_(opt.seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull) {
-  (void)first;
   const size_t V = static_cast<size_t>(eng.cfg_.vocab);
   if (opt_.sample.seen.empty()) opt_.sample.seen.assign(V, 0);
   if (opt_.sample.counts.empty()) opt_.sample.counts.assign(V, 0);
+  if (opt_.speculative > 0) spec_ = std::make_unique<Spec>(opt_, first, st.mtp_current());
 }
 
 TokenStream::~TokenStream() {
@@ -254,6 +312,10 @@ void TokenStream::park() {
 }
 
 int32_t TokenStream::next() {
+  if (spec_) {
+    std::lock_guard<std::mutex> lk(eng_.mu_);
+    return spec_next();
+  }
   if (!device_) throw std::logic_error("[lily] TokenStream.next: a lock-step stream takes step(token)");
   std::lock_guard<std::mutex> lk(eng_.mu_);
   if (ended_ || closed_) return -1;
@@ -288,6 +350,7 @@ int32_t TokenStream::next() {
 }
 
 void TokenStream::step(int32_t token, float* logits) {
+  if (spec_) throw std::logic_error("[lily] TokenStream.step: a speculative stream draws its own tokens (next())");
   if (device_) throw std::logic_error("[lily] TokenStream.step: a device stream draws its own tokens (next())");
   std::lock_guard<std::mutex> lk(eng_.mu_);
   if (closed_) throw std::logic_error("[lily] TokenStream.step: the stream is closed");
@@ -301,6 +364,7 @@ void TokenStream::step(int32_t token, float* logits) {
 bool TokenStream::close(float* logits) {
   std::lock_guard<std::mutex> lk(eng_.mu_);
   bool have = false;
+  if (!closed_ && spec_) spec_rewind();
   if (!closed_ && device_ && launched_ > 0) {
     if (eng_.active_ == this) {
       eng_.active_ = nullptr;

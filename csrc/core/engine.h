@@ -31,6 +31,13 @@ struct StreamOptions {
   bool device = true;                // draw on the device where the backend can; else lock-step
   SampleOptions sample;              // the device draw; temperature 0 = greedy (lowest index on ties)
   uint64_t seed = 0;                 // the device draws' uniform numbers come from this seed
+  // Speculative decoding with the MTP head (csrc/core/speculative.cpp): draft `speculative` tokens per step (0 =
+  // off; needs Engine::has_mtp and a state whose head cache is current) and verify them in one forward; the
+  // stream then draws on the host in the extension (sample.cpp's rule), its output the same as plain decoding's
+  // (greedy: token for token; sampling: the same distribution). adaptive: fall back to plain steps when drafting
+  // does not pay (timed), saying so in spec_status().
+  int32_t speculative = 0;
+  bool adaptive = true;
 };
 
 class Engine;
@@ -55,6 +62,7 @@ class TokenStream {
   TokenStream& operator=(const TokenStream&) = delete;
 
   bool device() const { return device_; }
+  bool speculative() const { return spec_ != nullptr; }
   // Device mode: the next token, or -1 when the stream has ended (max_tokens returned, a stop id returned, the
   // context full, or close() called).
   int32_t next();
@@ -67,14 +75,28 @@ class TokenStream {
   int64_t fed() const { return launched_; }
   int64_t returned() const { return returned_; }
   bool ended() const { return ended_; }
+  // Speculative streams: drafts made, drafts accepted, verify forwards, plain steps, and what the stream does
+  // ("speculative k=3", or "plain: <why>" after a fallback).
+  struct SpecStats {
+    int64_t drafted = 0, accepted = 0, verifies = 0, plain_steps = 0;
+    std::string status;
+  };
+  SpecStats spec_stats() const;
 
  private:
   friend class Engine;
+  struct Spec;  // the speculative loop's state (speculative.cpp)
   TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device);
   void launch(int32_t host_token);  // the step that feeds the next token (host_token >= 0, or the device slot)
   void park();                      // engine lock held: finish the launched steps, keep their draws on the host
   void note(int32_t token);         // host record of the generated tokens (seen / counts for a re-begin)
   float next_uniform();
+  // speculative.cpp, engine lock held: the next returned token (-1: ended); one draft + verify (or plain) step
+  // when nothing is queued; close's rewind of the fed tokens the host never took.
+  int32_t spec_next();
+  void spec_iterate();
+  void spec_plain_step();
+  void spec_rewind();
 
   Engine& eng_;
   State& st_;
@@ -87,11 +109,13 @@ class TokenStream {
   int64_t last_step_ = -1;         // the engine's index of the last step launched
   int64_t returned_ = 0;
   uint64_t rng_;
+  std::unique_ptr<Spec> spec_;
 };
 
 class Engine {
  public:
   static constexpr int64_t kDefaultChunkCpu = 256;
+  static constexpr int32_t kMaxDrafts = 8;  // StreamOptions::speculative at most
 
   // tensors: views that must outlive the engine (the binding keeps the arrays alive).
   // backend: "cpu" | "cuda" | "metal" (see make_backend).
@@ -100,8 +124,11 @@ class Engine {
   ~Engine();
 
   std::unique_ptr<State> new_state() const {
-    return std::make_unique<State>(cfg_, max_context_, backend_->memory(), backend_->kv_elem());
+    return std::make_unique<State>(cfg_, max_context_, backend_->memory(), backend_->kv_elem(), mtp_);
   }
+  // The engine runs the MTP head (the weights carry it and the backend has its kernels): every forward and step
+  // keeps the states' head caches current, and streams can draft with it.
+  bool has_mtp() const { return mtp_; }
 
   // Throws std::invalid_argument naming the problem (empty, token out of range, context overflow).
   void validate(const State& st, const int32_t* tokens, int64_t S) const;
@@ -147,6 +174,14 @@ class Engine {
   // backend's per-step slots tell the steps of every stream apart), advances st.position by 1, returns d.index.
   int64_t run_step(State& st, DecodeStep d, float* logits);
   void check_sample_options(const SampleOptions& o) const;
+  // The head's rows after main rows ran and keep_hidden: `rows` rows pairing the hidden states ([st.last_hidden
+  // when prev] then the kept rows) with next_ids, at positions st.mtp_rows.., then st.last_hidden = kept row
+  // last_row. (docs/model.md §7: row (h_p, x_{p+1}) runs at position p.) exact: rows as one-row steps make them.
+  void advance_mtp(State& st, const int32_t* next_ids, int64_t rows, bool prev, int64_t last_row,
+                   bool exact = false);
+  // n rows (a verify or a replay, n small) at st.position as one chunk, every row as a one-row step computes it
+  // (Backend::exact_rows); logits [n, V] when given; the rows' hidden states kept; the head's cache untouched.
+  void run_rows(State& st, const int32_t* ids, int64_t n, float* logits);
   // Engine lock held: park the open device stream (if any) unless it is `keep`.
   void park_active(const TokenStream* keep);
 
@@ -155,6 +190,7 @@ class Engine {
   int64_t max_context_;
   bool debug_;
   std::unique_ptr<Backend> backend_;
+  bool mtp_ = false;                // see has_mtp()
   int64_t next_step_ = 0;           // decode steps run by this engine
   TokenStream* active_ = nullptr;   // the device stream whose steps may be in flight or own the sampler
   std::mutex mu_;  // one forward / step at a time: backend buffers are shared

@@ -41,8 +41,9 @@ std::shared_ptr<Memory> host_memory() {
   return m;
 }
 
-State::State(const Config& cfg, int64_t max_ctx, std::shared_ptr<Memory> m, Elem e)
-    : max_context(max_ctx), kv_elem(e), mem(std::move(m)) {
+State::State(const Config& cfg, int64_t max_ctx, std::shared_ptr<Memory> m, Elem e, bool mtp)
+    : max_context(max_ctx), kv_elem(e), mem(std::move(m)), has_mtp(mtp), hidden(cfg.hidden) {
+  if (has_mtp) last_hidden = Buffer(mem, hidden * 4);
   kv_row = static_cast<int64_t>(cfg.n_kv_heads) * cfg.head_dim;
   ssm_size = static_cast<int64_t>(cfg.deltanet_v_heads) * cfg.deltanet_v_dim * cfg.deltanet_k_dim;
   conv_size = static_cast<int64_t>(cfg.conv_kernel - 1) * cfg.conv_dim();
@@ -62,7 +63,11 @@ State::State(const Config& cfg, int64_t max_ctx, std::shared_ptr<Memory> m, Elem
 
 void State::reserve(int64_t tokens) {
   const size_t row_bytes = kv_row * elem_size(kv_elem);
-  for (auto& c : kv) {
+  std::vector<KVCache*> caches;
+  for (auto& c : kv) caches.push_back(&c);
+  if (has_mtp) caches.push_back(&mtp_kv);
+  for (KVCache* cp : caches) {
+    KVCache& c = *cp;
     if (c.capacity >= tokens) continue;
     int64_t cap = std::min<int64_t>(max_context, std::max<int64_t>({tokens, 2 * c.capacity, 256}));
     for (Buffer* b : {&c.k, &c.v}) {
@@ -102,13 +107,28 @@ State State::snapshot() const {
     mem->copy(s.deltanet[i].ssm.data(), deltanet[i].ssm.data(), ssm_size * 4);
     if (conv_size) mem->copy(s.deltanet[i].conv.data(), deltanet[i].conv.data(), conv_size * 4);
   }
+  s.has_mtp = has_mtp;
+  s.hidden = hidden;
+  if (has_mtp) {
+    const size_t mtp_used = mtp_rows * kv_row * elem_size(kv_elem);
+    s.mtp_rows = mtp_rows;
+    s.mtp_kv.capacity = mtp_rows;
+    s.mtp_kv.k = Buffer(mem, mtp_used);
+    s.mtp_kv.v = Buffer(mem, mtp_used);
+    if (mtp_used) {
+      mem->copy(s.mtp_kv.k.data(), mtp_kv.k.data(), mtp_used);
+      mem->copy(s.mtp_kv.v.data(), mtp_kv.v.data(), mtp_used);
+    }
+    s.last_hidden = Buffer(mem, hidden * 4);
+    mem->copy(s.last_hidden.data(), last_hidden.data(), hidden * 4);
+  }
   return s;
 }
 
 void State::restore(const State& snap) {
   const bool same = snap.kv_row == kv_row && snap.layer_slot == layer_slot && snap.kv.size() == kv.size() &&
                     snap.deltanet.size() == deltanet.size() && snap.ssm_size == ssm_size && snap.conv_size == conv_size &&
-                    snap.kv_elem == kv_elem && snap.mem == mem;
+                    snap.kv_elem == kv_elem && snap.mem == mem && snap.has_mtp == has_mtp;
   if (!same) throw std::invalid_argument("[lily] State.restore: snapshot comes from a model with a different shape");
   if (snap.position > max_context)
     throw std::invalid_argument("[lily] State.restore: snapshot holds " + std::to_string(snap.position) +
@@ -123,18 +143,30 @@ void State::restore(const State& snap) {
     mem->copy(deltanet[i].ssm.data(), snap.deltanet[i].ssm.data(), ssm_size * 4);
     if (conv_size) mem->copy(deltanet[i].conv.data(), snap.deltanet[i].conv.data(), conv_size * 4);
   }
+  if (has_mtp) {
+    const size_t mtp_used = snap.mtp_rows * kv_row * elem_size(kv_elem);
+    if (mtp_used) {
+      mem->copy(mtp_kv.k.data(), snap.mtp_kv.k.data(), mtp_used);
+      mem->copy(mtp_kv.v.data(), snap.mtp_kv.v.data(), mtp_used);
+    }
+    mem->copy(last_hidden.data(), snap.last_hidden.data(), hidden * 4);
+    mtp_rows = snap.mtp_rows;
+  }
   position = snap.position;
 }
 
 int64_t State::nbytes() const {
-  return static_cast<int64_t>(kv.size()) * 2 * position * kv_row * static_cast<int64_t>(elem_size(kv_elem)) +
-         static_cast<int64_t>(deltanet.size()) * (ssm_size + conv_size) * 4;
+  const int64_t kv_rows = static_cast<int64_t>(kv.size()) * position + (has_mtp ? mtp_rows : 0);
+  return kv_rows * 2 * kv_row * static_cast<int64_t>(elem_size(kv_elem)) +
+         static_cast<int64_t>(deltanet.size()) * (ssm_size + conv_size) * 4 + (has_mtp ? hidden * 4 : 0);
 }
 
 void State::read_kv(size_t slot, bool value, float* out) const {
-  const int64_t n = position * kv_row;
+  const bool head = has_mtp && slot == kv.size();
+  const int64_t n = (head ? mtp_rows : position) * kv_row;
   if (!n) return;
-  const Buffer& b = value ? kv.at(slot).v : kv.at(slot).k;
+  const KVCache& c = head ? mtp_kv : kv.at(slot);
+  const Buffer& b = value ? c.v : c.k;
   if (kv_elem == Elem::F32) return mem->to_host(out, b.data(), n * 4);
   std::vector<uint16_t> tmp(n);
   mem->to_host(tmp.data(), b.data(), n * 2);
@@ -144,8 +176,9 @@ void State::read_kv(size_t slot, bool value, float* out) const {
 void State::write_kv(size_t slot, bool value, const float* in, int64_t rows) {
   const int64_t n = rows * kv_row;
   if (!n) return;
-  if (rows > kv.at(slot).capacity) throw std::logic_error("[lily] State.write_kv: reserve first");
-  Buffer& b = value ? kv[slot].v : kv[slot].k;
+  KVCache& c = has_mtp && slot == kv.size() ? mtp_kv : kv.at(slot);
+  if (rows > c.capacity) throw std::logic_error("[lily] State.write_kv: reserve first");
+  Buffer& b = value ? c.v : c.k;
   if (kv_elem == Elem::F32) return mem->from_host(b.data(), in, n * 4);
   std::vector<uint16_t> tmp(n);
   for (int64_t i = 0; i < n; ++i) tmp[i] = f32_to_bf16(in[i]);

@@ -107,46 +107,58 @@ struct Loader {
     w.embed = linear("model.embed_tokens", V, H);
     w.final_norm = vec("model.norm.weight", {H});
     w.lm_head = linear("lm_head", V, H);
-    for (int L = 0; L < cfg.n_layers; ++L) {
-      const std::string p = "model.layers." + std::to_string(L) + ".";
-      LayerWeights lw;
-      lw.type = cfg.layer_types[L];
-      lw.in_norm = vec(p + "input_layernorm.weight", {H});
-      lw.post_norm = vec(p + "post_attention_layernorm.weight", {H});
-      if (lw.type == LayerType::DeltaNet) {
-        const std::string q = p + "linear_attn.";
-        const int64_t C = cfg.conv_dim(), Hv = cfg.deltanet_v_heads, VD = cfg.value_dim();
-        lw.deltanet.qkv = linear(q + "in_proj_qkv", C, H);
-        lw.deltanet.z = linear(q + "in_proj_z", VD, H);
-        lw.deltanet.b = linear(q + "in_proj_b", Hv, H);
-        lw.deltanet.a = linear(q + "in_proj_a", Hv, H);
-        lw.deltanet.out = linear(q + "out_proj", H, VD);
-        lw.deltanet.conv_w = vec(q + "conv1d.weight", {C, cfg.conv_kernel, 1});
-        lw.deltanet.dt_bias = vec(q + "dt_bias", {Hv});
-        lw.deltanet.a_log = vec(q + "A_log", {Hv});
-        lw.deltanet.norm = vec(q + "norm.weight", {cfg.deltanet_v_dim});
-      } else {
-        const std::string q = p + "self_attn.";
-        const int64_t D = cfg.head_dim;
-        lw.attn.q = linear(q + "q_proj", 2 * cfg.n_heads * D, H);
-        lw.attn.k = linear(q + "k_proj", cfg.n_kv_heads * D, H);
-        lw.attn.v = linear(q + "v_proj", cfg.n_kv_heads * D, H);
-        lw.attn.o = linear(q + "o_proj", H, cfg.n_heads * D);
-        lw.attn.q_norm = vec(q + "q_norm.weight", {D});
-        lw.attn.k_norm = vec(q + "k_norm.weight", {D});
-      }
-      const std::string m = p + "mlp.";
-      const int64_t E = cfg.n_experts, I = cfg.moe_inter, Is = cfg.shared_inter;
-      lw.moe.router = linear(m + "gate", E, H);
-      lw.moe.gate = linear(m + "switch_mlp.gate_proj", I, H, E);
-      lw.moe.up = linear(m + "switch_mlp.up_proj", I, H, E);
-      lw.moe.down = linear(m + "switch_mlp.down_proj", H, I, E);
-      lw.moe.sh_gate = linear(m + "shared_expert.gate_proj", Is, H);
-      lw.moe.sh_up = linear(m + "shared_expert.up_proj", Is, H);
-      lw.moe.sh_down = linear(m + "shared_expert.down_proj", H, Is);
-      lw.moe.sh_expert_gate = linear(m + "shared_expert_gate", 1, H);
-      w.layers.push_back(lw);
+    for (int L = 0; L < cfg.n_layers; ++L)
+      w.layers.push_back(layer("model.layers." + std::to_string(L) + ".", cfg.layer_types[L]));
+    // The MTP head (docs/model.md §7), when the tensors carry it (lily.mtp_source names it mtp.*).
+    if (tensors.count("mtp.fc.weight")) {
+      w.has_mtp = true;
+      w.mtp.norm_embed = vec("mtp.pre_fc_norm_embedding.weight", {H});
+      w.mtp.norm_hidden = vec("mtp.pre_fc_norm_hidden.weight", {H});
+      w.mtp.fc = linear("mtp.fc", H, 2 * H);
+      w.mtp.norm = vec("mtp.norm.weight", {H});
+      w.layers.push_back(layer("mtp.layers.0.", LayerType::Attention));
     }
+  }
+
+  LayerWeights layer(const std::string& p, LayerType type) {
+    const int64_t H = cfg.hidden;
+    LayerWeights lw;
+    lw.type = type;
+    lw.in_norm = vec(p + "input_layernorm.weight", {H});
+    lw.post_norm = vec(p + "post_attention_layernorm.weight", {H});
+    if (lw.type == LayerType::DeltaNet) {
+      const std::string q = p + "linear_attn.";
+      const int64_t C = cfg.conv_dim(), Hv = cfg.deltanet_v_heads, VD = cfg.value_dim();
+      lw.deltanet.qkv = linear(q + "in_proj_qkv", C, H);
+      lw.deltanet.z = linear(q + "in_proj_z", VD, H);
+      lw.deltanet.b = linear(q + "in_proj_b", Hv, H);
+      lw.deltanet.a = linear(q + "in_proj_a", Hv, H);
+      lw.deltanet.out = linear(q + "out_proj", H, VD);
+      lw.deltanet.conv_w = vec(q + "conv1d.weight", {C, cfg.conv_kernel, 1});
+      lw.deltanet.dt_bias = vec(q + "dt_bias", {Hv});
+      lw.deltanet.a_log = vec(q + "A_log", {Hv});
+      lw.deltanet.norm = vec(q + "norm.weight", {cfg.deltanet_v_dim});
+    } else {
+      const std::string q = p + "self_attn.";
+      const int64_t D = cfg.head_dim;
+      lw.attn.q = linear(q + "q_proj", 2 * cfg.n_heads * D, H);
+      lw.attn.k = linear(q + "k_proj", cfg.n_kv_heads * D, H);
+      lw.attn.v = linear(q + "v_proj", cfg.n_kv_heads * D, H);
+      lw.attn.o = linear(q + "o_proj", H, cfg.n_heads * D);
+      lw.attn.q_norm = vec(q + "q_norm.weight", {D});
+      lw.attn.k_norm = vec(q + "k_norm.weight", {D});
+    }
+    const std::string m = p + "mlp.";
+    const int64_t E = cfg.n_experts, I = cfg.moe_inter, Is = cfg.shared_inter;
+    lw.moe.router = linear(m + "gate", E, H);
+    lw.moe.gate = linear(m + "switch_mlp.gate_proj", I, H, E);
+    lw.moe.up = linear(m + "switch_mlp.up_proj", I, H, E);
+    lw.moe.down = linear(m + "switch_mlp.down_proj", H, I, E);
+    lw.moe.sh_gate = linear(m + "shared_expert.gate_proj", Is, H);
+    lw.moe.sh_up = linear(m + "shared_expert.up_proj", Is, H);
+    lw.moe.sh_down = linear(m + "shared_expert.down_proj", H, Is);
+    lw.moe.sh_expert_gate = linear(m + "shared_expert_gate", 1, H);
+    return lw;
   }
 };
 

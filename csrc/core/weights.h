@@ -47,11 +47,21 @@ struct LayerWeights {
   MoeWeights moe;
 };
 
+// The MTP head's own tensors (docs/model.md §7); its decoder layer is Weights::layers[cfg.n_layers].
+struct MtpHeadWeights {
+  const float* norm_embed = nullptr;   // [H] pre_fc_norm_embedding (1 + γ, as every MLX norm)
+  const float* norm_hidden = nullptr;  // [H] pre_fc_norm_hidden
+  Linear fc;                           // [H, 2H]: input [embedding | hidden]
+  const float* norm = nullptr;         // [H] mtp.norm, before the shared lm_head
+};
+
 struct Weights {
   Linear embed;                       // [V, H]
   const float* final_norm = nullptr;  // [H]
   Linear lm_head;                     // [V, H]
-  std::vector<LayerWeights> layers;
+  std::vector<LayerWeights> layers;   // cfg.n_layers, then the MTP layer when has_mtp
+  bool has_mtp = false;               // the tensors hold mtp.* (the head of Qwen3.5/3.6 checkpoints)
+  MtpHeadWeights mtp;
   std::deque<std::vector<float>> owned;  // upcast copies of small bf16 vectors
 };
 

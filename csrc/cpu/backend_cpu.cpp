@@ -28,16 +28,46 @@ class CpuBackend final : public Backend {
 
   void embed(const int32_t* ids, int64_t S) override {
     reserve(S);
-    int32_t drawn = -1;
-    if (step_.index >= 0 && ids[0] < 0) {  // a step fed by the previous step's device draw
-      const Slot& prev = slots_[(step_.index - 1) & 1];
-      if (prev.index != step_.index - 1 || prev.token < 0)
-        throw std::logic_error("[lily] backend 'cpu': the step's token comes from a draw that is not held");
-      drawn = prev.token;
-      ids = &drawn;
-    }
-    cpu::embed(pool_, w_.embed, ids, S, x_.data());
+    int32_t drawn = step_token(ids);
+    cpu::embed(pool_, w_.embed, drawn >= 0 ? &drawn : ids, S, x_.data());
   }
+
+  // ---- the MTP head (docs/model.md §7) ----
+  bool has_mtp() const override { return w_.has_mtp; }
+  void keep_hidden(int64_t S) override {
+    const int64_t H = cfg_.hidden;
+    if (static_cast<int64_t>(hid_.size()) < S * H) hid_.resize(S * H);
+    cpu::rms_norm(pool_, x_.data(), w_.final_norm, cfg_.rms_eps, S, H, hid_.data());
+  }
+  void store_hidden(int64_t row, Buffer& dst) override {
+    const int64_t H = cfg_.hidden;
+    std::copy(hid_.data() + row * H, hid_.data() + (row + 1) * H, dst.as<float>());
+  }
+  void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) override {
+    const int64_t H = cfg_.hidden;
+    if (src == MtpHidden::Draft && (n != 1 || prev || draft_h_.empty()))
+      throw std::logic_error("[lily] backend 'cpu': a chained MTP row needs n == 1 after mtp_head");
+    reserve(n);
+    if (static_cast<int64_t>(cat_.size()) < n * 2 * H) cat_.resize(n * 2 * H);
+    int32_t drawn = step_token(ids);
+    cpu::embed(pool_, w_.embed, drawn >= 0 ? &drawn : ids, n, t_.data());
+    const float* kept = hid_.data();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* h = src == MtpHidden::Draft ? draft_h_.data()
+                       : prev ? (i == 0 ? prev->as<float>() : kept + (i - 1) * H) : kept + i * H;
+      float* row = cat_.data() + i * 2 * H;
+      cpu::rms_norm_row(t_.data() + i * H, w_.mtp.norm_embed, cfg_.rms_eps, H, row);  // embedding first
+      cpu::rms_norm_row(h, w_.mtp.norm_hidden, cfg_.rms_eps, H, row + H);
+    }
+    cpu::linear(pool_, w_.mtp.fc, cat_.data(), n, x_.data());
+  }
+  void mtp_head(int64_t row0, int64_t n, float* logits) override {
+    const int64_t H = cfg_.hidden;
+    cpu::rms_norm(pool_, x_.data() + row0 * H, w_.mtp.norm, cfg_.rms_eps, n, H, h_.data());
+    draft_h_.assign(h_.data() + (n - 1) * H, h_.data() + n * H);
+    cpu::linear(pool_, w_.lm_head, h_.data(), n, logits);
+  }
+  void exact_rows(bool on) override { cpu::set_exact_rows(on); }
 
   void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
     const LayerWeights& lw = w_.layers[layer];
@@ -148,6 +178,15 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // ids[0] < 0 inside a step fed by the previous step's device draw: that draw (else -1, ids as given).
+  int32_t step_token(const int32_t* ids) const {
+    if (step_.index < 0 || ids[0] >= 0) return -1;
+    const Slot& prev = slots_[(step_.index - 1) & 1];
+    if (prev.index != step_.index - 1 || prev.token < 0)
+      throw std::logic_error("[lily] backend 'cpu': the step's token comes from a draw that is not held");
+    return prev.token;
+  }
+
   void add_residual(int64_t S) {
     float* x = x_.data();
     const float* t = t_.data();
@@ -196,6 +235,7 @@ class CpuBackend final : public Backend {
   std::vector<float> qg_, k_, v_, o_;    // attention: [S, 2*Hq*D], [S, Hkv*D] x2, [S, Hq*D]
   std::vector<float> qkv_, u_, z_, y_;   // deltanet: [S, C] x2, [S, Hv*Dv] x2
   std::vector<float> b_, a_;             // deltanet: [S, Hv]
+  std::vector<float> hid_, cat_, draft_h_;  // MTP: kept hidden [S, H], [embedding | hidden] [n, 2H], draft [H]
   struct Slot {                          // one of the last two decode steps
     int64_t index = -1;
     int32_t token = -1;                  // its draw (device_draw)

@@ -1,6 +1,7 @@
 #include "cpu/linear.h"
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "cpu/simd.h"
@@ -11,6 +12,7 @@ namespace {
 // Below this many activation rows the GEMV path (no dequantized buffer) is faster.
 constexpr int64_t kGemvMaxRows = 3;
 constexpr int64_t kTile = 4;
+std::atomic<bool> g_exact_rows{false};
 
 std::vector<float>& tls_buffer(size_t n) {
   thread_local std::vector<float> buf;
@@ -200,9 +202,11 @@ void gemm_rows(const Linear& W, const float* x, int64_t ldx, int64_t S, float* y
 
 void linear_rows(const Linear& W, const float* x, int64_t ldx, int64_t S, float* y, int64_t ldy, int64_t r0,
                  int64_t r1) {
-  if (S <= kGemvMaxRows) gemv_rows(W, x, ldx, S, y, ldy, r0, r1);
+  if (S <= kGemvMaxRows || g_exact_rows.load(std::memory_order_relaxed)) gemv_rows(W, x, ldx, S, y, ldy, r0, r1);
   else gemm_rows(W, x, ldx, S, y, ldy, r0, r1);
 }
+
+void set_exact_rows(bool on) { g_exact_rows.store(on, std::memory_order_relaxed); }
 
 void linear(ThreadPool& pool, const Linear& W, const float* x, int64_t ldx, int64_t S, float* y, int64_t ldy) {
   // Enough rows per task to amortise scheduling (~32K multiply-adds), in whole tiles.

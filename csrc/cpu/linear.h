@@ -18,6 +18,10 @@ inline void linear(ThreadPool& pool, const Linear& W, const float* x, int64_t S,
   linear(pool, W, x, W.in, S, y, W.out);
 }
 
+// on: every S computes each row as S == 1 does (the GEMV path), so an S-row forward equals S one-row steps bit
+// for bit (the speculative verify, Backend::exact_rows). Process-wide; the engine sets it under its lock.
+void set_exact_rows(bool on);
+
 // Serial version over output rows [r0, r1) (callers that parallelise themselves).
 void linear_rows(const Linear& W, const float* x, int64_t ldx, int64_t S, float* y, int64_t ldy, int64_t r0,
                  int64_t r1);

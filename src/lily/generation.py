@@ -29,6 +29,12 @@ class GenerationStats:
     prefill_s: float = 0.0    # time spent in the prefill forward
     decode_s: float = 0.0     # first token -> last token
     total_s: float = 0.0
+    # speculative decoding (the MTP head): what it did, None when the request decoded plainly from the start
+    # ("speculative k=3", "plain: <why>"); drafted / accepted tokens and the verify forwards that checked them
+    speculative: str | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
     @property
     def prefill_tokens(self) -> int:
@@ -43,18 +49,37 @@ class GenerationStats:
         steps = self.generated_tokens - 1
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
+    @property
+    def acceptance(self) -> float:
+        """Drafted tokens the verify kept (0 when none were drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens one verify forward gave (its accepted drafts + the token it drew); 0 without verifies."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_s": self.decode_s,
-                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s}
+                "decode_tokens_per_s": self.decode_tokens_per_s, "total_s": self.total_s,
+                "speculative": self.speculative, "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens, "verify_steps": self.verify_steps}
 
     def summary(self) -> str:
-        """One line: `prompt 12 tok, prefill 850.2 tok/s, TTFT 0.014 s, decode 41.3 tok/s, 64 tok`."""
+        """One line: `prompt 12 tok, prefill 850.2 tok/s, TTFT 0.014 s, decode 41.3 tok/s, 64 tok` (and, for a
+        speculative generation, `, speculative k=3: 61% of 90 drafts accepted, 2.8 tok/verify`)."""
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        spec = ""
+        if self.speculative is not None:
+            spec = f", {self.speculative}"
+            if self.drafted_tokens:
+                spec += (f" ({self.acceptance:.0%} of {self.drafted_tokens} drafts accepted, "
+                         f"{self.tokens_per_verify:.2f} tok/verify)")
         return (f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
                 f"TTFT {self.ttft_s:.3f} s, decode {self.decode_tokens_per_s:.1f} tok/s, "
-                f"{self.generated_tokens} tok")
+                f"{self.generated_tokens} tok{spec}")
 
 
 @dataclass

@@ -274,9 +274,12 @@ class Model:
     def session(self, prefix_cache: Any = None) -> Session:
         """A fresh session (empty state) for multi-turn use. With a `lily.prefix_cache.PrefixCache`, it keeps
         state snapshots at turn boundaries and continues any later prompt from the longest one it holds."""
-        return Session(self.engine, PromptEncoder(self.tokenizer, self.chat_template, self.stop_token_ids),
-                       SessionLimits(self.max_context, self.vocab_size, self.chunk_size), self.identity,
-                       prefix_cache=prefix_cache, sampling_defaults=self.generation_config)
+        s = Session(self.engine, PromptEncoder(self.tokenizer, self.chat_template, self.stop_token_ids),
+                    SessionLimits(self.max_context, self.vocab_size, self.chunk_size), self.identity,
+                    prefix_cache=prefix_cache, sampling_defaults=self.generation_config)
+        if self.mtp is not None and not getattr(self.engine, "has_mtp", False):
+            s.speculation_unavailable = f"backend {self.backend!r} does not run the MTP head yet"
+        return s
 
     def load_session(self, path: str | Path, prefix_cache: Any = None) -> Session:
         """A session saved by `Session.save` with this model (SessionFileError for another model's file); the
@@ -390,7 +393,10 @@ def load(path_or_repo_id: str | Path | None = None, backend: str = "auto", max_c
         raise CheckpointError(f"[lily.load] {ckpt.path} has no tokenizer.json: lily needs the checkpoint's "
                               f"tokenizer to encode prompts")
     engine_config = cfg if backend_name == "reference" else cfg.to_dict()
-    engine = factory(engine_config, ckpt.tensors, ckpt.quant, threads=threads, max_context=max_context)
+    tensors, quant = ckpt.tensors, ckpt.quant
+    if ckpt.mtp is not None and backend_name != "reference":  # the engine runs the head (speculative decoding)
+        tensors, quant = {**tensors, **ckpt.mtp.tensors}, {**quant, **ckpt.mtp.quant}
+    engine = factory(engine_config, tensors, quant, threads=threads, max_context=max_context)
     tokenizer = Tokenizer(ckpt.tokenizer_path)
     template = ChatTemplate(ckpt.chat_template, _special_token_strings(ckpt.tokenizer_path), origin=str(ckpt.path))
     return Model(engine, tokenizer, cfg, chat_template=template, generation_config=ckpt.generation_config,

@@ -68,6 +68,10 @@ def _top_k_pool(x: np.ndarray, k: int) -> np.ndarray:
     return pool
 
 
+# drafted tokens per speculative step at most (csrc/core/engine.h Engine::kMaxDrafts)
+MAX_DRAFTS = 8
+
+
 class SamplingParamsError(LilyError, ValueError):
     """A sampling option is outside its valid range."""
 
@@ -95,6 +99,9 @@ class SamplingParams:
     max_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # speculative decoding with the model's MTP head (lily.session): None = on when the model has a head and the
+    # request allows it, False = off, True = on (an error without a head), k = on with k drafted tokens per step
+    speculative: bool | int | None = None
 
     def __post_init__(self) -> None:
         # normalise containers so a frozen instance is hashable-ish and never aliases caller data
@@ -145,6 +152,9 @@ class SamplingParams:
             bad("max_tokens", "None or an integer >= 1")
         if not isinstance(self.logprobs, bool):
             bad("logprobs", "True or False")
+        if self.speculative is not None and not isinstance(self.speculative, bool) and (
+                not isinstance(self.speculative, (int, np.integer)) or not 1 <= self.speculative <= MAX_DRAFTS):
+            bad("speculative", f"None (automatic), True, False or the drafted tokens per step, 1..{MAX_DRAFTS}")
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, (int, np.integer)) \
                 or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"an integer 0..{MAX_TOP_LOGPROBS}")
@@ -200,6 +210,7 @@ SAMPLING_OPTIONS: dict[str, tuple[str, Any]] = {
     "logprobs": ("bool | int", False),
     "top_logprobs": ("int | None", None),
     "logit_bias": ("Mapping[int, float] | None", None),
+    "speculative": ("bool | int | None", None),
 }
 # the options a checkpoint's generation_config.json may set (HF names == ours)
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -249,7 +260,7 @@ def resolve_sampling(generation_config: Mapping[str, Any] | None, **options: Any
         want = True
     return SamplingParams(**opts, seed=o["seed"], stop=o["stop"], stop_token_ids=tuple(o["stop_token_ids"] or ()),
                           max_tokens=o["max_tokens"], logprobs=bool(want) or bool(n_top),
-                          top_logprobs=int(n_top or 0), logit_bias=o["logit_bias"])
+                          top_logprobs=int(n_top or 0), logit_bias=o["logit_bias"], speculative=o["speculative"])
 
 
 class TokenConstraint(Protocol):

@@ -38,6 +38,9 @@ from .tokenizer import Tokenizer
 if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
 
+# drafted tokens per speculative step by default (measured: benchmarks/results/README.md, speculative decoding)
+DEFAULT_DRAFTS = 3
+
 # progress(done, total) is called between prefill pieces; it may raise (e.g. to cancel a request)
 ProgressCallback = Callable[[int, int], None]
 
@@ -131,6 +134,13 @@ class Session:
         # sample on the device where the engine can (the logits row then never crosses to the host); env
         # LILY_DEVICE_SAMPLING=0 or setting this False keeps every draw on the host (lily.sampling.Sampler)
         self.device_sampling = os.environ.get("LILY_DEVICE_SAMPLING", "1") not in ("0", "false", "no")
+        # speculative decoding with the model's MTP head (when the engine has one): drafted tokens per step, and
+        # whether a stream falls back to plain steps by itself when drafting does not pay (env
+        # LILY_SPECULATIVE_ADAPTIVE=0 keeps drafting: tests and ablations)
+        self.speculative_k = DEFAULT_DRAFTS
+        self.speculative_adaptive = os.environ.get("LILY_SPECULATIVE_ADAPTIVE", "1") not in ("0", "false", "no")
+        # why the engine cannot draft although the model has a head (Model.session fills it in), for the error
+        self.speculation_unavailable: str | None = None
 
     # ---- inspection ----------------------------------------------------------------------------
     @property
@@ -413,35 +423,74 @@ class Session:
         yield out
         if out.finish_reason is not None:
             return
-        yield from self._token_loop(token, params, budget - 1, sampler, stop_ids, constraint, chunk)
+        yield from self._token_loop(token, params, budget - 1, sampler, stop_ids, constraint, chunk, stats)
+
+    def _speculation(self, params: SamplingParams, constraint: Any, max_tokens: int) -> tuple[int, str | None]:
+        """(drafted tokens per step, 0 = plain; the stats' note when plain decoding was chosen over a head)."""
+        want = params.speculative
+        if want is False:
+            return 0, None
+        if not getattr(self._engine, "has_mtp", False):
+            if want is not None:
+                raise LilyError(f"[generate] speculative={want!r} needs the model's MTP head, and this engine has "
+                                f"none ({self.speculation_unavailable or 'the checkpoint has no mtp.* tensors'}; "
+                                f"lily.load(path, mtp=SOURCE) takes one from the Hugging Face original)")
+            return 0, None
+        if constraint is not None:
+            return 0, "plain: a constrained (grammar) request draws on the host"
+        if params.logprobs:
+            return 0, "plain: logprobs are reported by plain decoding"
+        if max_tokens < 2:
+            return 0, "plain: one token left to draw"
+        k = self.speculative_k if want is None or want is True else int(want)
+        return k, None
 
     def _token_loop(self, first: int, params: SamplingParams, max_tokens: int, sampler: Sampler,
-                    stop_ids: set[int], constraint: Any, chunk: Callable[[int, Any], GenerationChunk]
-                    ) -> Iterator[GenerationChunk]:
-        """Up to max_tokens more tokens after `first` (pending) from one engine TokenStream: drawn on the device
-        where the engine can (the stream runs one step ahead of this loop), else lock-step (each step's logits
-        here, the host Sampler draws). The session's tokens follow the state: the stream reports what it fed."""
-        device = self.device_sampling and device_sampling_supported(params, constraint)
+                    stop_ids: set[int], constraint: Any, chunk: Callable[[int, Any], GenerationChunk],
+                    stats: GenerationStats) -> Iterator[GenerationChunk]:
+        """Up to max_tokens more tokens after `first` (pending) from one engine TokenStream: speculative (drafts of
+        the MTP head verified in one forward, drawn in the extension) where the model has a head, else drawn on the
+        device where the engine can (the stream runs one step ahead of this loop), else lock-step (each step's
+        logits here, the host Sampler draws). The session's tokens follow the state: the stream reports what it
+        fed."""
+        k, note = self._speculation(params, constraint, max_tokens)
+        stats.speculative = note
+        device = k == 0 and self.device_sampling and device_sampling_supported(params, constraint)
         p = params
         start = self._state.position  # (a device stream launches its first step at once)
         stream = self._engine.open_stream(
             self._state, first, max_tokens, stop_ids=sorted(stop_ids), device=device, **p.draw_options(),
             seen=sampler.seen.view(np.uint8) if p.repetition_penalty != 1.0 else None,
             counts=sampler.counts if (p.presence_penalty or p.frequency_penalty) else None,
-            seed=sampler.stream_seed())  # the device draws the numbers the host sampler would take next
+            seed=sampler.stream_seed(),  # the device draws the numbers the host sampler would take next
+            **({"speculative": k, "adaptive": self.speculative_adaptive} if k else {}))
         generated = list(self._pending)  # [first]
         n_base = len(self._tokens)
         last_logits = None
+        speculative = bool(getattr(stream, "speculative", False))  # (the reference engine's streams never are)
 
         def settle() -> None:  # tokens the stream ran are in the state; the rest stay pending
-            fed = self._state.position - start
+            # a speculative stream's state may run ahead of the tokens returned so far (accepted drafts queued for
+            # next()): those are the reply's next tokens, in order, and join the session as they are returned
+            fed = min(self._state.position - start, len(generated))
             # appended, not rebuilt: a rebuild of the whole context's list per token is quadratic in the reply
             self._tokens.extend(generated[len(self._tokens) - n_base:fed])
             self._pending = generated[fed:]
 
+        def spec_stats() -> None:
+            s = stream.spec_stats
+            stats.speculative, stats.drafted_tokens = s["status"], s["drafted"]
+            stats.accepted_tokens, stats.verify_steps = s["accepted"], s["verifies"]
+
         try:
             for _ in range(max_tokens):
-                if stream.device:
+                if speculative:
+                    token = stream.next()
+                    if token < 0:
+                        return
+                    sampler.accept(token)
+                    lp = None
+                elif stream.device:
                     token = stream.next()
                     if token < 0:
                         return
@@ -455,6 +504,8 @@ class Session:
                     lp = sampler.logprobs(last_logits, token) if p.logprobs else None
                 generated.append(token)
                 settle()
+                if speculative:
+                    spec_stats()
                 out = chunk(token, lp)
                 yield out
                 if out.finish_reason is not None:
@@ -462,6 +513,8 @@ class Session:
         finally:
             held = stream.close(logits=stream.device)
             settle()
+            if speculative:
+                spec_stats()
             if stream.device:
                 last_logits = held
             self._last_logits = None if last_logits is None else np.asarray(last_logits, np.float32)

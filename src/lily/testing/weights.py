@@ -49,6 +49,35 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, quantized: bool = True
     return _contract_format(random_mtp_dense_weights(cfg, seed), expected_mtp_modules(cfg)[0], quantized)
 
 
+def drafting_weights(cfg: ModelConfig, seed: int = 0, trunk_scale: float = 0.0
+                     ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
+    """A model with an MTP head that drafts what its trunk says next -> (tensors, quant), main and `mtp.*` in one
+    dict (for speculative decoding's tests and benchmarks: random heads draft nothing that verifies).
+
+    The trunk's residual outputs (mixers' out/o_proj, the MoE's down projections) are scaled by trunk_scale: at 0 the
+    trunk is a bigram model (its logits after token x are lm_head(final_norm(E[x]))); above 0 the context moves them
+    away from that now and then, so drafts part from the trunk. The head (dense bf16) has fc = [I | 0] (the embedding
+    half only), no attention or MoE output, pre_fc_norm_embedding = 1 and mtp.norm = the trunk's final norm: its
+    logits for (h_p, x_{p+1}) are the bigram logits after x_{p+1}, i.e. the trunk's own next token at trunk_scale 0.
+    """
+    from ..mtp_source import expected_mtp_modules
+    dense = random_dense_weights(cfg, seed)
+    for name in dense:
+        if name.endswith(".weight") and _is_residual_out(name[:-len(".weight")]):
+            dense[name] = _bf(dense[name] * trunk_scale)
+    head = random_mtp_dense_weights(cfg, seed)
+    H = cfg.hidden_size
+    head["mtp.fc.weight"] = np.concatenate([np.eye(H), np.zeros((H, H))], axis=1).astype(np.float32)
+    for name in head:
+        if name.endswith(".weight") and _is_residual_out(name[:-len(".weight")]):
+            head[name] = np.zeros_like(head[name])
+    head["mtp.pre_fc_norm_embedding.weight"] = np.ones(H, np.float32)
+    head["mtp.norm.weight"] = dense["model.norm.weight"].copy()
+    tensors, quant = _contract_format(dense, linear_modules(cfg), True)
+    head_tensors, _ = _contract_format(head, expected_mtp_modules(cfg)[0], False)
+    return {**tensors, **head_tensors}, quant
+
+
 def _contract_format(dense: dict[str, np.ndarray], mods: dict[str, tuple[int, ...]], quantized: bool
                      ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
     tensors: dict[str, np.ndarray] = {}

@@ -1,0 +1,242 @@
+// Speculative decoding with the model's MTP head (docs/model.md §7), exact: a stream drafts k tokens with the head,
+// verifies them with one forward of k + 1 rows of the main model, and keeps what plain decoding would have drawn.
+//
+// One step, with t the last token drawn (not yet fed) at position P:
+//   1. draft: the head's row (h_{P-1}, t) at P - 1 drafts d_1, then k - 1 chained rows (its own output, d_j) draft
+//      d_2 .. d_k, each drawn by the stream's rule from the head's logits under the same options and history;
+//   2. verify: the main model runs [t, d_1 .. d_k] at P .. P + k as one forward whose rows equal one-row steps
+//      (Backend::exact_rows), giving the target rows p_0 .. p_k;
+//   3. accept: greedy: d_{j+1} while it is what p_j picks, then p_j's pick; sampling: d_{j+1} with probability
+//      min(1, p_j(d) / q_j(d)), else a draw from max(0, p_j - q_j) normalised, and p_k's draw when every draft
+//      stays: the rule that leaves the target distribution unchanged (Leviathan et al. 2023, Chen et al. 2023);
+//      penalties, bias, top-k/p and min-p shape p and q alike, with the history as it would be at that token;
+//   4. commit: the state holds [t, d_1 .. d_a]: kept as verified when every draft stayed, else the DeltaNet states
+//      go back to the copy taken before the verify and the a + 1 rows run again (replay); the head's cache gets
+//      the rows (h_{P+i}, d_{i+1}) from the verified hidden states, so it stays what plain decoding leaves.
+// The drawn tokens queue for next(); close() takes back any fed token the host never received (rewind).
+#include "core/speculative.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <utility>
+
+#include "cpu/sample.h"
+
+namespace lily {
+namespace {
+
+constexpr int64_t kPlainProbe = 2;  // adaptive: plain steps timed before the first verify
+constexpr int64_t kWindow = 8;      // adaptive: verifies per decision
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+bool is_greedy(const SampleOptions& o) { return !(o.temperature > 0.f) || !std::isfinite(1.f / o.temperature); }
+
+// The token drawn from max(0, p - q) normalised (a rejected draft's replacement); p where that is empty.
+int32_t draw_residual(const cpu::RowWeights& p, const cpu::RowWeights& q, float uniform) {
+  const int64_t V = static_cast<int64_t>(p.w.size());
+  std::vector<double> r(static_cast<size_t>(V), 0.0);
+  double total = 0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    const double d = p.prob(i) - q.prob(i);
+    if (d > 0) r[i] = d, total += d, last = i;
+  }
+  return total > 0 ? cpu::draw_weighted(r, total, last, uniform) : cpu::draw(p, uniform);
+}
+
+}  // namespace
+
+TokenStream::SpecStats TokenStream::spec_stats() const { return spec_ ? spec_->stats : SpecStats{}; }
+
+// Engine lock held.
+int32_t TokenStream::spec_next() {
+  Spec& sp = *spec_;
+  if (ended_ || closed_) return -1;
+  if (sp.queue.empty()) {
+    if (returned_ >= opt_.max_tokens || st_.position >= eng_.max_context_) {
+      ended_ = true;
+      return -1;
+    }
+    eng_.park_active(nullptr);  // another stream's device steps finish before this one uses the backend
+    if (sp.plain || (sp.adaptive && sp.stats.plain_steps < kPlainProbe)) spec_plain_step();
+    else spec_iterate();
+  }
+  const int32_t tok = sp.queue.front();
+  sp.queue.pop_front();
+  ++returned_;
+  for (int32_t s : opt_.stop_ids)
+    if (s == tok) ended_ = true;
+  if (returned_ >= opt_.max_tokens) ended_ = true;
+  return tok;
+}
+
+// One plain step: feed the pending token, draw the next from its logits (the fallback, and the adaptive rule's
+// measure of what a token costs without drafting).
+void TokenStream::spec_plain_step() {
+  Spec& sp = *spec_;
+  State& st = st_;
+  const int64_t V = eng_.cfg_.vocab;
+  sp.step_logits.resize(static_cast<size_t>(V));
+  st.reserve(st.position + 1);
+  const auto t0 = Clock::now();
+  eng_.run_step(st, DecodeStep{0, sp.pending, st.position, false, 0.f}, sp.step_logits.data());
+  SampleOptions& so = opt_.sample;
+  const int32_t y = cpu::sample_draw(sp.step_logits.data(), V, so, so.seen, so.counts, next_uniform());
+  const double dt = seconds_since(t0);
+  if (sp.plain_best_s == 0 || dt < sp.plain_best_s) sp.plain_best_s = dt;
+  ++sp.stats.plain_steps;
+  ++launched_;
+  sp.fed.assign(1, sp.pending);
+  sp.snap_position = -1;  // nothing to take back: the one fed token is the host's already
+  sp.queue.push_back(y);
+  sp.pending = y;
+}
+
+void TokenStream::spec_iterate() {
+  Spec& sp = *spec_;
+  State& st = st_;
+  Engine& e = eng_;
+  Backend& b = *e.backend_;
+  const int64_t V = e.cfg_.vocab, P = st.position;
+  const int64_t k = std::min<int64_t>({sp.k, opt_.max_tokens - returned_ - 1, e.max_context_ - P - 1});
+  if (k < 1 || P < 1 || !st.mtp_current()) return spec_plain_step();  // no room to draft, or no head row to start
+  const auto t0 = Clock::now();
+  st.reserve(P + k + 1);
+
+  // The rewind point: DeltaNet states, the head's last hidden state and rows (KV rows past a position are unused).
+  if (sp.snap_ssm.size() != st.deltanet.size()) {
+    sp.snap_ssm.clear(), sp.snap_conv.clear();
+    for (size_t i = 0; i < st.deltanet.size(); ++i) {
+      sp.snap_ssm.emplace_back(st.mem, st.ssm_size * 4);
+      sp.snap_conv.emplace_back(st.mem, std::max<int64_t>(st.conv_size, 1) * 4);
+    }
+    sp.snap_hidden = Buffer(st.mem, st.hidden * 4);
+  }
+  for (size_t i = 0; i < st.deltanet.size(); ++i) {
+    st.mem->copy(sp.snap_ssm[i].data(), st.deltanet[i].ssm.data(), st.ssm_size * 4);
+    if (st.conv_size) st.mem->copy(sp.snap_conv[i].data(), st.deltanet[i].conv.data(), st.conv_size * 4);
+  }
+  st.mem->copy(sp.snap_hidden.data(), st.last_hidden.data(), st.hidden * 4);
+  sp.snap_position = P;
+  sp.snap_mtp_rows = st.mtp_rows;
+
+  // 1. Draft k tokens; the history (penalties) takes each draft while the next is drawn, then is put back.
+  SampleOptions& so = opt_.sample;
+  const bool greedy = is_greedy(so);
+  sp.draft_logits.resize(static_cast<size_t>(k * V));
+  std::vector<int32_t> rows(static_cast<size_t>(k + 1));
+  rows[0] = sp.pending;
+  std::vector<cpu::RowWeights> q(greedy ? 0 : static_cast<size_t>(k));
+  std::vector<std::pair<int32_t, uint8_t>> undo;
+  for (int64_t j = 0; j < k; ++j) {
+    b.mtp_embed(&rows[j], 1, j == 0 ? &st.last_hidden : nullptr,
+                j == 0 ? Backend::MtpHidden::Kept : Backend::MtpHidden::Draft);
+    b.attention_block(e.cfg_.n_layers, st.mtp_kv, st.mtp_rows + j, 1);
+    b.moe_block(e.cfg_.n_layers, 1);
+    b.mtp_head(0, 1, &sp.draft_logits[j * V]);
+    cpu::RowWeights w = cpu::sample_weights(&sp.draft_logits[j * V], V, so, so.seen, so.counts);
+    const int32_t d = cpu::draw(w, greedy ? 0.f : next_uniform());
+    rows[j + 1] = d;
+    undo.emplace_back(d, so.seen[d]);
+    so.seen[d] = 1, so.counts[d] += 1;
+    if (!greedy) q[j] = std::move(w);
+  }
+  for (auto it = undo.rbegin(); it != undo.rend(); ++it) so.seen[it->first] = it->second, so.counts[it->first] -= 1;
+  st.mtp_rows += 1;  // the first row, (h_{P-1}, t), is the head's row as plain decoding makes it; the rest are redone
+
+  // 2. Verify: [t, d_1 .. d_k] at P .. P + k.
+  sp.verify_logits.resize(static_cast<size_t>((k + 1) * V));
+  e.run_rows(st, rows.data(), k + 1, sp.verify_logits.data());
+
+  // 3. Accept.
+  int64_t a = 0;
+  int32_t y = -1;
+  for (int64_t j = 0; j <= k; ++j) {
+    const cpu::RowWeights p = cpu::sample_weights(&sp.verify_logits[j * V], V, so, so.seen, so.counts);
+    if (j == k) {
+      y = cpu::draw(p, greedy ? 0.f : next_uniform());
+      break;
+    }
+    const int32_t d = rows[j + 1];
+    if (greedy) {
+      if (p.greedy != d) {
+        y = static_cast<int32_t>(p.greedy);
+        break;
+      }
+    } else if (!(static_cast<double>(next_uniform()) * q[j].prob(d) < p.prob(d))) {
+      y = draw_residual(p, q[j], next_uniform());
+      break;
+    }
+    so.seen[d] = 1, so.counts[d] += 1;
+    ++a;
+  }
+  so.seen[y] = 1, so.counts[y] += 1;
+
+  // 4. Commit [t, d_1 .. d_a].
+  if (a < k) {
+    for (size_t i = 0; i < st.deltanet.size(); ++i) {
+      st.mem->copy(st.deltanet[i].ssm.data(), sp.snap_ssm[i].data(), st.ssm_size * 4);
+      if (st.conv_size) st.mem->copy(st.deltanet[i].conv.data(), sp.snap_conv[i].data(), st.conv_size * 4);
+    }
+    st.position = P;
+    e.run_rows(st, rows.data(), a + 1, nullptr);
+  }
+  e.advance_mtp(st, rows.data() + 1, a, false, a, true);
+  launched_ += a + 1;
+  sp.fed.assign(rows.begin(), rows.begin() + a + 1);
+  for (int64_t j = 1; j <= a; ++j) sp.queue.push_back(rows[j]);
+  sp.queue.push_back(y);
+  sp.pending = y;
+  sp.stats.drafted += k;
+  sp.stats.accepted += a;
+  ++sp.stats.verifies;
+
+  if (sp.adaptive) {
+    sp.window_s += seconds_since(t0);
+    sp.window_tokens += a + 1;
+    if (++sp.window_verifies == kWindow) {
+      const double per_token = sp.window_s / static_cast<double>(sp.window_tokens);
+      if (per_token > sp.plain_best_s) {
+        char why[160];
+        std::snprintf(why, sizeof why,
+                      "drafting did not pay (%.2f of %d drafts accepted per verify; %.0f us/token against %.0f "
+                      "plain)", static_cast<double>(sp.window_tokens - sp.window_verifies) / sp.window_verifies,
+                      sp.k, per_token * 1e6, sp.plain_best_s * 1e6);
+        sp.fall_back(why);
+      }
+      sp.window_s = 0, sp.window_tokens = 0, sp.window_verifies = 0;
+    }
+  }
+}
+
+// Engine lock held (close): the state gives back the fed tokens the host never received, so it holds exactly the
+// tokens the host knows ([t, d_1 .. d_m] after m of the queued tokens were returned).
+void TokenStream::spec_rewind() {
+  Spec& sp = *spec_;
+  if (sp.queue.empty() || sp.snap_position < 0) return;
+  const int64_t a = static_cast<int64_t>(sp.fed.size()) - 1;
+  const int64_t m = a + 1 - static_cast<int64_t>(sp.queue.size());  // tokens next() returned from this step
+  sp.queue.clear();
+  if (m >= a) return;  // every fed draft reached the host
+  State& st = st_;
+  Engine& e = eng_;
+  for (size_t i = 0; i < st.deltanet.size(); ++i) {
+    st.mem->copy(st.deltanet[i].ssm.data(), sp.snap_ssm[i].data(), st.ssm_size * 4);
+    if (st.conv_size) st.mem->copy(st.deltanet[i].conv.data(), sp.snap_conv[i].data(), st.conv_size * 4);
+  }
+  st.mem->copy(st.last_hidden.data(), sp.snap_hidden.data(), st.hidden * 4);
+  st.position = sp.snap_position;
+  st.mtp_rows = sp.snap_mtp_rows;
+  launched_ -= a + 1;
+  const int64_t keep = m + 1;  // t and the m returned drafts
+  e.run_rows(st, sp.fed.data(), keep, nullptr);
+  e.advance_mtp(st, sp.fed.data(), keep, true, keep - 1, true);
+  launched_ += keep;
+  sp.snap_position = -1;
+}
+
+}  // namespace lily

@@ -1,0 +1,47 @@
+// The speculative loop's state of one token stream (TokenStream::Spec; the loop: speculative.cpp).
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "core/engine.h"
+
+namespace lily {
+
+struct TokenStream::Spec {
+  Spec(const StreamOptions& opt, int32_t first, bool head_current)
+      : k(opt.speculative), adaptive(opt.adaptive), pending(first) {
+    if (!head_current) fall_back("the state's MTP cache is behind its tokens (restored without it)");
+    else stats.status = "speculative k=" + std::to_string(k);
+  }
+  void fall_back(const std::string& why) {
+    plain = true;
+    stats.status = "plain: " + why;
+  }
+
+  int32_t k;                   // drafts per verify
+  bool adaptive;               // fall back to plain steps when drafting does not pay
+  bool plain = false;          // fell back: plain steps from here on
+  int32_t pending;             // the last token drawn (returned or queued), not yet fed
+  std::deque<int32_t> queue;   // drawn, not yet returned by next()
+  SpecStats stats;
+
+  // The rewind point: the state before the last verify (position snap_position; -1: none held), and the tokens
+  // fed since, [t, d_1 .. d_a]. close() feeds back only those the host took (the state never holds a token the
+  // host was not given).
+  int64_t snap_position = -1;
+  int64_t snap_mtp_rows = 0;
+  std::vector<Buffer> snap_ssm, snap_conv;
+  Buffer snap_hidden;
+  std::vector<int32_t> fed;
+
+  std::vector<float> draft_logits, verify_logits, step_logits;  // [k, V], [k + 1, V], [V]
+
+  // Timing of the adaptive rule: plain steps measured first, then windows of verifies.
+  double plain_best_s = 0;     // fastest plain step (s per token)
+  int64_t window_verifies = 0, window_tokens = 0;
+  double window_s = 0;
+};
+
+}  // namespace lily
