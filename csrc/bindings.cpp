@@ -120,7 +120,7 @@ struct PyState {
     int64_t head_rows = 0;
     std::vector<nb::ndarray<const float, nb::c_contig, nb::device::cpu>> heads;
     if (head) {
-      head_rows = nb::cast<int64_t>(nb::int_(d["mtp.rows"]));
+      head_rows = nb::cast<int64_t>(nb::int_(np.attr("asarray")(d["mtp.rows"]).attr("item")()));  // any 1-element
       if (head_rows < 0 || head_rows > std::max<int64_t>(pos - 1, 0))
         throw std::invalid_argument("[lily] State.import_arrays: mtp.rows " + std::to_string(head_rows) +
                                     " is outside 0..position - 1 = " + std::to_string(pos - 1));
@@ -275,6 +275,24 @@ struct PyEngine {
       eng->decode_greedy(*state.st, static_cast<int32_t>(token), n_steps, out);
     }
     return nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(out, {static_cast<size_t>(n_steps)}, owner);
+  }
+
+  // Greedy drafts of the MTP head (Engine::draft): (drafts int32 [k], logits float32 [k, V]).
+  nb::tuple draft(PyState& state, int64_t token, int64_t k) {
+    const int64_t V = eng->config().vocab;
+    if (token < 0 || token >= V || k < 1 || k > 64)
+      throw std::invalid_argument("[lily] draft: token must be in 0.." + std::to_string(V - 1) + " and k in 1..64");
+    int32_t* ids = new int32_t[static_cast<size_t>(k)];
+    nb::capsule ids_owner(ids, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
+    float* lg = new float[static_cast<size_t>(k * V)];
+    nb::capsule lg_owner(lg, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    {
+      nb::gil_scoped_release rel;
+      eng->draft(*state.st, static_cast<int32_t>(token), k, lg, ids);
+    }
+    return nb::make_tuple(nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>(ids, {static_cast<size_t>(k)}, ids_owner),
+                          nb::ndarray<nb::numpy, float, nb::ndim<2>>(lg, {static_cast<size_t>(k),
+                                                                          static_cast<size_t>(V)}, lg_owner));
   }
 };
 
@@ -446,6 +464,10 @@ NB_MODULE(_lily, m) {
       .def("forward_trace", &PyEngine::forward_trace, "state"_a, "tokens"_a, "chunk_size"_a = 0)
       .def("forward", &PyEngine::forward, "state"_a, "tokens"_a, "logits"_a = "last", "chunk_size"_a = 0,
            "Run tokens (int [S]) through the model; returns float32 logits [0|1|S, vocab].")
+      .def("draft", &PyEngine::draft, "state"_a, "token"_a, "k"_a,
+           "The MTP head's k chained greedy drafts after `token` (the token at state.position): (drafts int32 [k], "
+           "their logits float32 [k, vocab]); the state is unchanged. Needs has_mtp and a state whose head cache "
+           "is current.")
       .def("decode_greedy", &PyEngine::decode_greedy, "state"_a, "token"_a, "n_steps"_a,
            "Greedy decoding: feeds token, then each argmax; returns the n_steps argmax tokens (int32) and "
            "advances the state by n_steps. On the GPU the loop runs on the device (no logits copies).")

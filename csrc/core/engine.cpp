@@ -246,6 +246,36 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
   s->close();
 }
 
+void Engine::draft(State& st, int32_t token, int64_t k, float* logits, int32_t* drafts,
+                   const std::function<int32_t(int64_t, const float*)>& pick) {
+  const int64_t V = cfg_.vocab;
+  if (!mtp_) throw std::invalid_argument("[lily] draft: this engine does not run an MTP head");
+  if (st.position < 1 || !st.mtp_current())
+    throw std::invalid_argument("[lily] draft: the state needs at least one token and a current head cache (position " +
+                                std::to_string(st.position) + ", head rows " + std::to_string(st.mtp_rows) + ")");
+  if (k < 1 || st.mtp_rows + k > max_context_)
+    throw std::invalid_argument("[lily] draft: k must be in 1.." + std::to_string(max_context_ - st.mtp_rows) +
+                                ", got " + std::to_string(k));
+  if (token < 0 || token >= V) throw std::invalid_argument("[lily] draft: token id out of range");
+  st.reserve(st.mtp_rows + k);
+  int32_t tok = token;
+  try {
+    for (int64_t j = 0; j < k; ++j) {
+      backend_->mtp_embed(&tok, 1, j == 0 ? &st.last_hidden : nullptr,
+                          j == 0 ? Backend::MtpHidden::Kept : Backend::MtpHidden::Draft);
+      backend_->attention_block(cfg_.n_layers, st.mtp_kv, st.mtp_rows + j, 1);
+      backend_->moe_block(cfg_.n_layers, 1);
+      float* row = logits + j * V;
+      backend_->mtp_head(0, 1, row);
+      tok = pick ? pick(j, row) : static_cast<int32_t>(std::max_element(row, row + V) - row);
+      drafts[j] = tok;
+    }
+  } catch (...) {
+    backend_->abandon();
+    throw;
+  }
+}
+
 void Engine::sync() {
   std::lock_guard<std::mutex> lk(mu_);
   backend_->sync();

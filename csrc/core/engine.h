@@ -2,6 +2,7 @@
 // (x += mixer(norm(x)); x += moe(norm(x))) over prefill chunks of bounded size.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <map>
@@ -146,6 +147,13 @@ class Engine {
   // Greedy decoding: n_steps tokens from a device-mode stream where the backend has one, else lock-step argmax;
   // out[i] = argmax (lowest index on ties) after feeding token (i = 0) or out[i-1]. Advances st.position by n_steps.
   void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
+
+  // k chained rows of the MTP head from st (position P >= 1, its head cache current: State::mtp_current): row 0
+  // pairs st.last_hidden with `token` (the token at P), row j > 0 the head's own output with drafts[j - 1]; each
+  // row's logits go to logits [k, V] and pick(j, row) chooses drafts[j] (nullptr: greedy, lowest index on ties).
+  // st's head cache keeps its rows count (the rows land past it, scratch until a commit overwrites them).
+  void draft(State& st, int32_t token, int64_t k, float* logits, int32_t* drafts,
+             const std::function<int32_t(int64_t, const float*)>& pick = nullptr);
 
   // Waits until the device has finished every launched step (an open stream's run-ahead included), so a state's
   // arrays can be copied (snapshot, export) while a stream is open.

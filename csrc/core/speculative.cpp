@@ -100,7 +100,6 @@ void TokenStream::spec_iterate() {
   Spec& sp = *spec_;
   State& st = st_;
   Engine& e = eng_;
-  Backend& b = *e.backend_;
   const int64_t V = e.cfg_.vocab, P = st.position;
   const int64_t k = std::min<int64_t>({sp.k, opt_.max_tokens - returned_ - 1, e.max_context_ - P - 1});
   if (k < 1 || P < 1 || !st.mtp_current()) return spec_plain_step();  // no room to draft, or no head row to start
@@ -132,19 +131,14 @@ void TokenStream::spec_iterate() {
   rows[0] = sp.pending;
   std::vector<cpu::RowWeights> q(greedy ? 0 : static_cast<size_t>(k));
   std::vector<std::pair<int32_t, uint8_t>> undo;
-  for (int64_t j = 0; j < k; ++j) {
-    b.mtp_embed(&rows[j], 1, j == 0 ? &st.last_hidden : nullptr,
-                j == 0 ? Backend::MtpHidden::Kept : Backend::MtpHidden::Draft);
-    b.attention_block(e.cfg_.n_layers, st.mtp_kv, st.mtp_rows + j, 1);
-    b.moe_block(e.cfg_.n_layers, 1);
-    b.mtp_head(0, 1, &sp.draft_logits[j * V]);
-    cpu::RowWeights w = cpu::sample_weights(&sp.draft_logits[j * V], V, so, so.seen, so.counts);
+  e.draft(st, rows[0], k, sp.draft_logits.data(), rows.data() + 1, [&](int64_t j, const float* row) {
+    cpu::RowWeights w = cpu::sample_weights(row, V, so, so.seen, so.counts);
     const int32_t d = cpu::draw(w, greedy ? 0.f : next_uniform());
-    rows[j + 1] = d;
     undo.emplace_back(d, so.seen[d]);
     so.seen[d] = 1, so.counts[d] += 1;
     if (!greedy) q[j] = std::move(w);
-  }
+    return d;
+  });
   for (auto it = undo.rbegin(); it != undo.rend(); ++it) so.seen[it->first] = it->second, so.counts[it->first] -= 1;
   st.mtp_rows += 1;  // the first row, (h_{P-1}, t), is the head's row as plain decoding makes it; the rest are redone
 
