@@ -50,11 +50,13 @@ def _arrays(state) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in state.export_arrays().items()}
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_state_after_rejected_drafts_equals_plain_bit_for_bit(k):
+@pytest.mark.parametrize("k,state_rows", [(1, 1), (4, 1), (3, 0)])
+def test_state_after_rejected_drafts_equals_plain_bit_for_bit(k, state_rows):
     """After every length (some ending on a rejected draft, some inside an accepted run) the state holds exactly
-    what plain decoding leaves: KV rows, DeltaNet states, and the head's cache and last hidden state."""
+    what plain decoding leaves: KV rows, DeltaNet states, and the head's cache and last hidden state; rolled back
+    from the verify's kept DeltaNet rows, or (state_rows 0, the path of backends that do not keep them) by replay."""
     cfg, _, _, eng = engine("tiny", "drafting", 0.4)
+    eng.set_backend_flag("state_rows", state_rows)
     prompt, st, first = greedy_prompt_and_first(eng, cfg)
     rejected = 0
     for n in (1, 2, 5, 9, 40):

@@ -91,6 +91,13 @@ class Backend {
   // on: an S-row forward computes every row as a one-row decode step would, bit for bit where the backend can
   // (the speculative verify, so that it decides exactly what plain decoding would). Default: no-op.
   virtual void exact_rows(bool on) {}
+  // The speculative verify's roll-back: with keep_state_rows(true) an S-row forward also keeps every DeltaNet
+  // layer's state after each row, and take_state_row(st, row) makes st's DeltaNet states the ones after `row` of
+  // that forward. A backend without it (keeps_state_rows() false) has the engine copy the states before the verify
+  // and run the kept rows again.
+  virtual bool keeps_state_rows() const { return false; }
+  virtual void keep_state_rows(bool on) {}
+  virtual void take_state_row(State& st, int64_t row) { no_mtp(); }
 
   // ---- decode steps: the engine brackets every one-token step ---------------------------------------------
   // begin_step(st, d) -> [embed(&d.token, 1), the layer loop for 1 row, head_step(d)] -> end_step(st, d, logits).

@@ -11,8 +11,10 @@
 //      stays: the rule that leaves the target distribution unchanged (Leviathan et al. 2023, Chen et al. 2023);
 //      penalties, bias, top-k/p and min-p shape p and q alike, with the history as it would be at that token;
 //   4. commit: the state holds [t, d_1 .. d_a]: kept as verified when every draft stayed, else the DeltaNet states
-//      go back to the copy taken before the verify and the a + 1 rows run again (replay); the head's cache gets
-//      the rows (h_{P+i}, d_{i+1}) from the verified hidden states, so it stays what plain decoding leaves.
+//      after row a, which the verify kept (Backend::keep_state_rows; KV rows past the position are unused), or,
+//      on a backend that does not keep them, the copy taken before the verify with the a + 1 rows run again
+//      (replay); the head's cache gets the rows (h_{P+i}, d_{i+1}) from the verified hidden states, so it stays
+//      what plain decoding leaves.
 // The drawn tokens queue for next(); close() takes back any fed token the host never received (rewind).
 #include "core/speculative.h"
 
@@ -142,9 +144,18 @@ void TokenStream::spec_iterate() {
   for (auto it = undo.rbegin(); it != undo.rend(); ++it) so.seen[it->first] = it->second, so.counts[it->first] -= 1;
   st.mtp_rows += 1;  // the first row, (h_{P-1}, t), is the head's row as plain decoding makes it; the rest are redone
 
-  // 2. Verify: [t, d_1 .. d_k] at P .. P + k.
+  // 2. Verify: [t, d_1 .. d_k] at P .. P + k (keeping each row's DeltaNet states where the backend can).
+  Backend& b = *e.backend_;
+  const bool rows_kept = b.keeps_state_rows();
   sp.verify_logits.resize(static_cast<size_t>((k + 1) * V));
-  e.run_rows(st, rows.data(), k + 1, sp.verify_logits.data());
+  if (rows_kept) b.keep_state_rows(true);
+  try {
+    e.run_rows(st, rows.data(), k + 1, sp.verify_logits.data());
+  } catch (...) {
+    b.keep_state_rows(false);
+    throw;
+  }
+  b.keep_state_rows(false);
 
   // 3. Accept.
   int64_t a = 0;
@@ -171,7 +182,10 @@ void TokenStream::spec_iterate() {
   so.seen[y] = 1, so.counts[y] += 1;
 
   // 4. Commit [t, d_1 .. d_a].
-  if (a < k) {
+  if (a < k && rows_kept) {  // the states after row a, kept by the verify
+    b.take_state_row(st, a);
+    st.position = P + a + 1;
+  } else if (a < k) {  // replay: the states before the verify, then the a + 1 kept rows again
     for (size_t i = 0; i < st.deltanet.size(); ++i) {
       st.mem->copy(st.deltanet[i].ssm.data(), sp.snap_ssm[i].data(), st.ssm_size * 4);
       if (st.conv_size) st.mem->copy(st.deltanet[i].conv.data(), sp.snap_conv[i].data(), st.conv_size * 4);

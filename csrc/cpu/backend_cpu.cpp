@@ -68,6 +68,22 @@ class CpuBackend final : public Backend {
     cpu::linear(pool_, w_.lm_head, h_.data(), n, logits);
   }
   void exact_rows(bool on) override { cpu::set_exact_rows(on); }
+  bool keeps_state_rows() const override { return state_rows_on_; }
+  void keep_state_rows(bool on) override {
+    keep_rows_ = on;
+    if (on) state_rows_.assign(static_cast<size_t>(cfg_.n_layers), StateRows{});
+  }
+  void take_state_row(State& st, int64_t row) override {
+    for (int L = 0; L < cfg_.n_layers; ++L) {
+      if (cfg_.layer_types[L] != LayerType::DeltaNet) continue;
+      const StateRows& r = state_rows_.at(L);
+      if (row < 0 || row >= r.rows) throw std::logic_error("[lily] backend 'cpu': no kept DeltaNet state row");
+      DeltaNetState& d = st.deltanet[st.layer_slot[L]];
+      const size_t ssm = static_cast<size_t>(st.ssm_size), conv = static_cast<size_t>(st.conv_size);
+      std::copy(r.ssm.begin() + row * ssm, r.ssm.begin() + (row + 1) * ssm, d.ssm.as<float>());
+      std::copy(r.conv.begin() + row * conv, r.conv.begin() + (row + 1) * conv, d.conv.as<float>());
+    }
+  }
 
   void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
     const LayerWeights& lw = w_.layers[layer];
@@ -80,8 +96,16 @@ class CpuBackend final : public Backend {
     cpu::linear(pool_, w.a, h_.data(), S, a_.data());
     kp::DeltaNetParams p{cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim, cfg_.conv_kernel,
                          cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
+    float *ssm_rows = nullptr, *conv_rows = nullptr;
+    if (keep_rows_) {
+      const int64_t ssm = static_cast<int64_t>(cfg_.deltanet_v_heads) * cfg_.deltanet_v_dim * cfg_.deltanet_k_dim;
+      const int64_t conv = static_cast<int64_t>(cfg_.conv_kernel - 1) * cfg_.conv_dim();
+      StateRows& r = state_rows_[layer];
+      r.ssm.resize(S * ssm), r.conv.resize(S * conv), r.rows = S;
+      ssm_rows = r.ssm.data(), conv_rows = r.conv.data();
+    }
     cpu::deltanet_forward(pool_, p, qkv_.data(), z_.data(), b_.data(), a_.data(), w.conv_w, w.dt_bias, w.a_log,
-                          w.norm, st.conv.as<float>(), st.ssm.as<float>(), u_.data(), y_.data());
+                          w.norm, st.conv.as<float>(), st.ssm.as<float>(), u_.data(), y_.data(), ssm_rows, conv_rows);
     cpu::linear(pool_, w.out, y_.data(), S, t_.data());
     add_residual(S);
   }
@@ -166,6 +190,12 @@ class CpuBackend final : public Backend {
     return true;
   }
   void set_flag(const std::string& name, int64_t value) override {
+    if (name == "state_rows") {  // ablation: 0 rolls a verify back by replay instead of its kept DeltaNet rows
+      if (value != 0 && value != 1)
+        throw std::invalid_argument("[lily] backend flag 'state_rows' must be 0 or 1, got " + std::to_string(value));
+      state_rows_on_ = value != 0;
+      return;
+    }
     if (name != "device_draw") return Backend::set_flag(name, value);
     if (value != 0 && value != 1)
       throw std::invalid_argument("[lily] backend flag 'device_draw' must be 0 or 1, got " + std::to_string(value));
@@ -174,6 +204,7 @@ class CpuBackend final : public Backend {
   }
   int64_t flag(const std::string& name) const override {
     if (name == "sampler_begins") return sampler_begins_;  // counter: generations begun (resumed streams too)
+    if (name == "state_rows") return int64_t{state_rows_on_};
     return name == "device_draw" ? int64_t{device_draw_} : Backend::flag(name);
   }
 
@@ -236,6 +267,12 @@ class CpuBackend final : public Backend {
   std::vector<float> qkv_, u_, z_, y_;   // deltanet: [S, C] x2, [S, Hv*Dv] x2
   std::vector<float> b_, a_;             // deltanet: [S, Hv]
   std::vector<float> hid_, cat_, draft_h_;  // MTP: kept hidden [S, H], [embedding | hidden] [n, 2H], draft [H]
+  struct StateRows {                     // a DeltaNet layer's state after each row of the last kept forward
+    int64_t rows = 0;
+    std::vector<float> ssm, conv;        // [rows, Hv*Dv*Dk], [rows, (K-1)*C]
+  };
+  bool keep_rows_ = false, state_rows_on_ = true;
+  std::vector<StateRows> state_rows_;    // by layer
   struct Slot {                          // one of the last two decode steps
     int64_t index = -1;
     int32_t token = -1;                  // its draw (device_draw)

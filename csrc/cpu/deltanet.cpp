@@ -11,7 +11,8 @@ namespace lily::cpu {
 
 void deltanet_forward(ThreadPool& pool, const kp::DeltaNetParams& p, const float* qkv, const float* z,
                       const float* b, const float* a, const float* conv_w, const float* dt_bias,
-                      const float* a_log, const float* norm_w, float* conv_state, float* ssm, float* u, float* y) {
+                      const float* a_log, const float* norm_w, float* conv_state, float* ssm, float* u, float* y,
+                      float* ssm_rows, float* conv_rows) {
   const int64_t S = p.S, C = p.conv_dim, K = p.conv_kernel, Hk = p.k_heads, Hv = p.v_heads, Dk = p.k_dim,
                 Dv = p.v_dim;
   const int64_t key_dim = Hk * Dk;
@@ -26,6 +27,10 @@ void deltanet_forward(ThreadPool& pool, const kp::DeltaNetParams& p, const float
         for (int64_t j = 0; j < K; ++j) acc += conv_w[c * K + j] * X(t + j, c);
         u[t * C + c] = silu(acc);
       }
+    if (conv_rows)  // the state after row t: X rows t+1 .. t+K-1
+      for (int64_t t = 0; t < S; ++t)
+        for (int64_t r = 0; r < K - 1; ++r)
+          for (int64_t c = c0; c < c1; ++c) conv_rows[(t * (K - 1) + r) * C + c] = X(t + 1 + r, c);
     // New state = last K-1 rows of X; ascending r only overwrites rows no longer needed.
     for (int64_t r = 0; r < K - 1; ++r)
       for (int64_t c = c0; c < c1; ++c) conv_state[r * C + c] = X(S + r, c);
@@ -66,6 +71,7 @@ void deltanet_forward(ThreadPool& pool, const kp::DeltaNetParams& p, const float
         const float delta = bt * (v - simd::dot(st, k, Dk));
         simd::axpy(delta, k, st, Dk);
         y[t * Hv * Dv + h * Dv + dv] = simd::dot(st, q, Dk);
+        if (ssm_rows) std::copy(st, st + Dk, ssm_rows + (t * Hv * Dv + r) * Dk);
       }
     }
   });

@@ -20,49 +20,68 @@ std::vector<float>& tls_buffer(size_t n) {
   return buf;
 }
 
-// dot(W[r], x) for a quantized row; xsum[g] = sum of x over group g.
-float qgemv_row(const Linear& W, int64_t r, const float* x, const float* xsum) {
+// dot(W[r], x_s) for a quantized row and NS activation rows x[s] (xsum[s][g] = sum of x[s] over group g): the
+// codes are decoded once for all rows, and each row's sums run in the one-row order, so every result is bit for
+// bit what NS = 1 gives (an S-row verify equals S one-row steps: set_exact_rows).
+template <int NS>
+void qgemv_row(const Linear& W, int64_t r, const float* const* x, const float* const* xsum, float* out) {
   const int64_t ngroups = W.groups_per_row(), per_word = 32 / W.bits, wpg = W.group / per_word;
   const uint32_t* codes = W.codes + r * W.words_per_row();
   const uint16_t* sc = W.scales + r * ngroups;
   const uint16_t* bi = W.biases + r * ngroups;
-  float bias_part = 0.f;
+  float bias_part[NS];
+  for (int s = 0; s < NS; ++s) bias_part[s] = 0.f;
 #ifdef LILY_AVX2
-  __m256 total = _mm256_setzero_ps();
+  __m256 total[NS];
+  for (int s = 0; s < NS; ++s) total[s] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ngroups; ++g) {
     const uint32_t* cw = codes + g * wpg;
-    const float* xg = x + g * W.group;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    const int64_t x0 = g * W.group;
+    __m256 a0[NS], a1[NS];
+    for (int s = 0; s < NS; ++s) a0[s] = _mm256_setzero_ps(), a1[s] = _mm256_setzero_ps();
     if (W.bits == 4) {
       for (int64_t w = 0; w < wpg; w += 2) {
-        a0 = _mm256_fmadd_ps(simd::codes4x8(cw[w]), _mm256_loadu_ps(xg + 8 * w), a0);
-        a1 = _mm256_fmadd_ps(simd::codes4x8(cw[w + 1]), _mm256_loadu_ps(xg + 8 * w + 8), a1);
+        const __m256 c0 = simd::codes4x8(cw[w]), c1 = simd::codes4x8(cw[w + 1]);
+        for (int s = 0; s < NS; ++s) {
+          a0[s] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(x[s] + x0 + 8 * w), a0[s]);
+          a1[s] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(x[s] + x0 + 8 * w + 8), a1[s]);
+        }
       }
     } else {
       for (int64_t w = 0; w < wpg; w += 4) {
-        a0 = _mm256_fmadd_ps(simd::codes8x8(cw + w), _mm256_loadu_ps(xg + 4 * w), a0);
-        a1 = _mm256_fmadd_ps(simd::codes8x8(cw + w + 2), _mm256_loadu_ps(xg + 4 * w + 8), a1);
+        const __m256 c0 = simd::codes8x8(cw + w), c1 = simd::codes8x8(cw + w + 2);
+        for (int s = 0; s < NS; ++s) {
+          a0[s] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(x[s] + x0 + 4 * w), a0[s]);
+          a1[s] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(x[s] + x0 + 4 * w + 8), a1[s]);
+        }
       }
     }
-    total = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_f32(sc[g])), _mm256_add_ps(a0, a1), total);
-    bias_part += bf16_to_f32(bi[g]) * xsum[g];
+    const __m256 scale = _mm256_set1_ps(bf16_to_f32(sc[g]));
+    const float bias = bf16_to_f32(bi[g]);
+    for (int s = 0; s < NS; ++s) {
+      total[s] = _mm256_fmadd_ps(scale, _mm256_add_ps(a0[s], a1[s]), total[s]);
+      bias_part[s] += bias * xsum[s][g];
+    }
   }
-  return simd::hsum(total) + bias_part;
+  for (int s = 0; s < NS; ++s) out[s] = simd::hsum(total[s]) + bias_part[s];
 #else
   const uint32_t mask = (1u << W.bits) - 1;
-  float acc = 0.f;
-  for (int64_t g = 0; g < ngroups; ++g) {
-    const uint32_t* cw = codes + g * wpg;
-    const float* xg = x + g * W.group;
-    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t w = 0; w < wpg; ++w)
-      for (int j = 0; j < per_word; ++j) part[j] += static_cast<float>((cw[w] >> (W.bits * j)) & mask) * xg[w * per_word + j];
-    float qx = 0.f;
-    for (int j = 0; j < per_word; ++j) qx += part[j];
-    acc += bf16_to_f32(sc[g]) * qx;
-    bias_part += bf16_to_f32(bi[g]) * xsum[g];
+  for (int s = 0; s < NS; ++s) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const uint32_t* cw = codes + g * wpg;
+      const float* xg = x[s] + g * W.group;
+      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t w = 0; w < wpg; ++w)
+        for (int j = 0; j < per_word; ++j)
+          part[j] += static_cast<float>((cw[w] >> (W.bits * j)) & mask) * xg[w * per_word + j];
+      float qx = 0.f;
+      for (int j = 0; j < per_word; ++j) qx += part[j];
+      acc += bf16_to_f32(sc[g]) * qx;
+      bias_part[s] += bf16_to_f32(bi[g]) * xsum[s][g];
+    }
+    out[s] = acc + bias_part[s];
   }
-  return acc + bias_part;
 #endif
 }
 
@@ -81,23 +100,38 @@ float bf16_dot(const uint16_t* w, const float* x, int64_t n) {
   return r;
 }
 
+// Rows of activations at a time in the quantized GEMV (register budget of qgemv_row's accumulators).
+constexpr int kGemvBlock = 4;
+
 void gemv_rows(const Linear& W, const float* x, int64_t ldx, int64_t S, float* y, int64_t ldy, int64_t r0,
                int64_t r1) {
+  if (W.kind == Linear::Kind::Quant) {
+    const int64_t ng = W.groups_per_row();
+    std::vector<float>& sums = tls_buffer(static_cast<size_t>(S * ng));  // xsum of every row, [S, ng]
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t g = 0; g < ng; ++g) sums[s * ng + g] = simd::sum(x + s * ldx + g * W.group, W.group);
+    for (int64_t s0 = 0; s0 < S; s0 += kGemvBlock) {
+      const int n = static_cast<int>(std::min<int64_t>(kGemvBlock, S - s0));
+      const float* xs[kGemvBlock];
+      const float* xsum[kGemvBlock];
+      for (int i = 0; i < n; ++i) xs[i] = x + (s0 + i) * ldx, xsum[i] = sums.data() + (s0 + i) * ng;
+      float out[kGemvBlock];
+      for (int64_t r = r0; r < r1; ++r) {
+        switch (n) {
+          case 1: qgemv_row<1>(W, r, xs, xsum, out); break;
+          case 2: qgemv_row<2>(W, r, xs, xsum, out); break;
+          case 3: qgemv_row<3>(W, r, xs, xsum, out); break;
+          default: qgemv_row<4>(W, r, xs, xsum, out); break;
+        }
+        for (int i = 0; i < n; ++i) y[(s0 + i) * ldy + r] = out[i];
+      }
+    }
+    return;
+  }
   for (int64_t s = 0; s < S; ++s) {
     const float* xs = x + s * ldx;
     float* ys = y + s * ldy;
-    if (W.kind == Linear::Kind::Quant) {
-      float xsum[1024];  // groups per row: in/group <= 1024 covers in <= 32768
-      const int64_t ng = W.groups_per_row();
-      std::vector<float> big;
-      float* xs_sum = xsum;
-      if (ng > 1024) {
-        big.resize(ng);
-        xs_sum = big.data();
-      }
-      for (int64_t g = 0; g < ng; ++g) xs_sum[g] = simd::sum(xs + g * W.group, W.group);
-      for (int64_t r = r0; r < r1; ++r) ys[r] = qgemv_row(W, r, xs, xs_sum);
-    } else if (W.kind == Linear::Kind::DenseBF16) {
+    if (W.kind == Linear::Kind::DenseBF16) {
       const uint16_t* w = static_cast<const uint16_t*>(W.dense);
       for (int64_t r = r0; r < r1; ++r) ys[r] = bf16_dot(w + r * W.in, xs, W.in);
     } else {
