@@ -255,15 +255,16 @@ def test_sampling_distribution_equals_plain():
     plain = np.zeros((n, T), np.int64)
     spec = np.zeros((n, T), np.int64)
     drafted = accepted = 0
+
+    def history() -> tuple[np.ndarray, np.ndarray]:  # the prompt and `first` seen, `first` generated once
+        seen, counts = np.zeros(V, np.uint8), np.zeros(V, np.int32)
+        seen[prompt], seen[first], counts[first] = 1, 1, 1
+        return seen, counts
+
     for i in range(n):
-        st = base
-        st.restore(snap)
-        seen = np.zeros(V, np.uint8)
-        seen[prompt] = 1
-        seen[first] = 1
-        counts = np.zeros(V, np.int32)
-        counts[first] = 1
-        s = eng.open_stream(st, first, T, device=False, seed=i, **opts)
+        base.restore(snap)
+        seen, counts = history()
+        s = eng.open_stream(base, first, T, device=False, seed=i, **opts)
         tok = first
         for t in range(T):
             row = s.step(tok)
@@ -272,13 +273,9 @@ def test_sampling_distribution_equals_plain():
             counts[tok] += 1
             plain[i, t] = tok
         s.close()
-        st.restore(snap)
-        seen = np.zeros(V, np.uint8)
-        seen[prompt] = 1
-        seen[first] = 1
-        counts = np.zeros(V, np.int32)
-        counts[first] = 1
-        s = eng.open_stream(st, first, T, seed=i, seen=seen, counts=counts, speculative=3, adaptive=False, **opts)
+        base.restore(snap)
+        seen, counts = history()
+        s = eng.open_stream(base, first, T, seed=i, seen=seen, counts=counts, speculative=3, adaptive=False, **opts)
         spec[i] = stream_tokens(s)
         drafted += s.spec_stats["drafted"]
         accepted += s.spec_stats["accepted"]

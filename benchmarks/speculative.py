@@ -1,0 +1,188 @@
+"""Speculative decoding with the MTP head: plain vs speculative decode speed, acceptance, and the verify's cost.
+
+Two parts, on any backend whose engine runs the head (Engine.has_mtp):
+1. The model (default: the bundled one, with its trained head): greedy replies to a few prompts, plain
+   (speculative=False) and speculative at k = 1..4 drafts per step with the adaptive fallback off, then the
+   default (automatic k and fallback); decode tok/s, drafts accepted, tokens per verify. The outputs must be equal
+   token for token (checked: the run fails otherwise).
+2. The step's cost by k on the same shapes with a head that drafts what its trunk says (lily.testing.
+   drafting_weights at trunk_scale 0: every draft verifies, so one speculative step makes k + 1 tokens): the cost
+   of a step with k drafts in plain steps, c(k) = (k + 1) * t_plain / t_token(k), and the speed-up it implies at
+   mean tokens per verify 1.5, 2, 2.5 and 3: tau / c(k). (Random weights accept nothing: this part measures cost,
+   not the model's acceptance; part 1 measures that.)
+
+    python benchmarks/speculative.py                      # bundled model, CPU
+    python benchmarks/speculative.py --model PATH --backend cuda --mtp SOURCE
+
+Writes benchmarks/results/speculative_<tag>.json (hardware, git sha, settings, figures) and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lily.bench import git_sha, hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    \"\"\"",
+           "The Python tutorial", "for i in range(10):\n"]
+TAUS = (1.5, 2.0, 2.5, 3.0)
+
+
+def _decode(model, prompt: str, tokens: int, speculative, adaptive: bool) -> tuple[list[int], float, dict]:
+    s = model.session()
+    s.speculative_adaptive = adaptive
+    no_stop = {int(t): -100.0 for t in model.stop_token_ids}  # full-length replies on every path alike
+    r = s.generate(prompt, max_tokens=tokens, temperature=0, speculative=speculative, logit_bias=no_stop)
+    st = r.stats
+    return r.token_ids, st.decode_s, {"drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
+                                       "verifies": st.verify_steps, "status": st.speculative}
+
+
+def model_part(model, tokens: int, ks: list[int], repeats: int) -> dict:
+    rows = {}
+    plain_ids = {}
+    configs = [("plain", False, True)] + [(f"k={k}", k, False) for k in ks] + [("auto", None, True)]
+    for name, spec, adaptive in configs:
+        total_s, total_tok, agg = 0.0, 0, {"drafted": 0, "accepted": 0, "verifies": 0}
+        status = None
+        for p in PROMPTS:
+            best = None
+            for _ in range(repeats):
+                ids, dt, st = _decode(model, p, tokens, spec, adaptive)
+                best = dt if best is None else min(best, dt)
+            if name == "plain":
+                plain_ids[p] = ids
+            elif ids != plain_ids[p]:
+                raise SystemExit(f"[speculative] {name} on {p!r} parted from plain decoding: not exact")
+            total_s += best
+            total_tok += len(ids) - 1
+            for key in agg:
+                agg[key] += st[key]
+            status = st["status"]
+        rows[name] = {"decode_tok_s": total_tok / total_s, **agg, "status": status,
+                      "acceptance": agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0,
+                      "tokens_per_verify": (agg["accepted"] + agg["verifies"]) / agg["verifies"]
+                      if agg["verifies"] else 0.0}
+        print(f"  {name:6s} {rows[name]['decode_tok_s']:8.1f} tok/s  acceptance {rows[name]['acceptance']:.2f}  "
+              f"tok/verify {rows[name]['tokens_per_verify']:.2f}  {status or ''}", flush=True)
+    base = rows["plain"]["decode_tok_s"]
+    for r in rows.values():
+        r["speedup"] = r["decode_tok_s"] / base
+    return rows
+
+
+def cost_part(cfg, backend: str, ks: list[int], tokens: int, repeats: int) -> dict:
+    """c(k): a speculative step's cost in plain steps, on a head whose every draft verifies (cfg: ModelConfig)."""
+    from lily import _lily
+    from lily.testing import drafting_weights
+    t, q = drafting_weights(cfg, 1, 0.0)
+    eng = _lily.Engine(cfg.to_dict(), t, q, threads=0, max_context=4096,
+                       **({"backend": backend} if backend != "cpu" else {}))
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 64).astype(np.int32)
+
+    def run(k: int) -> tuple[float, dict]:
+        best, stats = None, {}
+        for _ in range(repeats):
+            st = eng.new_state()
+            first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
+            t0 = time.perf_counter()
+            if k == 0:
+                eng.decode_greedy(st, first, tokens)
+            else:
+                s = eng.open_stream(st, first, tokens, speculative=k, adaptive=False, temperature=0.0)
+                while s.next() >= 0:
+                    pass
+                s.close()
+                stats = s.spec_stats
+            dt = (time.perf_counter() - t0) / tokens
+            best = dt if best is None else min(best, dt)
+        return best, stats
+
+    t_plain, _ = run(0)
+    out = {"plain_us_per_token": t_plain * 1e6, "k": {}}
+    for k in ks:
+        t_tok, stats = run(k)
+        tpv = (stats["accepted"] + stats["verifies"]) / stats["verifies"]
+        c = tpv * t_tok / t_plain
+        out["k"][k] = {"us_per_token": t_tok * 1e6, "tokens_per_verify": tpv, "step_cost_in_plain_steps": c,
+                       "implied_speedup": {str(tau): tau / c for tau in TAUS}}
+        print(f"  k={k}: step = {c:.2f} plain steps ({tpv:.2f} tok/verify); implied speed-up "
+              + ", ".join(f"{tau}: {tau / c:.2f}x" for tau in TAUS), flush=True)
+    return out
+
+
+def plot(path: Path, result: dict) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[speculative] matplotlib is not installed: no PNG plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = result["model"]
+    names = list(rows)
+    a.bar(names, [rows[n]["decode_tok_s"] for n in names], color=["grey"] + ["tab:blue"] * (len(names) - 1))
+    for i, n in enumerate(names):
+        if rows[n]["verifies"]:
+            a.text(i, rows[n]["decode_tok_s"], f"{rows[n]['tokens_per_verify']:.2f}\ntok/verify", ha="center",
+                   va="bottom", fontsize=8)
+    a.set_ylabel("decode tok/s (greedy)")
+    a.set_title(f"{result['model_name']} on {result['backend']}: plain vs speculative")
+    cost = result["cost"]["k"]
+    ks = sorted(int(k) for k in cost)
+    for tau in TAUS:
+        b.plot(ks, [cost[k]["implied_speedup"][str(tau)] for k in ks], marker="o", label=f"{tau} tok/verify")
+    b.axhline(1.0, color="grey", lw=0.8)
+    b.set_xlabel("drafts per step k")
+    b.set_ylabel("implied speed-up over plain")
+    b.set_title("step cost c(k) -> speed-up at accepted lengths")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder or repo id (default: the bundled model)")
+    ap.add_argument("--mtp", default=None, help="where to take the MTP head from (lily.load's mtp=)")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--tokens", type=int, default=200, help="tokens per reply")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per case (the fastest counts)")
+    ap.add_argument("--tag", default=None)
+    a = ap.parse_args(argv)
+    import lily
+    ks = [int(k) for k in a.ks.split(",")]
+    model = lily.load(a.model, backend=a.backend, mtp=a.mtp)
+    if not model.engine.has_mtp:
+        print(f"[speculative] {model.path} on {a.backend}: the engine runs no MTP head; nothing to measure")
+        return 1
+    name = Path(model.path).name if a.model else "bundled"
+    tag = a.tag or f"{a.backend}_{name}"
+    print(f"[speculative] {name} on {model.backend}, {a.tokens} tokens x {len(PROMPTS)} prompts", flush=True)
+    result = {"model_name": name, "backend": model.backend, "hardware": hardware(), "git_sha": git_sha(),
+              "settings": {"tokens": a.tokens, "prompts": PROMPTS, "ks": ks, "repeats": a.repeats,
+                           "threads": model.threads, "greedy": True},
+              "model": model_part(model, a.tokens, ks, a.repeats)}
+    print("[speculative] step cost with a head whose drafts all verify (lily.testing.drafting_weights)", flush=True)
+    result["cost"] = cost_part(model.config, model.backend, ks, a.tokens, a.repeats)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"speculative_{tag}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[speculative] wrote {out}" + (f" and {out.with_suffix('.png').name}"
+                                          if plot(out.with_suffix(".png"), result) else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
