@@ -10,9 +10,19 @@ context untimed, two untimed steps, then `decode_steps` timed greedy single-toke
 back). Each engine gets one untimed warm-up first; every figure is the median of `repeats`. With a peer the
 two engines alternate order each round (round r: lily first when r is even), on the same checkpoint bytes.
 
-The result is a dict {benchmark, date, git_sha, hardware, settings, rows, ratios}; rows are
-{engine, phase: prefill|decode, tokens, tok_s, seconds, repeats_tok_s}. `out` writes OUT.json and, when
-matplotlib is installed (it is not a dependency of lily), OUT.png.
+Speculative decoding (when the model's engine runs an MTP head): one chat prompt (SPECULATIVE_PROMPT, thinking off)
+decoded greedily to `speculative_tokens` tokens through `Session.generate`, plain (speculative=False), with K drafted
+tokens per step for each K asked (the stream's fallback to plain steps off, so the row measures drafting itself), and
+as `lily serve` and `Model.generate` run by default (auto: the default K, falling back to plain steps where drafting
+does not pay); decode tok/s (first token to last) side by side, with the acceptance and the tokens per verify forward.
+Greedy speculative decoding gives plain decoding's tokens: `same_tokens` says whether they were. Without a head the
+result says why instead, once.
+
+The result is a dict {benchmark, date, git_sha, hardware, settings, rows, ratios, speculative}; rows are
+{engine, phase: prefill|decode, tokens, tok_s, seconds, repeats_tok_s}; speculative is {available, reason} without a
+head, else {available, prompt_tokens, max_tokens, rows: [{mode, speculative, decode_tok_s, repeats_tok_s,
+generated_tokens, drafted_tokens, accepted_tokens, verify_steps, acceptance, tokens_per_verify, status, same_tokens,
+speedup}]}. `out` writes OUT.json and, when matplotlib is installed (it is not a dependency of lily), OUT.png.
 """
 from __future__ import annotations
 
@@ -29,6 +39,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 PEERS = ("mlx-lm",)
+# the speculative-vs-plain runs' prompt: a reply long enough to fill the runs, in a model's ordinary register
+SPECULATIVE_PROMPT = [{"role": "user", "content": "Explain in detail how a hash table works: hashing, buckets, "
+                                                  "collisions, load factor and resizing. Then write a short Python "
+                                                  "class that implements one, and walk through an example."}]
 
 
 # ---- facts about the run ---------------------------------------------------------------------------------
@@ -184,12 +198,15 @@ def _time(fn: Callable[[], Any]) -> float:
 def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), decode_contexts: Sequence[int] = (256, 1024),
               repeats: int = 3, peer: str | None = None, *, decode_steps: int = 16, peer_max_tokens: int | None = None,
               seed: int = 0, note: str = "", out: str | os.PathLike | None = None, cooldown_s: float = 0.0,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              log: Callable[[str], None] | None = None, speculative: Sequence[int] | None = None,
+              speculative_tokens: int = 256) -> dict[str, Any]:
     """Prefill and decode sweeps on `model` (a `lily.Model`), optionally against `peer` ("mlx-lm").
 
     peer_max_tokens: the peer runs only at lengths up to this (a slow peer, e.g. mlx-lm on a CPU).
     cooldown_s: idle seconds before every timed run (laptop chips throttle: M-series Macs in particular).
     out: path stem; writes OUT.json and OUT.png (the PNG only when matplotlib is installed).
+    speculative: drafted tokens per step of the speculative rows (None: the session's default; []: no speculative
+    runs); speculative_tokens: tokens each of those runs generates (see the module docstring).
     log: progress lines (default: print to stderr). Returns the result dict (see the module docstring).
     """
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -197,6 +214,10 @@ def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), dec
     decode_contexts = [int(x) for x in decode_contexts]
     repeats, decode_steps = max(1, int(repeats)), max(1, int(decode_steps))
     need = max(prefill_lengths + [c + 2 + decode_steps for c in decode_contexts] + [1])
+    from .server.speculative import drafts
+    if speculative != [] and drafts(model):  # the speculative runs' prompt and reply fit too
+        spec_ids = model.apply_chat_template(SPECULATIVE_PROMPT, tokenize=True, enable_thinking=False)
+        need = max(need, len(spec_ids) + int(speculative_tokens))
     if need > model.max_context:
         raise ValueError(f"[lily bench] the sweep needs {need} tokens of context and the model was loaded with "
                          f"max_context={model.max_context} (load with a larger max_context)")
@@ -297,11 +318,72 @@ def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), dec
                                               "decode_steps per repeat); lily's restore a snapshot"}
     if note:
         settings["note"] = note
+    spec = None
+    if speculative != []:
+        spec = speculative_runs(model, speculative, int(speculative_tokens), repeats, cooldown_s, log)
     result = {"benchmark": "bench", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_sha": git_sha(),
               "hardware": hardware(model), "settings": settings, "rows": rows, "ratios": ratios}
+    if spec is not None:
+        result["speculative"] = spec
     if out is not None:
         write_result(result, out, log)
     return result
+
+
+def speculative_runs(model: Any, drafts: Sequence[int] | None, tokens: int, repeats: int, cooldown_s: float = 0.0,
+                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Plain vs speculative greedy decoding of SPECULATIVE_PROMPT (see the module docstring); without a head,
+    {available: False, reason}."""
+    from .server.speculative import no_head_reason
+    from .session import DEFAULT_DRAFTS
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    reason = no_head_reason(model)
+    if reason is not None:
+        why = "no MTP head" if getattr(model, "mtp", None) is None else reason
+        log(f"[bench] speculative: {why}")
+        return {"available": False, "reason": why}
+    ks = list(drafts) if drafts else [DEFAULT_DRAFTS]
+    # (label, the speculative option, the stream's own fallback to plain steps)
+    modes: list[tuple[str, bool | int | None, bool]] = [("plain", False, True)]
+    modes += [(f"speculative k={k}", int(k), False) for k in ks] + [(f"auto (k={DEFAULT_DRAFTS})", None, True)]
+
+    def run(option: bool | int | None, adaptive: bool, n: int) -> Any:
+        s = model.session()
+        s.speculative_adaptive = adaptive
+        return s.generate(SPECULATIVE_PROMPT, max_tokens=n, temperature=0, speculative=option, enable_thinking=False)
+
+    for _, option, adaptive in modes:  # one untimed warm-up each
+        run(option, adaptive, min(tokens, 16))
+    samples: dict[str, list[Any]] = {label: [] for label, _, _ in modes}
+    for rnd in range(repeats):
+        for label, option, adaptive in (modes if rnd % 2 == 0 else modes[::-1]):
+            time.sleep(cooldown_s)
+            r = run(option, adaptive, tokens)
+            samples[label].append(r)
+            log(f"[bench] {label:18s} round {rnd}: decode {r.stats.decode_tokens_per_s:8.1f} tok/s, "
+                f"{r.stats.generated_tokens} tok" + (f", {r.stats.tokens_per_verify:.2f} tok/verify"
+                                                      if r.stats.verify_steps else ""))
+    plain_ids = samples["plain"][0].token_ids
+    rows = []
+    for label, option, adaptive in modes:
+        runs = samples[label]
+        st = runs[-1].stats
+        per = [r.stats.decode_tokens_per_s for r in runs]
+        rows.append({"mode": label, "speculative": option, "adaptive": adaptive,
+                     "decode_tok_s": statistics.median(per), "repeats_tok_s": per,
+                     "generated_tokens": st.generated_tokens, "drafted_tokens": st.drafted_tokens,
+                     "accepted_tokens": st.accepted_tokens, "verify_steps": st.verify_steps,
+                     "acceptance": st.acceptance, "tokens_per_verify": st.tokens_per_verify, "status": st.speculative,
+                     "same_tokens": all(r.token_ids == plain_ids for r in runs)})
+    base = rows[0]["decode_tok_s"]
+    for row in rows:
+        row["speedup"] = row["decode_tok_s"] / base if base > 0 else None
+    return {"available": True, "prompt": SPECULATIVE_PROMPT[0]["content"],
+            "prompt_tokens": samples["plain"][0].stats.prompt_tokens, "max_tokens": tokens, "rows": rows,
+            "method": ("greedy, the same chat prompt (thinking off) and max_tokens for every mode, each run a fresh "
+                       "session (prefill untimed in the figure: decode tok/s from the first token to the last); "
+                       "speculative k=K keeps drafting (no fallback); auto is the default of Model.generate and "
+                       "lily serve; modes alternate order each round; median of repeats")}
 
 
 # ---- output ----------------------------------------------------------------------------------------------
@@ -375,4 +457,26 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(line)
     lines.append("tok/s, batch 1, median of %d; ratio = %s" % (
         result["settings"]["repeats"], " / ".join(engines[:2]) if len(engines) > 1 else "-"))
+    spec = result.get("speculative")
+    if spec is not None:
+        lines += [""] + format_speculative(spec, result["settings"]["repeats"])
     return "\n".join(lines)
+
+
+def format_speculative(spec: dict[str, Any], repeats: int) -> list[str]:
+    """The plain-vs-speculative table (or the one line saying why there is none)."""
+    if not spec.get("available"):
+        return [f"speculative: {spec.get('reason', 'no MTP head')}"]
+    lines = [f"{'decode mode':18s} {'tok/s':>9s} {'speedup':>8s} {'tok/verify':>11s} {'accepted':>9s} {'same':>5s}"]
+    for r in spec["rows"]:
+        drafted = r["drafted_tokens"] > 0
+        tpv = f"{r['tokens_per_verify']:11.2f}" if drafted else f"{'-':>11s}"
+        acc = f"{r['acceptance']:9.0%}" if drafted else f"{'-':>9s}"
+        same = "yes" if r["same_tokens"] else "NO"
+        lines.append(f"{r['mode']:18s} {r['decode_tok_s']:9.1f} {r['speedup'] or 0:7.2f}x {tpv} {acc} {same:>5s}")
+        if r["mode"].startswith("auto") and (r["status"] or "").startswith("plain: "):
+            lines.append(f"  auto fell back to plain steps: {r['status'][len('plain: '):]}")
+    lines.append(f"greedy decode of one chat prompt ({spec['prompt_tokens']} tokens) to {spec['max_tokens']} tokens, "
+                 f"median of {repeats}; tok/verify = tokens per verify forward (accepted drafts + 1); same = the "
+                 f"tokens plain decoding gave")
+    return lines

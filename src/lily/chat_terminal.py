@@ -24,8 +24,8 @@ from typing import Any, Callable, TextIO
 from .reasoning import ReasoningParser, prompt_opens_reasoning
 
 HELP = ("Type a message (end a line with \\ to go on, or wrap lines in \"\"\"). /reset starts over, "
-        "/save [FILE] saves the session, /stats shows the cache, /help this text; /exit, Ctrl-D or Ctrl-C quits "
-        "(saving --session). Ctrl-C during a reply stops it.")
+        "/save [FILE] saves the session, /stats shows the cache and speculative decoding, /help this text; /exit, "
+        "Ctrl-D or Ctrl-C quits (saving --session). Ctrl-C during a reply stops it.")
 HISTORY_ENV = "LILY_CHAT_HISTORY"
 NEWLINE_IN_HISTORY = "\x1e"  # the history file holds one entry a line: a message's newlines as RS
 DIM, RESET, CLEAR_LINE = "\x1b[2m", "\x1b[0m", "\r\x1b[K"
@@ -157,6 +157,29 @@ class ReplyPrinter:
             self.note = False
 
 
+class SpeculativeTally:
+    """Speculative decoding over the chat's turns, for /stats: what the model does, and the drafts so far."""
+
+    def __init__(self, model: Any, option: Any):
+        from .server.speculative import head_summary
+        self.summary = head_summary(model, option)
+        self.drafted = self.accepted = self.verifies = self.turns = 0
+
+    def add(self, stats: Any) -> None:
+        if stats.verify_steps:
+            self.turns += 1
+        self.drafted += stats.drafted_tokens
+        self.accepted += stats.accepted_tokens
+        self.verifies += stats.verify_steps
+
+    def line(self) -> str:
+        text = f"speculative decoding: {self.summary}"
+        if self.drafted:
+            text += (f"; this chat: {self.accepted / self.drafted:.0%} of {self.drafted} drafts accepted, "
+                     f"{(self.accepted + self.verifies) / self.verifies:.2f} tok/verify over {self.turns} turn(s)")
+        return text
+
+
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_chat's `finally`, which saves the session
 
@@ -179,6 +202,7 @@ def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
     if args.no_think:
         template_kwargs["enable_thinking"] = False
     reader = LineReader(history_path())
+    tally = SpeculativeTally(model, sampling.get("speculative"))
     print(f"{model!r}\n{HELP}", file=sys.stderr)
 
     def save(path: str) -> None:
@@ -212,6 +236,7 @@ def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
         replies.remember(model.tokenizer.decode(sampled), sampled)
         if last is not None and last.stats is not None:
             print(f"[{last.stats.summary()}]", file=sys.stderr)
+            tally.add(last.stats)
         messages.append({"role": "assistant", "content": "".join(raw)})
 
     previous = {s: signal.signal(s, _raise_system_exit) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
@@ -238,7 +263,7 @@ def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
                 session.reset()
                 messages = list(system)
             elif cmd == "/stats":
-                print(f"[session {session.position} tokens; {cache!r}]", file=sys.stderr)
+                print(f"[session {session.position} tokens; {cache!r}]\n[{tally.line()}]", file=sys.stderr)
             elif cmd.startswith("/save"):
                 path = cmd[len("/save"):].strip() or args.session
                 if path:

@@ -1,6 +1,6 @@
 """`lily` command line: generate, chat, serve, bench, info, convert.
 
-    lily generate "Explain RoPE in one paragraph." --max-tokens 200
+    lily generate "Explain RoPE in one paragraph." --max-tokens 200 --speculative auto
     lily chat --model mlx-community/Qwen3.6-35B-A3B-4bit
     lily serve --model mlx-community/Qwen3.6-35B-A3B-4bit --port 8000 --session-dir ~/.cache/lily/sessions
     lily bench --prefill 256,512,1024 --decode 256,1024 --repeats 3 --peer mlx-lm --out benchmarks/results/NAME
@@ -24,6 +24,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "metal", "reference"])
     p.add_argument("--max-context", type=int, default=None, help="context window in tokens")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all cores)")
+    p.add_argument("--mtp", default=None, metavar="SOURCE",
+                   help="the MTP head that speculative decoding drafts with: a folder, .safetensors file or Hugging "
+                        "Face repo holding mtp.* tensors (e.g. Qwen/Qwen3.6-35B-A3B: only the head's shards "
+                        "download); default: the checkpoint's own, if it has one; 'none': no head")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -40,6 +44,18 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-think", action="store_true", help="chat mode: thinking off (enable_thinking=false)")
+    p.add_argument("--speculative", type=_speculative_arg, default=None, metavar="{auto,on,off,1..8}",
+                   help="speculative decoding with the model's MTP head (the same output, greedy token for token): "
+                        "auto (default: on when the model has a head, plain steps where drafting does not pay), "
+                        "on, off, or K drafted tokens per step")
+
+
+def _speculative_arg(text: str) -> bool | int | None:
+    from .server.speculative import parse_flag
+    try:
+        return parse_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _logit_bias_entry(text: str) -> tuple[int, float]:
@@ -102,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server default for enable_thinking (default: the chat template's)")
     v.add_argument("--reasoning-field", choices=["both", "reasoning_content", "reasoning"], default="both",
                    help="where reasoning goes in responses (default: both names)")
+    v.add_argument("--speculative", type=_speculative_arg, default=None, metavar="{auto,on,off,K}",
+                   help="speculative decoding with the model's MTP head for requests that do not set "
+                        "\"speculative\" themselves: auto (default: on when the model has a head, plain steps "
+                        "where drafting does not pay), on, off, or K drafted tokens per step (1..8); the output is "
+                        "the same either way")
     v.add_argument("--keepalive", type=float, default=10.0, help="SSE keep-alive comment interval in seconds")
     v.add_argument("--progress-tokens", type=int, default=4096,
                    help="SSE prefill progress comment every N prompt tokens")
@@ -145,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the peer only at lengths up to this (a slow peer)")
     b.add_argument("--cooldown", type=float, default=0.0, metavar="SECONDS",
                    help="idle seconds before every timed run (laptops throttle: 10-30 on an M-series Mac)")
+    b.add_argument("--speculative", default="auto", metavar="{auto,off,K[,K...]}",
+                   help="with an MTP head: also decode one chat prompt greedily, plain and speculative with K drafted "
+                        "tokens per step (comma-separated: one row each), side by side (default auto: the default "
+                        "K; off: skip)")
+    b.add_argument("--speculative-tokens", type=int, default=256, metavar="N",
+                   help="tokens generated per speculative-vs-plain run (default 256)")
     b.add_argument("--note", default="", help="free text stored in the JSON settings")
     b.add_argument("--out", default=None, metavar="PATH",
                    help="write PATH.json and, with matplotlib installed, PATH.png (default: lily-bench-BACKEND "
@@ -171,16 +198,36 @@ def _free_memory() -> str:
     return describe_free_memory()
 
 
+def _mtp_arg(text: str | None) -> bool | str | None:
+    """--mtp: None (the checkpoint's own head, if any), 'none' / 'off' (no head), else a source."""
+    if text is None:
+        return None
+    return False if text.strip().lower() in ("none", "off") else text
+
+
 def _load(args: argparse.Namespace):
     from .model import load
-    return load(args.model, backend=args.backend, max_context=args.max_context, threads=args.threads)
+    return load(args.model, backend=args.backend, max_context=args.max_context, threads=args.threads,
+                mtp=_mtp_arg(args.mtp))
+
+
+def _check_speculative(model, value: bool | int | None, flag: str = "--speculative") -> None:
+    """--speculative on / K on a model that cannot draft: an error naming why and how to get a head (before any
+    prompt runs)."""
+    from .errors import LilyError
+    from .server.speculative import describe, drafts, no_head_message
+    if value is None or value is False or drafts(model):
+        return
+    raise LilyError(no_head_message(f"{flag} {describe(value)}", model, "pass --mtp SOURCE",
+                                    f"leave {flag} at auto (or off): plain decoding, the same output"))
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                logit_bias=dict(args.logit_bias) if args.logit_bias else None, seed=args.seed, stop=args.stop)
+                logit_bias=dict(args.logit_bias) if args.logit_bias else None, seed=args.seed, stop=args.stop,
+                speculative=args.speculative)
 
 
 def _stream_split(chunks, dim: bool) -> object:
@@ -206,6 +253,7 @@ def _stream_split(chunks, dim: bool) -> object:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = _load(args)
+    _check_speculative(model, args.speculative)
     kwargs = _sampling_kwargs(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -229,7 +277,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .chat_terminal import run_chat
-    return run_chat(args, _load(args), _sampling_kwargs(args))
+    model = _load(args)
+    _check_speculative(model, args.speculative)
+    return run_chat(args, model, _sampling_kwargs(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -260,6 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"what uses it", file=sys.stderr)
         return 1
     model = _load(args)
+    _check_speculative(model, args.speculative)
     config = ServerConfig(model_name=args.model_name, api_key=args.api_key or os.environ.get("LILY_API_KEY"),
                           session_dir=args.session_dir,
                           cache_bytes=None if args.cache_gib is None else int(args.cache_gib * (1 << 30)),
@@ -272,8 +323,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           parallel=args.parallel, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), prefill_slice=args.prefill_slice,
                           cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
-                          save_interval_s=args.save_interval)
-    print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+                          save_interval_s=args.save_interval, speculative=args.speculative)
+    from .server.speculative import head_summary
+    print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1\n[lily serve] speculative decoding: "
+          f"{head_summary(model, args.speculative)}", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
 
@@ -288,9 +341,30 @@ def _int_list(text: str, flag: str) -> list[int]:
     return vals
 
 
+def _drafts_list(text: str) -> list[int] | None:
+    """bench --speculative: auto -> None (the default K), off -> [], K[,K...] -> the Ks (1..8)."""
+    from .sampling import MAX_DRAFTS
+    t = text.strip().lower()
+    if t in ("auto", "on"):
+        return None
+    if t in ("off", "none"):
+        return []
+    try:
+        vals = [int(x) for x in t.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(1 <= v <= MAX_DRAFTS for v in vals):
+        raise SystemExit(f"error: --speculative wants auto, off or drafted tokens per step 1..{MAX_DRAFTS} separated "
+                         f"by commas, got {text!r}")
+    return vals
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_table, run_bench
     prefill, decode = _int_list(args.prefill, "--prefill"), _int_list(args.decode, "--decode")
+    drafts = _drafts_list(args.speculative)
+    if args.speculative_tokens < 2:
+        raise SystemExit(f"error: --speculative-tokens wants at least 2, got {args.speculative_tokens}")
     need = max(prefill + [c + 2 + args.decode_steps for c in decode])
     if args.max_context is None and need > 32768:  # beyond the default window: room for the longest point
         args.max_context = need
@@ -299,7 +373,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         result = run_bench(model, prefill, decode, args.repeats, peer=args.peer, decode_steps=args.decode_steps,
                            peer_max_tokens=args.peer_max, note=args.note, cooldown_s=args.cooldown,
-                           out=args.out or f"lily-bench-{model.backend}")
+                           out=args.out or f"lily-bench-{model.backend}", speculative=drafts,
+                           speculative_tokens=args.speculative_tokens)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -121,6 +121,7 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         return {"status": "shutting_down" if srv.draining else "ok", "model": srv.name, "backend": model.backend,
                 "busy": w.busy, "running": w.running, "parked": w.parked, "queued": w.queued(),
                 "max_context": model.max_context, "limits": srv.limits(), "stats": dict(w.stats),
+                "speculative": srv.speculative_info(),
                 "parking": {"requests": w.parked, "bytes": w.parked_bytes, "max_bytes": w.park_bytes,
                             "parks": w.stats["parks"], "resumes": w.stats["resumes"]},
                 "cache": {"snapshots": len(srv.cache), "bytes": srv.cache.nbytes, "max_bytes": srv.cache.max_bytes,

@@ -1,9 +1,9 @@
 """`GET /metrics`: Prometheus text exposition format (version 0.0.4), written by hand (no dependency).
 
-Counters: requests by endpoint and status, prompt / cached / generated tokens, errors by kind, prefix-cache
-hits and misses, parks. Histograms: time to first token, time per output token, decode time, time queued,
-request duration. Gauges: running, parked and queued requests, parked bytes and their budget, prefix-cache
-bytes, budget and snapshots.
+Counters: requests by endpoint and status, prompt / cached / generated tokens, speculative decoding's drafted and
+accepted tokens and verify forwards, errors by kind, prefix-cache hits and misses, parks. Histograms: time to first
+token, time per output token, decode time, time queued, request duration. Gauges: running, parked and queued
+requests, parked bytes and their budget, prefix-cache bytes, budget and snapshots.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class Metrics:
         self.hist = {k: _Histogram(b) for k, (_, _, b) in _HISTOGRAMS.items()}
         self.requests: dict[tuple[str, int], int] = {}
         self.failures: dict[str, int] = {}
-        self.tokens = {"prompt": 0, "cached": 0, "generated": 0}
+        self.tokens = {"prompt": 0, "cached": 0, "generated": 0, "drafted": 0, "accepted": 0, "verify_steps": 0}
 
     def observe(self, name: str, value: float) -> None:
         with self._lock:
@@ -61,6 +61,9 @@ class Metrics:
             self.tokens["prompt"] += stats.prompt_tokens
             self.tokens["cached"] += stats.cached_tokens
             self.tokens["generated"] += stats.generated_tokens
+            self.tokens["drafted"] += stats.drafted_tokens
+            self.tokens["accepted"] += stats.accepted_tokens
+            self.tokens["verify_steps"] += stats.verify_steps
             self.hist["ttft"].observe(stats.ttft_s)
             self.hist["decode"].observe(stats.decode_s)
             self.hist["request"].observe(stats.total_s)
@@ -98,6 +101,15 @@ class Metrics:
                    [("", self.tokens["cached"])])
             metric("lily_generation_tokens_total", "counter", "Generated tokens of finished generations",
                    [("", self.tokens["generated"])])
+            metric("lily_speculative_drafted_tokens_total", "counter",
+                   "Tokens the MTP head drafted (speculative decoding) in finished generations",
+                   [("", self.tokens["drafted"])])
+            metric("lily_speculative_accepted_tokens_total", "counter",
+                   "Drafted tokens the verify forward accepted (each one a token gained over plain decoding)",
+                   [("", self.tokens["accepted"])])
+            metric("lily_speculative_verify_steps_total", "counter",
+                   "Verify forwards of speculative decoding (each checks one step's drafts)",
+                   [("", self.tokens["verify_steps"])])
             for key, (name, help_, _) in _HISTOGRAMS.items():
                 h = self.hist[key]
                 samples, acc = [], 0

@@ -9,7 +9,9 @@ num_predict (max_tokens; -1 and -2: the server's default). Ollama's load-time op
 num_thread, ...) and repeat_last_n are accepted and have no effect (lily's context is --max-context, its
 repetition penalty covers the whole context); mirostat, typical_p and tfs_z, which lily does not implement,
 are refused unless neutral, and an unknown option is refused naming the valid ones. `think` turns the
-reasoning on or off (a level turns it on), `format` ("json" or a JSON schema) constrains the answer.
+reasoning on or off (a level turns it on), `format` ("json" or a JSON schema) constrains the answer. lily's own
+option `speculative` (true, false or the drafted tokens per step) sets speculative decoding as the OpenAI routes'
+top-level field does; the final line then carries `draft_count` and `draft_accepted_count`.
 Errors are Ollama's shape: {"error": message} with the HTTP status, also as the last line of a stream.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ from .worker import STOP_SHUTDOWN, STOP_TIMEOUT, Cancelled
 OLLAMA_API_VERSION = "0.9.0"
 OPTION_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                 "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "num_predict": "max_tokens"}
+                "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "num_predict": "max_tokens",
+                "speculative": "speculative"}
 # accepted, no effect: the model is loaded once with its own context size, threads and devices
 IGNORED_OPTIONS = ("num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                    "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "numa", "repeat_last_n",
@@ -206,7 +209,7 @@ class OllamaRoutes:
             chat = ChatCompletionRequest.model_validate(req)
         except Exception as e:  # a value of the wrong type in options
             raise OllamaError(400, f"invalid request: {e}") from None
-        return self.srv.prepare_chat(chat)
+        return self.srv.prepare_chat(chat, speculative_param="options.speculative")
 
     def prepare_generate(self, body: dict[str, Any]) -> PreparedChat:
         """/api/generate: the prompt as a user turn (with `system`) through the chat template, or with raw=true
@@ -244,7 +247,8 @@ class OllamaRoutes:
         req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}], **fields})
         max_tokens = srv.max_tokens_for(fields.get("max_tokens"), len(ids), "prompt")
         sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens,
-                               logprobs=bool(body.get("logprobs")), top_logprobs=body.get("top_logprobs"))
+                               logprobs=bool(body.get("logprobs")), top_logprobs=body.get("top_logprobs"),
+                               speculative=srv.speculative_of(req.speculative, "options.speculative"))
         in_reasoning = not raw and prompt_opens_reasoning(text)
         constraint = None
         fmt = _format_field(body.get("format"))
@@ -261,6 +265,8 @@ def _stats(c: Any) -> dict[str, Any]:
     out = {"done_reason": c.finish_reason, "total_duration": _ns(s.total_s), "load_duration": 0,
            "prompt_eval_count": s.prefill_tokens, "prompt_eval_duration": _ns(s.prefill_s),
            "eval_count": s.generated_tokens, "eval_duration": _ns(s.decode_s)}
+    if s.drafted_tokens:  # lily's own: speculative decoding's drafted tokens and those the verify kept
+        out.update(draft_count=s.drafted_tokens, draft_accepted_count=s.accepted_tokens)
     if c.token_id < 0 and c.stop_reason in (STOP_TIMEOUT, STOP_SHUTDOWN):
         out["stop_reason"] = c.stop_reason
     return out

@@ -40,6 +40,8 @@ class _Request(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[dict[str, Any]] = None
     user: Optional[str] = None
+    # lily's own: speculative decoding with the MTP head (null: the server's default; validated by LilyServer)
+    speculative: Optional[Any] = None
 
 
 class ChatCompletionRequest(_Request):
@@ -112,8 +114,9 @@ def max_tokens_of(req: _Request) -> int | None:
 
 
 def sampling_of(req: _Request, generation_config: Mapping[str, Any], vocab_size: int, *, max_tokens: int | None,
-                logprobs: bool | int, top_logprobs: int | None, extra_stop_ids: tuple[int, ...] = ()
-                ) -> SamplingParams:
+                logprobs: bool | int, top_logprobs: int | None, extra_stop_ids: tuple[int, ...] = (),
+                speculative: bool | int | None = None) -> SamplingParams:
+    """The request's sampling (400 for a value out of range); speculative: the value the server resolved for it."""
     if req.n not in (None, 1):
         raise bad_request(f"n={req.n} is not supported: lily serves one choice per request (n=1)", param="n")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
@@ -137,7 +140,7 @@ def sampling_of(req: _Request, generation_config: Mapping[str, Any], vocab_size:
             top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
             stop=req.stop, stop_token_ids=tuple(req.stop_token_ids or ()) + extra_stop_ids, logprobs=logprobs,
-            top_logprobs=top_logprobs, logit_bias=bias)
+            top_logprobs=top_logprobs, logit_bias=bias, speculative=speculative)
     except SamplingParamsError as e:
         msg = str(e).removeprefix("[SamplingParams] ")
         raise bad_request(msg, param=msg.split("=")[0].split(" ")[0]) from None
@@ -153,21 +156,29 @@ def now() -> int:
 
 
 def usage(stats: GenerationStats, reasoning_tokens: int | None = None) -> dict[str, Any]:
-    u: dict[str, Any] = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-                         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-                         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
-    if reasoning_tokens is not None:
-        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return u
+    """OpenAI's usage. Speculative decoding's drafts go where OpenAI reports predicted-output tokens (typed fields of
+    the official clients): accepted_prediction_tokens = drafted tokens the verify kept (they are in the completion),
+    rejected_prediction_tokens = the others (0 and 0 for plain decoding)."""
+    details: dict[str, Any] = {} if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
+    details.update(accepted_prediction_tokens=stats.accepted_tokens,
+                   rejected_prediction_tokens=stats.drafted_tokens - stats.accepted_tokens)
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}, "completion_tokens_details": details}
 
 
 def timings(stats: GenerationStats, queue_s: float = 0.0) -> dict[str, Any]:
-    """llama.cpp's `timings` names, plus TTFT and the time spent queued."""
-    return {"cache_n": stats.cached_tokens, "prompt_n": stats.prefill_tokens,
-            "prompt_ms": stats.prefill_s * 1e3, "prompt_per_second": stats.prefill_tokens_per_s,
-            "predicted_n": stats.generated_tokens, "predicted_ms": stats.decode_s * 1e3,
-            "predicted_per_second": stats.decode_tokens_per_s, "ttft_ms": stats.ttft_s * 1e3,
-            "queue_ms": queue_s * 1e3, "total_ms": stats.total_s * 1e3}
+    """llama.cpp's `timings` names, plus TTFT and the time spent queued; for a speculative generation also
+    llama.cpp's draft_n / draft_n_accepted, the verify forwards (verify_n) and lily's note (`speculative`)."""
+    t = {"cache_n": stats.cached_tokens, "prompt_n": stats.prefill_tokens,
+         "prompt_ms": stats.prefill_s * 1e3, "prompt_per_second": stats.prefill_tokens_per_s,
+         "predicted_n": stats.generated_tokens, "predicted_ms": stats.decode_s * 1e3,
+         "predicted_per_second": stats.decode_tokens_per_s, "ttft_ms": stats.ttft_s * 1e3,
+         "queue_ms": queue_s * 1e3, "total_ms": stats.total_s * 1e3}
+    if stats.speculative is not None:
+        t.update(draft_n=stats.drafted_tokens, draft_n_accepted=stats.accepted_tokens, verify_n=stats.verify_steps,
+                 speculative=stats.speculative)
+    return t
 
 
 def token_text(tokenizer: Any, token_id: int) -> tuple[str, list[int]]:

@@ -159,7 +159,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tup
                                  temperature=req.temperature, top_p=req.top_p, response_format=response_format,
                                  reasoning_effort=effort, **{k: v for k, v in (req.model_extra or {}).items()
                                                              if k in ("chat_template_kwargs", "seed", "top_k",
-                                                                      "min_p", "stop", "logit_bias")})
+                                                                      "min_p", "stop", "logit_bias", "speculative")})
     return chat, conversation
 
 
@@ -258,7 +258,9 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
         if s is not None:
             usage = {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": s.cached_tokens},
                      "output_tokens": s.generated_tokens,
-                     "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens},
+                     "output_tokens_details": {
+                         "reasoning_tokens": out.reasoning_tokens, "accepted_prediction_tokens": s.accepted_tokens,
+                         "rejected_prediction_tokens": s.drafted_tokens - s.accepted_tokens},
                      "total_tokens": s.prompt_tokens + s.generated_tokens}
         return {"id": rid, "object": "response", "created_at": created, "status": status, "model": req.model or srv.name,
                 "output": items, "usage": usage, "error": None,

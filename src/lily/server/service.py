@@ -18,6 +18,7 @@ from .prepared import Prepared, PreparedChat, PreparedCompletion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, max_tokens_of,
                        normalize_chat_messages, now, sampling_of)
 from .reasoning import prompt_opens_reasoning
+from .speculative import REQUEST_VALUES, describe, drafts, head_summary, no_head_message, request_value
 from .validation import GILFreeTokenizer, check_text_fits, longest_token_bytes, message_text_bytes, validate_tools
 from .worker import EngineWorker, Job
 
@@ -46,6 +47,8 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()     # browser origins allowed besides this machine's (CORS); '*': all
     shutdown_grace_s: float = 5.0          # SIGTERM/Ctrl-C: jobs end, sessions are saved and the server exits in this
     save_interval_s: float = 300.0         # with session_dir: save sessions this often when requests ran; 0: off
+    # speculative decoding (the MTP head) for requests that do not set it: None auto, True on, False off, k drafts
+    speculative: bool | int | None = None
 
 
 class LilyServer:
@@ -55,6 +58,13 @@ class LilyServer:
         self.model = model
         self.config = config
         self.name = config.model_name or (Path(model.path).name if model.path else "lily")
+        ok, _ = request_value(config.speculative)
+        if not ok or isinstance(config.speculative, str):
+            raise ValueError(f"ServerConfig.speculative={config.speculative!r} is invalid: expected None (auto), "
+                             f"True, False or the drafted tokens per step")
+        if config.speculative is not None and config.speculative is not False and not drafts(model):
+            raise ValueError(no_head_message(f"speculative={describe(config.speculative)} as the server's default",
+                                             model, "start the server with `lily serve --mtp SOURCE`"))
         self.budgets = memory_budgets(model, config.parallel, config.cache_bytes, config.park_bytes)
         self.cache = PrefixCache(self.budgets.cache_bytes, config.snapshot_interval)
         self.replies = ReplyTokens()
@@ -117,7 +127,31 @@ class LilyServer:
                 "budgets": dict(self.budgets.how), "shutdown_grace_s": c.shutdown_grace_s,
                 "save_interval_s": (c.save_interval_s or None) if c.session_dir else None}
 
+    def speculative_info(self) -> dict[str, Any]:
+        """/health's `speculative`: whether the model drafts, the server's default, and the totals so far."""
+        t = self.metrics.tokens
+        return {"drafts": drafts(self.model), "default": describe(self.config.speculative),
+                "summary": head_summary(self.model, self.config.speculative),
+                "drafted_tokens": t["drafted"], "accepted_tokens": t["accepted"], "verify_steps": t["verify_steps"],
+                "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else None}
+
     # ---- request preparation (runs in a thread pool: parsing, template rendering and tokenizing) ----------
+    def speculative_of(self, value: Any, param: str = "speculative") -> bool | int | None:
+        """A request's `speculative` -> the value it runs with (null: the server's default); 400 for a bad value,
+        or for drafting asked of a model that cannot draft."""
+        ok, v = request_value(value)
+        if not ok:
+            raise bad_request(f"{param}={value!r} is invalid: expected {REQUEST_VALUES}", param=param)
+        if v is None:
+            return self.config.speculative
+        if v is not False and not drafts(self.model):
+            shown = "true" if v is True else str(v)
+            raise bad_request(no_head_message(f"{param}={shown}", self.model,
+                                              "start the server with `lily serve --mtp SOURCE`",
+                                              f"leave {param} out (plain decoding, the same output)"),
+                              param=param, code="speculative_unavailable")
+        return v
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.name, self.model.path):
             raise APIError(404, f"The model {name!r} does not exist: this server serves {self.name!r} (see "
@@ -141,9 +175,10 @@ class LilyServer:
                               param=param, code="context_length_exceeded")
         return capped
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedChat:
+    def prepare_chat(self, req: ChatCompletionRequest, speculative_param: str = "speculative") -> PreparedChat:
         model = self.model
         self.check_model(req.model)
+        speculative = self.speculative_of(req.speculative, speculative_param)
         tools = validate_tools(req.tools) or None
         messages = normalize_chat_messages(req.messages)
         check_text_fits(message_text_bytes([m for m in messages if m.get("role") != "assistant"]),
@@ -182,7 +217,8 @@ class LilyServer:
         ids = self.replies.encode(self.tokenizer, text)
         max_tokens = self.max_tokens_for(max_tokens_of(req), len(ids), "messages")
         sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens,
-                               logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs if req.logprobs else None)
+                               logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs if req.logprobs else None,
+                               speculative=speculative)
         in_reasoning = prompt_opens_reasoning(text)
         start_after = model.tokenizer.think_end_id if in_reasoning else None
         constraint = None
@@ -219,6 +255,7 @@ class LilyServer:
     def prepare_completion(self, req: CompletionRequest) -> PreparedCompletion:
         model = self.model
         self.check_model(req.model)
+        speculative = self.speculative_of(req.speculative)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -251,7 +288,7 @@ class LilyServer:
         else:
             max_tokens = self.max_tokens_for(16 if req.max_tokens is None else max_tokens_of(req), len(ids), "prompt")
         sampling = sampling_of(req, model.generation_config, model.vocab_size, max_tokens=max_tokens or None,
-                               logprobs=n_top is not None, top_logprobs=n_top)
+                               logprobs=n_top is not None, top_logprobs=n_top, speculative=speculative)
         return PreparedCompletion(ids=ids, sampling=sampling, prompt_text=text, raw=isinstance(prompt, str),
                                   score_prompt=bool(req.echo) and n_top is not None, n_top=n_top or 0,
                                   max_tokens=max_tokens)
