@@ -28,8 +28,8 @@
 namespace lily {
 namespace {
 
-constexpr int64_t kPlainProbe = 2;  // adaptive: plain steps timed before the first verify
-constexpr int64_t kWindow = 8;      // adaptive: verifies per decision
+constexpr int64_t kPlainProbe = 3;  // adaptive: plain steps timed before the first verify (the fastest counts)
+constexpr int64_t kWindow = 8;      // adaptive: verifies per decision; the first window warms up, unjudged
 
 using Clock = std::chrono::steady_clock;
 
@@ -208,7 +208,7 @@ void TokenStream::spec_iterate() {
     sp.window_tokens += a + 1;
     if (++sp.window_verifies == kWindow) {
       const double per_token = sp.window_s / static_cast<double>(sp.window_tokens);
-      if (per_token > sp.plain_best_s) {
+      if (sp.stats.verifies > kWindow && per_token > sp.plain_best_s) {
         char why[160];
         std::snprintf(why, sizeof why,
                       "drafting did not pay (%.2f of %d drafts accepted per verify; %.0f us/token against %.0f "

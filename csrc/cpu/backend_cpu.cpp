@@ -71,7 +71,10 @@ class CpuBackend final : public Backend {
   bool keeps_state_rows() const override { return state_rows_on_; }
   void keep_state_rows(bool on) override {
     keep_rows_ = on;
-    if (on) state_rows_.assign(static_cast<size_t>(cfg_.n_layers), StateRows{});
+    if (on) {  // the vectors stay allocated from one verify to the next
+      state_rows_.resize(static_cast<size_t>(cfg_.n_layers));
+      for (StateRows& r : state_rows_) r.rows = 0;
+    }
   }
   void take_state_row(State& st, int64_t row) override {
     for (int L = 0; L < cfg_.n_layers; ++L) {

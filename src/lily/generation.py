@@ -73,10 +73,12 @@ class GenerationStats:
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         spec = ""
         if self.speculative is not None:
-            spec = f", {self.speculative}"
-            if self.drafted_tokens:
-                spec += (f" ({self.acceptance:.0%} of {self.drafted_tokens} drafts accepted, "
-                         f"{self.tokens_per_verify:.2f} tok/verify)")
+            drafts = (f"{self.acceptance:.0%} of {self.drafted_tokens} drafts accepted, "
+                      f"{self.tokens_per_verify:.2f} tok/verify") if self.drafted_tokens else ""
+            if self.speculative.startswith("plain: ") and drafts:  # drafted first, then fell back
+                spec = f", drafted ({drafts}), then {self.speculative}"
+            else:
+                spec = f", {self.speculative}" + (f" ({drafts})" if drafts else "")
         return (f"prompt {self.prompt_tokens} tok{cached}, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
                 f"TTFT {self.ttft_s:.3f} s, decode {self.decode_tokens_per_s:.1f} tok/s, "
                 f"{self.generated_tokens} tok{spec}")
