@@ -1,10 +1,10 @@
 """Speculative decoding with the MTP head: plain vs speculative decode speed, acceptance, and the verify's cost.
 
 Two parts, on any backend whose engine runs the head (Engine.has_mtp):
-1. The model (default: the bundled one, with its trained head): greedy replies to a few prompts, plain
-   (speculative=False) and speculative at k = 1..4 drafts per step with the adaptive fallback off, then the
-   default (automatic k and fallback); decode tok/s, drafts accepted, tokens per verify. The outputs must be equal
-   token for token (checked: the run fails otherwise).
+1. The model (default: the bundled one, with its trained head): `lily bench`'s speculative runs
+   (lily.bench.speculative_runs: one greedy chat reply, plain, speculative at k = 1..4 drafts per step with the
+   fallback off, and the default automatic mode; decode tok/s, drafts accepted, tokens per verify, whether the
+   tokens equal plain decoding's; the run fails if they do not).
 2. The step's cost by k on the same shapes with a head that drafts what its trunk says (lily.testing.
    drafting_weights at trunk_scale 0: every draft verifies, so one speculative step makes k + 1 tokens): the cost
    of a step with k drafts in plain steps, c(k) = (k + 1) * t_plain / t_token(k), and the speed-up it implies at
@@ -26,56 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lily.bench import git_sha, hardware
+from lily.bench import git_sha, hardware, speculative_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    \"\"\"",
-           "The Python tutorial", "for i in range(10):\n"]
 TAUS = (1.5, 2.0, 2.5, 3.0)
-
-
-def _decode(model, prompt: str, tokens: int, speculative, adaptive: bool) -> tuple[list[int], float, dict]:
-    s = model.session()
-    s.speculative_adaptive = adaptive
-    no_stop = {int(t): -100.0 for t in model.stop_token_ids}  # full-length replies on every path alike
-    r = s.generate(prompt, max_tokens=tokens, temperature=0, speculative=speculative, logit_bias=no_stop)
-    st = r.stats
-    return r.token_ids, st.decode_s, {"drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
-                                       "verifies": st.verify_steps, "status": st.speculative}
-
-
-def model_part(model, tokens: int, ks: list[int], repeats: int) -> dict:
-    rows = {}
-    plain_ids = {}
-    configs = [("plain", False, True)] + [(f"k={k}", k, False) for k in ks] + [("auto", None, True)]
-    for name, spec, adaptive in configs:
-        total_s, total_tok, agg = 0.0, 0, {"drafted": 0, "accepted": 0, "verifies": 0}
-        status = None
-        for p in PROMPTS:
-            best = None
-            for _ in range(repeats):
-                ids, dt, st = _decode(model, p, tokens, spec, adaptive)
-                best = dt if best is None else min(best, dt)
-            if name == "plain":
-                plain_ids[p] = ids
-            elif ids != plain_ids[p]:
-                raise SystemExit(f"[speculative] {name} on {p!r} parted from plain decoding: not exact")
-            total_s += best
-            total_tok += len(ids) - 1
-            for key in agg:
-                agg[key] += st[key]
-            status = st["status"]
-        rows[name] = {"decode_tok_s": total_tok / total_s, **agg, "status": status,
-                      "acceptance": agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0,
-                      "tokens_per_verify": (agg["accepted"] + agg["verifies"]) / agg["verifies"]
-                      if agg["verifies"] else 0.0}
-        print(f"  {name:6s} {rows[name]['decode_tok_s']:8.1f} tok/s  acceptance {rows[name]['acceptance']:.2f}  "
-              f"tok/verify {rows[name]['tokens_per_verify']:.2f}  {status or ''}", flush=True)
-    base = rows["plain"]["decode_tok_s"]
-    for r in rows.values():
-        r["speedup"] = r["decode_tok_s"] / base
-    return rows
 
 
 def cost_part(cfg, backend: str, ks: list[int], tokens: int, repeats: int) -> dict:
@@ -127,13 +82,13 @@ def plot(path: Path, result: dict) -> bool:
         print("[speculative] matplotlib is not installed: no PNG plot (pip install matplotlib)", file=sys.stderr)
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    rows = result["model"]
-    names = list(rows)
-    a.bar(names, [rows[n]["decode_tok_s"] for n in names], color=["grey"] + ["tab:blue"] * (len(names) - 1))
-    for i, n in enumerate(names):
-        if rows[n]["verifies"]:
-            a.text(i, rows[n]["decode_tok_s"], f"{rows[n]['tokens_per_verify']:.2f}\ntok/verify", ha="center",
-                   va="bottom", fontsize=8)
+    rows = result["model"]["rows"]
+    names = [r["mode"].replace("speculative ", "") for r in rows]
+    a.bar(names, [r["decode_tok_s"] for r in rows], color=["grey"] + ["tab:blue"] * (len(rows) - 1))
+    for i, r in enumerate(rows):
+        if r["verify_steps"]:
+            a.text(i, r["decode_tok_s"], f"{r['tokens_per_verify']:.2f}\ntok/verify", ha="center", va="bottom",
+                   fontsize=8)
     a.set_ylabel("decode tok/s (greedy)")
     a.set_title(f"{result['model_name']} on {result['backend']}: plain vs speculative")
     cost = result["cost"]["k"]
@@ -158,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--tokens", type=int, default=200, help="tokens per reply")
     ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per case (the fastest counts)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per case (median; the step cost: fastest)")
     ap.add_argument("--tag", default=None)
     a = ap.parse_args(argv)
     import lily
@@ -169,11 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     name = Path(model.path).name if a.model else "bundled"
     tag = a.tag or f"{a.backend}_{name}"
-    print(f"[speculative] {name} on {model.backend}, {a.tokens} tokens x {len(PROMPTS)} prompts", flush=True)
+    print(f"[speculative] {name} on {model.backend}, {a.tokens} tokens", flush=True)
+    runs = speculative_runs(model, ks, a.tokens, a.repeats, log=print)
+    for r in runs["rows"]:
+        print(f"  {r['mode']:18s} {r['decode_tok_s']:8.1f} tok/s ({r['speedup']:.2f}x)  acceptance "
+              f"{r['acceptance']:.2f}  tok/verify {r['tokens_per_verify']:.2f}  {r['status'] or ''}", flush=True)
+    if not all(r["same_tokens"] for r in runs["rows"]):
+        raise SystemExit("[speculative] a speculative run parted from plain decoding: not exact")
     result = {"model_name": name, "backend": model.backend, "hardware": hardware(), "git_sha": git_sha(),
-              "settings": {"tokens": a.tokens, "prompts": PROMPTS, "ks": ks, "repeats": a.repeats,
-                           "threads": model.threads, "greedy": True},
-              "model": model_part(model, a.tokens, ks, a.repeats)}
+              "settings": {"tokens": a.tokens, "ks": ks, "repeats": a.repeats, "threads": model.threads,
+                           "greedy": True},
+              "model": runs}
     print("[speculative] step cost with a head whose drafts all verify (lily.testing.drafting_weights)", flush=True)
     result["cost"] = cost_part(model.config, model.backend, ks, a.tokens, a.repeats)
     RESULTS.mkdir(parents=True, exist_ok=True)
