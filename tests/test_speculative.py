@@ -375,3 +375,20 @@ def test_bad_input(tmp_path):
     assert m.generate("x", max_tokens=3, temperature=0).stats.speculative is None
     with pytest.raises(LilyError, match="needs the model's MTP head"):
         m.generate("x", max_tokens=3, speculative=True)
+
+
+def test_bundled_model_drafts_exactly():
+    """The bundled model's trained head: greedy speculative replies equal plain ones, and its drafts verify
+    (the acceptance figures: benchmarks/results/README.md)."""
+    import lily
+    m = lily.load(backend="cpu")
+    if m.mtp is None:
+        pytest.skip("this install's bundled model has no MTP head")
+    assert m.engine.has_mtp
+    for prompt in ("def fibonacci(n):\n", "import os\n"):
+        a, b = m.session(), m.session()
+        b.speculative_adaptive = False
+        r1 = a.generate(prompt, max_tokens=120, temperature=0, speculative=False)
+        r2 = b.generate(prompt, max_tokens=120, temperature=0, speculative=3)
+        _same(r1, r2)
+        assert r2.stats.accepted_tokens > 0.25 * r2.stats.drafted_tokens, r2.stats.summary()
