@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 
@@ -30,9 +31,17 @@ BufRef BufferTable::ref(const void* p) const {
 }
 
 // State arrays live in device buffers (shared storage): Memory::alloc returns their host-visible contents.
+// Copies and releases come after the work queued before them, as CUDA's stream-ordered Memory does: the engine grows
+// a State (copy, release the old arrays) while a device stream's step may still run, and copies State arrays right
+// after encoding rows that write them (the speculative loop's rewind point). `settle` (the backend's, while it
+// lives) commits what is encoded and waits for the device first.
 class MetalBackend::DeviceMemory final : public Memory {
  public:
   explicit DeviceMemory(std::shared_ptr<Device> d) : dev(std::move(d)) {}
+  std::function<void()> settle;
+  void settled() {
+    if (settle) settle();
+  }
   void* alloc(size_t bytes) override {
     DevBuffer* b = dev->alloc(bytes);
     void* p = dev->contents(b);
@@ -42,6 +51,10 @@ class MetalBackend::DeviceMemory final : public Memory {
     return p;
   }
   void release(void* p) noexcept override {
+    try {
+      settled();
+    } catch (...) {  // a device error: the command buffer's wait reported it; the buffer is released all the same
+    }
     std::lock_guard<std::mutex> g(mu);
     try {
       BufRef r = table.ref(p);
@@ -50,10 +63,9 @@ class MetalBackend::DeviceMemory final : public Memory {
     } catch (...) {
     }
   }
-  // Called by State between forwards, when the backend has synchronised: plain copies are safe.
-  void copy(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  void to_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  void from_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void copy(void* dst, const void* src, size_t n) override { settled(), std::memcpy(dst, src, n); }
+  void to_host(void* dst, const void* src, size_t n) override { settled(), std::memcpy(dst, src, n); }
+  void from_host(void* dst, const void* src, size_t n) override { settled(), std::memcpy(dst, src, n); }
   BufRef ref(const void* p) {
     std::lock_guard<std::mutex> g(mu);
     return table.ref(p);
@@ -75,6 +87,7 @@ struct MetalBackend::LayerW {
   DevLinear q, k, v, o;                     // attention
   BufRef q_norm, k_norm;
   DevLinear router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate;  // MoE
+  bool fused_decode = true;                 // its formats have the fused decode chains (moe_decode)
 };
 
 // Per-chunk temporaries, sized for `rows` rows; grown (after a sync) when a larger chunk arrives.
@@ -89,6 +102,7 @@ struct MetalBackend::Scratch {
   BufRef logits, sg, act, yd, ash, ysh, act_dec;
   RouteBufs r;
   BufRef head_h, head_logits;
+  BufRef hid, cat, mtp_ids[2];              // MTP: kept hidden [rows, H], [embedding | hidden] [rows, 2H], ids
   int max_tiles = 0, act_stride = 0;
 
   explicit Scratch(Device& d) : dev(d) {}
@@ -107,13 +121,17 @@ struct MetalBackend::Scratch {
 
 MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<Device> dev, bool debug, bool kv_bf16)
     : cfg_(cfg), dev_(std::move(dev)), ops_(*dev_, kv_bf16), debug_(debug), kv_bf16_(kv_bf16),
-      mem_(std::make_shared<DeviceMemory>(dev_)) {
+      has_mtp_(w.has_mtp), mem_(std::make_shared<DeviceMemory>(dev_)) {
   const int64_t H = cfg.hidden;
   auto vec = [&](const float* p, int64_t n) { return wrap(p, static_cast<size_t>(n) * 4); };
   embed_ = wrap_linear(w.embed);
   lm_head_ = wrap_linear(w.lm_head);
   final_norm_ = vec(w.final_norm, H);
-  for (int L = 0; L < cfg.n_layers; ++L) {
+  // The main layers, then the MTP head's decoder layer (Weights::layers[n_layers], an attention layer) and its fc
+  // and norms when the weights carry it.
+  const int n_wrapped = cfg.n_layers + (has_mtp_ ? 1 : 0);
+  bool fused_main = true;
+  for (int L = 0; L < n_wrapped; ++L) {
     const LayerWeights& lw = w.layers[L];
     LayerW l;
     l.in_norm = vec(lw.in_norm, H);
@@ -136,10 +154,19 @@ MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<
     l.router = wrap_linear(m.router), l.gate = wrap_linear(m.gate), l.up = wrap_linear(m.up);
     l.down = wrap_linear(m.down), l.sh_gate = wrap_linear(m.sh_gate), l.sh_up = wrap_linear(m.sh_up);
     l.sh_down = wrap_linear(m.sh_down), l.sh_expert_gate = wrap_linear(m.sh_expert_gate);
-    fused_moe_decode_ &= l.gate.fmt == l.sh_gate.fmt && l.up.fmt == l.gate.fmt && l.sh_up.fmt == l.gate.fmt &&
-                         l.down.fmt == l.sh_down.fmt && (l.gate.fmt == "q4" || l.gate.fmt == "bf16") &&
-                         (l.down.fmt == "q4" || l.down.fmt == "bf16");
+    l.fused_decode = l.gate.fmt == l.sh_gate.fmt && l.up.fmt == l.gate.fmt && l.sh_up.fmt == l.gate.fmt &&
+                     l.down.fmt == l.sh_down.fmt && (l.gate.fmt == "q4" || l.gate.fmt == "bf16") &&
+                     (l.down.fmt == "q4" || l.down.fmt == "bf16");
+    if (L < cfg.n_layers) fused_main &= l.fused_decode;
     layers_.push_back(l);
+  }
+  // The fused decode chains run for every main layer or none (as before the MTP layer); the head's layer on its own.
+  for (int L = 0; L < cfg.n_layers; ++L) layers_[L].fused_decode = fused_main;
+  if (has_mtp_) {
+    mtp_norm_embed_ = vec(w.mtp.norm_embed, H);
+    mtp_norm_hidden_ = vec(w.mtp.norm_hidden, H);
+    mtp_norm_ = vec(w.mtp.norm, H);
+    mtp_fc_ = wrap_linear(w.mtp.fc);
   }
   // RoPE frequencies theta^(-2i/rd) in double, split into (hi, lo) floats for the kernel's exact reduction.
   const int half = cfg.rotary_dim / 2;
@@ -161,9 +188,23 @@ MetalBackend::MetalBackend(const Config& cfg, const Weights& w, std::unique_ptr<
   host_tok_ = persistent(2 * 4);
   step_logits_ = persistent(2 * static_cast<size_t>(cfg.vocab) * 4);
   uniform_ = persistent(2 * 4);
+  // State copies and releases wait for the queued work (DeviceMemory). Nothing queued (a state copied after
+  // Engine::sync, maybe from another thread): nothing of the backend is touched. Inside a step (never done by the
+  // engine) only for what is committed: committing would split the step's command buffer.
+  mem_->settle = [this] {
+    if (!queued_) return;
+    if (in_step_) wait_inflight(0);
+    else sync();
+  };
+  if (has_mtp_) {
+    draft_h_ = persistent(static_cast<size_t>(H) * 4);
+    mtp_tok_ = persistent(2 * 4);
+    zero_ = persistent(4);
+  }
 }
 
 MetalBackend::~MetalBackend() {
+  mem_->settle = nullptr;  // States may outlive the backend
   try {
     sync();
   } catch (...) {
@@ -220,7 +261,7 @@ DevLinear MetalBackend::wrap_linear(const Linear& l) {
 }
 
 Encoder& MetalBackend::enc() {
-  if (!cb_) cb_ = dev_->command_buffer();
+  if (!cb_) cb_ = dev_->command_buffer(), queued_ = true;
   return cb_->encoder();
 }
 
@@ -236,6 +277,7 @@ void MetalBackend::wait_inflight(size_t keep) {
     inflight_.pop_front();
     c->wait();
   }
+  if (inflight_.empty() && !cb_) queued_ = false;
 }
 
 // Command buffers complete in commit order, so waiting for a step's one means waiting for every older one.
@@ -267,7 +309,7 @@ void MetalBackend::reserve(int64_t S) {
     s->b = s->make(n * c.deltanet_v_heads * 4), s->a = s->make(n * c.deltanet_v_heads * 4);
     s->deltanet_chunk = s->make(Ops::deltanet_chunk_scratch_bytes(deltanet_params(c, n)));
   }
-  if (c.n_attention_layers()) {
+  if (c.n_attention_layers() || has_mtp_) {
     const int64_t D = c.head_dim;
     s->qg = s->make(n * 2 * c.n_heads * D * 4);
     s->k = s->make(n * c.n_kv_heads * D * 4), s->v = s->make(n * c.n_kv_heads * D * 4);
@@ -286,6 +328,10 @@ void MetalBackend::reserve(int64_t S) {
   s->act_stride = static_cast<int>((std::max(I, Is) + 7) / 8 * 8);
   s->act_dec = s->make((k + 1) * s->act_stride * 4);
   s->head_h = s->make(n * H * 4);
+  if (has_mtp_) {
+    s->hid = s->make(n * H * 4), s->cat = s->make(n * 2 * H * 4);
+    for (auto& i : s->mtp_ids) i = s->make(n * 4);
+  }
   s->parts = 0;  // the decode partials (ml, po) went with the old scratch: grow_attention_parts makes new ones
   sc_ = std::move(s);
 }
@@ -351,7 +397,7 @@ void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
 
 // The split-K partials of decode attention over `keys` keys, grown geometrically (so rarely) after a sync.
 void MetalBackend::grow_attention_parts(int64_t keys) {
-  if (!cfg_.n_attention_layers() || Ops::attn_parts(keys) <= sc_->parts) return;
+  if ((!cfg_.n_attention_layers() && !has_mtp_) || Ops::attn_parts(keys) <= sc_->parts) return;
   if (in_step_) throw std::logic_error("[lily] metal: attention partials must grow before a decode step starts");
   sync();
   sc_->parts = std::max<int64_t>(Ops::attn_parts(keys), 2 * sc_->parts);
@@ -389,7 +435,7 @@ void MetalBackend::moe_block(int layer, int64_t S) {
   Encoder& e = enc();
   ops_.rms_norm(e, sc_->x, L.post_norm, sc_->h, static_cast<int>(S), cfg_.hidden, cfg_.rms_eps);
   e.barrier();
-  if (S == 1 && fused_moe_decode_) moe_decode(L);
+  if (S == 1 && L.fused_decode) moe_decode(L);
   else moe_prefill(L, S);
 }
 
@@ -460,11 +506,121 @@ void MetalBackend::head(int64_t row0, int64_t n, float* logits) {
   std::memcpy(logits, dev_->contents(sc_->head_logits.buf), static_cast<size_t>(n) * cfg_.vocab * 4);
 }
 
+// ---- the MTP head (core/backend.h): encoded like the layers, in the chunk's or the step's command buffer ------
+
+void MetalBackend::keep_hidden(int64_t S) {
+  if (!has_mtp_) return Backend::keep_hidden(S);
+  if (!sc_ || S > sc_->rows) throw std::logic_error("[lily] metal: keep_hidden of rows no chunk ran");
+  Encoder& e = enc();
+  ops_.rms_norm(e, sc_->x, final_norm_, sc_->hid, static_cast<int>(S), cfg_.hidden, cfg_.rms_eps);
+  e.barrier();
+}
+
+// A device copy, ordered after the rows that computed it: a decode step needs no host wait.
+void MetalBackend::store_hidden(int64_t row, Buffer& dst) {
+  if (!has_mtp_) return Backend::store_hidden(row, dst);
+  const int64_t H = cfg_.hidden;
+  if (!sc_ || row < 0 || row >= sc_->rows || dst.bytes() < static_cast<size_t>(H) * 4)
+    throw std::logic_error("[lily] metal: store_hidden(" + std::to_string(row) + ") outside the kept rows, or a "
+                           "destination smaller than the hidden size");
+  Encoder& e = enc();
+  ops_.copy_rows(e, at(sc_->hid, static_cast<size_t>(row * H) * 4), zero_, ref(dst.data()), 1, static_cast<int>(H));
+  e.barrier();
+}
+
+// The ids of n head rows on the device. Inside a step: the step's own slot (host ids: mtp_tok_, as host_tok_ for
+// embed; -1: the token slot the step's embed read). Outside: Scratch::mtp_ids of this chunk's parity (the chunk
+// before may still run and read the other); a second write within one chunk first waits for the GPU, which may
+// not have read the first yet (chained drafts: mtp_head has waited already, so that costs nothing).
+BufRef MetalBackend::mtp_ids_slot(const int32_t* ids, int64_t n) {
+  if (in_step_) {
+    if (n != 1) throw std::logic_error("[lily] metal: mtp_embed of " + std::to_string(n) + " rows inside a decode step");
+    const int slot = static_cast<int>(step_.index & 1);
+    if (ids[0] < 0) return at(tok_, slot * 4);
+    static_cast<int32_t*>(dev_->contents(mtp_tok_.buf))[slot] = ids[0];
+    return at(mtp_tok_, slot * 4);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= cfg_.vocab)
+      throw std::logic_error("[lily] metal: mtp_embed: token id " + std::to_string(ids[i]) + " outside a decode step "
+                             "is not a vocabulary id");
+  if (mtp_ids_chunk_ == chunk_) sync();
+  mtp_ids_chunk_ = chunk_;
+  BufRef slot = sc_->mtp_ids[(chunk_ - 1) & 1];
+  std::memcpy(static_cast<char*>(dev_->contents(slot.buf)) + slot.offset, ids, static_cast<size_t>(n) * 4);
+  return slot;
+}
+
+void MetalBackend::mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) {
+  if (!has_mtp_) return Backend::mtp_embed(ids, n, prev, src);
+  const Config& c = cfg_;
+  const int H = static_cast<int>(c.hidden);
+  const bool draft = src == MtpHidden::Draft;
+  if (n < 1 || (draft && (n != 1 || prev || !has_draft_)))
+    throw std::logic_error("[lily] metal: mtp_embed needs n >= 1 rows; a chained (Draft) row needs n == 1, no prev, "
+                           "and an earlier mtp_head");
+  const int64_t kept = draft ? 0 : n - (prev ? 1 : 0);  // rows read from Scratch::hid
+  if (!sc_ || sc_->rows < n) {
+    if (kept > 0 || in_step_)
+      throw std::logic_error("[lily] metal: mtp_embed of " + std::to_string(n) + " rows exceeds the rows kept");
+    reserve(n);
+  }
+  const BufRef id = mtp_ids_slot(ids, n);
+  Scratch& s = *sc_;
+  const int rows = static_cast<int>(n);
+  const size_t half = static_cast<size_t>(H) * 4;  // bytes to the hidden half of a cat row
+  Encoder& e = enc();
+  ops_.embed(e, embed_, id, s.h, rows);
+  // cat [n, 2H] = [RMSNorm(E[ids]; norm_embed) | RMSNorm(h; norm_hidden)], three norms into one buffer: barriers
+  // between them (the device checks writes per buffer, not per range)
+  if (draft) {
+    ops_.rms_norm(e, draft_h_, mtp_norm_hidden_, at(s.cat, half), 1, H, c.rms_eps, H, 2 * H);
+  } else {
+    if (prev) ops_.rms_norm(e, ref(prev->data()), mtp_norm_hidden_, at(s.cat, half), 1, H, c.rms_eps, H, 2 * H);
+    if (kept > 0) {
+      if (prev) e.barrier();
+      ops_.rms_norm(e, s.hid, mtp_norm_hidden_, at(s.cat, half * (prev ? 3 : 1)), static_cast<int>(kept), H,
+                    c.rms_eps, H, 2 * H);
+    }
+  }
+  e.barrier();
+  ops_.rms_norm(e, s.h, mtp_norm_embed_, s.cat, rows, H, c.rms_eps, H, 2 * H);
+  e.barrier();
+  ops_.linear(e, mtp_fc_, s.cat, s.x, rows, false);
+  e.barrier();
+}
+
+void MetalBackend::mtp_head(int64_t row0, int64_t n, float* logits) {
+  if (!has_mtp_) return Backend::mtp_head(row0, n, logits);
+  const int64_t H = cfg_.hidden, V = cfg_.vocab;
+  if (!sc_ || n < 1 || row0 < 0 || row0 + n > sc_->rows)
+    throw std::logic_error("[lily] metal: mtp_head rows " + std::to_string(row0) + ".." + std::to_string(row0 + n) +
+                           " outside the chunk");
+  if (sc_->logit_rows < n) {  // (inside a step this commits the step's work so far, and waits for it)
+    sync();
+    sc_->logit_rows = std::max<int64_t>(n, 2 * sc_->logit_rows);
+    sc_->head_logits = sc_->make(sc_->logit_rows * V * 4);
+  }
+  Scratch& s = *sc_;
+  Encoder& e = enc();
+  ops_.rms_norm(e, at(s.x, static_cast<size_t>(row0 * H) * 4), mtp_norm_, s.head_h, static_cast<int>(n),
+                static_cast<int>(H), cfg_.rms_eps);
+  e.barrier();
+  ops_.linear(e, lm_head_, s.head_h, s.head_logits, static_cast<int>(n), false);
+  ops_.copy_rows(e, at(s.head_h, static_cast<size_t>((n - 1) * H) * 4), zero_, draft_h_, 1, static_cast<int>(H));
+  e.barrier();
+  has_draft_ = true;
+  if (!logits) return;
+  sync();
+  std::memcpy(logits, dev_->contents(s.head_logits.buf), static_cast<size_t>(n * V) * 4);
+}
+
 // ---- decode steps: one command buffer each -----------------------------------------------------------------
 
 void MetalBackend::abandon() {
   cb_.reset();
   in_step_ = false;
+  if (inflight_.empty()) queued_ = false;
 }
 
 bool MetalBackend::begin_step(State& st, const DecodeStep& d) {

@@ -36,6 +36,7 @@
 //   emu_drop_barrier_before  a kernel name prefix: a planted bug (tests/metal/test_planted_bugs.py), the
 //                      barrier before each such dispatch is ignored, as if the backend had left it out
 #pragma once
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -85,6 +86,21 @@ class MetalBackend final : public Backend {
   void read_residual(int64_t S, float* out) override;
   void head(int64_t row0, int64_t n, float* logits) override;
 
+  // The MTP head (core/backend.h; docs/model.md §7): its decoder layer is layers_[cfg.n_layers], run by
+  // attention_block / moe_block like any other. keep_hidden writes Scratch::hid, mtp_embed builds [embedding |
+  // hidden] rows in Scratch::cat with two strided RMSNorms and runs fc into x, mtp_head keeps its last normed row
+  // in draft_h_ (outside Scratch: a chained draft survives a step's poisoning). Everything is encoded, so a
+  // decode step stays one command buffer; only mtp_head with logits waits for the device (as head does).
+  bool has_mtp() const override { return has_mtp_; }
+  void keep_hidden(int64_t S) override;
+  void store_hidden(int64_t row, Buffer& dst) override;
+  void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) override;
+  void mtp_head(int64_t row0, int64_t n, float* logits) override;
+  // exact_rows stays the default no-op: an S-row chunk runs the prefill kernels (GEMM, attn_prefill, grouped
+  // MoE), which sum in another order than the decode ones, so its rows are not bit-equal to one-row steps (fp32:
+  // within ~1e-6 relative, test_metal_backend.py); a speculative verify on Metal can, at a near tie, pick what a
+  // plain step would not.
+
   // Decode steps: one command buffer each. Step i reads token slot i & 1 (device-written) or the host slot
   // i & 1 (d.token >= 0), writes its logits to logits slot i & 1 and, with d.draw, its drawn token to
   // token slot (i + 1) & 1, which is also what drawn_token(i) reads: step i + 2 is the next to write it,
@@ -131,17 +147,24 @@ class MetalBackend final : public Backend {
   void moe_prefill(const LayerW& L, int64_t S);
   void moe_decode(const LayerW& L);
 
+  BufRef mtp_ids_slot(const int32_t* ids, int64_t n);
+
   const Config& cfg_;
   std::shared_ptr<Device> dev_;
   Ops ops_;
   bool debug_, kv_bf16_;
+  bool has_mtp_;                                       // the weights carry the MTP head
   std::shared_ptr<DeviceMemory> mem_;  // also the address table of wrapped weights
   std::vector<DevBuffer*> wrapped_;
   DevLinear embed_, lm_head_;
   BufRef final_norm_, rope_;
-  std::vector<LayerW> layers_;
+  std::vector<LayerW> layers_;                         // cfg.n_layers, then the MTP layer (has_mtp_)
+  DevLinear mtp_fc_;                                   // MTP: [H, 2H]
+  BufRef mtp_norm_embed_, mtp_norm_hidden_, mtp_norm_;
+  BufRef draft_h_, mtp_tok_, zero_;                    // MTP: float [H], int32 [2] (host ids per step slot), int32 0
+  bool has_draft_ = false;                             // draft_h_ holds an mtp_head row
+  int64_t mtp_ids_chunk_ = -1;                         // chunk_ when Scratch::mtp_ids was last written
   std::unique_ptr<Scratch> sc_;
-  bool fused_moe_decode_ = true;
   bool device_draw_ = true;
   int deltanet_form_ = Ops::kScanAuto;       // flag deltanet_form
   int64_t step_waits_ = 0, max_inflight_ = 0;
@@ -153,6 +176,7 @@ class MetalBackend final : public Backend {
     int64_t step;  // the decode step it runs, -1 for prefill work
   };
   std::deque<Inflight> inflight_;                      // committed, oldest first
+  std::atomic<bool> queued_{false};                    // cb_ or inflight_ holds work (read by DeviceMemory::settle)
   int64_t chunk_ = 0;                                  // chunks started (ids ring slot)
   // Decode-step slots, outside Scratch (which a larger prefill chunk replaces and debug mode poisons): they
   // carry tokens and logits from one step to the next and to the host.

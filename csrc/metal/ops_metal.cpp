@@ -102,11 +102,12 @@ void Ops::grouped(Encoder& e, const DevLinear& W, const DevLinear* Wu, BufRef a,
      {kGemmThreads, 1, 1});
 }
 
-void Ops::rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps) {
+void Ops::rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps, int x_stride,
+                   int y_stride) {
   e.set_buffer(0, x);
   e.set_buffer(1, w);
   e.set_buffer(2, y);
-  bytes(e, 3, kp::NormArgs{dim, eps, dim, dim});
+  bytes(e, 3, kp::NormArgs{dim, eps, x_stride ? x_stride : dim, y_stride ? y_stride : dim});
   const uint32_t cap = dev_.max_threads(pipe("rms_norm")) / 32 * 32;
   const uint32_t nt = std::min<uint32_t>(cap, std::max<uint32_t>(32, cdiv(dim, 8) / 32 * 32));
   go(e, "rms_norm", {static_cast<uint32_t>(S), 1, 1}, {nt, 1, 1});
@@ -118,6 +119,15 @@ void Ops::embed(Encoder& e, const DevLinear& E, BufRef ids, BufRef x, int S) {
   e.set_buffer(4, x);
   bytes(e, 5, E.args);
   go(e, "embed_" + E.fmt, {static_cast<uint32_t>(S), 1, 1}, {128, 1, 1});
+}
+
+void Ops::copy_rows(Encoder& e, BufRef src, BufRef ids, BufRef y, int S, int dim) {
+  DevLinear t;
+  t.w = t.s = t.b = src;
+  t.fmt = "f32";
+  t.args.kind = 2;  // dense fp32 (linear_params)
+  t.args.out = 1, t.args.in = dim, t.args.expert_elems = dim;
+  embed(e, t, ids, y, S);
 }
 
 void Ops::argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot) {

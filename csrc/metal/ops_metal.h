@@ -47,8 +47,14 @@ class Ops {
   void grouped(Encoder& e, const DevLinear& W, const DevLinear* Wu, BufRef a, int lda, bool gather,
                const RouteBufs& r, BufRef y, int pairs, int bm, int max_tiles);
 
-  void rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps);
+  // y[s, :dim] = RMSNorm(x[s, :dim]; w); x_stride / y_stride in floats between rows (0: dim), so a norm can write
+  // one half of a concatenation.
+  void rms_norm(Encoder& e, BufRef x, BufRef w, BufRef y, int S, int dim, float eps, int x_stride = 0,
+                int y_stride = 0);
   void embed(Encoder& e, const DevLinear& E, BufRef ids, BufRef x, int S);
+  // y[s, :dim] = src[ids[s], :dim] for fp32 rows (the embed kernel over an fp32 table): with src offset to a row
+  // and ids pointing at a 0, a one-row device copy.
+  void copy_rows(Encoder& e, BufRef src, BufRef ids, BufRef y, int S, int dim);
   void argmax(Encoder& e, BufRef logits, int V, BufRef tokens, int slot);
   // Device sampling (sample.metal; semantics of csrc/cuda/sample.cuh): tokens[a.token_slot] = the draw from
   // logits [V] with uniform [1]; seen [V] u8 and counts [V] i32 record it. x [V] f32 and work
