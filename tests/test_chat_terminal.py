@@ -16,7 +16,7 @@ from lily.generation import collect  # noqa: E402
 
 LEFT, UP = "\x1b[D", "\x1b[A"
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
-STATS = re.compile(r"\[prompt \d+ tok.*?\d+ tok\]")
+STATS = re.compile(r"\[prompt \d+ tok.*?\d+ tok(, [^\]]*)?\]")  # (the speculative summary after the count)
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 

@@ -62,13 +62,18 @@ def _word_share(text: str) -> float:
 def test_generates_fluent_text_fast(model):
     """`lily generate` with no --model: documentation-style English in well under a few seconds."""
     t0 = time.time()
-    out = model.generate("The for statement", max_tokens=64, seed=0)   # generation_config sampling
-    dt = time.time() - t0
-    print(f"\n{dt:.2f} s, {out.finish_reason}: The for statement{out.text}")
+    # generation_config sampling, three seeds: a sample may end early at <|im_end|> (speculative decoding draws other
+    # samples of the same distribution than plain decoding for a seed), most run to max_tokens
+    outs = [model.generate("The for statement", max_tokens=64, seed=seed) for seed in range(3)]
+    dt = (time.time() - t0) / len(outs)
+    for out in outs:
+        print(f"\n{dt:.2f} s, {out.finish_reason}: The for statement{out.text}")
     assert dt < 20
-    assert len(out.text.split()) >= 20
-    assert _word_share(out.text) > 0.6, out.text          # words, not byte noise
-    assert len(set(out.text.split())) >= 12, out.text     # not one token repeated
+    long = [out for out in outs if len(out.text.split()) >= 20]
+    assert len(long) >= 2, [out.text for out in outs]
+    for out in long:
+        assert _word_share(out.text) > 0.6, out.text          # words, not byte noise
+        assert len(set(out.text.split())) >= 12, out.text     # not one token repeated
 
 
 def test_chat_closes_the_thinking_block(model):
