@@ -241,8 +241,10 @@ def test_parked_stream_resumes_with_its_parked_draw_counted(cpu_engine):
 @pytest.fixture(scope="module")
 def models():
     import lily
-    host = lily.load(backend="cpu")
-    dev = lily.load(backend="cpu")
+    # without the bundled model's MTP head: these are the plain token loop's modes (a speculative stream draws in
+    # the extension by the same rule; tests/test_speculative.py)
+    host = lily.load(backend="cpu", mtp=False)
+    dev = lily.load(backend="cpu", mtp=False)
     dev.engine.set_backend_flag("device_draw", 1)
     return host, dev
 

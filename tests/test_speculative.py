@@ -107,6 +107,16 @@ def test_adaptive_falls_back_when_drafting_does_not_pay():
     stats = s.spec_stats
     assert stats["status"].startswith("plain: drafting did not pay"), stats
     assert stats["plain_steps"] > 200 and stats["verifies"] < 60
+    # after two generations in a row fell back, the next ones begin plain, and every 8th drafts again
+    statuses = []
+    for _ in range(9):
+        b = eng.new_state()
+        eng.forward(b, prompt, logits="none")
+        s = eng.open_stream(b, first, 120, speculative=4, temperature=0.0)
+        assert stream_tokens(s) == plain[:120]
+        statuses.append((s.spec_stats["status"], s.spec_stats["verifies"]))
+    began_plain = [v == 0 and st.startswith("plain: drafting did not pay in the last") for st, v in statuses]
+    assert began_plain[0] is False and sum(began_plain) == 7, statuses  # 2nd fell back; then 7 plain, 1 retry
 
 
 # ---- the session: stop strings, max_tokens, turns, snapshots, the prefix cache, files ------------------------

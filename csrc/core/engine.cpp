@@ -299,7 +299,10 @@ TokenStream::TokenStream(Engine& eng, State& st, int32_t first, const StreamOpti
   const size_t V = static_cast<size_t>(eng.cfg_.vocab);
   if (opt_.sample.seen.empty()) opt_.sample.seen.assign(V, 0);
   if (opt_.sample.counts.empty()) opt_.sample.counts.assign(V, 0);
-  if (opt_.speculative > 0) spec_ = std::make_unique<Spec>(opt_, first, st.mtp_current());
+  if (opt_.speculative > 0) {
+    spec_ = std::make_unique<Spec>(opt_, first);
+    spec_begin(st.mtp_current());
+  }
 }
 
 TokenStream::~TokenStream() {
@@ -394,7 +397,7 @@ void TokenStream::step(int32_t token, float* logits) {
 bool TokenStream::close(float* logits) {
   std::lock_guard<std::mutex> lk(eng_.mu_);
   bool have = false;
-  if (!closed_ && spec_) spec_rewind();
+  if (!closed_ && spec_) spec_rewind(), spec_end();
   if (!closed_ && device_ && launched_ > 0) {
     if (eng_.active_ == this) {
       eng_.active_ = nullptr;

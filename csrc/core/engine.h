@@ -36,7 +36,8 @@ struct StreamOptions {
   // off; needs Engine::has_mtp and a state whose head cache is current) and verify them in one forward; the
   // stream then draws on the host in the extension (sample.cpp's rule), its output the same as plain decoding's
   // (greedy: token for token; sampling: the same distribution). adaptive: fall back to plain steps when drafting
-  // does not pay (timed), saying so in spec_status().
+  // does not pay (timed), saying so in spec_stats().status; after adaptive streams in a row fell back, the next
+  // ones start plain and only every kRetryEvery-th drafts again (Engine::SpecHistory).
   int32_t speculative = 0;
   bool adaptive = true;
 };
@@ -98,6 +99,8 @@ class TokenStream {
   void spec_iterate();
   void spec_plain_step();
   void spec_rewind();
+  void spec_begin(bool head_current);  // the constructor's part: the Spec, and whether it drafts from the start
+  void spec_end();                     // close's part: what this stream found goes into Engine::spec_history_
 
   Engine& eng_;
   State& st_;
@@ -199,6 +202,12 @@ class Engine {
   bool debug_;
   std::unique_ptr<Backend> backend_;
   bool mtp_ = false;                // see has_mtp()
+  // What adaptive speculative streams found: judged ones that fell back in a row (0 after one that paid), and the
+  // streams begun since the last that drafted (speculative.cpp decides from it whether a new stream drafts).
+  struct SpecHistory {
+    int64_t fell_back_in_row = 0;
+    int64_t skipped = 0;
+  } spec_history_;
   int64_t next_step_ = 0;           // decode steps run by this engine
   TokenStream* active_ = nullptr;   // the device stream whose steps may be in flight or own the sampler
   std::mutex mu_;  // one forward / step at a time: backend buffers are shared

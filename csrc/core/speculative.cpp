@@ -30,6 +30,8 @@ namespace {
 
 constexpr int64_t kPlainProbe = 3;  // adaptive: plain steps timed before the first verify (the fastest counts)
 constexpr int64_t kWindow = 8;      // adaptive: verifies per decision; the first window warms up, unjudged
+constexpr int64_t kFellBack = 2;    // adaptive: judged streams in a row that fell back before new ones begin plain
+constexpr int64_t kRetryEvery = 8;  // ... and then every kRetryEvery-th stream drafts again
 
 using Clock = std::chrono::steady_clock;
 
@@ -53,6 +55,26 @@ int32_t draw_residual(const cpu::RowWeights& p, const cpu::RowWeights& q, float 
 }  // namespace
 
 TokenStream::SpecStats TokenStream::spec_stats() const { return spec_ ? spec_->stats : SpecStats{}; }
+
+void TokenStream::spec_begin(bool head_current) {
+  Spec& sp = *spec_;
+  Engine::SpecHistory& h = eng_.spec_history_;
+  if (!head_current) {
+    sp.fall_back("the state's MTP cache is behind its tokens (restored without it)");
+  } else if (sp.adaptive && h.fell_back_in_row >= kFellBack && ++h.skipped % kRetryEvery != 0) {
+    sp.skipped = true;
+    sp.fall_back("drafting did not pay in the last " + std::to_string(h.fell_back_in_row) +
+                 " generations (every " + std::to_string(kRetryEvery) + "th drafts again)");
+  }
+}
+
+void TokenStream::spec_end() {
+  Spec& sp = *spec_;
+  Engine::SpecHistory& h = eng_.spec_history_;
+  if (!sp.adaptive || sp.skipped || !sp.judged) return;  // nothing learned
+  if (sp.plain) ++h.fell_back_in_row;
+  else h.fell_back_in_row = 0, h.skipped = 0;
+}
 
 // Engine lock held.
 int32_t TokenStream::spec_next() {
@@ -208,6 +230,7 @@ void TokenStream::spec_iterate() {
     sp.window_tokens += a + 1;
     if (++sp.window_verifies == kWindow) {
       const double per_token = sp.window_s / static_cast<double>(sp.window_tokens);
+      if (sp.stats.verifies > kWindow) sp.judged = true;
       if (sp.stats.verifies > kWindow && per_token > sp.plain_best_s) {
         char why[160];
         std::snprintf(why, sizeof why,

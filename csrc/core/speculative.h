@@ -10,11 +10,9 @@
 namespace lily {
 
 struct TokenStream::Spec {
-  Spec(const StreamOptions& opt, int32_t first, bool head_current)
-      : k(opt.speculative), adaptive(opt.adaptive), pending(first) {
-    if (!head_current) fall_back("the state's MTP cache is behind its tokens (restored without it)");
-    else stats.status = "speculative k=" + std::to_string(k);
-  }
+  Spec(const StreamOptions& opt, int32_t first)
+      : k(opt.speculative), adaptive(opt.adaptive), pending(first), stats{0, 0, 0, 0, "speculative k=" +
+                                                                            std::to_string(opt.speculative)} {}
   void fall_back(const std::string& why) {
     plain = true;
     stats.status = "plain: " + why;
@@ -23,6 +21,8 @@ struct TokenStream::Spec {
   int32_t k;                   // drafts per verify
   bool adaptive;               // fall back to plain steps when drafting does not pay
   bool plain = false;          // fell back: plain steps from here on
+  bool judged = false;         // adaptive: the timing rule decided at least once (drafting paid or not)
+  bool skipped = false;        // began plain because earlier streams found drafting did not pay
   int32_t pending;             // the last token drawn (returned or queued), not yet fed
   std::deque<int32_t> queue;   // drawn, not yet returned by next()
   SpecStats stats;
