@@ -91,7 +91,7 @@ def test_speculative_rows_beside_plain(drafting_ckpt, tmp_path, capsys):
     table = capsys.readouterr().out
     spec = json.loads(out.with_suffix(".json").read_text())["speculative"]
     assert spec["available"] and spec["max_tokens"] == 32 and spec["prompt_tokens"] > 0
-    assert [r["mode"] for r in spec["rows"]] == ["plain", "speculative k=1", "speculative k=4", "auto (k=3)"]
+    assert [r["mode"] for r in spec["rows"]] == ["plain", "speculative k=1", "speculative k=4", "auto (k=1)"]
     plain, *drafted = spec["rows"]
     assert plain["speculative"] is False and plain["drafted_tokens"] == 0 and plain["speedup"] == 1.0
     for r in spec["rows"]:

@@ -113,7 +113,7 @@ def test_auto_and_off_without_a_head_decode_plainly(plain, capsys):
 def test_mtp_takes_the_head_of_another_folder(plain, drafting, capsys):
     with pytest.warns(UserWarning, match="MTP head from"):
         assert main(_generate(plain, "--mtp", drafting, "--speculative", "on")) == 0
-    assert re.search(r"speculative k=3 \(\d+% of \d+ drafts accepted", capsys.readouterr().err)
+    assert re.search(r"speculative k=\d \(\d+% of \d+ drafts accepted", capsys.readouterr().err)
 
 
 def test_mtp_none_leaves_the_head_out(drafting, capsys):

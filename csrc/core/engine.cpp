@@ -397,7 +397,7 @@ void TokenStream::step(int32_t token, float* logits) {
 bool TokenStream::close(float* logits) {
   std::lock_guard<std::mutex> lk(eng_.mu_);
   bool have = false;
-  if (!closed_ && spec_) spec_rewind(), spec_end();
+  if (!closed_ && spec_) spec_rewind();
   if (!closed_ && device_ && launched_ > 0) {
     if (eng_.active_ == this) {
       eng_.active_ = nullptr;

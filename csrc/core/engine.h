@@ -36,8 +36,8 @@ struct StreamOptions {
   // off; needs Engine::has_mtp and a state whose head cache is current) and verify them in one forward; the
   // stream then draws on the host in the extension (sample.cpp's rule), its output the same as plain decoding's
   // (greedy: token for token; sampling: the same distribution). adaptive: fall back to plain steps when drafting
-  // does not pay (timed), saying so in spec_stats().status; after adaptive streams in a row fell back, the next
-  // ones start plain and only every kRetryEvery-th drafts again (Engine::SpecHistory).
+  // does not pay (timed against plain steps over windows of verifies, across the engine's streams), saying so in
+  // spec_stats().status; then new streams begin plain and every kRetryEvery-th drafts again (Engine::SpecHistory).
   int32_t speculative = 0;
   bool adaptive = true;
 };
@@ -100,7 +100,6 @@ class TokenStream {
   void spec_plain_step();
   void spec_rewind();
   void spec_begin(bool head_current);  // the constructor's part: the Spec, and whether it drafts from the start
-  void spec_end();                     // close's part: what this stream found goes into Engine::spec_history_
 
   Engine& eng_;
   State& st_;
@@ -202,11 +201,16 @@ class Engine {
   bool debug_;
   std::unique_ptr<Backend> backend_;
   bool mtp_ = false;                // see has_mtp()
-  // What adaptive speculative streams found: judged ones that fell back in a row (0 after one that paid), and the
-  // streams begun since the last that drafted (speculative.cpp decides from it whether a new stream drafts).
+  // The adaptive rule's memory, across this engine's streams (speculative.cpp): a plain step's cost, the verifies
+  // timed since the last judgement (streams too short to judge alone add up), and whether new streams draft.
   struct SpecHistory {
-    int64_t fell_back_in_row = 0;
-    int64_t skipped = 0;
+    double plain_s = 0;                 // the fastest plain step of the last probe (s per token; 0: none yet)
+    double window_s = 0;                // verifies of the current window: time, tokens made, count
+    int64_t window_tokens = 0, window_verifies = 0;
+    bool warmed = false;                // the engine's first window (first-use allocations) is not judged
+    bool drafting = true;               // new streams draft; else they begin plain ...
+    int64_t wait = 0;                   // ... for this many more streams, then one drafts again (and re-probes)
+    std::string why;                    // the judgement that stopped drafting
   } spec_history_;
   int64_t next_step_ = 0;           // decode steps run by this engine
   TokenStream* active_ = nullptr;   // the device stream whose steps may be in flight or own the sampler

@@ -28,10 +28,9 @@
 namespace lily {
 namespace {
 
-constexpr int64_t kPlainProbe = 3;  // adaptive: plain steps timed before the first verify (the fastest counts)
-constexpr int64_t kWindow = 8;      // adaptive: verifies per decision; the first window warms up, unjudged
-constexpr int64_t kFellBack = 2;    // adaptive: judged streams in a row that fell back before new ones begin plain
-constexpr int64_t kRetryEvery = 8;  // ... and then every kRetryEvery-th stream drafts again
+constexpr int64_t kPlainProbe = 3;  // adaptive: plain steps timed before drafting (the fastest counts)
+constexpr int64_t kWindow = 8;      // adaptive: verifies per judgement (the engine's first window warms up, unjudged)
+constexpr int64_t kRetryEvery = 8;  // adaptive: after drafting did not pay, every 8th stream drafts again
 
 using Clock = std::chrono::steady_clock;
 
@@ -59,21 +58,12 @@ TokenStream::SpecStats TokenStream::spec_stats() const { return spec_ ? spec_->s
 void TokenStream::spec_begin(bool head_current) {
   Spec& sp = *spec_;
   Engine::SpecHistory& h = eng_.spec_history_;
-  if (!head_current) {
-    sp.fall_back("the state's MTP cache is behind its tokens (restored without it)");
-  } else if (sp.adaptive && h.fell_back_in_row >= kFellBack && ++h.skipped % kRetryEvery != 0) {
-    sp.skipped = true;
-    sp.fall_back("drafting did not pay in the last " + std::to_string(h.fell_back_in_row) +
-                 " generations (every " + std::to_string(kRetryEvery) + "th drafts again)");
-  }
-}
-
-void TokenStream::spec_end() {
-  Spec& sp = *spec_;
-  Engine::SpecHistory& h = eng_.spec_history_;
-  if (!sp.adaptive || sp.skipped || !sp.judged) return;  // nothing learned
-  if (sp.plain) ++h.fell_back_in_row;
-  else h.fell_back_in_row = 0, h.skipped = 0;
+  if (!head_current) return sp.fall_back("the state's MTP cache is behind its tokens (restored without it)");
+  if (!sp.adaptive) return;
+  if (!h.drafting && --h.wait > 0)
+    return sp.fall_back(h.why + "; every " + std::to_string(kRetryEvery) + "th generation drafts again");
+  if (!h.drafting) h.drafting = true, h.plain_s = 0;  // the retry: plain steps timed afresh
+  if (h.plain_s == 0) sp.probe = kPlainProbe;
 }
 
 // Engine lock held.
@@ -86,7 +76,7 @@ int32_t TokenStream::spec_next() {
       return -1;
     }
     eng_.park_active(nullptr);  // another stream's device steps finish before this one uses the backend
-    if (sp.plain || (sp.adaptive && sp.stats.plain_steps < kPlainProbe)) spec_plain_step();
+    if (sp.plain || sp.probe > 0) spec_plain_step();
     else spec_iterate();
   }
   const int32_t tok = sp.queue.front();
@@ -111,7 +101,8 @@ void TokenStream::spec_plain_step() {
   SampleOptions& so = opt_.sample;
   const int32_t y = cpu::sample_draw(sp.step_logits.data(), V, so, so.seen, so.counts, next_uniform());
   const double dt = seconds_since(t0);
-  if (sp.plain_best_s == 0 || dt < sp.plain_best_s) sp.plain_best_s = dt;
+  Engine::SpecHistory& h = eng_.spec_history_;
+  if (sp.probe > 0) --sp.probe, h.plain_s = h.plain_s == 0 ? dt : std::min(h.plain_s, dt);
   ++sp.stats.plain_steps;
   ++launched_;
   sp.fed.assign(1, sp.pending);
@@ -225,21 +216,23 @@ void TokenStream::spec_iterate() {
   sp.stats.accepted += a;
   ++sp.stats.verifies;
 
-  if (sp.adaptive) {
-    sp.window_s += seconds_since(t0);
-    sp.window_tokens += a + 1;
-    if (++sp.window_verifies == kWindow) {
-      const double per_token = sp.window_s / static_cast<double>(sp.window_tokens);
-      if (sp.stats.verifies > kWindow) sp.judged = true;
-      if (sp.stats.verifies > kWindow && per_token > sp.plain_best_s) {
-        char why[160];
+  if (sp.adaptive) {  // the rule: a window of verifies, across streams, against the probe's plain step
+    Engine::SpecHistory& h = eng_.spec_history_;
+    h.window_s += seconds_since(t0);
+    h.window_tokens += a + 1;
+    if (++h.window_verifies == kWindow) {
+      const double per_token = h.window_s / static_cast<double>(h.window_tokens);
+      if (h.warmed && h.plain_s > 0 && per_token > h.plain_s) {
+        char why[200];
         std::snprintf(why, sizeof why,
-                      "drafting did not pay (%.2f of %d drafts accepted per verify; %.0f us/token against %.0f "
-                      "plain)", static_cast<double>(sp.window_tokens - sp.window_verifies) / sp.window_verifies,
-                      sp.k, per_token * 1e6, sp.plain_best_s * 1e6);
+                      "drafting did not pay (%.2f drafts accepted per verify of k = %d; %.0f us/token against %.0f "
+                      "plain)", static_cast<double>(h.window_tokens - h.window_verifies) / h.window_verifies,
+                      sp.k, per_token * 1e6, h.plain_s * 1e6);
+        h.why = why, h.drafting = false, h.wait = kRetryEvery;
         sp.fall_back(why);
       }
-      sp.window_s = 0, sp.window_tokens = 0, sp.window_verifies = 0;
+      h.warmed = true;
+      h.window_s = 0, h.window_tokens = 0, h.window_verifies = 0;
     }
   }
 }

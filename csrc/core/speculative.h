@@ -21,8 +21,7 @@ struct TokenStream::Spec {
   int32_t k;                   // drafts per verify
   bool adaptive;               // fall back to plain steps when drafting does not pay
   bool plain = false;          // fell back: plain steps from here on
-  bool judged = false;         // adaptive: the timing rule decided at least once (drafting paid or not)
-  bool skipped = false;        // began plain because earlier streams found drafting did not pay
+  int64_t probe = 0;           // adaptive: plain steps still to time before the first verify
   int32_t pending;             // the last token drawn (returned or queued), not yet fed
   std::deque<int32_t> queue;   // drawn, not yet returned by next()
   SpecStats stats;
@@ -38,10 +37,6 @@ struct TokenStream::Spec {
 
   std::vector<float> draft_logits, verify_logits, step_logits;  // [k, V], [k + 1, V], [V]
 
-  // Timing of the adaptive rule: plain steps measured first, then windows of verifies.
-  double plain_best_s = 0;     // fastest plain step (s per token)
-  int64_t window_verifies = 0, window_tokens = 0;
-  double window_s = 0;
 };
 
 }  // namespace lily

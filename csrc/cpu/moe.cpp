@@ -49,10 +49,10 @@ void moe_forward(ThreadPool& pool, const kp::MoeParams& p, const MoeWeights& w, 
   grow(sc.top_w, S * k);
   grow(sc.rows, S * k);
   grow(sc.row_w, S * k);
-  grow(sc.hb, S * H);
-  grow(sc.d, S * H);
-  grow(sc.g, S * I);
-  grow(sc.up, S * I);
+  grow(sc.hb, S * k * H);
+  grow(sc.d, S * k * H);
+  grow(sc.g, S * k * I);
+  grow(sc.up, S * k * I);
   grow(sc.sg, S * Is);
   grow(sc.su, S * Is);
   grow(sc.sig, S);
@@ -83,27 +83,51 @@ void moe_forward(ThreadPool& pool, const kp::MoeParams& p, const MoeWeights& w, 
     sc.row_w[pos] = sc.top_w[i];
   }
 
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
-    const int* rows = sc.rows.data() + start[e];
-    const float* rw = sc.row_w.data() + start[e];
-    // One row (always the case in decode) is read in place; more rows are gathered contiguously.
-    const float* xin = h + static_cast<int64_t>(rows[0]) * H;
-    if (n > 1) {
-      for (int64_t i = 0; i < n; ++i) std::memcpy(sc.hb.data() + i * H, h + rows[i] * H, sizeof(float) * H);
-      xin = sc.hb.data();
+  // The active experts' FFNs as one pool job per stage (gate+up, then down), split into (expert, output tile) items,
+  // not one job per expert and matrix: a decode step or a speculative verify touches k to (rows * k) experts, and
+  // a pool dispatch per small GEMV dominated them. Each output row is linear_rows' own arithmetic over the expert's
+  // n rows, whatever the split, so results are those of per-expert calls bit for bit.
+  struct Active {
+    int64_t e, n, at;  // expert, its rows, their first slot in the grouped order
+  };
+  std::vector<Active> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back({e, start[e + 1] - start[e], start[e]});
+  for (int64_t pos = 0; pos < S * k; ++pos)  // inputs gathered in the grouped order: [S*k, H]
+    std::memcpy(sc.hb.data() + pos * H, h + static_cast<int64_t>(sc.rows[pos]) * H, sizeof(float) * H);
+  struct Item {
+    const Active* x;
+    int64_t r0, r1;  // output rows
+  };
+  std::vector<Item> items;
+  auto stage = [&](int64_t out, int64_t in, auto&& body) {  // body(expert, r0, r1) over (expert, output tile) items
+    items.clear();
+    for (const Active& x : active) {  // ~32K multiply-adds per item, whole tiles of 4 rows
+      const int64_t t = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, in * x.n)) / 4 * 4);
+      for (int64_t r0 = 0; r0 < out; r0 += t) items.push_back({&x, r0, std::min(r0 + t, out)});
     }
-    linear(pool, w.gate.expert(e), xin, n, sc.g.data());
-    linear(pool, w.up.expert(e), xin, n, sc.up.data());
-    for (int64_t i = 0; i < n * I; ++i) sc.g[i] = silu(sc.g[i]) * sc.up[i];
-    linear(pool, w.down.expert(e), sc.g.data(), n, sc.d.data());
-    for (int64_t i = 0; i < n; ++i) {
-      float* o = out + rows[i] * H;
-      const float* d = sc.d.data() + i * H;
-      for (int64_t j = 0; j < H; ++j) o[j] += rw[i] * d[j];
+    pool.parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) body(*items[i].x, items[i].r0, items[i].r1);
+    });
+  };
+  stage(I, H, [&](const Active& x, int64_t r0, int64_t r1) {
+    const float* in = sc.hb.data() + x.at * H;
+    linear_rows(w.gate.expert(x.e), in, H, x.n, sc.g.data() + x.at * I, I, r0, r1);
+    linear_rows(w.up.expert(x.e), in, H, x.n, sc.up.data() + x.at * I, I, r0, r1);
+  });
+  for (int64_t i = 0; i < S * k * I; ++i) sc.g[i] = silu(sc.g[i]) * sc.up[i];
+  stage(H, I, [&](const Active& x, int64_t r0, int64_t r1) {
+    linear_rows(w.down.expert(x.e), sc.g.data() + x.at * I, I, x.n, sc.d.data() + x.at * H, H, r0, r1);
+  });
+
+  // Combine in ascending expert order per row (as a one-row step adds them).
+  for (const Active& x : active)
+    for (int64_t i = 0; i < x.n; ++i) {
+      float* o = out + static_cast<int64_t>(sc.rows[x.at + i]) * H;
+      const float* d = sc.d.data() + (x.at + i) * H;
+      const float rw = sc.row_w[x.at + i];
+      for (int64_t j = 0; j < H; ++j) o[j] += rw * d[j];
     }
-  }
 }
 
 }  // namespace lily::cpu

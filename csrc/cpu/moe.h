@@ -16,7 +16,7 @@ struct MoeScratch {
   std::vector<float> top_w;        // [S, k]
   std::vector<int> rows;           // [S*k] rows grouped by expert
   std::vector<float> row_w;        // [S*k]
-  std::vector<float> hb, g, up, d; // [S, H], [S, I], [S, I], [S, H]
+  std::vector<float> hb, g, up, d; // [S*k, H], [S*k, I], [S*k, I], [S*k, H]: (row, expert) pairs by expert
   std::vector<float> sg, su;       // [S, Is]
   std::vector<float> sig;          // [S]
 };

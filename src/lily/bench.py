@@ -335,17 +335,18 @@ def speculative_runs(model: Any, drafts: Sequence[int] | None, tokens: int, repe
     """Plain vs speculative greedy decoding of SPECULATIVE_PROMPT (see the module docstring); without a head,
     {available: False, reason}."""
     from .server.speculative import no_head_reason
-    from .session import DEFAULT_DRAFTS
+    from .session import default_drafts
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     reason = no_head_reason(model)
     if reason is not None:
         why = "no MTP head" if getattr(model, "mtp", None) is None else reason
         log(f"[bench] speculative: {why}")
         return {"available": False, "reason": why}
-    ks = list(drafts) if drafts else [DEFAULT_DRAFTS]
+    k_auto = default_drafts(model.backend)
+    ks = list(drafts) if drafts else [k_auto]
     # (label, the speculative option, the stream's own fallback to plain steps)
     modes: list[tuple[str, bool | int | None, bool]] = [("plain", False, True)]
-    modes += [(f"speculative k={k}", int(k), False) for k in ks] + [(f"auto (k={DEFAULT_DRAFTS})", None, True)]
+    modes += [(f"speculative k={k}", int(k), False) for k in ks] + [(f"auto (k={k_auto})", None, True)]
 
     def run(option: bool | int | None, adaptive: bool, n: int) -> Any:
         s = model.session()

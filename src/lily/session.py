@@ -38,8 +38,16 @@ from .tokenizer import Tokenizer
 if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
 
-# drafted tokens per speculative step by default (measured: benchmarks/results/README.md, speculative decoding)
+# drafted tokens per speculative step by default, by backend: on the CPU a step's cost grows ~0.7 plain steps per
+# draft, so one draft is the best k at every acceptance the bundled head reaches (benchmarks/results/README.md,
+# speculative decoding); the GPUs' k is not measured yet (3, what MTP and EAGLE engines use on GPUs)
 DEFAULT_DRAFTS = 3
+DEFAULT_DRAFTS_BY_BACKEND = {"cpu": 1}
+
+
+def default_drafts(backend: str) -> int:
+    """Drafted tokens per speculative step when a request does not say (speculative=None or True)."""
+    return DEFAULT_DRAFTS_BY_BACKEND.get(str(backend), DEFAULT_DRAFTS)
 
 # progress(done, total) is called between prefill pieces; it may raise (e.g. to cancel a request)
 ProgressCallback = Callable[[int, int], None]
@@ -137,7 +145,7 @@ class Session:
         # speculative decoding with the model's MTP head (when the engine has one): drafted tokens per step, and
         # whether a stream falls back to plain steps by itself when drafting does not pay (env
         # LILY_SPECULATIVE_ADAPTIVE=0 keeps drafting: tests and ablations)
-        self.speculative_k = DEFAULT_DRAFTS
+        self.speculative_k = default_drafts(getattr(engine, "backend", ""))
         self.speculative_adaptive = os.environ.get("LILY_SPECULATIVE_ADAPTIVE", "1") not in ("0", "false", "no")
         # why the engine cannot draft although the model has a head (Model.session fills it in), for the error
         self.speculation_unavailable: str | None = None

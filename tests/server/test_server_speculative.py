@@ -11,6 +11,7 @@ import re
 import pytest
 from _http import httpx
 from _live import NO_THINK, LiveServer
+from lily.session import default_drafts
 
 USER = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
 ADAPTIVE_OFF = {"LILY_SPECULATIVE_ADAPTIVE": "0"}  # keep drafting: the tiny model's verify rarely pays by the clock
@@ -66,7 +67,7 @@ def test_greedy_chat_is_the_same_with_and_without_drafting(spec_client):
         t = r.model_extra["timings"]
         assert t["draft_n"] == d.accepted_prediction_tokens + d.rejected_prediction_tokens
         assert t["draft_n_accepted"] == d.accepted_prediction_tokens and t["verify_n"] > 0
-        k = 3 if spec is True or spec is None else spec
+        k = default_drafts("cpu") if spec is True or spec is None else spec
         assert t["speculative"] == f"speculative k={k}"
 
 

@@ -87,7 +87,7 @@ def head_summary(model: Any, default: bool | int | None = None) -> str:
     head = f"MTP head from {mtp.source}" if mtp is not None else "MTP head"
     if default is False:
         return f"off by default, on for requests that ask ({head})"
-    from ..session import DEFAULT_DRAFTS
-    k = DEFAULT_DRAFTS if default is None or default is True else int(default)
+    from ..session import default_drafts
+    k = default_drafts(model.backend) if default is None or default is True else int(default)
     return (f"{'auto' if default is None else 'on'}, {k} drafted token{'s' if k != 1 else ''} per step, plain steps "
             f"where drafting does not pay ({head})")
