@@ -124,15 +124,8 @@ def test_mtp_none_leaves_the_head_out(drafting, capsys):
 
 
 def _chat(ckpt: str, lines: list[str], monkeypatch, *extra: str) -> int:
-    feed = iter(lines)
-
-    def fake_input(prompt=""):
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    from typed_input import feed_input
+    feed_input(monkeypatch, lines)
     return main(["chat", "--model", ckpt, "--backend", "cpu", "--threads", "2", "-n", "24", "-t", "0", "--no-think",
                  *extra])
 

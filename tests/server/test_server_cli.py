@@ -12,15 +12,8 @@ SYSTEM = "You are a helpful assistant. Answer briefly and politely, and say when
 
 
 def _run_chat(monkeypatch, capsys, ckpt, lines, *extra):
-    feed = iter(lines)
-
-    def fake_input(prompt=""):
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    from typed_input import feed_input
+    feed_input(monkeypatch, lines)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from _live import backend
     rc = main(["chat", "--model", str(ckpt), "--backend", backend(), "-n", "8", "-t", "0", "--no-think", *extra])
