@@ -139,6 +139,7 @@ class Session:
         self.prefix_cache = prefix_cache
         self.progress_tokens = 4096      # prefill piece between progress callbacks (when one is given)
         self.metadata: dict[str, Any] = {}  # what Session.save(path, metadata=...) stored
+        self.last_stats: GenerationStats | None = None  # the latest generation's (see _decode_loop)
         # sample on the device where the engine can (the logits row then never crosses to the host); env
         # LILY_DEVICE_SAMPLING=0 or setting this False keeps every draw on the host (lily.sampling.Sampler)
         self.device_sampling = os.environ.get("LILY_DEVICE_SAMPLING", "1") not in ("0", "false", "no")
@@ -387,6 +388,7 @@ class Session:
         # timings start when the stream is first pulled (plus the prompt preparation time)
         t0 = time.perf_counter() - prep_s
         stats = GenerationStats(prompt_tokens=self.position + len(new), cached_tokens=len(self._tokens))
+        self.last_stats = stats  # filled in as the generation runs (a server that stops it reads what it did)
         logits = self._feed_prompt(new, progress)
         stats.prefill_s = time.perf_counter() - t0
         sampler = Sampler(params, logits.shape[-1], prompt_tokens=self.tokens, constraint=constraint)

@@ -173,3 +173,19 @@ def test_without_a_head_drafting_is_a_400_naming_mtp(server, client):
         r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4,
                                            extra_body={**NO_THINK, "speculative": spec})
         assert r.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+def test_a_stopped_request_reports_its_drafts(drafting_ckpt, tmp_path):
+    """A request the server stops (here its timeout) answers with what it generated, drafts counted too."""
+    srv = LiveServer(drafting_ckpt, tmp_path / "serve.log", "--request-timeout", "1",
+                     env={**ADAPTIVE_OFF, "LILY_TEST_STEP_DELAY": "0.02"})
+    try:
+        r = _post(srv, "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 3000,
+                                                "temperature": 0, "speculative": 2, **NO_THINK})
+        body = r.json()
+        assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "length", body
+        assert body["choices"][0]["stop_reason"] == "request_timeout"
+        d = body["usage"]["completion_tokens_details"]
+        assert d["accepted_prediction_tokens"] + d["rejected_prediction_tokens"] > 0, body["usage"]
+    finally:
+        srv.stop()

@@ -473,6 +473,10 @@ class EngineWorker:
                                 generated_tokens=job.steps, ttft_s=first - job.began if job.steps else 0.0,
                                 prefill_s=first - job.began, decode_s=now - first if job.steps else 0.0,
                                 total_s=now - job.began)
+        ran = getattr(job.session, "last_stats", None)  # the stopped generation's own (its stream is closed)
+        if ran is not None:
+            stats.speculative, stats.drafted_tokens = ran.speculative, ran.drafted_tokens
+            stats.accepted_tokens, stats.verify_steps = ran.accepted_tokens, ran.verify_steps
         return GenerationChunk("", -1, finish_reason=FINISH_LENGTH, stop_reason=reason, stats=stats)
 
     def _end(self, job: Job, error: BaseException | None, started: bool = True) -> None:
