@@ -404,3 +404,20 @@ def test_bundled_model_drafts_exactly():
         r2 = b.generate(prompt, max_tokens=120, temperature=0, speculative=3)
         _same(r1, r2)
         assert r2.stats.accepted_tokens > 0.25 * r2.stats.drafted_tokens, r2.stats.summary()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])  # the plain probe step's row, or a verify's
+def test_non_finite_logits_stop_a_speculative_generation(tmp_path, adaptive):
+    """As plain decoding does: NaN in a row the stream would draw from is lily.NonFiniteLogitsError, and the
+    session holds only tokens it was given."""
+    import lily
+    m = _pair(tmp_path, 0.0)
+    s = m.session()
+    s.speculative_adaptive = adaptive
+    s.prefill("hello there")
+    arrays = s._state.export_arrays()
+    arrays["dn.0.ssm"] = np.full_like(np.asarray(arrays["dn.0.ssm"]), np.nan)  # the next forward's rows are NaN
+    s._state.import_arrays(arrays)
+    with pytest.raises(lily.NonFiniteLogitsError, match="non-finite logits"):
+        s.generate(max_tokens=8, temperature=0, speculative=2)
+    assert s._state.position <= len(s.tokens)

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "cpu/sample.h"
@@ -51,6 +53,17 @@ int32_t draw_residual(const cpu::RowWeights& p, const cpu::RowWeights& q, float 
   return total > 0 ? cpu::draw_weighted(r, total, last, uniform) : cpu::draw(p, uniform);
 }
 
+// Where plain decoding would stop with a clear error (lily.NonFiniteLogitsError): a row it draws from holds NaN or
+// inf. Empty when the row [V] is finite.
+std::string non_finite(const float* row, int64_t V, int64_t position) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < V; ++i) bad += !std::isfinite(row[i]);
+  if (!bad) return {};
+  return "[generate] the model produced " + std::to_string(bad) + " non-finite logits (NaN or inf) after position " +
+         std::to_string(position) + ": the weights or a kernel are broken (check the checkpoint: a NaN in a weight "
+         "tensor does this)";
+}
+
 }  // namespace
 
 TokenStream::SpecStats TokenStream::spec_stats() const { return spec_ ? spec_->stats : SpecStats{}; }
@@ -70,6 +83,10 @@ void TokenStream::spec_begin(bool head_current) {
 int32_t TokenStream::spec_next() {
   Spec& sp = *spec_;
   if (ended_ || closed_) return -1;
+  if (sp.queue.empty() && !sp.error.empty()) {
+    ended_ = true;
+    throw std::domain_error(sp.error);
+  }
   if (sp.queue.empty()) {
     if (returned_ >= opt_.max_tokens || st_.position >= eng_.max_context_) {
       ended_ = true;
@@ -78,6 +95,10 @@ int32_t TokenStream::spec_next() {
     eng_.park_active(nullptr);  // another stream's device steps finish before this one uses the backend
     if (sp.plain || sp.probe > 0) spec_plain_step();
     else spec_iterate();
+    if (sp.queue.empty()) {  // the step met non-finite logits before it drew anything
+      ended_ = true;
+      throw std::domain_error(sp.error);
+    }
   }
   const int32_t tok = sp.queue.front();
   sp.queue.pop_front();
@@ -98,15 +119,20 @@ void TokenStream::spec_plain_step() {
   st.reserve(st.position + 1);
   const auto t0 = Clock::now();
   eng_.run_step(st, DecodeStep{0, sp.pending, st.position, false, 0.f}, sp.step_logits.data());
+  ++launched_;
+  sp.fed.assign(1, sp.pending);
+  sp.snap_position = -1;  // nothing to take back: the one fed token is the host's already
+  sp.error = non_finite(sp.step_logits.data(), V, st.position);
+  if (!sp.error.empty()) {
+    ended_ = true;
+    throw std::domain_error(sp.error);
+  }
   SampleOptions& so = opt_.sample;
   const int32_t y = cpu::sample_draw(sp.step_logits.data(), V, so, so.seen, so.counts, next_uniform());
   const double dt = seconds_since(t0);
   Engine::SpecHistory& h = eng_.spec_history_;
   if (sp.probe > 0) --sp.probe, h.plain_s = h.plain_s == 0 ? dt : std::min(h.plain_s, dt);
   ++sp.stats.plain_steps;
-  ++launched_;
-  sp.fed.assign(1, sp.pending);
-  sp.snap_position = -1;  // nothing to take back: the one fed token is the host's already
   sp.queue.push_back(y);
   sp.pending = y;
 }
@@ -174,6 +200,9 @@ void TokenStream::spec_iterate() {
   int64_t a = 0;
   int32_t y = -1;
   for (int64_t j = 0; j <= k; ++j) {
+    // a row plain decoding would draw from: non-finite, the stream returns the drafts accepted so far, then fails
+    sp.error = non_finite(&sp.verify_logits[j * V], V, P + j);
+    if (!sp.error.empty()) break;
     const cpu::RowWeights p = cpu::sample_weights(&sp.verify_logits[j * V], V, so, so.seen, so.counts);
     if (j == k) {
       y = cpu::draw(p, greedy ? 0.f : next_uniform());
@@ -192,7 +221,7 @@ void TokenStream::spec_iterate() {
     so.seen[d] = 1, so.counts[d] += 1;
     ++a;
   }
-  so.seen[y] = 1, so.counts[y] += 1;
+  if (y >= 0) so.seen[y] = 1, so.counts[y] += 1;
 
   // 4. Commit [t, d_1 .. d_a].
   if (a < k && rows_kept) {  // the states after row a, kept by the verify
@@ -210,8 +239,8 @@ void TokenStream::spec_iterate() {
   launched_ += a + 1;
   sp.fed.assign(rows.begin(), rows.begin() + a + 1);
   for (int64_t j = 1; j <= a; ++j) sp.queue.push_back(rows[j]);
-  sp.queue.push_back(y);
-  sp.pending = y;
+  if (y >= 0) sp.queue.push_back(y), sp.pending = y;
+  sp.step_tokens = a + (y >= 0 ? 1 : 0);
   sp.stats.drafted += k;
   sp.stats.accepted += a;
   ++sp.stats.verifies;
@@ -243,7 +272,7 @@ void TokenStream::spec_rewind() {
   Spec& sp = *spec_;
   if (sp.queue.empty() || sp.snap_position < 0) return;
   const int64_t a = static_cast<int64_t>(sp.fed.size()) - 1;
-  const int64_t m = a + 1 - static_cast<int64_t>(sp.queue.size());  // tokens next() returned from this step
+  const int64_t m = sp.step_tokens - static_cast<int64_t>(sp.queue.size());  // tokens next() returned from the step
   sp.queue.clear();
   if (m >= a) return;  // every fed draft reached the host
   State& st = st_;

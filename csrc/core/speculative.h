@@ -24,6 +24,7 @@ struct TokenStream::Spec {
   int64_t probe = 0;           // adaptive: plain steps still to time before the first verify
   int32_t pending;             // the last token drawn (returned or queued), not yet fed
   std::deque<int32_t> queue;   // drawn, not yet returned by next()
+  std::string error;           // non-finite logits met: next() throws it once the queue is returned
   SpecStats stats;
 
   // The rewind point: the state before the last verify (position snap_position; -1: none held), and the tokens
@@ -34,6 +35,7 @@ struct TokenStream::Spec {
   std::vector<Buffer> snap_ssm, snap_conv;
   Buffer snap_hidden;
   std::vector<int32_t> fed;
+  int64_t step_tokens = 0;     // tokens the last step queued (the accepted drafts, and its draw unless it failed)
 
   std::vector<float> draft_logits, verify_logits, step_logits;  // [k, V], [k + 1, V], [V]
 

@@ -495,7 +495,12 @@ class Session:
         try:
             for _ in range(max_tokens):
                 if speculative:
-                    token = stream.next()
+                    try:
+                        token = stream.next()
+                    except ValueError as e:  # the extension's check of the rows it draws from
+                        if "non-finite logits" in str(e):
+                            raise NonFiniteLogitsError(str(e)) from None
+                        raise
                     if token < 0:
                         return
                     sampler.accept(token)
