@@ -73,6 +73,40 @@ def cost_part(cfg, backend: str, ks: list[int], tokens: int, repeats: int) -> di
     return out
 
 
+def rows_part(model, context: int, ks: list[int], repeats: int = 20) -> dict:
+    """A verify's main-model cost on any backend, head or not: the forward of k + 1 rows at `context` against one
+    decode step there, r(k) = t(k + 1 rows) / t(step), and the speed-up it implies at tau tokens per verify if
+    drafting were free: tau / r(k) (the head's k rows, one layer each, come on top). Today's forward of few rows is
+    the prefill path (not the exact-rows verify)."""
+    eng = model.engine
+    rng = np.random.default_rng(0)
+    st = eng.new_state()
+    eng.forward(st, rng.integers(0, model.vocab_size, context).astype(np.int32), logits="none")
+    snap = st.snapshot()
+
+    def timed(n: int) -> float:
+        ts = []
+        for _ in range(repeats):
+            st.restore(snap)
+            ids = rng.integers(0, model.vocab_size, n).astype(np.int32)
+            t0 = time.perf_counter()
+            eng.forward(st, ids, logits="all" if n > 1 else "last")
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    timed(1)  # warm-up (graphs, first-use allocations)
+    step = timed(1)
+    out = {"context": context, "step_ms": step * 1e3, "k": {}}
+    print(f"  one decode step at {context}: {step * 1e3:.3f} ms", flush=True)
+    for k in ks:
+        t = timed(k + 1)
+        r = t / step
+        out["k"][k] = {"rows_ms": t * 1e3, "cost_in_steps": r, "implied_speedup": {str(tau): tau / r for tau in TAUS}}
+        print(f"  k={k}: {k + 1} rows = {t * 1e3:.3f} ms = {r:.2f} steps; implied speed-up "
+              + ", ".join(f"{tau}: {tau / r:.2f}x" for tau in TAUS), flush=True)
+    return out
+
+
 def plot(path: Path, result: dict) -> bool:
     try:
         import matplotlib
@@ -115,10 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--repeats", type=int, default=3, help="runs per case (median; the step cost: fastest)")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--rows-only", type=int, default=0, metavar="CONTEXT",
+                    help="only the main model's cost of k + 1 rows against a step at this context (any backend, "
+                         "no head needed); writes speculative_rows_<tag>.json")
     a = ap.parse_args(argv)
     import lily
     ks = [int(k) for k in a.ks.split(",")]
     model = lily.load(a.model, backend=a.backend, mtp=a.mtp)
+    if a.rows_only:
+        name = Path(model.path).name if a.model else "bundled"
+        print(f"[speculative] rows: {name} on {model.backend}", flush=True)
+        result = {"model_name": name, "backend": model.backend, "hardware": hardware(), "git_sha": git_sha(),
+                  "rows": rows_part(model, a.rows_only, ks)}
+        out = RESULTS / f"speculative_rows_{a.tag or model.backend + '_' + name}.json"
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"[speculative] wrote {out}")
+        return 0
     if not model.engine.has_mtp:
         print(f"[speculative] {model.path} on {a.backend}: the engine runs no MTP head; nothing to measure")
         return 1

@@ -71,7 +71,7 @@ def test_cuda_device_draws_equal_host_draws_for_a_seed():
     """On the same CUDA rows, a session drawing on the device (one step ahead) and one drawing every token on the
     host Sampler (lock-step) give the same tokens for the same seed and options."""
     import lily
-    model = lily.load(backend="cuda")
+    model = lily.load(backend="cuda", mtp=False)
     for kw in SEEDED:
         dev, host = model.session(), model.session()
         host.device_sampling = False
@@ -98,7 +98,9 @@ def test_cuda_generates_the_cpu_tokens_for_a_seed():
     from lily.sampling import resolve_sampling, stream_uniform
     from lily.testing.stream_checks import parting_explained
 
-    cpu, gpu = lily.load(backend="cpu"), lily.load(backend="cuda")
+    # the plain token loop on both (the bundled model's MTP head would make the CPU draw speculatively: the same
+    # distribution, other draws for a seed; tests/test_speculative.py holds that rule)
+    cpu, gpu = lily.load(backend="cpu", mtp=False), lily.load(backend="cuda", mtp=False)
     parted = []
     for kw in SEEDED:
         want = cpu.generate(PROMPT, max_tokens=32, **kw).token_ids
@@ -133,7 +135,9 @@ def test_cuda_draws_at_every_step_of_the_cpu_text():
     from lily.sampling import draw_token
     from lily.testing.stream_checks import near_boundary, parting_explained, parting_probability, teacher_forced_draws
 
-    cpu, gpu = lily.load(backend="cpu"), lily.load(backend="cuda")
+    # the plain token loop on both (the bundled model's MTP head would make the CPU draw speculatively: the same
+    # distribution, other draws for a seed; tests/test_speculative.py holds that rule)
+    cpu, gpu = lily.load(backend="cpu", mtp=False), lily.load(backend="cuda", mtp=False)
     for kw in SEEDED:
         params, ids, steps = teacher_forced_draws(cpu, gpu, PROMPT, 32, **kw)
         want = [s.want for s in steps]
