@@ -88,6 +88,11 @@ def _explained(x, params, seen, counts, u, token, xk) -> bool:
     for uu in us:
         if draw_token(x, params, seen, counts, uu) == token:
             return True
+    # any u' within eps of u, not only its ends: the draw walks the vocabulary in order, so it is monotone in u, and
+    # in a row's far tail (one dominant token, u near 1) many tokens lie between the ends' draws
+    if draw_token(x, params, seen, counts, max(0.0, u - eps)) <= token <= \
+            draw_token(x, params, seen, counts, min(1 - 1e-9, u + eps)):
+        return True
     for tp, mp, uu in itertools.product(tps, mps, us):
         if draw_token(xk, dataclasses.replace(bare, top_p=tp, min_p=mp), None, None, uu) == token:
             return True
