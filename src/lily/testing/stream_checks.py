@@ -21,6 +21,14 @@ from .tolerances import KERNEL_CHECKS
 CDF_TOL = KERNEL_CHECKS["sample_rel"]
 
 
+def _kept(row: np.ndarray, params: SamplingParams, seen: np.ndarray, counts: np.ndarray):
+    """The host rule's kept tokens of row [V] and their probabilities, in vocabulary order (ids, p)."""
+    s = Sampler(params, row.size)
+    s.seen[:] = np.asarray(seen).astype(bool)
+    s.counts[:] = np.asarray(counts, np.int32)
+    return s.candidates(s.process(row))
+
+
 def near_boundary(logits, params, seen, counts, u, token) -> bool:
     """True when `token` is kept by the host sampler and u lies within CDF_TOL of its CDF interval."""
     lo_tok = draw_token(logits, params, seen, counts, max(0.0, u - CDF_TOL))
@@ -99,13 +107,7 @@ def parting_explained(row_a: np.ndarray, row_b: np.ndarray, params: SamplingPara
     token_a must be a draw from row_b with a number within delta of u (draws are monotone in u). This holds by that
     bound whenever token_a is the host rule's draw from row_a: it checks the two rows' comparison, not a device's
     rule (that is: a device's draw == the host rule's on the device's own row, `draws_vs_host`)."""
-    probs = []
-    for row in (row_a, row_b):
-        s = Sampler(params, row.size)
-        s.seen[:] = np.asarray(seen).astype(bool)
-        s.counts[:] = np.asarray(counts, np.int32)
-        ids, p = s.candidates(s.process(row))
-        probs.append(dict(zip(ids.tolist(), p.tolist())))
+    probs = [dict(zip(ids.tolist(), p.tolist())) for ids, p in (_kept(r, params, seen, counts) for r in (row_a, row_b))]
     delta = sum(abs(probs[0].get(k, 0.0) - probs[1].get(k, 0.0)) for k in probs[0].keys() | probs[1].keys())
     lo = draw_token(row_b, params, seen, counts, max(0.0, u - delta - CDF_TOL))
     hi = draw_token(row_b, params, seen, counts, min(1 - 1e-9, u + delta + CDF_TOL))
@@ -167,13 +169,7 @@ def parting_probability(row_a: np.ndarray, row_b: np.ndarray, params: SamplingPa
                         counts: np.ndarray) -> float:
     """The measure of the uniform numbers u in [0, 1) for which the draws from row_a and row_b (the same record and
     options; sampled, not greedy) differ: the chance that two backends whose rows are these part at this step."""
-    cdfs = []
-    for row in (row_a, row_b):
-        s = Sampler(params, row.size)
-        s.seen[:] = np.asarray(seen).astype(bool)
-        s.counts[:] = np.asarray(counts, np.int32)
-        ids, p = s.candidates(s.process(row))
-        cdfs.append((ids, np.cumsum(p)))
+    cdfs = [(ids, np.cumsum(p)) for ids, p in (_kept(r, params, seen, counts) for r in (row_a, row_b))]
     edges = np.unique(np.concatenate([[0.0, 1.0], np.clip(cdfs[0][1], 0, 1), np.clip(cdfs[1][1], 0, 1)]))
     mids, widths = (edges[1:] + edges[:-1]) / 2, np.diff(edges)
     tok = [ids[np.minimum(np.searchsorted(cdf, mids, side="right"), ids.size - 1)] for ids, cdf in cdfs]
