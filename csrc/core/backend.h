@@ -97,7 +97,9 @@ class Backend {
   // and run the kept rows again.
   virtual bool keeps_state_rows() const { return false; }
   virtual void keep_state_rows(bool on) {}
-  virtual void take_state_row(State& st, int64_t row) { no_mtp(); }
+  virtual void take_state_row(State& st, int64_t row) {
+    throw std::logic_error(std::string("[lily] backend '") + name() + "' keeps no DeltaNet state rows");
+  }
 
   // ---- decode steps: the engine brackets every one-token step ---------------------------------------------
   // begin_step(st, d) -> [embed(&d.token, 1), the layer loop for 1 row, head_step(d)] -> end_step(st, d, logits).
