@@ -557,6 +557,58 @@ nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> 
   return res;
 }
 
+// gemv_rows(segments=[{w0, w1?, mode, y0?}], in_, x [M, in] | xf [M, in] + nw, ...): see the docstring at registration.
+nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> x, std::optional<F32> xf,
+                   std::optional<F32> nw, double eps, bool h_out, bool head) {
+  const char* op = "gemv_rows";
+  std::vector<Any> keep;
+  std::vector<F32> keep32;
+  ops::RowsCall c;
+  c.xmode = xmode, c.in = in, c.eps = static_cast<float>(eps);
+  if (x) c.rows = static_cast<int>(check(op, "x", *x, {-1, in})[0]), c.xb = x->data();
+  if (xf) c.rows = static_cast<int>(check(op, "xf", *xf, {-1, in})[0]), c.xf = xf->data();
+  if (nw) c.nw = nw->data(), check(op, "nw", *nw, {in});
+  require(xmode == 0 ? c.xb != nullptr : c.xf != nullptr && c.nw != nullptr, op,
+          "xmode 0 reads x (bf16 [M, in]), xmode 1 xf (fp32 [M, in]) and nw (fp32 [in])");
+  const int64_t M = c.rows;
+  nb::dict res;
+  nb::list ys;
+  for (nb::handle h : segments) {
+    nb::dict d = nb::borrow<nb::dict>(h);
+    ops::RowsSegment s;
+    s.mode = nb::cast<int>(d["mode"]);
+    s.w0 = weight(op, "w0", d["w0"], false, keep);
+    s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], false, keep) : s.w0;
+    if (d.contains("y0") && !d["y0"].is_none()) {
+      keep32.push_back(nb::cast<F32>(d["y0"]));
+      check(op, "y0", keep32.back(), {M, s.w0.out});
+      s.y0 = keep32.back().data();
+    }
+    if (s.mode == 2) {
+      auto [y, py] = out<uint16_t>({M, s.w0.out});
+      s.yb = py, ys.append(y);
+    } else {
+      auto [y, py] = out<float>({M, s.w0.out});
+      s.y = py, ys.append(y);
+    }
+    c.segs.push_back(s);
+  }
+  if (h_out) {
+    auto [hh, ph] = out<uint16_t>({M, in});
+    c.h_out = ph, res["h_out"] = hh;
+  }
+  std::vector<unsigned long long> amax;
+  if (head) c.amax = &amax;
+  const unsigned blocks = ops::gemv_rows(c);
+  res["y"] = ys, res["blocks"] = blocks;
+  if (head) {
+    auto [keys, pk] = out<uint64_t>({static_cast<int64_t>(blocks), M});
+    std::copy(amax.begin(), amax.end(), pk);
+    res["amax"] = keys;
+  }
+  return res;
+}
+
 nb::object gemv_moe_down(const F32& x, const U16& act, const U16& sact, const I32& ids, const F32& w, double sgate,
                          nb::handle wd, nb::handle ws) {
   const char* op = "gemv_moe_down";
@@ -704,6 +756,15 @@ void register_cuda_ops(nb::module_& parent) {
         "conv_state, amax, token)");
   m.def("gemv_moe_down", &gemv_moe_down, "x"_a, "act"_a, "sact"_a, "ids"_a, "w"_a, "sgate"_a, "wd"_a, "ws"_a,
         "x fp32 [H] + routed experts' down of act bf16 [k, I] + sigmoid(sgate) shared down of sact bf16 [Is]");
+  m.def("gemv_rows", &gemv_rows, "segments"_a, "in_"_a, "xmode"_a = 0, "x"_a = nb::none(), "xf"_a = nb::none(),
+        "nw"_a = nb::none(), "eps"_a = 1e-6, "h_out"_a = false, "head"_a = false,
+        "One M-row decode GEMV launch (M = 1..8). segments: dicts {w0, w1 (dual), mode (0 store, 1 accumulate onto y0 "
+        "[M, out], 2 dual)}; xmode 0: x bf16 [M, in], 1: RMSNorm of xf fp32 [M, in] with nw and eps (h_out: its bf16 "
+        "rows). head: the blocks' argmax keys [blocks, M]. -> dict(y=[per segment [M, out]], blocks, h_out, amax)");
+  m.def("gemv_rows_fits", [](nb::handle w) {
+          std::vector<Any> keep;
+          return ops::gemv_rows_fits(weight("gemv_rows_fits", "w", w, false, keep));
+        }, "w"_a, "whether the M-row decode GEMV takes this weight");
   m.def("gemv_fits", &gemv_fits, "w"_a, "whether the decode GEMV takes this weight");
   m.def("gemv_head_blocks", &ops::gemv_head_blocks, "rows"_a);
   m.def("sample_launch", &sample_launch, "logits"_a, "uniform"_a, "seen"_a, "counts"_a, "temperature"_a = 1.0,

@@ -171,6 +171,31 @@ void gemv_moe_down(const Linear& wd, const Linear& ws, const uint16_t* act, cons
 bool gemv_fits(const Linear& w);
 int64_t gemv_head_blocks(int64_t rows);
 
+// ---- the M-row decode GEMV (gemv_rows.cuh) ----
+// One segment: weight w0 (w1: the up projection of a dual segment), output mode (rows::OMode); outputs y fp32 [M, out]
+// (store; accumulate starts from y0 [M, out]) or yb bf16 [M, out] (dual).
+struct RowsSegment {
+  Linear w0, w1;
+  int mode = 0;
+  const float* y0 = nullptr;
+  float* y = nullptr;
+  uint16_t* yb = nullptr;
+};
+struct RowsCall {
+  std::vector<RowsSegment> segs;
+  int rows = 1;   // M
+  int xmode = 0;  // rows::XMode: 0 bf16 xb [M, in], 1 RMSNorm of xf fp32 [M, in] with nw fp32 [in] and eps
+  int64_t in = 0;
+  float eps = 0.f;
+  const uint16_t* xb = nullptr;
+  const float *xf = nullptr, *nw = nullptr;
+  uint16_t* h_out = nullptr;                        // xmode 1: the normed rows bf16 [M, in]
+  std::vector<unsigned long long>* amax = nullptr;  // one store segment: the blocks' keys [blocks, M] (resized)
+};
+// Returns the blocks launched (rows::proj).
+unsigned gemv_rows(const RowsCall& c);
+bool gemv_rows_fits(const Linear& w);
+
 // ---- the device sampler (sample.cuh) ----
 // One draw through sample::launch with every buffer visible: logits fp32 [V]; seen uint8, counts int32 [V + guard]
 // (updated in place; entries past V must stay as they were); x_out fp32 [V + guard] the processed-logits scratch

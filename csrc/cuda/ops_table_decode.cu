@@ -2,6 +2,7 @@
 // tensor-core decode), the decode GEMV (proj with its prologues and epilogues, the MoE down), the device sampler.
 #include "cuda/attention.cuh"
 #include "cuda/gemv.cuh"
+#include "cuda/gemv_rows.cuh"
 #include "cuda/ops_table_dev.cuh"
 #include "cuda/sample.cuh"
 
@@ -161,6 +162,52 @@ bool gemv_fits(const Linear& w) {
 }
 
 int64_t gemv_head_blocks(int64_t rows) { return gemv::head_blocks(rows); }
+
+unsigned gemv_rows(const RowsCall& c) {
+  namespace r = rows;
+  const int nseg = static_cast<int>(c.segs.size());
+  if (nseg < 1 || nseg > r::kMaxSegs) throw std::invalid_argument("[cuda_ops.gemv_rows] 1 to 4 segments");
+  const int64_t M = c.rows, nx = M * c.in;
+  Dev dv;
+  r::Args a;
+  a.nseg = nseg, a.rows = c.rows, a.xmode = c.xmode, a.in = static_cast<int32_t>(c.in), a.eps = c.eps, a.ldx = c.in;
+  a.xb = as_bf16(dv.put(c.xb, nx));
+  a.xf = dv.put(c.xf, nx);
+  a.nw = dv.put(c.nw, c.in);
+  uint16_t* dh = c.h_out ? dv.alloc<uint16_t>(nx) : nullptr;
+  a.h_out = dh ? as_bf16(dh) : nullptr;
+  for (int s = 0; s < nseg; ++s) {
+    const RowsSegment& sg = c.segs[s];
+    r::Seg& d = a.seg[s];
+    d.w0 = dv.linear(sg.w0);
+    d.w1 = sg.mode == r::kODual ? dv.linear(sg.w1) : d.w0;
+    d.mode = sg.mode, d.ldy = sg.w0.out;
+    const int64_t n = M * sg.w0.out;
+    if (sg.mode == r::kODual) d.yb = as_bf16(dv.alloc<uint16_t>(n));
+    else d.y = sg.y0 ? dv.put(sg.y0, n) : dv.alloc<float>(n);
+  }
+  unsigned long long* damax = nullptr;
+  if (c.amax) a.amax = damax = dv.alloc<unsigned long long>(r::head_blocks(c.segs[0].w0.out) * M);
+  const unsigned nb = r::proj(kStream, a);
+  finish("gemv_rows");
+  for (int s = 0; s < nseg; ++s) {
+    const int64_t n = M * c.segs[s].w0.out;
+    if (a.seg[s].y) get(c.segs[s].y, a.seg[s].y, n);
+    if (a.seg[s].yb) get(c.segs[s].yb, reinterpret_cast<const uint16_t*>(a.seg[s].yb), n);
+  }
+  get(c.h_out, dh, nx);
+  if (c.amax) {
+    c.amax->resize(static_cast<size_t>(nb) * M);
+    get(c.amax->data(), damax, static_cast<int64_t>(nb) * M);
+  }
+  return nb;
+}
+
+bool gemv_rows_fits(const Linear& w) {
+  DLinear d;
+  d.p = linear_params(w);
+  return rows::fits(d);
+}
 
 
 int32_t sample_launch(const float* logits, int32_t V, const SampleOptions& o, uint8_t* seen, int32_t* counts,

@@ -1,0 +1,82 @@
+// build: csrc/cuda/gemv.cu csrc/cuda/gemv_rows.cu
+// The M-row decode GEMV (gemv_rows.cuh) against the one-row decode GEMV (gemv.cuh) on the same weights: time per
+// launch (the mean of 60 back-to-back launches with PDL, over weight copies that exceed the L2) at M = 1, 2, 4, 8 input
+// rows, and the ratio to the one-row kernel's single row. Correctness: tests/kernels/test_cuda_gemv_rows.py.
+// Usage: time_decode_rows [--once]
+#include <cmath>
+
+#include "cuda/gemv.cuh"
+#include "cuda/gemv_rows.cuh"
+#include "timing.cuh"
+
+using namespace timing;
+namespace g = lily::cuda::gemv;
+namespace r = lily::cuda::rows;
+
+namespace {
+
+void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies, int xmode) {
+  constexpr int kM = 8;
+  std::vector<DevWeight> ws;
+  std::vector<void*> bufs;
+  bf16* x = drandom<bf16>(kM * in, 1);
+  float* xf = drandom<float>(kM * in, 2);
+  float* nw = drandom<float>(in, 3, 0.5f, 1.5f);
+  std::vector<g::ProjArgs> one(copies);
+  std::vector<r::Args> many(copies);
+  double bytes = 0;
+  for (int c = 0; c < copies; ++c) {
+    g::ProjArgs& a = one[c];
+    r::Args& b = many[c];
+    a.in = b.in = static_cast<int32_t>(in);
+    a.xmode = b.xmode = xmode;
+    a.xb = b.xb = x, a.xf = b.xf = xf, a.nw = b.nw = nw, a.eps = b.eps = 1e-6f;
+    b.ldx = in;
+    a.nseg = b.nseg = static_cast<int>(outs.size());
+    for (int s = 0; s < a.nseg; ++s) {
+      ws.emplace_back();
+      ws.back().make(4, 1, outs[s], in, 100 * c + 10 * s);
+      a.seg[s].w0 = a.seg[s].w1 = b.seg[s].w0 = b.seg[s].w1 = ws.back().d;
+      if (mode == g::kODual) {
+        ws.emplace_back();
+        ws.back().make(4, 1, outs[s], in, 100 * c + 10 * s + 5);
+        a.seg[s].w1 = b.seg[s].w1 = ws.back().d;
+      }
+      a.seg[s].mode = b.seg[s].mode = mode;  // (store, accumulate and dual share their numbers in both enums)
+      float* y = dalloc<float>(kM * outs[s]);
+      bf16* yb = dalloc<bf16>(kM * outs[s]);
+      CK(cudaMemset(y, 0, kM * outs[s] * sizeof(float)));
+      a.seg[s].y = b.seg[s].y = y, a.seg[s].yb = b.seg[s].yb = yb, b.seg[s].ldy = outs[s];
+      bufs.push_back(y), bufs.push_back(yb);
+      if (c == 0) bytes += (mode == g::kODual ? 2.0 : 1.0) * outs[s] * in * (0.5 + 4.0 / 64);
+    }
+  }
+  const double base = mean_ms([&](int i) { g::proj(nullptr, one[i % copies]); });
+  if (g_once) std::printf("ONCE proj %s\n", tag);
+  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
+  for (int M : {1, 2, 4, 8}) {
+    for (auto& b : many) b.rows = M;
+    const double ms = mean_ms([&](int i) { r::proj(nullptr, many[i % copies]); });
+    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
+    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
+                     ms * 1e3, bytes / ms / 1e9, ms / base);
+  }
+  for (auto& w : ws) w.free_all();
+  for (void* p : bufs) cudaFree(p);
+  cudaFree(x), cudaFree(xf), cudaFree(nw);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  parse_args(argc, argv);
+  print_device("time_decode_rows");
+  time_shape("dn in-proj, RMSNorm", 2048, {8192, 4096, 32, 32}, g::kOStore, 8, g::kXNorm);
+  time_shape("dn out-proj (accum)", 4096, {2048}, g::kOAccum, 24, g::kXBf16);
+  time_shape("attn q+k+v, RMSNorm", 2048, {8192, 512, 512}, g::kOStore, 8, g::kXNorm);
+  time_shape("attn o-proj (accum)", 4096, {2048}, g::kOAccum, 24, g::kXBf16);
+  time_shape("shared gate/up (dual)", 2048, {512}, g::kODual, 64, g::kXBf16);
+  time_shape("shared down (accum)", 512, {2048}, g::kOAccum, 96, g::kXBf16);
+  time_shape("lm_head 248320, RMSNorm", 2048, {248320}, g::kOStore, 2, g::kXNorm);
+  return 0;
+}

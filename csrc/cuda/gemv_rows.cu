@@ -1,0 +1,547 @@
+// The decode GEMV over M = 1..8 input rows (gemv_rows.cuh).
+//
+// Work layout. A launch's segments are parts stacked along the output rows; a part's rows are cut into tiles of 16
+// (a dual part: 8 gate rows and the same 8 up rows, so SiLU(gate) * up pairs up in the epilogue). The input is cut into
+// k blocks of 64 elements (one scale at group 64) and chunks of 4 blocks; the chunks are spread over `slices` warps of
+// a block (split-K, at most 8, a function of the input length only) and a warp's tiles walk its chunks. A block's
+// mwarps x slices warps run in rounds: in round r warp (m, s) computes tile r of its run (tpw tiles, all in one part)
+// over its chunks, writes its partial sums to shared memory, and after one barrier the block sums the slices in slice
+// order and runs the epilogue for that round's tiles (the partial buffers alternate by round, so one barrier a round
+// suffices). The next step's weights are loaded before this step's math (a register double buffer).
+//
+// The tile (lane gid = lane / 4, tig = lane % 4; mma_bf16.cuh's fragment layouts): per k block the lane loads 8 bytes
+// (16 codes, elements 16 tig .. 16 tig + 15 of the block) of rows gid and gid + 8; its mma k slots hold them as gemv.cu's
+// 4-bit tile does (mma i takes word i / 2, nibble pairs (j0, j0 + 4) and (j0 + 1, j0 + 5), j0 = 2 (i % 2), each as the
+// exact bf16 128 + q), and B column gid holds input row gid at the same elements (packed once in shared memory by the
+// staging; zero for gid >= M). So D[row][m] = 128 X[m] + sum q x[m] over the block, X the block's sum of x[m], and the
+// block's term is s (D - 128 X) + b X in fp32, summed over blocks and chunks in order. Nothing in a row's arithmetic
+// depends on the other rows or on M (the mma's columns are independent), hence the exact rows.
+#include "cuda/gemv_rows.cuh"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/gemv_lane.cuh"
+#include "cuda/mma_bf16.cuh"
+
+namespace lily::cuda::rows {
+namespace {
+
+using gemv::ld_stream8;
+using gemv::q4_pair;
+
+constexpr int kTile = 16;       // weight rows per tile: the mma's m extent
+constexpr int kBlk = 64;        // elements per k block
+constexpr int kChunkBlks = 4;   // k blocks per chunk (a warp's step)
+constexpr int kWarps = 8;       // warps per block at most
+constexpr int kMaxTpw = 256;
+constexpr int kMaxIn = 8192;
+
+struct Part {
+  const uint8_t *w0, *w1;
+  const uint16_t *s0, *b0, *s1, *b1;
+  int32_t row_bytes, row_groups, rows, tiles, first, seg, dual, gsh;  // gsh: log2(group / 64)
+};
+
+struct Launch {
+  Part part[kMaxSegs];
+  int32_t nparts = 0, M = 1, in = 0, nblk = 0, nchunk = 0, slices = 1, cps = 1, mwarps = 1, tpw = 1;
+  int32_t xmode = kXBf16, sbvec = 0;
+  float eps = 0.f;
+  const bf16* xb = nullptr;
+  const float* xf = nullptr;
+  const float* nw = nullptr;
+  int64_t ldx = 0;
+  bf16* h_out = nullptr;
+  float* y[kMaxSegs] = {};
+  bf16* yb[kMaxSegs] = {};
+  int64_t ldy[kMaxSegs] = {};
+  int32_t mode[kMaxSegs] = {};
+  unsigned long long* amax = nullptr;
+};
+
+struct Smem {
+  float red[kWarps][kMaxRows];
+  float inv[kMaxRows];
+  unsigned long long key[kMaxRows];
+};
+
+// Shared memory: the B fragments xs uint4 [nblk][2 words][M][4 tig], the block sums xsum fp32 [nblk][8] (zero past
+// M), the partial sums fp32 [2 rounds][mwarps * 16 * M][slices].
+__host__ __device__ size_t xs_bytes(int nblk, int M) { return static_cast<size_t>(nblk) * 2 * M * 4 * 16; }
+__host__ __device__ size_t xsum_bytes(int nblk) { return static_cast<size_t>(nblk) * 8 * 4; }
+__host__ __device__ size_t partial_floats(const Launch& g) { return static_cast<size_t>(g.mwarps) * kTile * g.M * g.slices; }
+size_t smem_bytes(const Launch& g) { return xs_bytes(g.nblk, g.M) + xsum_bytes(g.nblk) + 2 * partial_floats(g) * 4; }
+
+__device__ __forceinline__ float bits_f(uint32_t h16) { return __uint_as_float(h16 << 16); }
+
+// One thread's 8 consecutive input elements e .. e + 7 of row m, as the B fragment words of lane (m, tig) for word w
+// of its block (e = 64 blk + 16 tig + 8 w): word j = bf16x2(x[e + j], x[e + j + 4]) (gemv_lane.cuh's k slots).
+// Every row is staged the same way whatever M is: its norm sums its elements in the order of threads and warps,
+// and a block's sum X is a fixed tree over its 8 threads.
+// units a thread has in flight while staging (their loads issued together): 8 bf16 or 4 fp32 (32 registers)
+template <int XMODE>
+constexpr int kStageBatch = XMODE == kXNorm ? 4 : 8;
+
+// Units (row m, elements e .. e + 7) of the flattened [M][in / 8] index i = tid + j * blockDim.x: a row's units land on
+// the same threads whatever M is (the row's offset m * in / 8 does not depend on M).
+struct StageUnit {
+  int m, e;
+  bool on;
+};
+__device__ __forceinline__ StageUnit stage_unit(int i, int total, int n8) {
+  const bool on = i < total;
+  return {on ? i / n8 : 0, on ? 8 * (i % n8) : 0, on};
+}
+
+// One thread's 8 consecutive input elements e .. e + 7 of row m, as the B fragment words of lane (m, tig) for word w
+// of its block (e = 64 blk + 16 tig + 8 w): word j = bf16x2(x[e + j], x[e + j + 4]) (gemv_lane.cuh's k slots).
+// Every row is staged the same way whatever M is: its norm sums its elements in the order of threads and warps,
+// and a block's sum X is a fixed tree over its 8 threads. Loads go out kStageBatch units at a time.
+template <int XMODE>
+__device__ void stage(const Launch& g, uint4* xs, float* xsum, Smem& sm) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nth = blockDim.x, nw = nth >> 5;
+  const int n8 = g.in / 8, total = g.M * n8;  // total: a multiple of 8, so a block's 8 units share a warp and a batch
+  float4 held[kStageBatch<XMODE>][2];          // the norm's last batch of fp32 rows (all of them when `kept` below)
+  if constexpr (XMODE == kXNorm) {
+    float ss[kMaxRows];
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) ss[m] = 0.f;
+    for (int j0 = 0; j0 * nth < total; j0 += kStageBatch<XMODE>) {
+      float4 (&raw)[kStageBatch<XMODE>][2] = held;
+#pragma unroll
+      for (int b = 0; b < kStageBatch<XMODE>; ++b) {
+        const StageUnit u = stage_unit(tid + (j0 + b) * nth, total, n8);
+        const float4* p = reinterpret_cast<const float4*>(g.xf + u.m * g.ldx + u.e);
+        raw[b][0] = u.on ? p[0] : make_float4(0.f, 0.f, 0.f, 0.f);
+        raw[b][1] = u.on ? p[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int b = 0; b < kStageBatch<XMODE>; ++b) {
+        const StageUnit u = stage_unit(tid + (j0 + b) * nth, total, n8);
+        const float v[8] = {raw[b][0].x, raw[b][0].y, raw[b][0].z, raw[b][0].w,
+                            raw[b][1].x, raw[b][1].y, raw[b][1].z, raw[b][1].w};
+        float q = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q = fmaf(v[k], v[k], q);
+#pragma unroll
+        for (int m = 0; m < kMaxRows; ++m)
+          if (u.on && m == u.m) ss[m] += q;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      if (m >= g.M) break;
+      const float t = warp_sum(ss[m]);
+      if (lane == 0) sm.red[warp][m] = t;
+    }
+    __syncthreads();
+    if (tid < g.M) {
+      float v = 0.f;
+      for (int w = 0; w < nw; ++w) v += sm.red[w][tid];
+      sm.inv[tid] = rsqrtf(v / static_cast<float>(g.in) + g.eps);
+    }
+    __syncthreads();
+  }
+  const bool write_h = XMODE == kXNorm && g.h_out != nullptr && blockIdx.x == 0;
+  // the norm's second pass reads the rows again unless the first pass's one batch held them all (kept below)
+  const bool kept = XMODE == kXNorm && kStageBatch<XMODE> * nth >= total;
+  for (int j0 = 0; j0 * nth < total; j0 += kStageBatch<XMODE>) {
+    uint4 raw[kStageBatch<XMODE>][XMODE == kXNorm ? 2 : 1];
+#pragma unroll
+    for (int b = 0; b < kStageBatch<XMODE>; ++b) {
+      if constexpr (XMODE == kXNorm) {
+        if (kept) {
+          raw[b][0] = *reinterpret_cast<const uint4*>(&held[b][0]);
+          raw[b][1] = *reinterpret_cast<const uint4*>(&held[b][1]);
+          continue;
+        }
+      }
+      const StageUnit u = stage_unit(tid + (j0 + b) * nth, total, n8);
+      if constexpr (XMODE == kXNorm) {
+        const uint4* p = reinterpret_cast<const uint4*>(g.xf + u.m * g.ldx + u.e);
+        raw[b][0] = u.on ? p[0] : make_uint4(0u, 0u, 0u, 0u);
+        raw[b][1] = u.on ? p[1] : make_uint4(0u, 0u, 0u, 0u);
+      } else {
+        raw[b][0] = u.on ? *reinterpret_cast<const uint4*>(g.xb + u.m * g.ldx + u.e) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kStageBatch<XMODE>; ++b) {
+      if ((j0 + b) * nth >= total) break;  // (uniform: the block's threads leave together)
+      const StageUnit u = stage_unit(tid + (j0 + b) * nth, total, n8);
+      float v[8];
+      if constexpr (XMODE == kXNorm) {
+        const uint32_t r[8] = {raw[b][0].x, raw[b][0].y, raw[b][0].z, raw[b][0].w,
+                               raw[b][1].x, raw[b][1].y, raw[b][1].z, raw[b][1].w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const bf16 h = __float2bfloat16(__uint_as_float(r[k]) * sm.inv[u.m] * (u.on ? g.nw[u.e + k] : 0.f));
+          if (write_h && u.on) g.h_out[u.m * static_cast<int64_t>(g.in) + u.e + k] = h;
+          v[k] = __bfloat162float(h);
+        }
+      } else {
+        const uint32_t w4[4] = {raw[b][0].x, raw[b][0].y, raw[b][0].z, raw[b][0].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[2 * k] = bits_f(w4[k] & 0xFFFFu), v[2 * k + 1] = __uint_as_float(w4[k] & 0xFFFF0000u);
+      }
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s += v[k];
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, 1);  // (commutative pairs: the 8 lanes end with the same bits)
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, 4);
+      if (!u.on) continue;
+      const int blk = u.e / kBlk, tig = (u.e % kBlk) / 16, w = (u.e % 16) / 8;
+      xs[(blk * 2 + w) * g.M * 4 + u.m * 4 + tig] =
+          make_uint4(mma::pack_bf16x2(v[0], v[4]), mma::pack_bf16x2(v[1], v[5]), mma::pack_bf16x2(v[2], v[6]),
+                     mma::pack_bf16x2(v[3], v[7]));
+      if ((tid & 7) == 0) xsum[blk * 8 + u.m] = s;
+    }
+  }
+  for (int i = tid; i < g.nblk * 8; i += nth)
+    if (i % 8 >= g.M) xsum[i] = 0.f;
+}
+
+// A lane's loads of one step: rows gid / gid + 8 (h), the chunk's 4 blocks (8 bytes each), and the rows' scales and
+// biases of those blocks (bf16 pairs: blocks 0-1 in .x, 2-3 in .y).
+struct Step {
+  uint2 q[2][kChunkBlks];
+  uint2 s[2], b[2];
+};
+
+struct Cursor {
+  const uint8_t* w[2];
+  const uint16_t *s[2], *b[2];
+  int32_t row_bytes, row_groups, last, gsh, step, r[2];
+
+  __device__ __forceinline__ void setup(const Part& P, int gid, int tig) {
+    w[0] = P.w0 + 8 * tig, s[0] = P.s0, b[0] = P.b0;
+    w[1] = (P.dual ? P.w1 : P.w0) + 8 * tig, s[1] = P.dual ? P.s1 : P.s0, b[1] = P.dual ? P.b1 : P.b0;
+    row_bytes = P.row_bytes, row_groups = P.row_groups, last = P.rows - 1, gsh = P.gsh;
+    step = P.dual ? kTile / 2 : kTile;
+    r[0] = gid, r[1] = P.dual ? gid : gid + 8;
+  }
+  // Step (tile lt, chunk c of nb blocks); rows past the part's last are clamped (the epilogue drops them).
+  __device__ __forceinline__ void load(int lt, int c, int nb, bool sbvec, Step& S) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int R = min(step * lt + r[h], last);
+      const uint8_t* p = w[h] + static_cast<uint32_t>(R * row_bytes) + 128 * c;
+#pragma unroll
+      for (int k = 0; k < kChunkBlks; ++k) S.q[h][k] = k < nb ? ld_stream8(p + 32 * k) : make_uint2(0u, 0u);
+      const uint32_t g0 = static_cast<uint32_t>(R * row_groups);
+      if (sbvec) {  // group 64, 4 groups a chunk, 8-byte aligned
+        S.s[h] = __ldg(reinterpret_cast<const uint2*>(s[h] + g0 + 4 * c));
+        S.b[h] = __ldg(reinterpret_cast<const uint2*>(b[h] + g0 + 4 * c));
+      } else {
+        uint32_t sv[kChunkBlks], bv[kChunkBlks];
+#pragma unroll
+        for (int k = 0; k < kChunkBlks; ++k) {
+          const uint32_t gi = g0 + ((kChunkBlks * c + (k < nb ? k : 0)) >> gsh);
+          sv[k] = __ldg(s[h] + gi), bv[k] = __ldg(b[h] + gi);
+        }
+        S.s[h] = make_uint2(sv[0] | sv[1] << 16, sv[2] | sv[3] << 16);
+        S.b[h] = make_uint2(bv[0] | bv[1] << 16, bv[2] | bv[3] << 16);
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ float half_of(const uint2& v, int k) {
+  const uint32_t w = k >> 1 ? v.y : v.x;
+  return __uint_as_float(k & 1 ? (w & 0xFFFF0000u) : (w << 16));
+}
+
+// One step's math: tot[(row gid, col 2 tig), (gid, 2 tig + 1), (gid + 8, 2 tig), (gid + 8, 2 tig + 1)] += the chunk's
+// blocks in order.
+__device__ __forceinline__ void step_math(const Launch& g, const Step& S, int c, int nb, const uint4* xs,
+                                          const float* xsum, int gid, int tig, float (&tot)[4]) {
+  const int lane = gid * 4 + tig;
+#pragma unroll
+  for (int k = 0; k < kChunkBlks; ++k) {
+    if (k >= nb) break;
+    const int blk = kChunkBlks * c + k;
+    uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
+    if (gid < g.M) h0 = xs[(blk * 2) * g.M * 4 + lane], h1 = xs[(blk * 2 + 1) * g.M * 4 + lane];
+    const uint32_t bx[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j0 = 2 * (i & 1);
+      const uint32_t r0 = i >> 1 ? S.q[0][k].y : S.q[0][k].x, r1 = i >> 1 ? S.q[1][k].y : S.q[1][k].x;
+      const uint32_t a[4] = {q4_pair(r0, j0), q4_pair(r1, j0), q4_pair(r0, j0 + 1), q4_pair(r1, j0 + 1)};
+      mma::mma_bf16(d, a, bx[2 * i], bx[2 * i + 1]);
+    }
+    const float2 X = *reinterpret_cast<const float2*>(xsum + blk * 8 + 2 * tig);
+    const float s0 = half_of(S.s[0], k), b0 = half_of(S.b[0], k), s1 = half_of(S.s[1], k), b1 = half_of(S.b[1], k);
+    tot[0] += fmaf(s0, d[0] - 128.f * X.x, b0 * X.x);
+    tot[1] += fmaf(s0, d[1] - 128.f * X.y, b0 * X.y);
+    tot[2] += fmaf(s1, d[2] - 128.f * X.x, b1 * X.x);
+    tot[3] += fmaf(s1, d[3] - 128.f * X.y, b1 * X.y);
+  }
+}
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
+  return (static_cast<unsigned long long>(order_key(v)) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(row));
+}
+
+// Round r's epilogue: the slices' partial sums in slice order, then each (row, input row) to its segment's output.
+__device__ void epilogue(const Launch& g, const float* pb, int r, Smem& sm) {
+  const int n = g.mwarps * kTile * g.M;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int slot = i / (kTile * g.M), t16 = (i / g.M) % kTile, col = i % g.M;
+    const int T = (blockIdx.x * g.mwarps + slot) * g.tpw + r;
+    int q = 0;
+    while (q + 1 < g.nparts && T >= g.part[q + 1].first) ++q;
+    const Part& P = g.part[q];
+    const int lt = T - P.first;
+    if (lt >= P.tiles) continue;
+    float v = 0.f;
+    for (int s = 0; s < g.slices; ++s) v += pb[i * g.slices + s];
+    const int sg = P.seg;
+    if (P.dual) {
+      if (t16 >= kTile / 2) continue;
+      const int64_t row = static_cast<int64_t>(lt) * (kTile / 2) + t16;
+      if (row >= P.rows) continue;
+      float u = 0.f;
+      const int iu = i + (kTile / 2) * g.M;
+      for (int s = 0; s < g.slices; ++s) u += pb[iu * g.slices + s];
+      g.yb[sg][col * g.ldy[sg] + row] = __float2bfloat16(v / (1.f + expf(-v)) * u);
+      continue;
+    }
+    const int64_t row = static_cast<int64_t>(lt) * kTile + t16;
+    if (row >= P.rows) continue;
+    float* y = g.y[sg] + col * g.ldy[sg] + row;
+    if (g.mode[sg] == kOAccum) {
+      *y += v;
+    } else {
+      *y = v;
+      if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
+    }
+  }
+}
+
+// A whole-row warp's outputs (one slice): lane (gid, tig) holds rows gid and gid + 8 of tile lt for input rows 2 tig and
+// 2 tig + 1 (a dual part: the gate in row gid, the up in row gid + 8, of output row 8 lt + gid).
+__device__ __forceinline__ void lane_epilogue(const Launch& g, const Part& P, int lt, int gid, int tig,
+                                              const float (&tot)[4], Smem& sm) {
+  const int sg = P.seg;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int col = 2 * tig + c;
+    if (col >= g.M) break;
+    if (P.dual) {
+      const int64_t row = static_cast<int64_t>(lt) * (kTile / 2) + gid;
+      const float v = tot[c], u = tot[2 + c];
+      if (row < P.rows) g.yb[sg][col * g.ldy[sg] + row] = __float2bfloat16(v / (1.f + expf(-v)) * u);
+      continue;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = static_cast<int64_t>(lt) * kTile + gid + 8 * h;
+      if (row >= P.rows) continue;
+      float* y = g.y[sg] + col * g.ldy[sg] + row;
+      const float v = tot[2 * h + c];
+      if (g.mode[sg] == kOAccum) {
+        *y += v;
+      } else {
+        *y = v;
+        if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
+      }
+    }
+  }
+}
+
+template <int XMODE>
+__global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_constant__ Launch g) {
+  extern __shared__ __align__(16) uint4 dsm[];
+  __shared__ Smem sm;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
+  const int sl = warp % g.slices, mw = warp / g.slices;
+  uint4* xs = dsm;
+  float* xsum = reinterpret_cast<float*>(reinterpret_cast<char*>(dsm) + xs_bytes(g.nblk, g.M));
+  float* partial = xsum + g.nblk * 8;
+  const size_t psize = partial_floats(g);
+  if (tid < kMaxRows) sm.key[tid] = 0ull;
+
+  // This warp's run: tiles T0 .. T0 + tpw - 1 of one part, chunks c0 .. c0 + nc - 1.
+  const int T0 = (blockIdx.x * g.mwarps + mw) * g.tpw;
+  int p = 0;
+  while (p + 1 < g.nparts && T0 >= g.part[p + 1].first) ++p;
+  const Part& P = g.part[p];
+  const int lt0 = T0 - P.first;
+  const int nvalid = max(0, min(g.tpw, P.tiles - lt0));
+  const int c0 = sl * g.cps, nc = max(0, min(g.cps, g.nchunk - c0));
+  const int nsteps = nvalid * nc;
+  auto blocks_of = [&](int c) { return min(kChunkBlks, g.nblk - kChunkBlks * c); };
+  Cursor cur;
+  cur.setup(P, gid, tig);
+  Step S, N;
+  if (nsteps > 0) cur.load(lt0, c0, blocks_of(c0), g.sbvec != 0, S);  // weights: before the wait
+  pdl_trigger();
+  pdl_wait();
+  stage<XMODE>(g, xs, xsum, sm);
+  __syncthreads();
+
+  int s = 0;
+  for (int r = 0; r < g.tpw; ++r) {
+    float tot[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < nvalid) {
+      for (int cc = 0; cc < nc; ++cc, ++s) {
+        if (s + 1 < nsteps) {
+          const int rn = cc + 1 < nc ? r : r + 1, cn = c0 + (cc + 1 < nc ? cc + 1 : 0);
+          cur.load(lt0 + rn, cn, blocks_of(cn), g.sbvec != 0, N);
+        }
+        step_math(g, S, c0 + cc, blocks_of(c0 + cc), xs, xsum, gid, tig, tot);
+        S = N;
+      }
+    }
+    if (g.slices == 1) {  // whole rows in this warp: its lanes' sums are the outputs, no round barrier
+      if (r < nvalid) lane_epilogue(g, P, lt0 + r, gid, tig, tot, sm);
+      continue;
+    }
+    float* pb = partial + (r & 1) * psize;
+    if (nc > 0) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int t16 = gid + (k >> 1) * 8, col = 2 * tig + (k & 1);
+        if (col < g.M) pb[((mw * kTile + t16) * g.M + col) * g.slices + sl] = tot[k];
+      }
+    }
+    __syncthreads();
+    epilogue(g, pb, r, sm);
+  }
+  if (g.amax) {
+    __syncthreads();
+    if (tid < g.M) g.amax[static_cast<int64_t>(blockIdx.x) * g.M + tid] = sm.key[tid];
+  }
+}
+
+using Kernel = void (*)(const Launch);
+Kernel kernel_of(int xmode) { return xmode == kXNorm ? rows_kernel<kXNorm> : rows_kernel<kXBf16>; }
+
+int sm_count() {
+  static int n = 0;
+  if (!n) {
+    int dev = 0;
+    LILY_CUDA_CHECK(cudaGetDevice(&dev));
+    LILY_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return n;
+}
+
+// The kernels may take more than 48 KB of dynamic shared memory (the staged rows: 2 M bytes an input element).
+void allow_smem(Kernel k, int xmode) {
+  static bool done[2] = {false, false};
+  if (done[xmode]) return;
+  int dev = 0, max_optin = 0;
+  LILY_CUDA_CHECK(cudaGetDevice(&dev));
+  LILY_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin - static_cast<int>(sizeof(Smem))));
+  done[xmode] = true;
+}
+
+Part part_of(const DLinear& w, const DLinear& w1, bool dual) {
+  const kp::LinearParams& q = w.p;
+  Part P = {};
+  P.w0 = reinterpret_cast<const uint8_t*>(w.codes);
+  P.w1 = reinterpret_cast<const uint8_t*>(w1.codes);
+  P.s0 = w.scales, P.b0 = w.biases, P.s1 = w1.scales, P.b1 = w1.biases;
+  P.row_bytes = static_cast<int32_t>(q.in / 2);
+  P.row_groups = static_cast<int32_t>(q.in / q.group);
+  int gsh = 0;
+  while ((kBlk << gsh) < q.group) ++gsh;
+  P.gsh = gsh;
+  P.rows = static_cast<int32_t>(q.out);
+  P.dual = dual ? 1 : 0;
+  if (static_cast<int64_t>(q.out) * P.row_bytes >= (int64_t{1} << 31))
+    throw std::invalid_argument("[lily] cuda rows gemv: a " + std::to_string(q.out) + " x " + std::to_string(q.in) +
+                                " matrix over 2^31 bytes");
+  return P;
+}
+
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0; }
+
+}  // namespace
+
+bool fits(const DLinear& w) {
+  const kp::LinearParams& p = w.p;
+  return p.kind == 0 && p.bits == 4 && p.group >= kBlk && (p.group & (p.group - 1)) == 0 && p.in % p.group == 0 &&
+         p.in % kBlk == 0 && p.in >= kBlk && p.in <= kMaxIn && p.out >= 1;
+}
+
+int64_t head_blocks(int64_t rows) { return (rows + kTile - 1) / kTile; }  // at most one block per tile
+
+unsigned proj(cudaStream_t st, const Args& a) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("[lily] cuda rows gemv: " + m); };
+  if (a.rows < 1 || a.rows > kMaxRows) fail("rows " + std::to_string(a.rows) + ", expected 1 to 8");
+  if (a.nseg < 1 || a.nseg > kMaxSegs) fail("1 to 4 segments");
+  if (a.xmode != kXBf16 && a.xmode != kXNorm) fail("staging mode " + std::to_string(a.xmode));
+  if (a.ldx < a.in || a.ldx % 8 != 0) fail("input row stride must be >= in and a multiple of 8");
+  if (a.amax && (a.nseg != 1 || a.seg[0].mode != kOStore)) fail("the head's keys need one store segment");
+  Launch g;
+  g.M = a.rows, g.in = a.in, g.xmode = a.xmode, g.eps = a.eps;
+  g.xb = a.xb, g.xf = a.xf, g.nw = a.nw, g.ldx = a.ldx, g.h_out = a.h_out, g.amax = a.amax;
+  bool sbvec = true;
+  for (int s = 0; s < a.nseg; ++s) {
+    const Seg& sg = a.seg[s];
+    if (sg.w0.p.in != a.in) fail("segment input length mismatch");
+    if (!fits(sg.w0) || (sg.mode == kODual && (!fits(sg.w1) || sg.w1.p.out != sg.w0.p.out)))
+      fail("segment weight format not supported (4-bit, group >= 64)");
+    if (sg.mode != kOStore && sg.mode != kOAccum && sg.mode != kODual) fail("output mode " + std::to_string(sg.mode));
+    if (sg.ldy < sg.w0.p.out) fail("output row stride below the segment's rows");
+    const bool dual = sg.mode == kODual;
+    Part P = part_of(sg.w0, dual ? sg.w1 : sg.w0, dual);
+    P.tiles = static_cast<int32_t>(dual ? (P.rows + kTile / 2 - 1) / (kTile / 2) : (P.rows + kTile - 1) / kTile);
+    P.seg = s;
+    sbvec = sbvec && P.gsh == 0 && P.row_groups % kChunkBlks == 0 && aligned8(P.s0) && aligned8(P.b0) &&
+            aligned8(P.s1) && aligned8(P.b1);
+    g.part[g.nparts++] = P;
+    g.y[s] = sg.y, g.yb[s] = sg.yb, g.ldy[s] = sg.ldy, g.mode[s] = sg.mode;
+  }
+  g.sbvec = sbvec ? 1 : 0;
+  // K split: a function of the input length only (so every row's sums keep one order whatever M is)
+  g.nblk = a.in / kBlk;
+  g.nchunk = (g.nblk + kChunkBlks - 1) / kChunkBlks;
+  // One chunk a slice where the block's warps can take them (the finest split: the most warps streaming a mid-size
+  // launch; 1,024 elements a slice, as gemv.cu's, was 1.2-1.6x slower at 2,048 x 4,096 on an H100), or whole rows
+  // per warp where the tiles alone fill the GPU's warp slots twice over (the head): no partial sums, no round
+  // barriers. Both depend on the shapes and the device only.
+  int64_t all_tiles = 0;
+  for (int q = 0; q < g.nparts; ++q) all_tiles += g.part[q].tiles;
+  const bool whole_rows = all_tiles >= int64_t{2} * sm_count() * 2 * kWarps;
+  g.cps = whole_rows ? g.nchunk : (g.nchunk + kWarps - 1) / kWarps;
+  g.slices = (g.nchunk + g.cps - 1) / g.cps;
+  g.mwarps = kWarps / g.slices;
+  const int threads = 32 * g.slices * g.mwarps;
+  const Kernel k = kernel_of(a.xmode);
+  allow_smem(k, a.xmode);
+  // tiles per warp: the makespan ~ waves x (tpw + 1) over the resident block slots (the +1: staging and epilogue)
+  int bps = 0;
+  g.tpw = 1;
+  LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, k, threads, smem_bytes(g)));
+  if (bps < 1) fail("no block fits an SM (" + std::to_string(smem_bytes(g)) + " bytes of shared memory)");
+  const int64_t slots = static_cast<int64_t>(sm_count()) * bps;
+  int64_t best = -1;
+  for (int t = 1; t <= kMaxTpw; ++t) {
+    int64_t runs = 0;
+    for (int q = 0; q < g.nparts; ++q) runs += (g.part[q].tiles + t - 1) / t;
+    const int64_t blocks = (runs + g.mwarps - 1) / g.mwarps;
+    const int64_t span = (blocks + slots - 1) / slots * (t + 1);
+    if (best < 0 || span < best) best = span, g.tpw = t;
+    if (runs <= g.mwarps) break;  // one block holds everything: longer runs only add rounds
+  }
+  int64_t tiles = 0;
+  for (int q = 0; q < g.nparts; ++q) {
+    g.part[q].first = static_cast<int32_t>(tiles);
+    tiles += (g.part[q].tiles + g.tpw - 1) / g.tpw * g.tpw;
+  }
+  const int64_t per_block = static_cast<int64_t>(g.mwarps) * g.tpw;
+  const int grid = static_cast<int>((tiles + per_block - 1) / per_block);
+  launch_pdl(k, dim3(grid), dim3(threads), smem_bytes(g), st, g);
+  return static_cast<unsigned>(grid);
+}
+
+}  // namespace lily::cuda::rows

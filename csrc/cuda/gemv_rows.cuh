@@ -1,0 +1,58 @@
+// The decode GEMV over M = 1..8 input rows (issue 43: the speculative verify and batched streams): y[m] = x[m] W^T
+// for up to kMaxSegs 4-bit weight matrices that read the same M rows ("segments", as gemv.cuh's proj), each weight
+// fragment dequantised once for all M rows. Every row's sums run in an order that depends on the shapes alone, never
+// on M, so row m of an M-row launch equals a one-row launch of x[m] bit for bit (the engine's exact rows).
+//
+// Layout (gemv_rows.cu): the tensor-core tile in its natural orientation, A = 16 weight rows x 16 elements (lane
+// (gid, tig) holds rows gid and gid + 8), B = the same 16 elements of the M input rows (column gid = input row gid,
+// zero past M), so D[row][m] is row `row`'s dot product with input row m: one mma serves all M rows at the cost of one.
+// Staging: RMSNorm of fp32 rows (block 0 also writes the bf16 rows) or bf16 rows, packed in shared memory as the B
+// fragments. Outputs per segment: store (fp32, optional per-row block argmax keys: the greedy head), accumulate
+// (residual add), SiLU(gate) * up (bf16).
+//
+// Not yet here (the one-row gemv.cuh serves them): 8-bit and dense weights, the routing prologue and routed experts,
+// the DeltaNet conv epilogue, the K-concatenated MoE down.
+#pragma once
+#include "cuda/common.cuh"
+
+namespace lily::cuda::rows {
+
+constexpr int kMaxRows = 8;  // M: the mma's n extent
+constexpr int kMaxSegs = 4;
+
+enum XMode : int32_t { kXBf16 = 0, kXNorm = 1 };
+enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2 };
+
+struct Seg {
+  DLinear w0, w1;      // w1: the up projection of a dual segment (same shape and format as w0)
+  float* y = nullptr;  // store / accumulate: fp32 [M, ldy]
+  bf16* yb = nullptr;  // dual: bf16 [M, ldy]
+  int64_t ldy = 0;     // row stride of the output (>= w0.p.out)
+  int32_t mode = kOStore;
+};
+
+struct Args {
+  Seg seg[kMaxSegs];
+  int32_t nseg = 0;
+  int32_t rows = 1;            // M, 1..kMaxRows
+  int32_t in = 0;              // input length (every segment's W.p.in)
+  int32_t xmode = kXBf16;
+  float eps = 0.f;
+  const bf16* xb = nullptr;    // bf16 rows [M, ldx]
+  const float* xf = nullptr;   // norm: fp32 rows [M, ldx]
+  const float* nw = nullptr;   // norm weight [in]
+  int64_t ldx = 0;             // row stride of the input (>= in)
+  bf16* h_out = nullptr;       // norm: block 0 also writes the normed rows bf16 [M, in]
+  // greedy head (one store segment): per block and row the max key of (logit, -row), amax[block * M + m]
+  unsigned long long* amax = nullptr;
+};
+
+// Launches (stream-ordered, PDL like gemv.cuh's proj); returns the blocks launched (amax holds blocks * M keys).
+unsigned proj(cudaStream_t st, const Args& a);
+// Whether the M-row GEMV takes this weight: MLX affine 4-bit with a power-of-two group >= 64 and an input length that
+// is a multiple of 64, at most 8192.
+bool fits(const DLinear& w);
+// Upper bound of the blocks proj launches for `rows` output rows of one segment (the head's amax array / M).
+int64_t head_blocks(int64_t rows);
+
+}  // namespace lily::cuda::rows

@@ -1,0 +1,124 @@
+"""The M-row decode GEMV (csrc/cuda/gemv_rows.cu: one launch over M = 1..8 input rows, each 4-bit weight fragment
+dequantised once for all of them) against fp64 products of lily.quant's dequantized weights, and its exact rows: row m
+of an M-row launch equals the one-row launch of that row bit for bit (the speculative verify decides with them what
+plain decoding would). Segments that share the input rows (store, accumulate, SiLU(gate) * up), the RMSNorm staging of
+fp32 rows, groups of 64 / 128 / 256, odd output counts and input lengths that are not multiples of the 256-element
+chunk, and the greedy head's per-row block keys.
+
+Tolerances (KERNEL_CHECKS) as the one-row GEMV's (test_cuda_gemv.py): gemv_rel_rms for fp32 outputs of bf16 rows,
+gemv_staged_rel_rms for outputs of RMSNorm-staged rows, gemv_dual_rel_rms for SiLU(gate) * up rounded to bf16."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _metrics import assert_close
+from cuda_checks import KC, RawWeight, bits, silu, vals
+
+STORE, ACCUM, DUAL = 0, 1, 2  # rows::OMode
+NORM = 1  # rows::XMode
+
+
+def _w(rng, out, inp, group=64):
+    return RawWeight(rng, 4, out, inp, group=group, kind="gemv")
+
+
+def _same_bits(name, got, want):
+    g, w = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    assert g.shape == w.shape, (name, g.shape, w.shape)
+    bad = np.flatnonzero(g.view(np.uint32 if g.dtype == np.float32 else np.uint16).ravel() !=
+                         w.view(np.uint32 if w.dtype == np.float32 else np.uint16).ravel())
+    assert bad.size == 0, f"{name}: {bad.size} of {g.size} elements differ from the one-row launch (first {bad[:5]})"
+
+
+# tag, in, outputs per segment, mode, group: the model's DeltaNet in-projection and attention q/k/v (4 / 3 segments),
+# the out-projections (accumulate, 4096 inputs: 2 chunks a slice), the shared expert (dual), awkward sizes (one row,
+# 17 rows, 192 inputs: a chunk of 3 blocks; 320: 5 chunks over 5 slices), larger groups
+CASES = [("store", 2048, [8192, 4096, 32, 32], STORE, 64), ("store", 2048, [512, 1, 17], STORE, 64),
+         ("store", 192, [33], STORE, 64), ("accum", 4096, [2048], ACCUM, 64), ("accum", 320, [5], ACCUM, 64),
+         ("dual", 2048, [512], DUAL, 64), ("dual", 128, [7, 16], DUAL, 64), ("accum", 512, [2048], ACCUM, 64),
+         ("g128", 2048, [300, 7], STORE, 128), ("g256", 1024, [33, 5], DUAL, 256), ("longest_in", 8192, [40], STORE, 64)]
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("tag,inp,outs,mode,group", CASES,
+                         ids=[f"{c[0]}-in{c[1]}-out{'_'.join(map(str, c[2]))}-g{c[4]}" for c in CASES])
+def test_rows(cuda, rng, tag, inp, outs, mode, group, M):
+    """M bf16 rows through segments sharing them: each row against fp64, and each row equal to its one-row launch."""
+    x = bits(rng.standard_normal((M, inp)))
+    w0 = [_w(rng, o, inp, group) for o in outs]
+    w1 = [_w(rng, o, inp, group) for o in outs] if mode == DUAL else w0
+    y0 = [rng.standard_normal((M, o)).astype(np.float32) for o in outs]
+
+    def segs(rows):
+        return [dict(w0=a.t, w1=b.t, mode=mode, y0=y[rows] if mode == ACCUM else None) for a, b, y in zip(w0, w1, y0)]
+
+    r = cuda.gemv_rows(segs(slice(None)), inp, x=x)
+    xf = vals(x).astype(np.float64)
+    for s, (a, b) in enumerate(zip(w0, w1)):
+        name = f"cuda gemv rows {tag} M={M} g{group} in={inp} out={a.out} seg{s}/{len(outs)}"
+        assert r["y"][s].shape == (M, a.out)
+        if mode == DUAL:
+            assert_close(name, vals(r["y"][s]), silu(xf @ a.dense().T) * (xf @ b.dense().T), KC["gemv_dual_rel_rms"])
+        else:
+            ref = xf @ a.dense().T + (y0[s] if mode == ACCUM else 0)
+            assert_close(name, r["y"][s], ref, KC["gemv_rel_rms"])
+    for m in range(M):
+        one = cuda.gemv_rows(segs(slice(m, m + 1)), inp, x=x[m:m + 1])
+        for s in range(len(outs)):
+            _same_bits(f"{tag} M={M} row {m} seg {s}", r["y"][s][m:m + 1], one["y"][s])
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+@pytest.mark.parametrize("inp,outs,mode", [(2048, [8192, 4096, 32, 32], STORE), (2048, [512], DUAL),
+                                           (192, [33], STORE), (4096, [300], STORE)])
+def test_rmsnorm_staging(cuda, rng, inp, outs, mode, M):
+    """RMSNorm of M fp32 rows staged in the launch (block 0 writes the bf16 rows): each row's norm and products as a
+    one-row launch of that row computes them, bit for bit."""
+    xr = (rng.standard_normal((M, inp)) * rng.uniform(0.5, 4, (M, 1))).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, inp).astype(np.float32)
+    inv = 1 / np.sqrt(np.mean(xr.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
+    xs = bits((xr * inv * nw).astype(np.float32))
+    w0 = [_w(rng, o, inp) for o in outs]
+    w1 = [_w(rng, o, inp) for o in outs] if mode == DUAL else w0
+    segs = [dict(w0=a.t, w1=b.t, mode=mode) for a, b in zip(w0, w1)]
+    r = cuda.gemv_rows(segs, inp, xmode=NORM, xf=xr, nw=nw, eps=1e-6, h_out=True)
+    assert_close(f"cuda gemv rows h_out M={M} in={inp}", vals(r["h_out"]), vals(xs), KC["small_bf16_rel_rms"])
+    xf = vals(r["h_out"]).astype(np.float64)  # the products of the rows the kernel staged
+    for s, (a, b) in enumerate(zip(w0, w1)):
+        name = f"cuda gemv rows rmsnorm M={M} in={inp} out={a.out} seg{s}"
+        if mode == DUAL:
+            assert_close(name, vals(r["y"][s]), silu(xf @ a.dense().T) * (xf @ b.dense().T), KC["gemv_dual_rel_rms"])
+        else:
+            assert_close(name, r["y"][s], xf @ a.dense().T, KC["gemv_staged_rel_rms"])
+    for m in range(M):
+        one = cuda.gemv_rows(segs, inp, xmode=NORM, xf=xr[m:m + 1], nw=nw, eps=1e-6, h_out=True)
+        _same_bits(f"rmsnorm M={M} row {m} h_out", r["h_out"][m:m + 1], one["h_out"])
+        for s in range(len(outs)):
+            _same_bits(f"rmsnorm M={M} row {m} seg {s}", r["y"][s][m:m + 1], one["y"][s])
+
+
+@pytest.mark.parametrize("M,out", [(1, 248320 // 16 + 3), (4, 4099), (8, 1000)])
+def test_head_keys(cuda, rng, M, out):
+    """The greedy head: per block and input row the largest key of (logit, -row); their maximum names each row's
+    argmax (ties: the lowest row)."""
+    x = bits(rng.standard_normal((M, 2048)))
+    w = _w(rng, out, 2048)
+    r = cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 2048, x=x, head=True)
+    keys, y = r["amax"], r["y"][0]
+    assert keys.shape == (r["blocks"], M)
+    assert np.all(keys != np.uint64(2 ** 64 - 1)), "a block wrote no key"
+    for m in range(M):
+        row = 0xFFFFFFFF - int(keys[:, m].max() & np.uint64(0xFFFFFFFF))
+        assert row == int(np.argmax(y[m])), (m, row, int(np.argmax(y[m])))
+
+
+def test_fits_and_refusals(cuda, rng):
+    """4-bit with groups of at least 64 only; a launch over 9 rows or with a mismatched input is refused by name."""
+    assert cuda.gemv_rows_fits(_w(rng, 8, 256).t)
+    assert not cuda.gemv_rows_fits(RawWeight(rng, 4, 8, 256, group=32, kind="gemv").t)
+    assert not cuda.gemv_rows_fits(RawWeight(rng, 8, 8, 256, kind="gemv").t)
+    w = _w(rng, 8, 256)
+    with pytest.raises(ValueError, match="rows 9"):
+        cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 256, x=bits(rng.standard_normal((9, 256))))
+    with pytest.raises(ValueError, match="input length"):
+        cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 128, x=bits(rng.standard_normal((2, 128))))
