@@ -21,9 +21,6 @@ struct GroupMap {
   int64_t max_tiles = 0;                 // grid bound
 };
 
-// Streaming multiprocessors of the current device (cached; 132 if the query fails).
-int device_sm_count();
-
 // The 4-bit dequantisation both tensor-core GEMMs use, one bf16x2 register of weights at a time.
 __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;

@@ -540,16 +540,6 @@ int blocks_per_sm(const KernelKind& k, int threads, size_t smem) {
   return c;
 }
 
-int sm_count() {
-  static int n = 0;
-  if (!n) {
-    int dev = 0;
-    LILY_CUDA_CHECK(cudaGetDevice(&dev));
-    LILY_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return n;
-}
-
 size_t smem_for(const Launch& g) {
   const size_t nrow = static_cast<size_t>(g.mwarps) * g.tpw * kR;
   return (static_cast<size_t>(g.slices) * 1024 + nrow * g.slices + nrow) * sizeof(float);
@@ -567,7 +557,7 @@ Geometry plan(Launch& g, int64_t units) {
   geo.threads = 32 * g.slices * g.mwarps;
   const KernelKind kind = kind_of(g);
   geo.kernel = kernel_of(kind);
-  const int64_t slots = static_cast<int64_t>(sm_count()) * blocks_per_sm(kind, geo.threads, 24 * 1024);
+  const int64_t slots = static_cast<int64_t>(device_sm_count()) * blocks_per_sm(kind, geo.threads, 24 * 1024);
   // makespan ~ waves x (tiles per warp + 1): the +1 is a warp's staging and epilogue, about one tile's time
   int64_t best = -1;
   for (int t = 1; t <= kMaxTpw; ++t) {

@@ -422,16 +422,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
 using Kernel = void (*)(const Launch);
 Kernel kernel_of(int xmode) { return xmode == kXNorm ? rows_kernel<kXNorm> : rows_kernel<kXBf16>; }
 
-int sm_count() {
-  static int n = 0;
-  if (!n) {
-    int dev = 0;
-    LILY_CUDA_CHECK(cudaGetDevice(&dev));
-    LILY_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  }
-  return n;
-}
-
 // The kernels may take more than 48 KB of dynamic shared memory (the staged rows: 2 M bytes an input element).
 void allow_smem(Kernel k, int xmode) {
   static bool done[2] = {false, false};
@@ -511,7 +501,7 @@ unsigned proj(cudaStream_t st, const Args& a) {
   // barriers. Both depend on the shapes and the device only.
   int64_t all_tiles = 0;
   for (int q = 0; q < g.nparts; ++q) all_tiles += g.part[q].tiles;
-  const bool whole_rows = all_tiles >= int64_t{2} * sm_count() * 2 * kWarps;
+  const bool whole_rows = all_tiles >= int64_t{2} * device_sm_count() * 2 * kWarps;
   g.cps = whole_rows ? g.nchunk : (g.nchunk + kWarps - 1) / kWarps;
   g.slices = (g.nchunk + g.cps - 1) / g.cps;
   g.mwarps = kWarps / g.slices;
@@ -523,7 +513,7 @@ unsigned proj(cudaStream_t st, const Args& a) {
   g.tpw = 1;
   LILY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, k, threads, smem_bytes(g)));
   if (bps < 1) fail("no block fits an SM (" + std::to_string(smem_bytes(g)) + " bytes of shared memory)");
-  const int64_t slots = static_cast<int64_t>(sm_count()) * bps;
+  const int64_t slots = static_cast<int64_t>(device_sm_count()) * bps;
   int64_t best = -1;
   for (int t = 1; t <= kMaxTpw; ++t) {
     int64_t runs = 0;
