@@ -406,6 +406,26 @@ def test_bundled_model_drafts_exactly():
         assert r2.stats.accepted_tokens > 0.25 * r2.stats.drafted_tokens, r2.stats.summary()
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_seeded_sampling_is_plain_sampling_token_for_token(k):
+    """A seed gives one text with speculation on or off (issue 44): drafts are greedy and each verified row draws
+    with the uniform number plain decoding uses for that token, so the sampled reply is plain's, token for token,
+    for three seeds and options that shape the rows (top-k/p, min-p, penalties)."""
+    import lily
+    m = lily.load(backend="cpu")
+    if m.mtp is None:
+        pytest.skip("this install's bundled model has no MTP head")
+    opts = dict(max_tokens=80, temperature=0.8, top_p=0.95, top_k=40, min_p=0.01, repetition_penalty=1.1)
+    drafted = accepted = 0
+    for seed in (7, 11, 2026):
+        r1 = m.session().generate("def fibonacci(n):\n", seed=seed, speculative=False, **opts)
+        r2 = m.session().generate("def fibonacci(n):\n", seed=seed, speculative=k, **opts)
+        assert r2.token_ids == r1.token_ids, (seed, k, r2.stats.summary())
+        drafted += r2.stats.drafted_tokens
+        accepted += r2.stats.accepted_tokens
+    assert drafted > 0 and accepted > 0.1 * drafted, (accepted, drafted)  # the drafts ran and some stayed
+
+
 @pytest.mark.parametrize("adaptive", [True, False])  # the plain probe step's row, or a verify's
 def test_non_finite_logits_stop_a_speculative_generation(tmp_path, adaptive):
     """As plain decoding does: NaN in a row the stream would draw from is lily.NonFiniteLogitsError, and the

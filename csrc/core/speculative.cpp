@@ -3,13 +3,15 @@
 //
 // One step, with t the last token drawn (not yet fed) at position P:
 //   1. draft: the head's row (h_{P-1}, t) at P - 1 drafts d_1, then k - 1 chained rows (its own output, d_j) draft
-//      d_2 .. d_k, each drawn by the stream's rule from the head's logits under the same options and history;
+//      d_2 .. d_k, each the most likely token of the head's logits shaped by the stream's options and history
+//      (greedy drafts: they take no random numbers);
 //   2. verify: the main model runs [t, d_1 .. d_k] at P .. P + k as one forward whose rows equal one-row steps
 //      (Backend::exact_rows), giving the target rows p_0 .. p_k;
-//   3. accept: greedy: d_{j+1} while it is what p_j picks, then p_j's pick; sampling: d_{j+1} with probability
-//      min(1, p_j(d) / q_j(d)), else a draw from max(0, p_j - q_j) normalised, and p_k's draw when every draft
-//      stays: the rule that leaves the target distribution unchanged (Leviathan et al. 2023, Chen et al. 2023);
-//      penalties, bias, top-k/p and min-p shape p and q alike, with the history as it would be at that token;
+//   3. accept: row j draws y_j from p_j exactly as plain decoding draws that token (its rule, with the uniform
+//      number plain decoding would take there: the stream's next); d_{j+1} stays when y_j equals it, else y_j is
+//      the step's last token; p_k's draw when every draft stays. So the tokens are plain decoding's, token for
+//      token, for any seed (a draft is accepted with probability p_j(d), what rejection sampling gives a
+//      deterministic draft); penalties, bias, top-k/p and min-p shape each row with the history at that token;
 //   4. commit: the state holds [t, d_1 .. d_a]: kept as verified when every draft stayed, else the DeltaNet states
 //      after row a, which the verify kept (Backend::keep_state_rows; KV rows past the position are unused), or,
 //      on a backend that does not keep them, the copy taken before the verify with the a + 1 rows run again
@@ -38,19 +40,15 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-bool is_greedy(const SampleOptions& o) { return !(o.temperature > 0.f) || !std::isfinite(1.f / o.temperature); }
 
-// The token drawn from max(0, p - q) normalised (a rejected draft's replacement); p where that is empty.
-int32_t draw_residual(const cpu::RowWeights& p, const cpu::RowWeights& q, float uniform) {
-  const int64_t V = static_cast<int64_t>(p.w.size());
-  std::vector<double> r(static_cast<size_t>(V), 0.0);
-  double total = 0;
-  int64_t last = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    const double d = p.prob(i) - q.prob(i);
-    if (d > 0) r[i] = d, total += d, last = i;
-  }
-  return total > 0 ? cpu::draw_weighted(r, total, last, uniform) : cpu::draw(p, uniform);
+// The greedy draft of a row under the rule: greedy's pick, or the kept token of largest weight (lowest index on ties).
+int32_t most_likely(const cpu::RowWeights& r) {
+  if (r.greedy >= 0) return static_cast<int32_t>(r.greedy);
+  int64_t best = r.last;
+  double top = 0;
+  for (size_t i = 0; i < r.w.size(); ++i)
+    if (r.w[i] > top) top = r.w[i], best = static_cast<int64_t>(i);
+  return static_cast<int32_t>(best);
 }
 
 // Where plain decoding would stop with a clear error (lily.NonFiniteLogitsError): a row it draws from holds NaN or
@@ -164,20 +162,16 @@ void TokenStream::spec_iterate() {
   sp.snap_position = P;
   sp.snap_mtp_rows = st.mtp_rows;
 
-  // 1. Draft k tokens; the history (penalties) takes each draft while the next is drawn, then is put back.
+  // 1. Draft k tokens greedily; the history (penalties) takes each draft while the next is chosen, then is put back.
   SampleOptions& so = opt_.sample;
-  const bool greedy = is_greedy(so);
   sp.draft_logits.resize(static_cast<size_t>(k * V));
   std::vector<int32_t> rows(static_cast<size_t>(k + 1));
   rows[0] = sp.pending;
-  std::vector<cpu::RowWeights> q(greedy ? 0 : static_cast<size_t>(k));
   std::vector<std::pair<int32_t, uint8_t>> undo;
-  e.draft(st, rows[0], k, sp.draft_logits.data(), rows.data() + 1, [&](int64_t j, const float* row) {
-    cpu::RowWeights w = cpu::sample_weights(row, V, so, so.seen, so.counts);
-    const int32_t d = cpu::draw(w, greedy ? 0.f : next_uniform());
+  e.draft(st, rows[0], k, sp.draft_logits.data(), rows.data() + 1, [&](int64_t, const float* row) {
+    const int32_t d = most_likely(cpu::sample_weights(row, V, so, so.seen, so.counts));
     undo.emplace_back(d, so.seen[d]);
     so.seen[d] = 1, so.counts[d] += 1;
-    if (!greedy) q[j] = std::move(w);
     return d;
   });
   for (auto it = undo.rbegin(); it != undo.rend(); ++it) so.seen[it->first] = it->second, so.counts[it->first] -= 1;
@@ -203,25 +197,15 @@ void TokenStream::spec_iterate() {
     // a row plain decoding would draw from: non-finite, the stream returns the drafts accepted so far, then fails
     sp.error = non_finite(&sp.verify_logits[j * V], V, P + j);
     if (!sp.error.empty()) break;
-    const cpu::RowWeights p = cpu::sample_weights(&sp.verify_logits[j * V], V, so, so.seen, so.counts);
-    if (j == k) {
-      y = cpu::draw(p, greedy ? 0.f : next_uniform());
+    // plain decoding's draw of this token: its rule (sample_draw's), its uniform number
+    const int32_t drawn = cpu::sample_draw(&sp.verify_logits[j * V], V, so, so.seen, so.counts, next_uniform());
+    const int32_t d = j < k ? rows[j + 1] : -1;
+    if (drawn != d) {  // (the draw took the token into the history, as plain decoding's does)
+      y = drawn;
       break;
     }
-    const int32_t d = rows[j + 1];
-    if (greedy) {
-      if (p.greedy != d) {
-        y = static_cast<int32_t>(p.greedy);
-        break;
-      }
-    } else if (!(static_cast<double>(next_uniform()) * q[j].prob(d) < p.prob(d))) {
-      y = draw_residual(p, q[j], next_uniform());
-      break;
-    }
-    so.seen[d] = 1, so.counts[d] += 1;
     ++a;
   }
-  if (y >= 0) so.seen[y] = 1, so.counts[y] += 1;
 
   // 4. Commit [t, d_1 .. d_a].
   if (a < k && rows_kept) {  // the states after row a, kept by the verify

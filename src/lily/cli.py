@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated browser origins allowed by CORS besides this machine's own (localhost, "
                         "127.0.0.1, [::1], any port: allowed by default), or '*'; requests from other web pages "
                         "get 403 and are logged once with this flag")
+    g.add_argument("--allowed-hosts", default=None, metavar="LIST",
+                   help="comma-separated Host header names answered besides this machine's own (localhost, "
+                        "127.0.0.1, [::1]), or '*' for any; default: this machine's names when bound to it (guards "
+                        "against DNS rebinding), any name when bound to other interfaces")
     g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="SIGTERM / Ctrl-C: running requests end with their text so far, queued ones get 503, "
                         "sessions are saved and the server exits within S seconds (default 5)")
@@ -323,12 +327,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           parallel=args.parallel, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), prefill_slice=args.prefill_slice,
                           cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+                          allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
                           save_interval_s=args.save_interval, speculative=args.speculative)
     from .server.speculative import head_summary
     print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1\n[lily serve] speculative decoding: "
           f"{head_summary(model, args.speculative)}", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, config=config, log_level=args.log_level)
     return 0
+
+
+def _allowed_hosts(flag: str | None, bind: str) -> tuple[str, ...] | None:
+    """--allowed-hosts as ServerConfig.allowed_hosts: the listed names; unset, none beyond this machine's when bound to
+    it, else any (None)."""
+    from .server.cors import is_loopback_bind
+    if flag is not None:
+        return tuple(h.strip() for h in flag.split(",") if h.strip())
+    return () if is_loopback_bind(bind) else None
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -473,7 +473,8 @@ class Session:
             seen=sampler.seen.view(np.uint8) if p.repetition_penalty != 1.0 else None,
             counts=sampler.counts if (p.presence_penalty or p.frequency_penalty) else None,
             seed=sampler.stream_seed(),  # the device draws the numbers the host sampler would take next
-            **({"speculative": k, "adaptive": self.speculative_adaptive} if k else {}))
+            # an explicit k drafts; only speculative=None (auto) adapts (drafting never changes the tokens)
+            **({"speculative": k, "adaptive": self.speculative_adaptive and p.speculative is None} if k else {}))
         generated = list(self._pending)  # [first]
         n_base = len(self._tokens)
         last_logits = None

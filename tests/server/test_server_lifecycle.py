@@ -78,7 +78,7 @@ def test_sigterm_ends_every_job_then_exits_with_the_sessions_saved(tiny_ckpt, tm
         # a request whose body is still coming when the signal arrives
         late = socket.create_connection(("127.0.0.1", srv.port))
         body = json.dumps(_body(4, False)).encode()
-        late.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {srv.api_key}\r\n"
+        late.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {srv.api_key}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:10])
         time.sleep(0.2)
         t0 = time.time()
@@ -100,6 +100,8 @@ def test_sigterm_ends_every_job_then_exits_with_the_sessions_saved(tiny_ckpt, tm
         srv.stop()
     assert exit_s < 5.5, f"exited {exit_s:.1f} s after SIGTERM (grace 5 s)"
     assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    # the SDKs would retry a 503 into the closed port: told not to, they show the user this message instead
+    assert b"\r\nx-should-retry: false\r\n" in answer.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n", answer[:400]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "server_shutting_down"
     for c in running[:2]:  # text so far, a finish_reason, an OpenAI error event, [DONE]
         ev = c.events()
@@ -207,3 +209,52 @@ def test_cors_allows_this_machine_and_refuses_other_pages(server):
                        headers={"Origin": evil, **server.headers()})
         assert r.status_code == 403 and r.json()["error"]["code"] == "cors_origin_refused"
     assert server.log().count(f"--cors-origins {evil} to allow it") == 1
+
+
+def test_host_header_must_name_this_machine(server):
+    """DNS rebinding: a page on another origin that points its own name at 127.0.0.1 sends `Host: attacker.example`
+    (and that Origin, which then looks same-origin): refused with 403 naming --allowed-hosts, logged once; this
+    machine's names pass with any port."""
+    for host in ("localhost", f"localhost:{server.port}", f"127.0.0.1:{server.port}", f"[::1]:{server.port}",
+                 "app.localhost:3000"):
+        r = httpx.get(server.url + "/v1/models", headers={"Host": host, **server.headers()})
+        assert r.status_code == 200, (host, r.status_code, r.text[:200])
+    evil = f"attacker.example:{server.port}"
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/chat/completions", json=_body(2, False),
+                       headers={"Host": evil, "Origin": f"http://{evil}", **server.headers()})
+        assert r.status_code == 403, r.text[:200]
+        err = r.json()["error"]
+        assert err["code"] == "host_not_allowed" and "--allowed-hosts attacker.example" in err["message"], err
+    assert server.log().count("--allowed-hosts attacker.example to allow it") == 1
+    assert server.health()["limits"]["allowed_hosts"] == ["localhost", "127.0.0.1", "[::1]"]
+
+
+def test_allowed_hosts_default_follows_the_bind_address_and_the_flag_extends_it():
+    from starlette.testclient import TestClient
+
+    from lily.cli import _allowed_hosts
+    from lily.server.cors import HostGuard
+    for bind in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert _allowed_hosts(None, bind) == (), bind  # this machine's names only
+    assert _allowed_hosts(None, "0.0.0.0") is None  # any: the operator chose the network
+    assert _allowed_hosts("my.box, lan.example", "127.0.0.1") == ("my.box", "lan.example")
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = HostGuard(ok, allowed=("my.box",), log=lambda line: None)
+    assert TestClient(guard, base_url="http://my.box:8000").get("/v1/models").status_code == 200
+    r = TestClient(guard, base_url="http://other.box:8000").get("/v1/models")
+    assert r.status_code == 403 and "--allowed-hosts other.box" in r.json()["error"]["message"]
+    assert TestClient(HostGuard(ok, allowed=("*",)), base_url="http://other.box").get("/").status_code == 200
+
+
+def test_retry_after_is_jittered_around_the_estimate():
+    """Clients refused together get different Retry-After values around the estimate (±25%), so their retries do
+    not arrive in one burst."""
+    from lily.server.errors import retry_headers
+    from lily.server.worker import QueueFull
+    ms = [int(retry_headers(QueueFull("full", 4.0))["retry-after-ms"]) for _ in range(64)]
+    assert 3000 <= min(ms) and max(ms) <= 5000 and len(set(ms)) > 16, sorted(ms)[:8]

@@ -69,3 +69,35 @@ def test_unknown_previous_response_id(client):
     import openai
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_nope", max_output_tokens=2)
+
+
+def test_stored_responses_survive_a_restart_and_a_timeout_says_so(tiny_ckpt, tmp_path):
+    """With --session-dir the stored responses are files too: previous_response_id continues a conversation after a
+    restart, and GET /v1/responses/{id} finds it; a reply the server's timeout cut off says request_timeout, not
+    max_output_tokens."""
+    from _live import LiveServer
+    no_end = {str(i): -100 for i in (503, 504, 505)}  # the tiny model's end-of-turn tokens never come
+    sessions = tmp_path / "sessions"
+    srv = LiveServer(tiny_ckpt, tmp_path / "a.log", "--session-dir", str(sessions), "--request-timeout", "1",
+                     env={"LILY_TEST_STEP_DELAY": "0.02"})
+    try:
+        c = srv.client()
+        first = c.responses.create(model="tiny", input="Hi", max_output_tokens=8, extra_body=NO_THINK)
+        cut = c.responses.create(model="tiny", input="Count", max_output_tokens=3000,
+                                 extra_body={**NO_THINK, "logit_bias": no_end})
+        assert cut.status == "incomplete" and cut.incomplete_details.reason == "request_timeout", cut
+        short = c.responses.create(model="tiny", input="Go", max_output_tokens=2,
+                                   extra_body={**NO_THINK, "logit_bias": no_end})
+        assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    finally:
+        srv.stop()
+    assert (sessions / "responses" / f"{first.id}.json").exists()
+    srv = LiveServer(tiny_ckpt, tmp_path / "b.log", "--session-dir", str(sessions))
+    try:
+        c = srv.client()
+        assert c.responses.retrieve(first.id).id == first.id
+        nxt = c.responses.create(model="tiny", input="And then?", previous_response_id=first.id, max_output_tokens=4,
+                                 extra_body=NO_THINK)
+        assert nxt.previous_response_id == first.id and nxt.status in ("completed", "incomplete")
+    finally:
+        srv.stop()

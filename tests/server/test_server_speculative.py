@@ -189,3 +189,23 @@ def test_a_stopped_request_reports_its_drafts(drafting_ckpt, tmp_path):
         assert d["accepted_prediction_tokens"] + d["rejected_prediction_tokens"] > 0, body["usage"]
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("spec", [None, False, 3])  # --speculative auto (the request leaves it out), off, 3
+def test_sixteen_concurrent_seeded_requests_give_one_text(drafting_ckpt, tmp_path, spec):
+    """One seed, one text (issue 44): 16 identical sampled requests with `seed` at once, on a server whose adaptive
+    rule is live (the default), give one text whether or not each drafts; and it is plain decoding's text."""
+    from concurrent.futures import ThreadPoolExecutor
+    srv = LiveServer(drafting_ckpt, tmp_path / "serve.log")
+    try:
+        body = {"model": "tiny", "messages": USER, "max_tokens": 40, "temperature": 0.9, "top_p": 0.95, "seed": 7,
+                **NO_THINK, **({} if spec is None else {"speculative": spec})}
+        with ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda _: _post(srv, "/v1/chat/completions", body), range(16)))
+        texts = {r.json()["choices"][0]["message"]["content"] for r in replies if r.status_code == 200}
+        assert all(r.status_code == 200 for r in replies), [r.text[:200] for r in replies if r.status_code != 200]
+        assert len(texts) == 1, texts
+        plain = _post(srv, "/v1/chat/completions", {**body, "speculative": False}).json()
+        assert plain["choices"][0]["message"]["content"] in texts
+    finally:
+        srv.stop()

@@ -104,3 +104,27 @@ def test_the_drain_rate_leaves_the_queue_time_out(model):
 
     took, estimate = asyncio.run(go())
     assert took / 2 <= estimate <= took * 2, (took, estimate)
+
+
+def test_with_parking_room_the_queue_is_still_bounded(model):
+    """A flood while the parking budget has room: requests that have not started count against --max-queue (one in
+    its prefill cannot be parked, so they would wait unbounded), and the one past it is refused with QueueFull."""
+    from lily.server.worker import QueueFull
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(model, PrefixCache(), parallel=1, max_queue=3, park_bytes=1 << 30)
+        worker._inbox.put(("wake", None))  # (not started: every submitted job stays waiting)
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        accepted, refused = 0, 0
+        for i in range(10):
+            try:
+                worker.submit(Job(model.tokenize(f"flood {i}"), params, loop))
+                accepted += 1
+            except QueueFull as e:
+                refused += 1
+                assert "--max-queue 3" in str(e) and e.retry_after_s > 0
+        return accepted, refused, worker.waiting
+
+    accepted, refused, waiting = asyncio.run(go())
+    assert (accepted, refused, waiting) == (3, 7, 3)

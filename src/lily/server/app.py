@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import LilyError
 from ..model import Model
-from .cors import OriginGuard
+from .cors import HostGuard, OriginGuard
 from .errors import as_api_error
 from .middleware import APIKeyMiddleware, RequestGuard, SSEResponse, error_response, read_body
 from .output import ChatOutput
@@ -106,6 +106,8 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
                        count=lambda path, status: srv.metrics.request(path if path in ENDPOINTS else "other", status))
     # outermost: preflights (no Authorization header) are answered before the key check
     app.add_middleware(OriginGuard, extra_origins=tuple(config.cors_origins))
+    if config.allowed_hosts is not None:  # outermost of all: a rebound DNS name is refused before anything else
+        app.add_middleware(HostGuard, allowed=tuple(config.allowed_hosts))
 
     async def parse(cls: Any, request: Request) -> Any:
         """Body -> request model, refusing at once when the queue is full or the server is shutting down

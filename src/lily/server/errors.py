@@ -4,6 +4,7 @@ tell clients whether and when to retry (the official SDKs read `x-should-retry`,
 from __future__ import annotations
 
 import math
+import random
 
 from ..chat import ChatTemplateError
 from ..errors import ContextLengthError
@@ -28,7 +29,7 @@ def as_api_error(e: BaseException) -> APIError:
     if isinstance(e, QueueFull):
         return APIError(503, str(e), type="server_busy", code="queue_full", headers=retry_headers(e))
     if isinstance(e, ServerShutdown):
-        return APIError(503, str(e), type="server_error", code="server_shutting_down")
+        return APIError(503, str(e), type="server_error", code="server_shutting_down", headers=dict(NO_RETRY))
     if isinstance(e, RequestTimeout):
         return APIError(408, str(e), type="timeout", code="request_timeout", headers=dict(NO_RETRY))
     if isinstance(e, NonFiniteLogits):
@@ -37,8 +38,9 @@ def as_api_error(e: BaseException) -> APIError:
 
 
 def retry_headers(e: BaseException) -> dict[str, str] | None:
-    """Retry-After (whole seconds, HTTP) and retry-after-ms (what the OpenAI SDKs read first) of a full queue."""
+    """Retry-After (whole seconds, HTTP) and retry-after-ms (what the OpenAI SDKs read first) of a full queue, the
+    estimate jittered by +-25% so that the clients refused together do not all come back in the same instant."""
     if not isinstance(e, QueueFull):
         return None
-    return {"Retry-After": str(max(1, math.ceil(e.retry_after_s))),
-            "retry-after-ms": str(max(1, round(e.retry_after_s * 1000)))}
+    after = e.retry_after_s * random.uniform(0.75, 1.25)
+    return {"Retry-After": str(max(1, math.ceil(after))), "retry-after-ms": str(max(1, round(after * 1000)))}

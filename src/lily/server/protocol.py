@@ -1,22 +1,24 @@
 """OpenAI wire format: request models, validation into lily's own types, errors, response pieces.
 
-Requests are parsed with pydantic (unknown fields allowed and ignored, as OpenAI-compatible servers do);
+Requests are parsed with pydantic; a chat or completion request's unknown top-level field is a 400 naming it (as
+OpenAI answers), except the few bookkeeping fields in IGNORED_FIELDS;
 every range check names the parameter and what was expected, and comes back as an OpenAI error object
 (`{"error": {"message", "type", "param", "code"}}`) with the HTTP status OpenAI uses.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import time
 import uuid
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..generation import GenerationStats
 from ..sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError, resolve_sampling
 from .api_error import APIError, bad_request  # noqa: F401 (re-exported: the handlers import them from here)
-from .validation import check_message_content, check_unicode
+from .validation import check_depth, check_message_content, check_unicode, too_deep
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -45,6 +47,7 @@ class _Request(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
+    STRICT_FIELDS: ClassVar[bool] = True  # unknown top-level fields are refused (check_fields)
     messages: list[dict[str, Any]]
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
@@ -58,6 +61,7 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
+    STRICT_FIELDS: ClassVar[bool] = True
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
@@ -82,15 +86,38 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+# Fields of OpenAI's requests that change nothing a local server does (bookkeeping, routing, caching hints): accepted
+# and ignored, as documented in docs/server.md. Any other field a request model does not declare is refused.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
+def check_fields(cls: type[BaseModel], data: Mapping[str, Any]) -> None:
+    """400 for a top-level field the request model does not declare (a typo such as max_token would otherwise be
+    dropped silently), naming it and the nearest known one, in OpenAI's words."""
+    if cls.model_config.get("extra") != "allow" or not getattr(cls, "STRICT_FIELDS", False):
+        return
+    known = set(cls.model_fields) | IGNORED_FIELDS
+    for name in data:
+        if name not in known:
+            near = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise bad_request(f"Unrecognized request argument supplied: {name}{hint}", param=str(name),
+                              code="unknown_parameter")
+
+
 def parse_request(cls: type[BaseModel], raw: bytes) -> Any:
     """Body bytes -> request model, or a 400 naming the problem (also for text no tokenizer can take)."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON ({e}): expected a JSON object") from None
+    except RecursionError:
+        raise too_deep("the request body") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    check_depth(data)
     check_unicode(data)
+    check_fields(cls, data)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -236,14 +263,26 @@ def normalize_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, An
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise bad_request(f"messages[{i}].content has a part of type {kind!r}: lily serves a text-only "
                                       f"model, expected text parts", param=f"messages.{i}.content")
+                if not isinstance(part["text"], str):
+                    raise bad_request(f"messages[{i}].content has a text part whose text is a "
+                                      f"{type(part['text']).__name__}: expected a string", param=f"messages.{i}.content")
             m["content"] = "".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                               param=f"messages.{i}.content")
         if role == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise bad_request(f"messages[{i}].tool_calls is a {type(m['tool_calls']).__name__}: expected a list of "
+                                  f"{{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                                  param=f"messages.{i}.tool_calls")
             calls = []
             for j, c in enumerate(m["tool_calls"]):
-                fn = dict((c or {}).get("function") or {})
+                if not isinstance(c, dict) or not isinstance(c.get("function"), dict) or \
+                        not isinstance(c["function"].get("name"), str):
+                    raise bad_request(f"messages[{i}].tool_calls[{j}] must be an object with a function "
+                                      f"{{'name': string, 'arguments': JSON object string}}",
+                                      param=f"messages.{i}.tool_calls")
+                fn = dict(c["function"])
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import re
 import threading
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -22,7 +25,7 @@ from .errors import as_api_error
 from .middleware import SSEResponse
 from .output import ChatOutput
 from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
-from .streams import collect, comment, events
+from .streams import SERVER_STOPS, collect, comment, events
 from .worker import Cancelled
 
 MAX_STORED = 256  # responses kept for previous_response_id (least recently used dropped)
@@ -50,12 +53,18 @@ class ResponsesRequest(BaseModel):
 
 
 class ResponseStore:
-    """id -> (chat messages of the whole conversation after that response, the response body)."""
+    """id -> (chat messages of the whole conversation after that response, the response body): the last `size` in
+    memory and, with a directory (`lily serve --session-dir`), every one also as DIR/responses/<id>.json, so
+    `previous_response_id` works across restarts; the files are kept within `disk_items` and `disk_bytes` (the
+    oldest removed first)."""
 
-    def __init__(self, size: int = MAX_STORED):
+    def __init__(self, size: int = MAX_STORED, directory: str | os.PathLike | None = None,
+                 disk_items: int = 4096, disk_bytes: int = 256 << 20):
         self._items: collections.OrderedDict[str, tuple[list, dict]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.size = size
+        self.dir = Path(directory) / "responses" if directory else None
+        self.disk_items, self.disk_bytes = disk_items, disk_bytes
 
     def put(self, rid: str, messages: list, body: dict) -> None:
         with self._lock:
@@ -63,15 +72,44 @@ class ResponseStore:
             self._items.move_to_end(rid)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
+            if self.dir is not None:
+                self._write(rid, messages, body)
+
+    def _write(self, rid: str, messages: list, body: dict) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.dir / f".{rid}.tmp"
+            tmp.write_text(json.dumps({"messages": messages, "body": body}, ensure_ascii=False))
+            os.replace(tmp, self.dir / f"{rid}.json")
+            files = sorted(self.dir.glob("*.json"), key=lambda f: f.stat().st_mtime)
+            total = sum(f.stat().st_size for f in files)
+            while files and (len(files) > self.disk_items or total > self.disk_bytes):
+                old = files.pop(0)
+                total -= old.stat().st_size
+                old.unlink(missing_ok=True)
+        except OSError as e:  # the reply went out; only its continuation after a restart is lost
+            print(f"[lily serve] could not store response {rid} in {self.dir}: {e}", flush=True)
 
     def get(self, rid: str) -> tuple[list, dict]:
         with self._lock:
+            if rid not in self._items and self.dir is not None and _SAFE_ID.match(rid):
+                f = self.dir / f"{rid}.json"
+                try:
+                    data = json.loads(f.read_text())
+                    self._items[rid] = (data["messages"], data["body"])
+                except (OSError, ValueError, KeyError):
+                    pass
             if rid not in self._items:
-                raise APIError(404, f"No response with id {rid!r} is stored on this server (it keeps the last "
-                                    f"{self.size} responses made with store=true)", param="previous_response_id",
-                               code="response_not_found")
+                kept = f"the last {self.size} responses made with store=true" + (
+                    f", and those in {self.dir}" if self.dir is not None else " (lily serve --session-dir keeps "
+                    f"them across restarts)")
+                raise APIError(404, f"No response with id {rid!r} is stored on this server (it keeps {kept})",
+                               param="previous_response_id", code="response_not_found")
             self._items.move_to_end(rid)
             return self._items[rid]
+
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # an id names a file only when it could be one of ours
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -147,7 +185,11 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tup
     choice = req.tool_choice
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    fmt = (req.text or {}).get("format")
+    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object", "json_schema")):
+        kind = fmt.get("type") if isinstance(fmt, dict) else type(fmt).__name__
+        raise bad_request(f"text.format.type={kind!r} is invalid: expected text, json_object or json_schema",
+                          param="text.format")
     response_format = None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
@@ -247,12 +289,18 @@ class _Items:
         return ev
 
 
+def incomplete_reason(stop_reason: Any) -> str:
+    """incomplete_details.reason of a reply cut off: the server's own stop (request_timeout, server_shutdown), else
+    the token limit."""
+    return stop_reason if stop_reason in SERVER_STOPS else "max_output_tokens"
+
+
 def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
-    store = ResponseStore()
+    store = ResponseStore(directory=srv.config.session_dir)
     config = srv.config
 
     def body_of(rid: str, created: int, req: ResponsesRequest, status: str, items: list, out: ChatOutput | None,
-                truncated: bool) -> dict[str, Any]:
+                truncated: bool, stop_reason: str | None = None) -> dict[str, Any]:
         s = out.stats if out is not None else None
         usage = None
         if s is not None:
@@ -264,7 +312,8 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
                      "total_tokens": s.prompt_tokens + s.generated_tokens}
         return {"id": rid, "object": "response", "created_at": created, "status": status, "model": req.model or srv.name,
                 "output": items, "usage": usage, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+                # why it stopped early: the token limit, or the server (request_timeout, server_shutdown)
+                "incomplete_details": {"reason": incomplete_reason(stop_reason)} if truncated else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                 "previous_response_id": req.previous_response_id, "parallel_tool_calls": req.parallel_tool_calls
                 is not False, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
@@ -314,7 +363,8 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
             srv.remember_reply(ids, last.stop_reason)
             truncated = out.finish_reason == "length"
             items.finish(truncated)
-            body = body_of(rid, created, req, "incomplete" if truncated else "completed", items.items, out, truncated)
+            body = body_of(rid, created, req, "incomplete" if truncated else "completed", items.items, out, truncated,
+                           last.stop_reason)
             keep(rid, req, conversation, items.items, body)
             return JSONResponse(body)
 
@@ -343,7 +393,7 @@ def add_responses_routes(app: FastAPI, srv: Any, parse: Callable) -> None:
                         for kind, data in items.finish(truncated):
                             yield event(kind, data)
                         status = "incomplete" if truncated else "completed"
-                        body = body_of(rid, created, req, status, items.items, out, truncated)
+                        body = body_of(rid, created, req, status, items.items, out, truncated, c.stop_reason)
                         keep(rid, req, conversation, items.items, body)
                         yield event(f"response.{status}", {"response": body})
                 elif ev[0] == "error":

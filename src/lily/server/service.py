@@ -45,6 +45,9 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20          # request body limit (413 beyond)
     prefill_slice: int = 512               # prefill tokens between decode rounds of the other requests
     cors_origins: tuple[str, ...] = ()     # browser origins allowed besides this machine's (CORS); '*': all
+    # Host header names answered besides this machine's (DNS rebinding); None: any (the default of create_app and of
+    # a server bound to other interfaces than loopback); '*' inside: any
+    allowed_hosts: tuple[str, ...] | None = None
     shutdown_grace_s: float = 5.0          # SIGTERM/Ctrl-C: jobs end, sessions are saved and the server exits in this
     save_interval_s: float = 300.0         # with session_dir: save sessions this often when requests ran; 0: off
     # speculative decoding (the MTP head) for requests that do not set it: None auto, True on, False off, k drafts
@@ -123,6 +126,8 @@ class LilyServer:
                 "request_timeout_s": c.request_timeout_s or None, "max_body_bytes": c.max_body_bytes,
                 "max_context": self.model.max_context, "prefill_slice": c.prefill_slice,
                 "cors_origins": ["http://localhost:*", "http://127.0.0.1:*", "http://[::1]:*", *c.cors_origins],
+                "allowed_hosts": None if c.allowed_hosts is None or "*" in c.allowed_hosts else
+                ["localhost", "127.0.0.1", "[::1]", *c.allowed_hosts],
                 "cache_bytes": self.budgets.cache_bytes, "park_bytes": self.budgets.park_bytes,
                 "budgets": dict(self.budgets.how), "shutdown_grace_s": c.shutdown_grace_s,
                 "save_interval_s": (c.save_interval_s or None) if c.session_dir else None}
@@ -227,6 +232,9 @@ class LilyServer:
             schema = None
             if fmt["type"] == "json_schema":
                 spec = fmt.get("json_schema") or {}
+                if not isinstance(spec, dict):
+                    raise bad_request(f"response_format.json_schema is a {type(spec).__name__}: expected an object "
+                                      f"{{'name': ..., 'schema': {{...}}}}", param="response_format.json_schema")
                 schema = spec.get("schema", spec.get("json_schema"))
                 if not isinstance(schema, dict):
                     raise bad_request("response_format.json_schema.schema must be a JSON schema object",

@@ -2,9 +2,9 @@
 and `lily bench` use it without the server's packages).
 
 Speculative decoding drafts tokens with the model's MTP head and verifies them in one forward; the output is plain
-decoding's (greedy token for token; sampling the same distribution). The option (lily.sampling.SamplingParams
+decoding's token for token (greedy, or sampled with the same seed). The option (lily.sampling.SamplingParams
 .speculative): None = automatic (on when the engine runs a head; the stream falls back to plain steps by itself when
-drafting does not pay), False = off, True = on (an error without a head), k in 1..MAX_DRAFTS = on with k drafted
+drafting does not pay; only this setting adapts), False = off, True = on (an error without a head), k in 1..MAX_DRAFTS = on with k drafted
 tokens per step. Flags spell it `auto`, `on`, `off` or `K`; request bodies `null`, `true`, `false` or `K`.
 """
 from __future__ import annotations

@@ -34,6 +34,27 @@ def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
     return None
 
 
+MAX_DEPTH = 64  # nesting levels of a request body (OpenAI allows 10 in a structured-output schema)
+
+
+def too_deep(where: str) -> APIError:
+    return bad_request(f"{where} is nested more than {MAX_DEPTH} levels deep: expected a shallower JSON value",
+                       code="too_deeply_nested")
+
+
+def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
+    """400 for a body nested deeper than `limit` (later stages walk it recursively: schemas, templates), naming where."""
+    stack = [(data, 1, "")]
+    while stack:
+        v, d, path = stack.pop()
+        if d > limit:
+            raise too_deep(path or "the request body")
+        if isinstance(v, dict):
+            stack.extend((x, d + 1, f"{path}.{k}" if path else str(k)) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v))
+
+
 def check_unicode(data: Any) -> None:
     hit = find_lone_surrogate(data)
     if hit is not None:

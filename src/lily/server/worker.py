@@ -191,10 +191,13 @@ class EngineWorker:
         if self._draining:
             self.stats["rejected"] += 1
             raise ServerShutdown("the server is shutting down and takes no new requests")
-        # with room left in the parking budget a new request starts at once (parking another): it will not wait
+        # Requests that wait: without parking room, those past the free slots; with it, every one not started yet
+        # (each starts by parking a decoding request, but one still in its prefill cannot be parked, so under a
+        # flood they wait all the same: a 100 req/s flood queued 470 against --max-queue 64 when they were not
+        # counted). Either way at most --max-queue wait; the next gets a 503.
         parking = self.park_bytes > 0 and self.parked_bytes < self.park_bytes
-        would_wait = self.waiting + self.running >= self.parallel and not parking
-        if would_wait and self.waiting + self.running - self.parallel >= self.max_queue:
+        queued = self.waiting if parking else self.waiting + self.running - self.parallel
+        if queued >= self.max_queue:
             self.stats["rejected"] += 1
             raise QueueFull(f"the server is busy: {self.running} request(s) running, {self.parked} parked and "
                             f"{self.waiting} waiting (--max-queue {self.max_queue}); retry later",
