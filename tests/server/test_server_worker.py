@@ -128,3 +128,69 @@ def test_with_parking_room_the_queue_is_still_bounded(model):
 
     accepted, refused, waiting = asyncio.run(go())
     assert (accepted, refused, waiting) == (3, 7, 3)
+
+
+def _scoring(model, n: int):
+    from lily.server.scoring import prompt_logprobs
+    ids = model.tokenize("the quick brown fox jumps over the lazy dog " * (n // 8))[:n]
+    return prompt_logprobs(model, ids, 1)
+
+
+def test_scoring_runs_between_the_streams_steps_and_stops_on_cancel_and_timeout(model):
+    """Prompt scoring (echo + logprobs) one piece per decode round: two running streams keep stepping while a
+    1,000-token prompt is scored (their largest gap a piece, well under 0.5 s), and a scoring call stops within
+    0.5 s of a hang-up (cancel) or its timeout."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from lily.server.worker import Cancelled, RequestTimeout
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(model, PrefixCache(), parallel=2, park_bytes=0)
+        worker.start()
+        params = SamplingParams(max_tokens=900, temperature=0.0, logit_bias=_no_end(model))
+        streams = [Job(model.tokenize(f"stream {i}"), params, loop) for i in range(2)]
+        for j in streams:
+            worker.submit(j)
+        while min(j.steps for j in streams) < 3 and not any(j.finished for j in streams):
+            await asyncio.sleep(0.01)
+        times: list[list[float]] = [[], []]
+
+        async def follow(i: int, job: Job) -> None:
+            while not job.finished:
+                ev = await job.events.get()
+                if ev[0] == "chunk":
+                    times[i].append(time.perf_counter())
+                if ev[0] in ("end", "error"):
+                    return
+        followers = [asyncio.create_task(follow(i, j)) for i, j in enumerate(streams)]
+        t0 = time.perf_counter()
+        scored = await asyncio.wrap_future(worker.call_sliced(_scoring(model, 1000), threading.Event(), None))
+        took = time.perf_counter() - t0
+        gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= t0]
+        steps_during = [sum(1 for t in ts if t0 <= t) for ts in times]
+
+        cancel = threading.Event()
+        fut = worker.call_sliced(_scoring(model, 1000), cancel, None)
+        await asyncio.sleep(0.3)
+        cancel.set()
+        t1 = time.perf_counter()
+        with pytest.raises(Cancelled):
+            await asyncio.wrap_future(fut)
+        cancel_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        with pytest.raises(RequestTimeout):
+            await asyncio.wrap_future(worker.call_sliced(_scoring(model, 1000), threading.Event(), 0.3))
+        timeout_s = time.perf_counter() - t2
+        for j in streams:
+            j.request_cancel()
+        await asyncio.gather(*followers)
+        worker.stop()
+        return len(scored), took, max(gaps), steps_during, cancel_s, timeout_s
+
+    n, took, gap, steps, cancel_s, timeout_s = asyncio.run(go())
+    assert n == 1000 and took > 0.5
+    assert min(steps) > 5 and gap < 0.5, (gap, steps, took)
+    assert cancel_s < 0.5 and timeout_s < 0.8, (cancel_s, timeout_s)

@@ -15,7 +15,9 @@ process exits, all within --shutdown-grace seconds.
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,7 +36,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
                        bad_request, completion_logprobs, new_id, normalize_chat_messages, now, parse_request)
 from .scoring import prompt_logprobs
 from .service import LilyServer, ServerConfig
-from .streams import chat_stream, chat_whole, completion_stream, completion_whole
+from .streams import chat_stream, chat_whole, completion_stream, completion_whole, watch_disconnect
 from .validation import validate_tools
 
 __all__ = ["ServerConfig", "LilyServer", "create_app", "serve"]
@@ -213,9 +215,16 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         prep = await run_in_threadpool(srv.prepare_completion, req)
         rid, created, name = new_id("cmpl"), now(), req.model or srv.name
         echo = prep.prompt_text if req.echo else ""
-        if prep.score_prompt:
-            fut = srv.worker.call(lambda: prompt_logprobs(model, prep.ids, prep.n_top))
-            prep.prompt_logprobs = await asyncio.wrap_future(fut)
+        if prep.score_prompt:  # one piece per decode round of the others; a hang-up, the timeout or a shutdown end it
+            cancel = threading.Event()
+            fut = srv.worker.call_sliced(prompt_logprobs(model, prep.ids, prep.n_top), cancel,
+                                         config.request_timeout_s or None, what="scoring the prompt")
+            watcher = asyncio.create_task(watch_disconnect(request, SimpleNamespace(request_cancel=cancel.set)))
+            try:
+                prep.prompt_logprobs = await asyncio.wrap_future(fut)
+            finally:
+                watcher.cancel()
+                cancel.set()
         if prep.max_tokens == 0:
             return JSONResponse(_scored_prompt(srv, prep, rid, created, name, echo))
         job, ahead = srv.submit(prep)

@@ -1,9 +1,11 @@
 """Prompt scoring for `/v1/completions` with `echo` and `logprobs` (lm-evaluation-harness sends
 `max_tokens: 0`): the log-probability of every prompt token given the ones before it, teacher-forced from
-an empty state, in pieces so a long prompt never holds a [S, vocab] array."""
+an empty state, in pieces: the worker runs one piece between the decode rounds of the other requests
+(EngineWorker.call_sliced), so a long prompt neither stalls the running streams nor ignores a hang-up, a
+timeout or a shutdown, and only one piece's logits [piece, vocab] are ever held."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator
 
 import numpy as np
 
@@ -12,23 +14,31 @@ from .worker import NonFiniteLogits
 if TYPE_CHECKING:
     from ..model import Model
 
-PIECE = 256  # prompt tokens per engine call (logits of a piece: PIECE x vocab float32)
+PIECE = 256                # prompt tokens per engine call at most
+PIECE_LOGITS = 1 << 24     # ... and at most this many logits a piece (64 MB float32: 67 rows of a 248K vocabulary)
 
 
-def prompt_logprobs(model: "Model", ids: list[int], n_top: int) -> list[tuple[int, float | None, dict | None]]:
-    """[(token id, logprob or None for the first token, {id: logprob} of the n_top best or None)]."""
+def piece_rows(vocab: int) -> int:
+    return max(1, min(PIECE, PIECE_LOGITS // max(1, vocab)))
+
+
+def prompt_logprobs(model: "Model", ids: list[int], n_top: int) -> Generator[int, None, list]:
+    """A generator: yields the prompt tokens scored so far after each piece, and returns [(token id, logprob or None
+    for the first token, {id: logprob} of the n_top best or None)]."""
     out: list[tuple[int, float | None, dict | None]] = [(ids[0], None, None)]
     engine = model.engine
     state = engine.new_state()
-    for start in range(0, len(ids) - 1, PIECE):
-        piece = ids[start:min(start + PIECE, len(ids) - 1)]
+    step = piece_rows(model.vocab_size)
+    for start in range(0, len(ids) - 1, step):
+        piece = ids[start:min(start + step, len(ids) - 1)]
         rows = np.asarray(engine.forward(state, np.asarray(piece, np.int32), logits="all",
-                                         chunk_size=model.chunk_size), np.float64)
+                                         chunk_size=model.chunk_size), np.float32)
         if not np.isfinite(rows).all():
             raise NonFiniteLogits(f"the model produced non-finite logits (NaN or inf) while scoring prompt tokens "
                                   f"{start}..{start + len(piece) - 1}: the weights or the engine are broken")
         m = rows.max(axis=1, keepdims=True)
-        logz = m[:, 0] + np.log(np.exp(rows - m).sum(axis=1))
+        # log-sum-exp: the exponentials of the shifted row in float32 (each in [0, 1]), their sum in float64
+        logz = m[:, 0].astype(np.float64) + np.log(np.exp(rows - m).sum(axis=1, dtype=np.float64))
         for r in range(len(piece)):
             t = ids[start + r + 1]
             top = None
@@ -37,4 +47,5 @@ def prompt_logprobs(model: "Model", ids: list[int], n_top: int) -> list[tuple[in
                 best = best[np.argsort(-rows[r][best], kind="stable")]
                 top = {int(b): float(rows[r][b] - logz[r]) for b in best}
             out.append((t, float(rows[r][t] - logz[r]), top))
+        yield start + len(piece)
     return out

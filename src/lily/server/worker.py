@@ -120,6 +120,17 @@ class Job:
         return self.timeout_s is not None and now - self.enqueued > self.timeout_s
 
 
+@dataclass
+class _Sliced:
+    """A call_sliced generator in progress on the worker thread."""
+    gen: Iterator[Any]
+    fut: concurrent.futures.Future
+    cancel: threading.Event
+    deadline: float | None
+    timeout_s: float | None
+    what: str
+
+
 class EngineWorker:
     """Owns `model`, a pool of sessions (one per started request) and the wait queue."""
 
@@ -143,6 +154,7 @@ class EngineWorker:
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
         self._parked: collections.deque[Job] = collections.deque()
+        self._sliced: list[_Sliced] = []  # call_sliced work in progress
         self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
         self._lock = threading.Lock()
         self.waiting = 0        # submitted, not started (read by handlers)
@@ -232,6 +244,17 @@ class EngineWorker:
         self._inbox.put(("call", (fn, fut)))
         return fut
 
+    def call_sliced(self, gen: Iterator[Any], cancel: threading.Event, timeout_s: float | None,
+                    what: str = "the request") -> concurrent.futures.Future:
+        """Run the generator on the worker thread one item per decode round (between the other requests' steps), so
+        a long piece of work (prompt scoring) stalls running streams by one slice at most; its Future gets the
+        generator's return value, or Cancelled (cancel set: the client hung up), RequestTimeout (past timeout_s
+        from now) or ServerShutdown, checked between slices."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        deadline = None if not timeout_s else time.perf_counter() + timeout_s
+        self._inbox.put(("sliced", _Sliced(gen, fut, cancel, deadline, timeout_s, what)))
+        return fut
+
     def begin_shutdown(self) -> None:
         """Refuse new requests; end the queued ones (503) and the started ones (their text so far, then a
         shutdown error) at the next step. Returns at once; `idle()` says when all have ended."""
@@ -248,7 +271,7 @@ class EngineWorker:
     # ---- the thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            idle = not self._active and not self._waiting and not self._parked
+            idle = not self._active and not self._waiting and not self._parked and not self._sliced
             if idle and self._inbox.empty():
                 self._flush_idle_sessions()
             if not self._take_inbox(block=idle):
@@ -257,6 +280,30 @@ class EngineWorker:
             for job in list(self._active):
                 if not job.finished:
                     self._step(job)
+            for work in list(self._sliced):
+                self._slice(work)
+
+    def _slice(self, w: "_Sliced") -> None:
+        """One item of a sliced call, or its end (result, error, or the reason it was stopped)."""
+        stop: BaseException | None = None
+        if w.cancel.is_set():
+            stop = Cancelled(f"{w.what} was cancelled (the client went away)")
+        elif self._draining:
+            stop = ServerShutdown("the server is shutting down")
+        elif w.deadline is not None and time.perf_counter() > w.deadline:
+            stop = RequestTimeout(f"{w.what} took longer than the server's request timeout of {w.timeout_s:g} s "
+                                  f"(lily serve --request-timeout)")
+        try:
+            if stop is not None:
+                w.gen.close()
+                raise stop
+            next(w.gen)
+            return
+        except StopIteration as e:
+            w.fut.set_result(e.value)
+        except BaseException as e:  # handed to the caller
+            w.fut.set_exception(e)
+        self._sliced.remove(w)
 
     def _take_inbox(self, block: bool) -> bool:
         """Handle what the handlers sent; False on stop."""
@@ -269,7 +316,13 @@ class EngineWorker:
             if kind == "stop":
                 for job in list(self._active) + list(self._parked) + list(self._waiting):
                     self._end(job, Cancelled("the server is shutting down"), started=job.session is not None)
+                for w in self._sliced:
+                    w.fut.set_exception(ServerShutdown("the server is shutting down"))
+                self._sliced.clear()
                 return False
+            if kind == "sliced":
+                if item.fut.set_running_or_notify_cancel():
+                    self._sliced.append(item)
             if kind == "call":
                 fn, fut = item
                 if fut.set_running_or_notify_cancel():
