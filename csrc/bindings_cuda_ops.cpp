@@ -426,6 +426,33 @@ nb::tuple deltanet_step(const F32& u, const F32& b, const F32& a, const F32& dt_
   return nb::make_tuple(y, o, s1, done);
 }
 
+nb::tuple deltanet_step_rows(const F32& u, const F32& b, const F32& a, const F32& dt_bias, const F32& a_log,
+                             const F32& ssm, const F32& z, const F32& norm_w, const I32& head_done, int k_heads,
+                             double norm_eps, bool keep_rows) {
+  const char* op = "deltanet_step_rows";
+  const std::vector<int64_t> st = check(op, "ssm", ssm, {-1, -1, -1});
+  const int64_t Hv = st[0], Dv = st[1], Dk = st[2];
+  require(k_heads > 0 && Hv % k_heads == 0, op, "v heads (ssm.shape[0]) must be a multiple of k_heads");
+  const int64_t M = check(op, "u", u, {-1, 2 * k_heads * Dk + Hv * Dv})[0];
+  require(M >= 1 && M <= 8, op, "u must hold 1 to 8 rows");
+  const kp::DeltaNetParams p = dn_params(M, k_heads, Hv, Dk, Dv, 4, norm_eps);
+  for (auto* v : {&b, &a}) check(op, "b and a", *v, {M, Hv});
+  for (auto* v : {&dt_bias, &a_log}) check(op, "dt_bias and a_log", *v, {Hv});
+  check(op, "z", z, {M, Hv * Dv});
+  check(op, "norm_w", norm_w, {Dv});
+  check(op, "head_done", head_done, {Hv});
+  auto [y, py] = out<float>({M, Hv * Dv});
+  auto [o, po] = out<uint16_t>({M, Hv * Dv});
+  auto [s1, ps] = copy_of(ssm);
+  auto [done, pdone] = copy_of(head_done);
+  nb::object rows = nb::none();
+  float* prows = nullptr;
+  if (keep_rows) std::tie(rows, prows) = out<float>({M, Hv, Dv, Dk});
+  ops::deltanet_step_rows(p, u.data(), b.data(), a.data(), dt_bias.data(), a_log.data(), ps, z.data(), norm_w.data(),
+                          pdone, py, po, prows);
+  return nb::make_tuple(y, o, s1, done, rows);
+}
+
 // ---- attention ----
 
 kp::AttentionParams attn_params(const char* op, int64_t S, int64_t pos0, int n_heads, int n_kv_heads, int head_dim,
@@ -561,7 +588,7 @@ nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> 
 nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> x, std::optional<F32> xf,
                    std::optional<F32> nw, double eps, bool h_out, bool head) {
   const char* op = "gemv_rows";
-  std::vector<Any> keep;
+  std::vector<Any> keep;  // (weights' converted copies)
   std::vector<F32> keep32;
   ops::RowsCall c;
   c.xmode = xmode, c.in = in, c.eps = static_cast<float>(eps);
@@ -572,39 +599,30 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
           "xmode 0 reads x (bf16 [M, in]), xmode 1 xf (fp32 [M, in]) and nw (fp32 [in])");
   const int64_t M = c.rows;
   nb::dict res;
-  nb::list ys;
+  std::vector<nb::object> ys;
   for (nb::handle h : segments) {
     nb::dict d = nb::borrow<nb::dict>(h);
     ops::RowsSegment s;
     s.mode = nb::cast<int>(d["mode"]);
     s.w0 = weight(op, "w0", d["w0"], false, keep);
     s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], false, keep) : s.w0;
-    if (d.contains("y0") && !d["y0"].is_none()) {
-      keep32.push_back(nb::cast<F32>(d["y0"]));
-      check(op, "y0", keep32.back(), {M, s.w0.out});
-      s.y0 = keep32.back().data();
-    }
-    if (s.mode == 2) {
-      auto [y, py] = out<uint16_t>({M, s.w0.out});
-      s.yb = py, ys.append(y);
-    } else {
-      auto [y, py] = out<float>({M, s.w0.out});
-      s.y = py, ys.append(y);
-    }
+    if (d.contains("y0") && !d["y0"].is_none())  // (kept: a converted copy lives as long as its handle)
+      check(op, "y0", keep32.emplace_back(nb::cast<F32>(d["y0"])), {M, s.w0.out}), s.y0 = keep32.back().data();
+    if (s.mode == 2) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, s.w0.out});
+    else std::tie(ys.emplace_back(), s.y) = out<float>({M, s.w0.out});
     c.segs.push_back(s);
-  }
-  if (h_out) {
-    auto [hh, ph] = out<uint16_t>({M, in});
-    c.h_out = ph, res["h_out"] = hh;
   }
   std::vector<unsigned long long> amax;
   if (head) c.amax = &amax;
+  nb::object hh = nb::none();
+  if (h_out) std::tie(hh, c.h_out) = out<uint16_t>({M, in});
   const unsigned blocks = ops::gemv_rows(c);
-  res["y"] = ys, res["blocks"] = blocks;
+  nb::list yl;
+  for (auto& y : ys) yl.append(y);
+  res["y"] = yl, res["blocks"] = blocks, res["h_out"] = hh;
   if (head) {
     auto [keys, pk] = out<uint64_t>({static_cast<int64_t>(blocks), M});
-    std::copy(amax.begin(), amax.end(), pk);
-    res["amax"] = keys;
+    std::copy(amax.begin(), amax.end(), pk), res["amax"] = keys;
   }
   return res;
 }
@@ -632,6 +650,10 @@ bool gemv_fits(nb::handle w) {
   std::vector<Any> keep;
   return ops::gemv_fits(weight("gemv_fits", "w", w, false, keep));
 }
+
+bool gemv_rows_fits(nb::handle w) {
+  std::vector<Any> keep;
+  return ops::gemv_rows_fits(weight("gemv_rows_fits", "w", w, false, keep)); }
 
 // ---- the device sampler ----
 
@@ -731,6 +753,9 @@ void register_cuda_ops(nb::module_& parent) {
   m.def("deltanet_step", &deltanet_step, "u"_a, "b"_a, "a"_a, "dt_bias"_a, "a_log"_a, "ssm"_a, "z"_a, "norm_w"_a,
         "head_done"_a, "k_heads"_a, "norm_eps"_a = 1e-6,
         "one token: u [C] (q, k not normalised) -> (y fp32 [Hv*Dv], out bf16 [Hv*Dv], ssm', head_done')");
+  m.def("deltanet_step_rows", &deltanet_step_rows, "u"_a, "b"_a, "a"_a, "dt_bias"_a, "a_log"_a, "ssm"_a, "z"_a,
+        "norm_w"_a, "head_done"_a, "k_heads"_a, "norm_eps"_a = 1e-6, "keep_rows"_a = true,
+        "deltanet_step over M = 1..8 rows u [M, C]; also the state after each row fp32 [M, Hv, Dv, Dk] (or None)");
   m.def("attention_prep", &attention_prep, "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a, "v_cache"_a,
         "pos0"_a, "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rotary_dim"_a, "rope_theta"_a, "eps"_a,
         "dpos"_a = false, "-> (q fp32 [S, Hq*D], k_cache', v_cache' bf16 [cap, Hkv*D])");
@@ -758,13 +783,8 @@ void register_cuda_ops(nb::module_& parent) {
         "x fp32 [H] + routed experts' down of act bf16 [k, I] + sigmoid(sgate) shared down of sact bf16 [Is]");
   m.def("gemv_rows", &gemv_rows, "segments"_a, "in_"_a, "xmode"_a = 0, "x"_a = nb::none(), "xf"_a = nb::none(),
         "nw"_a = nb::none(), "eps"_a = 1e-6, "h_out"_a = false, "head"_a = false,
-        "One M-row decode GEMV launch (M = 1..8). segments: dicts {w0, w1 (dual), mode (0 store, 1 accumulate onto y0 "
-        "[M, out], 2 dual)}; xmode 0: x bf16 [M, in], 1: RMSNorm of xf fp32 [M, in] with nw and eps (h_out: its bf16 "
-        "rows). head: the blocks' argmax keys [blocks, M]. -> dict(y=[per segment [M, out]], blocks, h_out, amax)");
-  m.def("gemv_rows_fits", [](nb::handle w) {
-          std::vector<Any> keep;
-          return ops::gemv_rows_fits(weight("gemv_rows_fits", "w", w, false, keep));
-        }, "w"_a, "whether the M-row decode GEMV takes this weight");
+        "gemv_proj over M = 1..8 rows: x bf16 / xf fp32 [M, in], y0 and outputs [M, out], amax [blocks, M]");
+  m.def("gemv_rows_fits", &gemv_rows_fits, "w"_a, "whether the M-row decode GEMV takes this weight");
   m.def("gemv_fits", &gemv_fits, "w"_a, "whether the decode GEMV takes this weight");
   m.def("gemv_head_blocks", &ops::gemv_head_blocks, "rows"_a);
   m.def("sample_launch", &sample_launch, "logits"_a, "uniform"_a, "seen"_a, "counts"_a, "temperature"_a = 1.0,

@@ -76,4 +76,12 @@ void deltanet_step(cudaStream_t st, const kp::DeltaNetParams& p, const float* u,
                    const float* dt_bias, const float* a_log, float* ssm, float* y, const float* z, const float* norm_w,
                    bf16* out, int32_t* head_done);
 
+// The step over M = p.S rows (1..8; deltanet_rows.cu): u [M, C], b / a [M, Hv], y / z [M, Hv*Dv], out bf16
+// [M, Hv*Dv]; ssm ends as the state after the last row; state_rows (nullable) fp32 [M, Hv, Dv, Dk] gets the state
+// after each row (the speculative verify's roll-back slots). Row t equals a one-token step on the state after row
+// t - 1, bit for bit. head_done as deltanet_step. Not yet wired into the engine (issue 43).
+void deltanet_step_rows(cudaStream_t st, const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                        const float* dt_bias, const float* a_log, float* ssm, float* y, const float* z,
+                        const float* norm_w, bf16* out, int32_t* head_done, float* state_rows);
+
 }  // namespace lily::cuda

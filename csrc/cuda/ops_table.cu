@@ -318,6 +318,27 @@ void deltanet_gated_norm(const kp::DeltaNetParams& p, const float* y, const floa
   get(out, dout, n);
 }
 
+void deltanet_step_rows(const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                        const float* dt_bias, const float* a_log, float* ssm, const float* z, const float* norm_w,
+                        int32_t* head_done, float* y, uint16_t* out, float* state_rows) {
+  Dev dv;
+  const int64_t M = p.S, n = static_cast<int64_t>(p.v_heads) * p.v_dim, ns = n * p.k_dim;
+  float* dssm = dv.put(ssm, ns);
+  int32_t* done = dv.put(head_done, p.v_heads);
+  float* dy = dv.alloc<float>(M * n);
+  uint16_t* dout = dv.alloc<uint16_t>(M * n);
+  float* drows = state_rows ? dv.alloc<float>(M * ns) : nullptr;
+  cuda::deltanet_step_rows(kStream, p, dv.put(u, M * p.conv_dim), dv.put(b, M * p.v_heads), dv.put(a, M * p.v_heads),
+                           dv.put(dt_bias, p.v_heads), dv.put(a_log, p.v_heads), dssm, dy, dv.put(z, M * n),
+                           dv.put(norm_w, p.v_dim), as_bf16(dout), done, drows);
+  finish("deltanet_step_rows");
+  get(y, dy, M * n);
+  get(out, dout, M * n);
+  get(ssm, dssm, ns);
+  get(head_done, done, p.v_heads);
+  if (state_rows) get(state_rows, drows, M * ns);
+}
+
 void deltanet_step(const kp::DeltaNetParams& p, const float* u, const float* b, const float* a, const float* dt_bias,
                    const float* a_log, float* ssm, const float* z, const float* norm_w, int32_t* head_done, float* y,
                    uint16_t* out) {

@@ -111,6 +111,13 @@ void deltanet_step(const kp::DeltaNetParams& p, const float* u, const float* b, 
                    const float* a_log, float* ssm, const float* z, const float* norm_w, int32_t* head_done, float* y,
                    uint16_t* out);
 
+// M = p.S rows (1..8) of the step: u fp32 [M, C], b, a fp32 [M, Hv], z fp32 [M, Hv*Dv], ssm updated to the state
+// after the last row -> y fp32 [M, Hv*Dv], out bf16 [M, Hv*Dv], state_rows fp32 [M, Hv, Dv, Dk] (the state after each
+// row; nullptr: not kept).
+void deltanet_step_rows(const kp::DeltaNetParams& p, const float* u, const float* b, const float* a,
+                        const float* dt_bias, const float* a_log, float* ssm, const float* z, const float* norm_w,
+                        int32_t* head_done, float* y, uint16_t* out, float* state_rows);
+
 // ---- attention family (attention.cuh) ----
 // qg fp32 [S, Hq, 2D], k, v fp32 [S, Hkv*D], norms fp32 [D]; k_cache, v_cache bf16 [cap, Hkv*D] updated in place
 // (rows p.pos0 .. p.pos0 + S - 1) -> q fp32 [S, Hq*D]. dpos: the position read from the device (the decode graphs; the

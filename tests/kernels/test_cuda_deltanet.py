@@ -95,6 +95,38 @@ def test_step(cuda, rng, Hk, Hv, Dk, Dv, zero):
         np.testing.assert_array_equal(done, np.zeros(Hv, np.int32), err_msg=tag + " head counters" + launch)
 
 
+# Hk, Hv, Dk, Dv, M: the real heads at the verify's row counts, Dk != Dv, Dk not a multiple of 32, Dv not a multiple
+# of a block's 4 rows, one row, a one-element head
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv,M", [
+    (16, 32, 128, 128, 4), (16, 32, 128, 128, 8), (3, 6, 64, 96, 5), (1, 5, 96, 64, 1), (2, 2, 32, 17, 3),
+    (1, 3, 128, 97, 2), (1, 2, 16, 1, 7)])
+def test_step_rows(cuda, rng, Hk, Hv, Dk, Dv, M):
+    """M tokens in one launch (the speculative verify's DeltaNet): row t equals the one-token step on the state after
+    row t - 1, bit for bit (y, the gated output and the state kept after each row: the roll-back slots), the launch
+    leaves the last row's state, and all of it is within the fp64 scan's bound."""
+    C = 2 * Hk * Dk + Hv * Dv
+    u = silu(rng.standard_normal((M, C)) * 1.5).astype(np.float32)
+    b, a = rng.uniform(-4, 4, (M, Hv)).astype(np.float32), rng.uniform(-3, 0.5, (M, Hv)).astype(np.float32)
+    dtb, alog = rng.uniform(-1, 0.5, Hv).astype(np.float32), rng.uniform(-1.5, 0, Hv).astype(np.float32)
+    z = (rng.standard_normal((M, Hv * Dv)) * 1.5).astype(np.float32)
+    w = rng.uniform(0.3, 1.5, Dv).astype(np.float32)
+    ssm0 = rng.uniform(-0.5, 0.5, (Hv, Dv, Dk)).astype(np.float32)
+    tag = f"cuda deltanet_step_rows Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} M={M}"
+    y, out, st, done, rows = cuda.deltanet_step_rows(u, b, a, dtb, alog, ssm0, z, w, np.zeros(Hv, np.int32), Hk)
+    np.testing.assert_array_equal(done, np.zeros(Hv, np.int32), err_msg=tag + " head counters")
+    s = ssm0
+    for t in range(M):
+        y1, o1, s, _ = cuda.deltanet_step(u[t], b[t], a[t], dtb, alog, s, z[t], w, np.zeros(Hv, np.int32), Hk)
+        np.testing.assert_array_equal(y[t].view(np.uint32), y1.view(np.uint32), err_msg=f"{tag} row {t} y")
+        np.testing.assert_array_equal(out[t], o1, err_msg=f"{tag} row {t} gated out")
+        np.testing.assert_array_equal(rows[t].view(np.uint32), s.view(np.uint32), err_msg=f"{tag} state after row {t}")
+    np.testing.assert_array_equal(st.view(np.uint32), s.view(np.uint32), err_msg=tag + " last state")
+    ref_o, ref_st = deltanet_scan(u.astype(np.float64), b, a, alog, dtb, ssm0.astype(np.float64), Hk)
+    assert_close(tag + " y", y, ref_o.reshape(M, -1), KC["small_fp32_rel_rms"])
+    assert_close(tag + " state", st, ref_st, KC["small_fp32_rel_rms"])
+    assert_bf16_close(tag + " gated out", out, gated_rms_norm(ref_o, z.reshape(M, Hv, Dv), w, 1e-6).reshape(M, -1))
+
+
 def _scan_inputs(rng, S, Hk, Hv, Dk, Dv, correlated, qk_aligned, nonzero):
     """u [S, C] with q, k l2-normalised (q times Dk^-0.5) as the conv kernel leaves them, v in [-1, 1]; b in [-4, 4]
     (beta in (0.02, 0.98)), a_log in [-1.5, 0], a + dt_bias in [-4, 1] (g in about (0.27, 1)); state 0 or in +-0.5.
