@@ -107,3 +107,42 @@ def test_the_default_budgets_bound_the_memory_over_400_distinct_requests(tmp_pat
     assert h["stats"]["completed"] == 400 and h["cache"]["hits"] >= 390
     assert h["cache"]["bytes"] <= h["cache"]["max_bytes"] == limits["cache_bytes"]
     assert peak < 1 << 30, f"RSS reached {peak / 2**30:.2f} GiB"
+
+
+def test_memory_returns_after_bursts_of_concurrent_requests(tmp_path):
+    """Bursts of 300 concurrent short requests (each its own conversation) leave the server's RSS within 1.2x of what
+    60 sequential ones left once it is idle again: the heap's free pages go back to the system when the worker idles
+    (glibc kept them in the arenas of the threads that served the burst: 0.175 -> 0.283 GiB over three bursts;
+    with the trim 0.18)."""
+    import os
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("reads the RSS from /proc")
+
+    def rss_gib(pid: int) -> float:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / (1 << 20)
+        raise AssertionError("no VmRSS")
+
+    srv = LiveServer(None, tmp_path / "serve.log", "--max-queue", "1000")
+    try:
+        client = httpx.Client(timeout=120)
+
+        def one(i: int) -> int:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"request number {i} please " * 20}],
+                    "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
+            return client.post(srv.url + "/v1/chat/completions", json=body, headers=srv.headers()).status_code
+
+        assert all(one(i) == 200 for i in range(60))
+        time.sleep(1.0)
+        sequential = rss_gib(srv.proc.pid)
+        after = []
+        for b in range(2):
+            with ThreadPoolExecutor(300) as pool:
+                codes = list(pool.map(one, range(1000 * (b + 1), 1000 * (b + 1) + 300)))
+            assert codes.count(200) == 300, {c: codes.count(c) for c in set(codes)}
+            time.sleep(1.0)
+            after.append(rss_gib(srv.proc.pid))
+        assert max(after) <= 1.2 * sequential, (sequential, after)
+    finally:
+        srv.stop()
