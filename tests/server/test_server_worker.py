@@ -4,6 +4,7 @@ Retry-After counts the time between finishes, not the time queued."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -140,9 +141,7 @@ def test_scoring_runs_between_the_streams_steps_and_stops_on_cancel_and_timeout(
     """Prompt scoring (echo + logprobs) one piece per decode round: two running streams keep stepping while a
     1,000-token prompt is scored (their largest gap a piece, well under 0.5 s), and a scoring call stops within
     0.5 s of a hang-up (cancel) or its timeout."""
-    import concurrent.futures
     import threading
-    import time
 
     from lily.server.worker import Cancelled, RequestTimeout
 
@@ -194,3 +193,32 @@ def test_scoring_runs_between_the_streams_steps_and_stops_on_cancel_and_timeout(
     assert n == 1000 and took > 0.5
     assert min(steps) > 5 and gap < 0.5, (gap, steps, took)
     assert cancel_s < 0.5 and timeout_s < 0.8, (cancel_s, timeout_s)
+
+
+def test_retry_after_before_the_first_finish_follows_the_running_requests(model):
+    """Before any request finished, the estimate is the oldest running request's age per slot, not a fixed second:
+    a server that has run for 0.3 s does not advise tens of seconds."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = EngineWorker(model, PrefixCache(), parallel=2, park_bytes=0)
+        worker.start()
+        params = SamplingParams(max_tokens=800, temperature=0.0, logit_bias=_no_end(model))
+        jobs = [Job(model.tokenize(f"long {i}"), params, loop) for i in range(2)]
+        for j in jobs:
+            worker.submit(j)
+        while min(j.steps for j in jobs) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        with worker._lock:
+            worker.waiting = 20  # as if twenty more were waiting
+            age = time.perf_counter() - min(j.began for j in jobs)
+            estimate = worker.drain_seconds_locked()
+            worker.waiting = 0
+        for j in jobs:
+            j.request_cancel()
+        await _run(worker, jobs, [])
+        worker.stop()
+        return age, estimate
+
+    age, estimate = asyncio.run(go())
+    assert 0.9 * 22 * age / 2 <= estimate <= 1.1 * 22 * age / 2 and estimate < 22 / 2, (age, estimate)

@@ -235,12 +235,15 @@ class EngineWorker:
 
     def drain_seconds_locked(self) -> float:
         """Seconds until the requests in the server now have finished, at the measured drain rate (the mean
-        time between finishes while busy); 1 s per request per slot before anything was measured."""
+        time between finishes while busy). Before the first finish: the age of the oldest running request per slot
+        (none has finished in that time; a fixed 1 s per request advised 17 s for a 2 s drain in a flood's first
+        second), 1 s per request per slot when nothing runs yet."""
         ahead = max(1, self.waiting + self.running + self.parked)
         if self._drain_gaps:
             per_job = sum(self._drain_gaps) / len(self._drain_gaps)
         else:
-            per_job = 1.0 / self.parallel
+            began = [j.began for j in list(self._active) if j.began > 0]
+            per_job = ((time.perf_counter() - min(began)) if began else 1.0) / self.parallel
         return max(0.05, min(600.0, per_job * ahead))
 
     def submit(self, job: Job) -> int:
