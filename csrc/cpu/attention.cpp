@@ -67,6 +67,7 @@ void attention_forward(ThreadPool& pool, const kp::AttentionParams& p, float* qg
   const int64_t group = Hq / Hkv, tiles = (S + kTileRows - 1) / kTileRows;
   pool.parallel_for(tiles * Hkv, 1, [&](int64_t b, int64_t e, int) {
     thread_local std::vector<float> scores;  // [rows * group][keys of the tile's last row]
+    thread_local std::vector<float> inv;     // [rows * group] 1 / the softmax's sum
     for (int64_t item = b; item < e; ++item) {
       const int64_t t0 = (item / Hkv) * kTileRows, kvh = item % Hkv;
       const int64_t rows = std::min(kTileRows, S - t0), nq = rows * group;
@@ -79,7 +80,7 @@ void attention_forward(ThreadPool& pool, const kp::AttentionParams& p, float* qg
           for (int64_t g = 0; g < group; ++g)
             scores[(r * group + g) * width + j] = simd::dot(query(r, g), kj, D) * p.scale;
       }
-      std::vector<float> inv(static_cast<size_t>(nq));
+      if (static_cast<int64_t>(inv.size()) < nq) inv.resize(static_cast<size_t>(nq));
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < group; ++g) {
           float* sc = &scores[(r * group + g) * width];

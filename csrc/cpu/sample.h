@@ -18,8 +18,6 @@ struct RowWeights {
   std::vector<double> w;
   double total = 0;
   int64_t last = 0;
-  // The probability of token t under the rule.
-  double prob(int64_t t) const { return greedy >= 0 ? (t == greedy ? 1.0 : 0.0) : w[t] / total; }
 };
 RowWeights sample_weights(const float* logits, int64_t V, const SampleOptions& opt, const std::vector<uint8_t>& seen,
                           const std::vector<int32_t>& counts);

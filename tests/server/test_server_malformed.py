@@ -12,13 +12,6 @@ MSG = [{"role": "user", "content": "Hello"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
-def _deep(n: int, leaf=1):
-    v = leaf
-    for _ in range(n):
-        v = {"a": v}
-    return v
-
-
 def _chat(**kw) -> bytes:
     return json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 2, **kw}).encode()
 
@@ -29,7 +22,6 @@ BAD = [
      b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 100000 + b"]" * 100000
      + b"}"),
     ("a tool schema nested 2,000 levels", "/v1/chat/completions",
-     _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _deep(2000)}}]) if False else
      b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
      b'"function": {"name": "f", "parameters": ' + b'{"a": ' * 2000 + b"1" + b"}" * 2000 + b"}}]}"),
     ("a content part whose text is a number", "/v1/chat/completions",

@@ -131,6 +131,19 @@ def test_with_parking_room_the_queue_is_still_bounded(model):
     assert (accepted, refused, waiting) == (3, 7, 3)
 
 
+async def _two_running(model, loop, min_steps: int) -> tuple[EngineWorker, list[Job]]:
+    """A started worker of two slots with two long greedy requests that have each run min_steps steps."""
+    worker = EngineWorker(model, PrefixCache(), parallel=2, park_bytes=0)
+    worker.start()
+    params = SamplingParams(max_tokens=900, temperature=0.0, logit_bias=_no_end(model))
+    jobs = [Job(model.tokenize(f"stream {i}"), params, loop) for i in range(2)]
+    for j in jobs:
+        worker.submit(j)
+    while min(j.steps for j in jobs) < min_steps and not any(j.finished for j in jobs):
+        await asyncio.sleep(0.01)
+    return worker, jobs
+
+
 def _scoring(model, n: int):
     from lily.server.scoring import prompt_logprobs
     ids = model.tokenize("the quick brown fox jumps over the lazy dog " * (n // 8))[:n]
@@ -147,14 +160,7 @@ def test_scoring_runs_between_the_streams_steps_and_stops_on_cancel_and_timeout(
 
     async def go():
         loop = asyncio.get_running_loop()
-        worker = EngineWorker(model, PrefixCache(), parallel=2, park_bytes=0)
-        worker.start()
-        params = SamplingParams(max_tokens=900, temperature=0.0, logit_bias=_no_end(model))
-        streams = [Job(model.tokenize(f"stream {i}"), params, loop) for i in range(2)]
-        for j in streams:
-            worker.submit(j)
-        while min(j.steps for j in streams) < 3 and not any(j.finished for j in streams):
-            await asyncio.sleep(0.01)
+        worker, streams = await _two_running(model, loop, min_steps=3)
         times: list[list[float]] = [[], []]
 
         async def follow(i: int, job: Job) -> None:
@@ -200,14 +206,7 @@ def test_retry_after_before_the_first_finish_follows_the_running_requests(model)
     a server that has run for 0.3 s does not advise tens of seconds."""
     async def go():
         loop = asyncio.get_running_loop()
-        worker = EngineWorker(model, PrefixCache(), parallel=2, park_bytes=0)
-        worker.start()
-        params = SamplingParams(max_tokens=800, temperature=0.0, logit_bias=_no_end(model))
-        jobs = [Job(model.tokenize(f"long {i}"), params, loop) for i in range(2)]
-        for j in jobs:
-            worker.submit(j)
-        while min(j.steps for j in jobs) < 2:
-            await asyncio.sleep(0.01)
+        worker, jobs = await _two_running(model, loop, min_steps=2)
         await asyncio.sleep(0.3)
         with worker._lock:
             worker.waiting = 20  # as if twenty more were waiting

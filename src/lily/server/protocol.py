@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..generation import GenerationStats
 from ..sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError, resolve_sampling
 from .api_error import APIError, bad_request  # noqa: F401 (re-exported: the handlers import them from here)
-from .validation import check_depth, check_message_content, check_unicode, too_deep
+from .validation import check_body, check_message_content, too_deep
 
 
 # ---- requests -------------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_k
 def check_fields(cls: type[BaseModel], data: Mapping[str, Any]) -> None:
     """400 for a top-level field the request model does not declare (a typo such as max_token would otherwise be
     dropped silently), naming it and the nearest known one, in OpenAI's words."""
-    if cls.model_config.get("extra") != "allow" or not getattr(cls, "STRICT_FIELDS", False):
+    if not getattr(cls, "STRICT_FIELDS", False):
         return
     known = set(cls.model_fields) | IGNORED_FIELDS
     for name in data:
@@ -115,8 +115,7 @@ def parse_request(cls: type[BaseModel], raw: bytes) -> Any:
         raise too_deep("the request body") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
-    check_depth(data)
-    check_unicode(data)
+    check_body(data)
     check_fields(cls, data)
     try:
         return cls.model_validate(data)

@@ -65,6 +65,7 @@ class ResponseStore:
         self.size = size
         self.dir = Path(directory) / "responses" if directory else None
         self.disk_items, self.disk_bytes = disk_items, disk_bytes
+        self._files: collections.OrderedDict[str, int] | None = None  # id -> bytes, oldest first (read once)
 
     def put(self, rid: str, messages: list, body: dict) -> None:
         with self._lock:
@@ -78,15 +79,20 @@ class ResponseStore:
     def _write(self, rid: str, messages: list, body: dict) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            if self._files is None:  # the files an earlier server left, oldest first (scanned once)
+                found = sorted(self.dir.glob("*.json"), key=lambda f: f.stat().st_mtime)
+                self._files = collections.OrderedDict((f.stem, f.stat().st_size) for f in found)
+            data = json.dumps({"messages": messages, "body": body}, ensure_ascii=False).encode()
             tmp = self.dir / f".{rid}.tmp"
-            tmp.write_text(json.dumps({"messages": messages, "body": body}, ensure_ascii=False))
+            tmp.write_bytes(data)
             os.replace(tmp, self.dir / f"{rid}.json")
-            files = sorted(self.dir.glob("*.json"), key=lambda f: f.stat().st_mtime)
-            total = sum(f.stat().st_size for f in files)
-            while files and (len(files) > self.disk_items or total > self.disk_bytes):
-                old = files.pop(0)
-                total -= old.stat().st_size
-                old.unlink(missing_ok=True)
+            self._files[rid] = len(data)
+            self._files.move_to_end(rid)
+            total = sum(self._files.values())
+            while len(self._files) > 1 and (len(self._files) > self.disk_items or total > self.disk_bytes):
+                old, size = self._files.popitem(last=False)
+                total -= size
+                (self.dir / f"{old}.json").unlink(missing_ok=True)
         except OSError as e:  # the reply went out; only its continuation after a restart is lost
             print(f"[lily serve] could not store response {rid} in {self.dir}: {e}", flush=True)
 

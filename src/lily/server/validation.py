@@ -13,27 +13,6 @@ from .api_error import APIError, bad_request
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
-def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
-    """(path, index) of the first string in a parsed JSON value holding a lone UTF-16 surrogate, else None.
-    JSON allows "\\ud800", but such a string is not Unicode text: no tokenizer can encode it."""
-    stack = [(path, value)]
-    while stack:
-        p, v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return p, e.start
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if isinstance(k, str):
-                    stack.append((f"{p}.{k}" if p else k, k))
-                stack.append((f"{p}.{k}" if p else str(k), x))
-        elif isinstance(v, list):
-            stack.extend((f"{p}.{i}" if p else str(i), x) for i, x in enumerate(v))
-    return None
-
-
 MAX_DEPTH = 64  # nesting levels of a request body (OpenAI allows 10 in a structured-output schema)
 
 
@@ -42,25 +21,31 @@ def too_deep(where: str) -> APIError:
                        code="too_deeply_nested")
 
 
-def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
-    """400 for a body nested deeper than `limit` (later stages walk it recursively: schemas, templates), naming where."""
-    stack = [(data, 1, "")]
+def check_body(data: Any, limit: int = MAX_DEPTH) -> None:
+    """One walk over a parsed body: 400 for nesting deeper than `limit` (later stages walk it recursively: schemas,
+    templates) and for a string (key or value) holding a lone UTF-16 surrogate (JSON allows "\\ud800", but such a
+    string is not Unicode text: no tokenizer can encode it), each naming where."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
     while stack:
         v, d, path = stack.pop()
         if d > limit:
             raise too_deep(path or "the request body")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(f"{path} holds a lone UTF-16 surrogate at character {e.start} (e.g. \"\\ud800\" "
+                                  f"without its pair): expected valid Unicode text", param=path or None,
+                                  code="invalid_unicode") from None
+            continue
         if isinstance(v, dict):
-            stack.extend((x, d + 1, f"{path}.{k}" if path else str(k)) for k, x in v.items())
+            for k, x in v.items():
+                where = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str):
+                    stack.append((k, d, where))
+                stack.append((x, d + 1, where))
         elif isinstance(v, list):
             stack.extend((x, d + 1, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v))
-
-
-def check_unicode(data: Any) -> None:
-    hit = find_lone_surrogate(data)
-    if hit is not None:
-        path, at = hit
-        raise bad_request(f"{path} holds a lone UTF-16 surrogate at character {at} (e.g. \"\\ud800\" without its "
-                          f"pair): expected valid Unicode text", param=path or None, code="invalid_unicode")
 
 
 class GILFreeTokenizer:
