@@ -124,6 +124,7 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         w = srv.worker
         return {"status": "shutting_down" if srv.draining else "ok", "model": srv.name, "backend": model.backend,
                 "busy": w.busy, "running": w.running, "parked": w.parked, "queued": w.queued(),
+                "scoring": w.scoring,
                 "max_context": model.max_context, "limits": srv.limits(), "stats": dict(w.stats),
                 "speculative": srv.speculative_info(),
                 "parking": {"requests": w.parked, "bytes": w.parked_bytes, "max_bytes": w.park_bytes,
@@ -137,6 +138,7 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         gauges = {"lily_requests_running": ("Requests decoding now", w.running),
                   "lily_requests_parked": ("Started requests set aside (state kept) for newer ones", w.parked),
                   "lily_requests_queued": ("Requests waiting for a running slot", w.queued()),
+                  "lily_requests_scoring": ("Prompt-scoring requests (echo + logprobs) in progress", w.scoring),
                   "lily_parked_bytes": ("Bytes of engine state held by parked requests", w.parked_bytes),
                   "lily_park_budget_bytes": ("Most bytes parked requests may hold (--park-gib)", w.park_bytes),
                   "lily_prefix_cache_bytes": ("Bytes held by prefix-cache snapshots", srv.cache.nbytes),

@@ -16,10 +16,18 @@ if TYPE_CHECKING:
 
 PIECE = 256                # prompt tokens per engine call at most
 PIECE_LOGITS = 1 << 24     # ... and at most this many logits a piece (64 MB float32: 67 rows of a 248K vocabulary)
+PIECE_MIN = 16             # ... and at least this many (a piece's fixed costs)
+ATTENTION_EVEN = 2048      # keys at which a row's attention costs about what the rest of its layers cost
 
 
-def piece_rows(vocab: int) -> int:
-    return max(1, min(PIECE, PIECE_LOGITS // max(1, vocab)))
+def piece_rows(vocab: int, position: int = 0) -> int:
+    """Prompt tokens in the piece that starts at `position`. A row's cost grows with the keys it attends to, so the
+    pieces shrink as the prompt goes on (by ATTENTION_EVEN / (ATTENTION_EVEN + position)): a fixed 256 tokens cost
+    0.2 s at the start of a 20K prompt and 2 s near its end on the CPU, and the other streams waited that long.
+    The sizes depend on the position alone, never on timings, so the same prompt is cut the same way every time
+    (its logprobs do not depend on the server's load)."""
+    by_cost = PIECE * ATTENTION_EVEN // (ATTENTION_EVEN + max(0, position))
+    return max(1, min(PIECE_LOGITS // max(1, vocab), max(PIECE_MIN, by_cost)))
 
 
 def prompt_logprobs(model: "Model", ids: list[int], n_top: int) -> Generator[int, None, list]:
@@ -28,9 +36,9 @@ def prompt_logprobs(model: "Model", ids: list[int], n_top: int) -> Generator[int
     out: list[tuple[int, float | None, dict | None]] = [(ids[0], None, None)]
     engine = model.engine
     state = engine.new_state()
-    step = piece_rows(model.vocab_size)
-    for start in range(0, len(ids) - 1, step):
-        piece = ids[start:min(start + step, len(ids) - 1)]
+    start = 0
+    while start < len(ids) - 1:
+        piece = ids[start:min(start + piece_rows(model.vocab_size, start), len(ids) - 1)]
         rows = np.asarray(engine.forward(state, np.asarray(piece, np.int32), logits="all",
                                          chunk_size=model.chunk_size), np.float32)
         if not np.isfinite(rows).all():
@@ -47,5 +55,6 @@ def prompt_logprobs(model: "Model", ids: list[int], n_top: int) -> Generator[int
                 best = best[np.argsort(-rows[r][best], kind="stable")]
                 top = {int(b): float(rows[r][b] - logz[r]) for b in best}
             out.append((t, float(rows[r][t] - logz[r]), top))
-        yield start + len(piece)
+        start += len(piece)
+        yield start
     return out

@@ -198,6 +198,11 @@ class EngineWorker:
         return self.running + self.parked > 0
 
     @property
+    def scoring(self) -> int:
+        """call_sliced work in progress (prompt scoring)."""
+        return len(self._sliced)
+
+    @property
     def session(self) -> Session:
         """The first session of the pool (made on demand)."""
         return self.sessions[0] if self.sessions else self._new_session()
@@ -301,7 +306,9 @@ class EngineWorker:
             for job in list(self._active):
                 if not job.finished:
                     self._step(job)
-            for work in list(self._sliced):
+            if self._sliced:  # one piece a round, in turn: several scoring requests stall the streams no longer
+                work = self._sliced.pop(0)
+                self._sliced.append(work)
                 self._slice(work)
 
     def _slice(self, w: "_Sliced") -> None:
