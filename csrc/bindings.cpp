@@ -444,6 +444,8 @@ NB_MODULE(_lily, m) {
       .def_prop_ro("returned", [](PyTokenStream& t) { return t.s ? t.s->returned() : 0; }, "tokens next() returned")
       .def_prop_ro("speculative", [](PyTokenStream& t) { return t.s && t.s->speculative(); },
                    "True: drafts with the MTP head (next() returns tokens)")
+      .def_prop_ro("draws", [](PyTokenStream& t) { return t.s && t.s->draws(); },
+                   "True: next() returns tokens, drawn on the device or in the extension (False: lock-step)")
       .def_prop_ro("spec_stats", [](PyTokenStream& t) {
              const lily::TokenStream::SpecStats st = t.s ? t.s->spec_stats() : lily::TokenStream::SpecStats{};
              nb::dict d;
@@ -512,6 +514,19 @@ NB_MODULE(_lily, m) {
            "speculative=k (1..8): draft k tokens per step with the MTP head and verify them in one forward "
            "(next() returns tokens; greedy output token for token as plain, sampling the same distribution); "
            "adaptive: fall back to plain steps when drafting does not pay.")
+      .def("step_streams", [](PyEngine& e, nb::list streams) {
+             std::vector<lily::TokenStream*> open;
+             for (nb::handle h : streams) {
+               PyTokenStream& t = nb::cast<PyTokenStream&>(h);
+               if (t.s) open.push_back(t.s.get());
+             }
+             nb::gil_scoped_release rel;
+             return e.eng->step_streams(open);
+           }, "streams"_a,
+           "One plain step for several open TokenStreams in one forward (concurrent generations decoded together): "
+           "each stream whose next token is one plain step away gets it queued for its next(), computed and drawn "
+           "as it would be alone. Returns how many were stepped together (0: fewer than 2 could be, or the backend "
+           "runs one stream per forward; next() steps them). Closed streams are skipped.")
       .def("set_backend_flag", [](PyEngine& e, const std::string& name, int64_t value) {
              nb::gil_scoped_release rel;
              e.eng->set_backend_flag(name, value);

@@ -238,15 +238,36 @@ def test_parked_stream_resumes_with_its_parked_draw_counted(cpu_engine):
         eng.set_backend_flag("device_draw", 0)
 
 
+def _lock_step(model):
+    """The model's sessions draw every token on the host (lily.sampling.Sampler, lock-step): a CPU stream otherwise
+    draws in the extension (the same rule; test_one_seed_one_text_whether_the_host_or_the_device_draws compares
+    the three)."""
+    opened = model.session
+
+    def session(*args, **kwargs):
+        s = opened(*args, **kwargs)
+        s.device_sampling = False
+        return s
+    model.session = session
+    return model
+
+
 @pytest.fixture(scope="module")
 def models():
     import lily
     # without the bundled model's MTP head: these are the plain token loop's modes (a speculative stream draws in
     # the extension by the same rule; tests/test_speculative.py)
-    host = lily.load(backend="cpu", mtp=False)
+    host = _lock_step(lily.load(backend="cpu", mtp=False))
     dev = lily.load(backend="cpu", mtp=False)
     dev.engine.set_backend_flag("device_draw", 1)
     return host, dev
+
+
+@pytest.fixture(scope="module")
+def extension_model():
+    """The CPU's default plain stream: drawn in the extension on the host (no device sampler)."""
+    import lily
+    return lily.load(backend="cpu", mtp=False)
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.5,
@@ -295,16 +316,21 @@ def test_stop_string_run_ahead_leaves_the_exact_state(models):
     dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, presence_penalty=0.4,
          frequency_penalty=0.2, logit_bias={5: 1.5}, seed=13),
 ], ids=["t0.9", "topp", "all"])
-def test_one_seed_one_text_whether_the_host_or_the_device_draws(models, kw):
-    """The same seed and options give the same tokens from the host Sampler (lock-step) and from a device-mode
-    stream (the CPU backend's device twin): the first token is the host's draw with number 0, the stream's steps
-    take numbers 1, 2, ... as the host's would."""
+def test_one_seed_one_text_whether_the_host_or_the_device_draws(models, extension_model, kw):
+    """The same seed and options give the same tokens from the host Sampler (lock-step), from a device-mode
+    stream (the CPU backend's device twin) and from a stream drawn in the extension (the CPU's default): the first
+    token is the host's draw with number 0, the stream's steps take numbers 1, 2, ... as the host's would."""
     host, dev = models
     a = host.generate("The list type", max_tokens=32, **kw)
     begins = dev.engine.backend_flag("sampler_begins")
     b = dev.generate("The list type", max_tokens=32, **kw)
     assert dev.engine.backend_flag("sampler_begins") > begins  # the device drew them
     assert b.token_ids == a.token_ids and len(a.token_ids) > 8
+    s = extension_model.session()
+    c = s.generate("The list type", max_tokens=32, stream=True, **kw)
+    head = [next(c), next(c)]  # (the first token is the prompt's draw; the stream opens for the second)
+    assert s.stream is not None and s.stream.draws and not s.stream.device  # drawn in the extension
+    assert [x.token_id for x in head + list(c)] == a.token_ids
 
 
 def test_session_device_sampling_seeded_and_interleaved(models):

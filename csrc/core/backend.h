@@ -41,6 +41,17 @@ struct DecodeStep {
   float uniform = 0.f;    // the draw's uniform number in [0, 1)
 };
 
+// The rows of a chunk by token stream: rows [row0, row0 + n) of x belong to one stream and run at positions pos0 ..
+// pos0 + n - 1 with that stream's state of the layer: its DeltaNet state (DeltaNet layers) or its KV cache
+// (attention layers, the MTP head's included). One segment: a prefill chunk, a decode step, a verify; several:
+// streams decoded together (Engine::step_streams), each row as its stream alone computes it.
+struct RowSegment {
+  int64_t row0 = 0, n = 0, pos0 = 0;
+  DeltaNetState* deltanet = nullptr;
+  KVCache* kv = nullptr;
+};
+using RowSegments = std::vector<RowSegment>;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -58,10 +69,16 @@ class Backend {
   // With S == 1 a backend runs its fused decode kernels. x [S, H] is the residual stream, held by the backend.
   // x[S, H] = E[ids[S]]; starts a chunk of S rows.
   virtual void embed(const int32_t* ids, int64_t S) = 0;
-  // x += DeltaNet(RMSNorm(x; in_norm)); advances st (conv + recurrent state) by S rows.
-  virtual void deltanet_block(int layer, DeltaNetState& st, int64_t S) = 0;
-  // x += Attention(RMSNorm(x; in_norm)) for positions pos0..pos0+S-1; writes those rows of kv.
-  virtual void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) = 0;
+  // x += DeltaNet(RMSNorm(x; in_norm)) for the segments' rows (all of x's rows, in order); advances each segment's
+  // DeltaNet state (conv + recurrent) by its rows.
+  virtual void deltanet_block(int layer, const RowSegments& segs) = 0;
+  // x += Attention(RMSNorm(x; in_norm)), each segment's rows over its own KV cache (rows pos0 .. pos0 + n - 1 are
+  // written there, then attended causally).
+  virtual void attention_block(int layer, const RowSegments& segs) = 0;
+  // Whether deltanet_block / attention_block take several segments (else Engine::step_streams steps the streams
+  // one by one). A backend that does computes each segment's rows exactly as that segment alone would, with
+  // exact_rows on (the rows of the projections, the MoE and the head as one-row steps make them).
+  virtual bool batches_streams() const { return false; }
   // x += MoE(RMSNorm(x; post_norm)).
   virtual void moe_block(int layer, int64_t S) = 0;
   // out[S, H] (host) = the residual stream x; used to trace named intermediates in tests.
@@ -135,6 +152,15 @@ class Backend {
   }
   virtual int64_t flag(const std::string& flag_name) const {
     throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
+  }
+
+ protected:
+  // The one segment of a backend that runs one stream per forward (std::logic_error for several).
+  const RowSegment& single_segment(const RowSegments& segs) const {
+    if (segs.size() != 1 || segs[0].row0 != 0)
+      throw std::logic_error(std::string("[lily] backend '") + name() + "' runs one stream's rows per forward, got " +
+                             std::to_string(segs.size()) + " segments");
+    return segs[0];
   }
 
  private:

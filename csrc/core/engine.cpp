@@ -42,7 +42,13 @@ void Engine::validate(const State& st, const int32_t* tokens, int64_t S) const {
 
 Engine::~Engine() = default;
 
-void Engine::run_layers(State& st, int64_t n, Trace* trace) {
+void Engine::run_layers(const std::vector<StreamRows>& rows, Trace* trace) {
+  int64_t n = 0;
+  RowSegments segs(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    segs[i].row0 = n, segs[i].n = rows[i].n, segs[i].pos0 = rows[i].st->position;
+    n += rows[i].n;
+  }
   auto record = [&](const std::string& name) {
     if (!trace) return;
     auto& v = (*trace)[name];
@@ -52,9 +58,15 @@ void Engine::run_layers(State& st, int64_t n, Trace* trace) {
   };
   record("embed");
   for (int L = 0; L < cfg_.n_layers; ++L) {
-    const int slot = st.layer_slot[L];
-    if (cfg_.layer_types[L] == LayerType::Attention) backend_->attention_block(L, st.kv[slot], st.position, n);
-    else backend_->deltanet_block(L, st.deltanet[slot], n);
+    const bool attention = cfg_.layer_types[L] == LayerType::Attention;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      State& st = *rows[i].st;
+      const int slot = st.layer_slot[L];
+      segs[i].kv = attention ? &st.kv[slot] : nullptr;
+      segs[i].deltanet = attention ? nullptr : &st.deltanet[slot];
+    }
+    if (attention) backend_->attention_block(L, segs);
+    else backend_->deltanet_block(L, segs);
     record("mixer." + std::to_string(L));
     backend_->moe_block(L, n);
     record("moe." + std::to_string(L));
@@ -67,7 +79,7 @@ void Engine::advance_mtp(State& st, const int32_t* next_ids, int64_t rows, bool 
     if (exact) backend_->exact_rows(true);
     try {
       backend_->mtp_embed(next_ids, rows, prev ? &st.last_hidden : nullptr, Backend::MtpHidden::Kept);
-      backend_->attention_block(cfg_.n_layers, st.mtp_kv, st.mtp_rows, rows);
+      backend_->attention_block(cfg_.n_layers, {RowSegment{0, rows, st.mtp_rows, nullptr, &st.mtp_kv}});
       backend_->moe_block(cfg_.n_layers, rows);
     } catch (...) {
       backend_->exact_rows(false);
@@ -205,8 +217,11 @@ std::unique_ptr<TokenStream> Engine::open_stream(State& st, int32_t first, const
                                 (weights_.has_mtp ? "backend '" + std::string(backend_->name()) +
                                                         "' has no MTP kernels yet"
                                                   : std::string("the weights carry no mtp.* tensors")) + ")");
+  // device: the backend draws where it can; else (a backend without a device sampler) the stream draws in the
+  // extension, as the speculative loop does, and step_streams can decode it together with others
   const bool device = opt.speculative == 0 && opt.device && backend_->sampler_begin(opt.sample);
-  std::unique_ptr<TokenStream> s(new TokenStream(*this, st, first, opt, device));
+  const bool extension = opt.speculative > 0 || (opt.device && !device);
+  std::unique_ptr<TokenStream> s(new TokenStream(*this, st, first, opt, device, extension));
   if (device) {
     active_ = s.get();
     s->launch(first);
@@ -232,7 +247,7 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
   opt.max_tokens = n_steps;
   opt.sample.temperature = 0.f;
   std::unique_ptr<TokenStream> s = open_stream(st, token, opt);
-  if (s->device()) {
+  if (s->draws()) {
     for (int64_t i = 0; i < n_steps; ++i) out[i] = s->next();
     s->close();
     return;
@@ -244,6 +259,63 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
     out[i] = token;
   }
   s->close();
+}
+
+int64_t Engine::step_streams(const std::vector<TokenStream*>& streams) {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<TokenStream*> ready;
+  for (size_t i = 0; i < streams.size(); ++i) {
+    TokenStream* s = streams[i];
+    if (&s->eng_ != this) throw std::invalid_argument("[lily] step_streams: stream " + std::to_string(i) +
+                                                      " belongs to another engine");
+    for (size_t j = 0; j < i; ++j)
+      if (&streams[j]->st_ == &s->st_)
+        throw std::invalid_argument("[lily] step_streams: streams " + std::to_string(j) + " and " +
+                                    std::to_string(i) + " run over one state: expected one stream per state");
+    if (s->row_offer() != TokenStream::RowOffer::None) ready.push_back(s);
+  }
+  if (ready.size() < 2 || !backend_->batches_streams()) return 0;
+  for (TokenStream* s : ready)  // speculative auto stops drafting beside others (see stop_drafting_to_join)
+    if (s->row_offer() == TokenStream::RowOffer::Drafting) s->stop_drafting_to_join();
+  park_active(nullptr);
+  const int64_t M = static_cast<int64_t>(ready.size()), V = cfg_.vocab;
+  std::vector<int32_t> ids(static_cast<size_t>(M));
+  std::vector<StreamRows> rows(static_cast<size_t>(M));
+  std::vector<char> head(static_cast<size_t>(M));
+  for (int64_t i = 0; i < M; ++i) {
+    State& st = ready[i]->st_;
+    ids[i] = ready[i]->spec_pending();
+    validate(st, &ids[i], 1);
+    st.reserve(st.position + 1);
+    rows[i] = {&st, 1};
+    head[i] = mtp_ && st.mtp_current();
+  }
+  batch_logits_.resize(static_cast<size_t>(M * V));
+  backend_->exact_rows(true);  // every row as its stream's one-row step computes it
+  try {
+    backend_->embed(ids.data(), M);
+    run_layers(rows, nullptr);
+    backend_->head(0, M, batch_logits_.data());
+    if (std::find(head.begin(), head.end(), 1) != head.end()) {  // each stream's head row, as run_step adds it
+      backend_->keep_hidden(M);
+      for (int64_t i = 0; i < M; ++i) {
+        if (!head[i]) continue;
+        State& st = *rows[i].st;
+        if (st.position > 0) advance_mtp(st, &ids[i], 1, true, i);
+        else advance_mtp(st, nullptr, 0, false, i);
+      }
+    }
+  } catch (...) {
+    backend_->exact_rows(false);
+    backend_->abandon();
+    throw;
+  }
+  backend_->exact_rows(false);
+  for (int64_t i = 0; i < M; ++i) {
+    rows[i].st->position += 1;
+    ready[i]->take_row_draw(&batch_logits_[i * V], rows[i].st->position);
+  }
+  return M;
 }
 
 void Engine::draft(State& st, int32_t token, int64_t k, float* logits, int32_t* drafts,
@@ -263,7 +335,7 @@ void Engine::draft(State& st, int32_t token, int64_t k, float* logits, int32_t* 
     for (int64_t j = 0; j < k; ++j) {
       backend_->mtp_embed(&tok, 1, j == 0 ? &st.last_hidden : nullptr,
                           j == 0 ? Backend::MtpHidden::Kept : Backend::MtpHidden::Draft);
-      backend_->attention_block(cfg_.n_layers, st.mtp_kv, st.mtp_rows + j, 1);
+      backend_->attention_block(cfg_.n_layers, {RowSegment{0, 1, st.mtp_rows + j, nullptr, &st.mtp_kv}});
       backend_->moe_block(cfg_.n_layers, 1);
       float* row = logits + j * V;
       backend_->mtp_head(0, 1, row);
@@ -294,14 +366,15 @@ int64_t Engine::backend_flag(const std::string& name) {
 
 // ---- TokenStream ------------------------------------------------------------------------------------------------
 
-TokenStream::TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device)
+TokenStream::TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device,
+                         bool extension)
     : eng_(eng), st_(st), opt_(opt), device_(device), rng_(opt.seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull) {
   const size_t V = static_cast<size_t>(eng.cfg_.vocab);
   if (opt_.sample.seen.empty()) opt_.sample.seen.assign(V, 0);
   if (opt_.sample.counts.empty()) opt_.sample.counts.assign(V, 0);
-  if (opt_.speculative > 0) {
+  if (extension) {  // the speculative loop's machinery; k = 0: plain steps only
     spec_ = std::make_unique<Spec>(opt_, first);
-    spec_begin(st.mtp_current());
+    if (opt_.speculative > 0) spec_begin(st.mtp_current());
   }
 }
 
@@ -383,7 +456,7 @@ int32_t TokenStream::next() {
 }
 
 void TokenStream::step(int32_t token, float* logits) {
-  if (spec_) throw std::logic_error("[lily] TokenStream.step: a speculative stream draws its own tokens (next())");
+  if (spec_) throw std::logic_error("[lily] TokenStream.step: this stream draws its own tokens (next())");
   if (device_) throw std::logic_error("[lily] TokenStream.step: a device stream draws its own tokens (next())");
   std::lock_guard<std::mutex> lk(eng_.mu_);
   if (closed_) throw std::logic_error("[lily] TokenStream.step: the stream is closed");

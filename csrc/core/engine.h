@@ -64,7 +64,10 @@ class TokenStream {
   TokenStream& operator=(const TokenStream&) = delete;
 
   bool device() const { return device_; }
-  bool speculative() const { return spec_ != nullptr; }
+  // next() draws the tokens: on the device (device()), or in the extension on the host (the speculative loop, or a
+  // plain stream of a backend without a device sampler: the same rule, cpu/sample.h, with the same uniform numbers).
+  bool draws() const { return device_ || spec_ != nullptr; }
+  bool speculative() const;  // drafts with the MTP head (a speculative stream that fell back to plain steps too)
   // Device mode: the next token, or -1 when the stream has ended (max_tokens returned, a stop id returned, the
   // context full, or close() called).
   int32_t next();
@@ -88,7 +91,7 @@ class TokenStream {
  private:
   friend class Engine;
   struct Spec;  // the speculative loop's state (speculative.cpp)
-  TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device);
+  TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device, bool extension);
   void launch(int32_t host_token);  // the step that feeds the next token (host_token >= 0, or the device slot)
   void park();                      // engine lock held: finish the launched steps, keep their draws on the host
   void note(int32_t token);         // host record of the generated tokens (seen / counts for a re-begin)
@@ -100,6 +103,15 @@ class TokenStream {
   void spec_plain_step();
   void spec_rewind();
   void spec_begin(bool head_current);  // the constructor's part: the Spec, and whether it drafts from the start
+  // Engine::step_streams, engine lock held. row_offer: Plain when this stream's next token is one plain step away
+  // (drawn in the extension, nothing queued, still going), Drafting when it would be but drafts with speculative
+  // auto (stop_drafting_to_join makes it plain). take_row_draw: that step's draw from its logits row [V] (the state
+  // now at `position`), queued for next().
+  enum class RowOffer { None, Plain, Drafting };
+  RowOffer row_offer() const;
+  void stop_drafting_to_join();
+  int32_t spec_pending() const;
+  void take_row_draw(const float* logits, int64_t position);
 
   Engine& eng_;
   State& st_;
@@ -146,6 +158,16 @@ class Engine {
   // stream on st.
   std::unique_ptr<TokenStream> open_stream(State& st, int32_t first, const StreamOptions& opt);
 
+  // One plain step for several streams in one forward (concurrent generations decoded together): every stream
+  // whose next token is one plain step away (drawn in the extension, nothing queued; a stream drafting with an
+  // explicit k verifies on its own in next(), one with speculative auto stops drafting to join) feeds its pending
+  // token, and its draw waits for its next(). Each stream's row is computed
+  // as its stream alone computes it and drawn with its own options and uniform numbers, so every stream returns
+  // what it would alone. Returns how many streams were stepped together (0: fewer than 2 could be, or the backend
+  // runs one stream per forward; their next() steps them). Throws std::invalid_argument for a stream of another
+  // engine or two streams over one state.
+  int64_t step_streams(const std::vector<TokenStream*>& streams);
+
   // Greedy decoding: n_steps tokens from a device-mode stream where the backend has one, else lock-step argmax;
   // out[i] = argmax (lowest index on ties) after feeding token (i = 0) or out[i-1]. Advances st.position by n_steps.
   void decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* out);
@@ -178,8 +200,14 @@ class Engine {
 
  private:
   friend class TokenStream;
-  // The layer loop, written once: x += mixer(norm(x)); x += moe(norm(x)) for n rows at st.position.
-  void run_layers(State& st, int64_t n, Trace* trace);
+  // The layer loop, written once: x += mixer(norm(x)); x += moe(norm(x)) for the streams' rows (rows[i].n rows of
+  // state rows[i].st at its position, in order).
+  struct StreamRows {
+    State* st;
+    int64_t n;
+  };
+  void run_layers(const std::vector<StreamRows>& rows, Trace* trace);
+  void run_layers(State& st, int64_t n, Trace* trace) { run_layers({{&st, n}}, trace); }
   // One bracketed decode step (d.position == st.position); numbers it (d.index: the engine's step count, so a
   // backend's per-step slots tell the steps of every stream apart), advances st.position by 1, returns d.index.
   int64_t run_step(State& st, DecodeStep d, float* logits);
@@ -212,6 +240,7 @@ class Engine {
     int64_t wait = 0;                   // ... for this many more streams, then one drafts again (and re-probes)
     std::string why;                    // the judgement that stopped drafting
   } spec_history_;
+  std::vector<float> batch_logits_;  // step_streams: [streams, V]
   int64_t next_step_ = 0;           // decode steps run by this engine
   TokenStream* active_ = nullptr;   // the device stream whose steps may be in flight or own the sampler
   std::mutex mu_;  // one forward / step at a time: backend buffers are shared

@@ -66,6 +66,42 @@ std::string non_finite(const float* row, int64_t V, int64_t position) {
 
 TokenStream::SpecStats TokenStream::spec_stats() const { return spec_ ? spec_->stats : SpecStats{}; }
 
+bool TokenStream::speculative() const { return spec_ && spec_->k > 0; }
+int32_t TokenStream::spec_pending() const { return spec_->pending; }
+
+TokenStream::RowOffer TokenStream::row_offer() const {
+  if (!spec_ || ended_ || closed_) return RowOffer::None;
+  const Spec& sp = *spec_;
+  if (!sp.queue.empty() || !sp.error.empty() || returned_ >= opt_.max_tokens || st_.position >= eng_.max_context_)
+    return RowOffer::None;
+  if (sp.plain && sp.probe == 0) return RowOffer::Plain;
+  return sp.adaptive ? RowOffer::Drafting : RowOffer::None;  // an explicit k keeps drafting
+}
+
+// Speculative auto beside other streams: one forward for all of them beats this stream's drafts (its k was chosen
+// for one stream alone), so it stops drafting; its tokens stay what they are (drafting never changes them).
+void TokenStream::stop_drafting_to_join() {
+  spec_->fall_back("decoded together with other streams");
+  spec_->probe = 0;
+}
+
+// The draw of a plain step that fed sp.pending (its logits row [V]; the state now at `position`): queued for next(),
+// or, from non-finite logits, the error next() throws.
+void TokenStream::take_row_draw(const float* logits, int64_t position) {
+  Spec& sp = *spec_;
+  const int64_t V = eng_.cfg_.vocab;
+  ++launched_;
+  sp.fed.assign(1, sp.pending);
+  sp.snap_position = -1;  // nothing to take back: the one fed token is the host's already
+  sp.error = non_finite(logits, V, position);
+  if (!sp.error.empty()) return;
+  SampleOptions& so = opt_.sample;
+  const int32_t y = cpu::sample_draw(logits, V, so, so.seen, so.counts, next_uniform());
+  ++sp.stats.plain_steps;
+  sp.queue.push_back(y);
+  sp.pending = y;
+}
+
 void TokenStream::spec_begin(bool head_current) {
   Spec& sp = *spec_;
   Engine::SpecHistory& h = eng_.spec_history_;
@@ -112,27 +148,14 @@ int32_t TokenStream::spec_next() {
 void TokenStream::spec_plain_step() {
   Spec& sp = *spec_;
   State& st = st_;
-  const int64_t V = eng_.cfg_.vocab;
-  sp.step_logits.resize(static_cast<size_t>(V));
+  sp.step_logits.resize(static_cast<size_t>(eng_.cfg_.vocab));
   st.reserve(st.position + 1);
   const auto t0 = Clock::now();
   eng_.run_step(st, DecodeStep{0, sp.pending, st.position, false, 0.f}, sp.step_logits.data());
-  ++launched_;
-  sp.fed.assign(1, sp.pending);
-  sp.snap_position = -1;  // nothing to take back: the one fed token is the host's already
-  sp.error = non_finite(sp.step_logits.data(), V, st.position);
-  if (!sp.error.empty()) {
-    ended_ = true;
-    throw std::domain_error(sp.error);
-  }
-  SampleOptions& so = opt_.sample;
-  const int32_t y = cpu::sample_draw(sp.step_logits.data(), V, so, so.seen, so.counts, next_uniform());
+  take_row_draw(sp.step_logits.data(), st.position);
   const double dt = seconds_since(t0);
   Engine::SpecHistory& h = eng_.spec_history_;
   if (sp.probe > 0) --sp.probe, h.plain_s = h.plain_s == 0 ? dt : std::min(h.plain_s, dt);
-  ++sp.stats.plain_steps;
-  sp.queue.push_back(y);
-  sp.pending = y;
 }
 
 void TokenStream::spec_iterate() {

@@ -10,9 +10,11 @@
 namespace lily {
 
 struct TokenStream::Spec {
+  // k = 0: a plain stream drawn in the extension (plain steps only).
   Spec(const StreamOptions& opt, int32_t first)
-      : k(opt.speculative), adaptive(opt.adaptive), pending(first), stats{0, 0, 0, 0, "speculative k=" +
-                                                                            std::to_string(opt.speculative)} {}
+      : k(opt.speculative), adaptive(opt.adaptive && opt.speculative > 0), plain(opt.speculative == 0),
+        pending(first), stats{0, 0, 0, 0, opt.speculative > 0 ? "speculative k=" + std::to_string(opt.speculative)
+                                                               : std::string("plain")} {}
   void fall_back(const std::string& why) {
     plain = true;
     stats.status = "plain: " + why;
@@ -20,7 +22,7 @@ struct TokenStream::Spec {
 
   int32_t k;                   // drafts per verify
   bool adaptive;               // fall back to plain steps when drafting does not pay
-  bool plain = false;          // fell back: plain steps from here on
+  bool plain;                  // plain steps from here on (k = 0, or fell back)
   int64_t probe = 0;           // adaptive: plain steps still to time before the first verify
   int32_t pending;             // the last token drawn (returned or queued), not yet fed
   std::deque<int32_t> queue;   // drawn, not yet returned by next()

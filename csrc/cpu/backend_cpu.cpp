@@ -1,6 +1,7 @@
 // CPU backend: fp32 activations, multithreaded, weights dequantized on the fly.
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include "core/backend.h"
@@ -88,44 +89,58 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
+  // Several segments (streams decoded together): the projections and the MoE run over all rows at once (each row
+  // as a one-row step computes it, exact_rows), the recurrence and the attention per segment on its own state.
+  bool batches_streams() const override { return true; }
+
+  void deltanet_block(int layer, const RowSegments& segs) override {
     const LayerWeights& lw = w_.layers[layer];
     const DeltaNetWeights& w = lw.deltanet;
-    const int64_t H = cfg_.hidden;
+    const int64_t H = cfg_.hidden, S = rows_of(segs);
     cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
     cpu::linear(pool_, w.qkv, h_.data(), S, qkv_.data());
     cpu::linear(pool_, w.z, h_.data(), S, z_.data());
     cpu::linear(pool_, w.b, h_.data(), S, b_.data());
     cpu::linear(pool_, w.a, h_.data(), S, a_.data());
-    kp::DeltaNetParams p{cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim, cfg_.conv_kernel,
-                         cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, S};
+    const int64_t C = cfg_.conv_dim(), VD = cfg_.value_dim(), Hv = cfg_.deltanet_v_heads;
     float *ssm_rows = nullptr, *conv_rows = nullptr;
-    if (keep_rows_) {
-      const int64_t ssm = static_cast<int64_t>(cfg_.deltanet_v_heads) * cfg_.deltanet_v_dim * cfg_.deltanet_k_dim;
-      const int64_t conv = static_cast<int64_t>(cfg_.conv_kernel - 1) * cfg_.conv_dim();
+    if (keep_rows_) {  // a verify: one stream's rows
+      if (segs.size() != 1) throw std::logic_error("[lily] backend 'cpu': state rows are kept for one stream only");
+      const int64_t ssm = Hv * cfg_.deltanet_v_dim * cfg_.deltanet_k_dim;
+      const int64_t conv = static_cast<int64_t>(cfg_.conv_kernel - 1) * C;
       StateRows& r = state_rows_[layer];
       r.ssm.resize(S * ssm), r.conv.resize(S * conv), r.rows = S;
       ssm_rows = r.ssm.data(), conv_rows = r.conv.data();
     }
-    cpu::deltanet_forward(pool_, p, qkv_.data(), z_.data(), b_.data(), a_.data(), w.conv_w, w.dt_bias, w.a_log,
-                          w.norm, st.conv.as<float>(), st.ssm.as<float>(), u_.data(), y_.data(), ssm_rows, conv_rows);
+    for (const RowSegment& g : segs) {
+      kp::DeltaNetParams p{cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim,
+                           cfg_.conv_kernel, cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, g.n};
+      const int64_t r = g.row0;
+      cpu::deltanet_forward(pool_, p, qkv_.data() + r * C, z_.data() + r * VD, b_.data() + r * Hv, a_.data() + r * Hv,
+                            w.conv_w, w.dt_bias, w.a_log, w.norm, g.deltanet->conv.as<float>(),
+                            g.deltanet->ssm.as<float>(), u_.data() + r * C, y_.data() + r * VD, ssm_rows, conv_rows);
+    }
     cpu::linear(pool_, w.out, y_.data(), S, t_.data());
     add_residual(S);
   }
 
-  void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override {
+  void attention_block(int layer, const RowSegments& segs) override {
     const LayerWeights& lw = w_.layers[layer];
     const AttentionWeights& w = lw.attn;
-    const int64_t H = cfg_.hidden;
+    const int64_t H = cfg_.hidden, S = rows_of(segs), D = cfg_.head_dim;
     cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
     cpu::linear(pool_, w.q, h_.data(), S, qg_.data());
     cpu::linear(pool_, w.k, h_.data(), S, k_.data());
     cpu::linear(pool_, w.v, h_.data(), S, v_.data());
-    kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
-                          static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
-                          1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, pos0, S};
-    cpu::attention_forward(pool_, p, qg_.data(), k_.data(), v_.data(), w.q_norm, w.k_norm, kv.k.as<float>(),
-                           kv.v.as<float>(), o_.data());
+    const int64_t QG = 2 * cfg_.n_heads * D, KV = cfg_.n_kv_heads * D, O = cfg_.n_heads * D;
+    for (const RowSegment& g : segs) {
+      kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
+                            static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
+                            1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, g.pos0, g.n};
+      const int64_t r = g.row0;
+      cpu::attention_forward(pool_, p, qg_.data() + r * QG, k_.data() + r * KV, v_.data() + r * KV, w.q_norm,
+                             w.k_norm, g.kv->k.as<float>(), g.kv->v.as<float>(), o_.data() + r * O);
+    }
     cpu::linear(pool_, w.o, o_.data(), S, t_.data());
     add_residual(S);
   }
@@ -219,6 +234,15 @@ class CpuBackend final : public Backend {
     if (prev.index != step_.index - 1 || prev.token < 0)
       throw std::logic_error("[lily] backend 'cpu': the step's token comes from a draw that is not held");
     return prev.token;
+  }
+
+  static int64_t rows_of(const RowSegments& segs) {
+    int64_t n = 0;
+    for (const RowSegment& g : segs) {
+      if (g.row0 != n) throw std::logic_error("[lily] backend 'cpu': segments must cover the rows in order");
+      n += g.n;
+    }
+    return n;
   }
 
   void add_residual(int64_t S) {

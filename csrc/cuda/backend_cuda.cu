@@ -264,7 +264,10 @@ class CudaBackend final : public Backend {
     cuda::embed(st_, w_.embed, ids_, S, x_);
   }
 
-  void deltanet_block(int layer, DeltaNetState& st, int64_t S) override {
+  void deltanet_block(int layer, const RowSegments& segs) override {
+    const RowSegment& seg = single_segment(segs);  // (one stream per forward until the M-row kernels land)
+    DeltaNetState& st = *seg.deltanet;
+    const int64_t S = seg.n;
     const DLayer& L = w_.layers[layer];
     if (fused_step(S)) return issue([this, &L, &st] { step_launches_ += dec_.deltanet(L, st); });
     const int64_t H = cfg_.hidden;
@@ -285,7 +288,10 @@ class CudaBackend final : public Backend {
     cuda::linear(st_, L.out, yb_, cfg_.value_dim(), S, x_, H, /*accumulate=*/true);
   }
 
-  void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override {
+  void attention_block(int layer, const RowSegments& segs) override {
+    const RowSegment& seg = single_segment(segs);
+    KVCache& kv = *seg.kv;
+    const int64_t pos0 = seg.pos0, S = seg.n;
     const DLayer& L = w_.layers[layer];
     if (fused_step(S))
       return issue([this, &L, &kv] {

@@ -366,7 +366,10 @@ void MetalBackend::embed_from(BufRef ids, int64_t S) {
   e.barrier();
 }
 
-void MetalBackend::deltanet_block(int layer, DeltaNetState& st, int64_t S) {
+void MetalBackend::deltanet_block(int layer, const RowSegments& segs) {
+  const RowSegment& seg = single_segment(segs);  // (one stream per forward: no multi-row decode kernels yet)
+  DeltaNetState& st = *seg.deltanet;
+  const int64_t S = seg.n;
   const LayerW& L = layers_[layer];
   const Config& c = cfg_;
   Scratch& s = *sc_;
@@ -405,7 +408,10 @@ void MetalBackend::grow_attention_parts(int64_t keys) {
   sc_->po = sc_->make(cfg_.n_heads * sc_->parts * static_cast<int64_t>(cfg_.head_dim) * 4);
 }
 
-void MetalBackend::attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) {
+void MetalBackend::attention_block(int layer, const RowSegments& segs) {
+  const RowSegment& seg = single_segment(segs);
+  KVCache& kv = *seg.kv;
+  const int64_t pos0 = seg.pos0, S = seg.n;
   const LayerW& L = layers_[layer];
   const Config& c = cfg_;
   const int n = static_cast<int>(S);

@@ -80,8 +80,8 @@ class MetalBackend final : public Backend {
   void sync() override;
 
   void embed(const int32_t* ids, int64_t S) override;
-  void deltanet_block(int layer, DeltaNetState& st, int64_t S) override;
-  void attention_block(int layer, KVCache& kv, int64_t pos0, int64_t S) override;
+  void deltanet_block(int layer, const RowSegments& segs) override;
+  void attention_block(int layer, const RowSegments& segs) override;
   void moe_block(int layer, int64_t S) override;
   void read_residual(int64_t S, float* out) override;
   void head(int64_t row0, int64_t n, float* logits) override;

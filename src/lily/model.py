@@ -17,7 +17,7 @@ import numpy as np
 from .chat import ChatTemplate
 from .config import ModelConfig
 from .errors import BackendUnavailableError, CheckpointError, ContextLengthError
-from .generation import GenerationChunk, GenerationResult
+from .generation import GenerationChunk, GenerationResult, collect
 from .identity import ModelIdentity, model_fingerprint, weights_digest
 from .sampling import takes_sampling_options
 from .session import PrefillResult, PromptEncoder, Session, SessionLimits
@@ -340,6 +340,43 @@ class Model:
         return self.session().generate(prompt, stream=stream, enable_thinking=enable_thinking,
                                        preserve_thinking=preserve_thinking, tools=tools,
                                        chat_template_kwargs=chat_template_kwargs, **kwargs)
+
+    @takes_sampling_options
+    def batch_generate(self, prompts: Sequence[Any], *, enable_thinking: bool | None = None,
+                       preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
+                       chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+                       ) -> list[GenerationResult]:
+        """Generate from several prompts decoded together (mlx-lm's batch_generate): one forward per step serves
+        every generation still running, so on a backend that batches streams (the CPU today) the aggregate rate
+        grows with their number. Each result equals the prompt's own `generate` call with the same options, token
+        for token (a seed gives each prompt the text it gives alone), with its own `.stats`. The prompts are
+        prefilled one after another; the options and template variables are those of `generate`, for every prompt.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"batch_generate: prompts must be a list of prompts (each as generate takes it), got "
+                            f"{type(prompts).__name__}")
+        sessions = [self.session() for _ in prompts]
+        runs = [s.generate(p, stream=True, enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
+                           tools=tools, chat_template_kwargs=chat_template_kwargs, **kwargs)
+                for s, p in zip(sessions, prompts)]
+        chunks: list[list[GenerationChunk]] = [[] for _ in runs]
+        live = list(range(len(runs)))
+        step_streams = getattr(self.engine, "step_streams", None)
+        try:
+            while live:
+                open_streams = [sessions[i].stream for i in live if sessions[i].stream is not None]
+                if step_streams is not None and len(open_streams) > 1:
+                    step_streams(open_streams)  # the next token of each, in one forward
+                for i in list(live):
+                    c = next(runs[i], None)
+                    if c is None:
+                        live.remove(i)
+                    else:
+                        chunks[i].append(c)
+        finally:
+            for r in runs:
+                r.close()
+        return [collect(c) for c in chunks]
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [S, vocab] for token_ids, from an empty state."""

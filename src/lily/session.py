@@ -140,6 +140,7 @@ class Session:
         self.progress_tokens = 4096      # prefill piece between progress callbacks (when one is given)
         self.metadata: dict[str, Any] = {}  # what Session.save(path, metadata=...) stored
         self.last_stats: GenerationStats | None = None  # the latest generation's (see _decode_loop)
+        self.stream: Any = None          # the engine's token stream while a generation runs (Engine.step_streams)
         # sample on the device where the engine can (the logits row then never crosses to the host); env
         # LILY_DEVICE_SAMPLING=0 or setting this False keeps every draw on the host (lily.sampling.Sampler)
         self.device_sampling = os.environ.get("LILY_DEVICE_SAMPLING", "1") not in ("0", "false", "no")
@@ -475,10 +476,14 @@ class Session:
             seed=sampler.stream_seed(),  # the device draws the numbers the host sampler would take next
             # an explicit k drafts; only speculative=None (auto) adapts (drafting never changes the tokens)
             **({"speculative": k, "adaptive": self.speculative_adaptive and p.speculative is None} if k else {}))
+        self.stream = stream  # open while the generation runs: a server decodes it with others (step_streams)
         generated = list(self._pending)  # [first]
         n_base = len(self._tokens)
         last_logits = None
         speculative = bool(getattr(stream, "speculative", False))  # (the reference engine's streams never are)
+        # next() returns tokens: drawn on the device, or in the extension (speculative, or a plain stream of a
+        # backend without a device sampler: the host Sampler's rule and uniform numbers); else lock-step
+        draws = bool(getattr(stream, "draws", stream.device))
 
         def settle() -> None:  # tokens the stream ran are in the state; the rest stay pending
             # a speculative stream's state may run ahead of the tokens returned so far (accepted drafts queued for
@@ -495,19 +500,13 @@ class Session:
 
         try:
             for _ in range(max_tokens):
-                if speculative:
+                if draws:
                     try:
                         token = stream.next()
                     except ValueError as e:  # the extension's check of the rows it draws from
                         if "non-finite logits" in str(e):
                             raise NonFiniteLogitsError(str(e)) from None
                         raise
-                    if token < 0:
-                        return
-                    sampler.accept(token)
-                    lp = None
-                elif stream.device:
-                    token = stream.next()
                     if token < 0:
                         return
                     sampler.accept(token)
@@ -527,6 +526,7 @@ class Session:
                 if out.finish_reason is not None:
                     return
         finally:
+            self.stream = None
             held = stream.close(logits=stream.device)
             settle()
             if speculative:

@@ -124,7 +124,7 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
         w = srv.worker
         return {"status": "shutting_down" if srv.draining else "ok", "model": srv.name, "backend": model.backend,
                 "busy": w.busy, "running": w.running, "parked": w.parked, "queued": w.queued(),
-                "scoring": w.scoring,
+                "scoring": w.scoring, "batch": w.batch_info(),
                 "max_context": model.max_context, "limits": srv.limits(), "stats": dict(w.stats),
                 "speculative": srv.speculative_info(),
                 "parking": {"requests": w.parked, "bytes": w.parked_bytes, "max_bytes": w.park_bytes,
@@ -139,13 +139,19 @@ def create_app(model: Model, config: ServerConfig | None = None) -> FastAPI:
                   "lily_requests_parked": ("Started requests set aside (state kept) for newer ones", w.parked),
                   "lily_requests_queued": ("Requests waiting for a running slot", w.queued()),
                   "lily_requests_scoring": ("Prompt-scoring requests (echo + logprobs) in progress", w.scoring),
+                  "lily_decode_tokens_per_second": ("Tokens sent to all clients together, over the last 5 s",
+                                                    w.decode_rate()),
                   "lily_parked_bytes": ("Bytes of engine state held by parked requests", w.parked_bytes),
                   "lily_park_budget_bytes": ("Most bytes parked requests may hold (--park-gib)", w.park_bytes),
                   "lily_prefix_cache_bytes": ("Bytes held by prefix-cache snapshots", srv.cache.nbytes),
                   "lily_prefix_cache_budget_bytes": ("Most bytes the prefix cache may hold (--cache-gib)",
                                                      srv.cache.max_bytes),
                   "lily_prefix_cache_snapshots": ("Snapshots in the prefix cache", len(srv.cache))}
-        counters = {"lily_parks_total": ("Times a running request was parked for a newer one", w.stats["parks"])}
+        counters = {"lily_parks_total": ("Times a running request was parked for a newer one", w.stats["parks"]),
+                    "lily_batched_steps_total": ("Forwards that decoded several streams together",
+                                                 w.stats["batched_steps"]),
+                    "lily_batched_rows_total": ("Stream rows those forwards decoded (rows / steps = occupancy)",
+                                                w.stats["batched_rows"])}
         return PlainTextResponse(srv.metrics.render(gauges, srv.cache, counters),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -184,8 +184,11 @@ class EngineWorker:
         self._busy_since = 0.0
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "timeouts": 0, "rejected": 0,
                       "parks": 0, "resumes": 0, "shutdown_ended": 0, "last_cancel_steps": None,
-                      "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+                      "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                      "batched_steps": 0, "batched_rows": 0}  # forwards that stepped several streams, their rows
         self._draining = False
+        self._token_times: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent tokens sent
+        self._step_streams = getattr(getattr(model, "engine", None), "step_streams", None)  # None: one at a time
         # test hook: pretend every decode step takes this long (a fast tiny model finishes before a client
         # can hang up); only read from the environment, never from a request
         self._step_delay = float(os.environ.get("LILY_TEST_STEP_DELAY", "0") or 0)
@@ -196,6 +199,19 @@ class EngineWorker:
     @property
     def busy(self) -> bool:
         return self.running + self.parked > 0
+
+    def decode_rate(self, window_s: float = 5.0) -> float:
+        """Tokens per second sent to all clients together over the last window_s seconds."""
+        now = time.perf_counter()
+        times = list(self._token_times)
+        recent = [t for t in times[-(1 << 14):] if now - t <= window_s]
+        return len(recent) / window_s
+
+    def batch_info(self) -> dict:
+        """The batch: its width (--parallel), rows per forward that stepped several streams, recent tok/s."""
+        steps, rows = self.stats["batched_steps"], self.stats["batched_rows"]
+        return {"width": self.parallel, "batched_steps": steps, "mean_rows": round(rows / steps, 2) if steps else 0.0,
+                "decode_tokens_per_s": round(self.decode_rate(), 1)}
 
     @property
     def scoring(self) -> int:
@@ -303,6 +319,7 @@ class EngineWorker:
             if not self._take_inbox(block=idle):
                 return
             self._schedule()
+            self._step_together(self._active)
             for job in list(self._active):
                 if not job.finished:
                     self._step(job)
@@ -509,8 +526,10 @@ class EngineWorker:
             job.emit("progress", done, total)
             while job.next_progress <= done:
                 job.next_progress += self.progress_tokens
-        for other in list(self._active):
-            if other is not job and other.decoding and not other.finished:
+        others = [o for o in self._active if o is not job]
+        self._step_together(others)
+        for other in others:
+            if other.decoding and not other.finished:
                 self._step(other)
 
     def _check_going(self, job: Job) -> None:
@@ -520,6 +539,25 @@ class EngineWorker:
             raise ServerShutdown("the server is shutting down")
         if job.overdue(time.perf_counter()):
             raise RequestTimeout(self._timeout_message(job))
+
+    def _step_together(self, jobs: list[Job]) -> None:
+        """The next token of every decoding job whose stream takes a plain step, in one forward (Engine.step_streams:
+        each row as its stream alone computes and draws it); each job's next pull then returns it. A job whose
+        stream cannot join (a drafting stream, a grammar or logprobs drawn on the host) steps alone in _step."""
+        streams = [j.session.stream for j in jobs
+                   if j.decoding and not j.finished and j.session is not None and j.session.stream is not None]
+        if len(streams) < 2 or self._step_streams is None:
+            return
+        try:
+            rows = self._step_streams(streams)
+        except Exception as e:  # the forward failed half-way: every stream in it is in doubt
+            for j in list(jobs):
+                if j.session is not None and j.session.stream in streams:
+                    self._end(j, e)
+            return
+        if rows:
+            self.stats["batched_steps"] += 1
+            self.stats["batched_rows"] += rows
 
     def _step(self, job: Job) -> None:
         """Pull one chunk from the job's stream (the first pull runs its prefill)."""
@@ -536,6 +574,7 @@ class EngineWorker:
             job.decoding, job.first_token_at = True, time.perf_counter()
         job.steps += 1
         job.slice_steps += 1
+        self._token_times.append(time.perf_counter())
         job.emit("chunk", chunk)
         if self._step_delay:
             time.sleep(self._step_delay)
