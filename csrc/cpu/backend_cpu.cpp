@@ -112,14 +112,14 @@ class CpuBackend final : public Backend {
       r.ssm.resize(S * ssm), r.conv.resize(S * conv), r.rows = S;
       ssm_rows = r.ssm.data(), conv_rows = r.conv.data();
     }
-    for (const RowSegment& g : segs) {
+    for_segments(segs, [&](const RowSegment& g) {
       kp::DeltaNetParams p{cfg_.deltanet_k_heads, cfg_.deltanet_v_heads, cfg_.deltanet_k_dim, cfg_.deltanet_v_dim,
                            cfg_.conv_kernel, cfg_.conv_dim(), cfg_.rms_eps, 1e-6f, g.n};
       const int64_t r = g.row0;
       cpu::deltanet_forward(pool_, p, qkv_.data() + r * C, z_.data() + r * VD, b_.data() + r * Hv, a_.data() + r * Hv,
                             w.conv_w, w.dt_bias, w.a_log, w.norm, g.deltanet->conv.as<float>(),
                             g.deltanet->ssm.as<float>(), u_.data() + r * C, y_.data() + r * VD, ssm_rows, conv_rows);
-    }
+    });
     cpu::linear(pool_, w.out, y_.data(), S, t_.data());
     add_residual(S);
   }
@@ -133,14 +133,14 @@ class CpuBackend final : public Backend {
     cpu::linear(pool_, w.k, h_.data(), S, k_.data());
     cpu::linear(pool_, w.v, h_.data(), S, v_.data());
     const int64_t QG = 2 * cfg_.n_heads * D, KV = cfg_.n_kv_heads * D, O = cfg_.n_heads * D;
-    for (const RowSegment& g : segs) {
+    for_segments(segs, [&](const RowSegment& g) {
       kp::AttentionParams p{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, cfg_.rotary_dim,
                             static_cast<float>(cfg_.rope_theta), cfg_.rms_eps,
                             1.f / std::sqrt(static_cast<float>(cfg_.head_dim)), 0, g.pos0, g.n};
       const int64_t r = g.row0;
       cpu::attention_forward(pool_, p, qg_.data() + r * QG, k_.data() + r * KV, v_.data() + r * KV, w.q_norm,
                              w.k_norm, g.kv->k.as<float>(), g.kv->v.as<float>(), o_.data() + r * O);
-    }
+    });
     cpu::linear(pool_, w.o, o_.data(), S, t_.data());
     add_residual(S);
   }
@@ -234,6 +234,17 @@ class CpuBackend final : public Backend {
     if (prev.index != step_.index - 1 || prev.token < 0)
       throw std::logic_error("[lily] backend 'cpu': the step's token comes from a draw that is not held");
     return prev.token;
+  }
+
+  // fn(segment) for each: one segment uses the pool inside fn; several are spread over the pool, one thread each
+  // (the pool runs nested calls inline), so a step of M streams costs one dispatch per phase, not M. Every row's
+  // arithmetic is the same either way (each kernel's work split never changes a row's sums).
+  template <class F>
+  void for_segments(const RowSegments& segs, F&& fn) {
+    if (segs.size() == 1) return fn(segs[0]);
+    pool_.parallel_for(static_cast<int64_t>(segs.size()), 1, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) fn(segs[i]);
+    });
   }
 
   static int64_t rows_of(const RowSegments& segs) {

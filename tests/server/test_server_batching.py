@@ -1,6 +1,6 @@
 """Issue 45 against a live `lily serve --parallel 8` with the bundled model (default settings, speculative auto):
-eight concurrent clients of mixed prompt and reply lengths, greedy and seeded, are decoded together and each gets
-exactly the text it gets alone; /health and /metrics report the batch."""
+eight concurrent clients of mixed prompt and reply lengths, greedy and seeded, one with a grammar, are decoded
+together and each gets exactly the text it gets alone; /health and /metrics report the batch."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +19,9 @@ def _body(i: int) -> dict:
     sampled = i % 2 == 1
     return {"model": "tiny", "messages": [{"role": "user", "content": "word " * (1 + 5 * i) + f"story {i}"}],
             "max_tokens": 16 + 9 * i, "temperature": 0.9 if sampled else 0.0, "top_p": 0.95,
-            **({"seed": 100 + i} if sampled else {}), "logit_bias": NO_END, **NO_THINK}
+            **({"seed": 100 + i} if sampled else {}), "logit_bias": NO_END, **NO_THINK,
+            # one request with a grammar: drawn on the host, it steps alone beside the batch
+            **({"response_format": {"type": "json_object"}} if i == 6 else {})}
 
 
 def _text(srv: LiveServer, body: dict) -> str:
