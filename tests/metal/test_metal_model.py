@@ -99,6 +99,7 @@ def test_session_after_a_stop_string_equals_a_lock_step_session(checkpoint):
         out = []
         for m in (dev, lock):
             s = m.session()
+            s.device_sampling = m is dev  # lock: every draw on the host (else the extension draws, holding no row)
             r = s.generate(PROMPT, max_tokens=12, stop=stop, temperature=0)
             s.flush()  # a token still pending (lock-step) runs now, as the run-ahead step did on the device
             row = np.array(s._last_logits)

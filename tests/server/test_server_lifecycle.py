@@ -258,3 +258,43 @@ def test_retry_after_is_jittered_around_the_estimate():
     from lily.server.worker import QueueFull
     ms = [int(retry_headers(QueueFull("full", 4.0))["retry-after-ms"]) for _ in range(64)]
     assert 3000 <= min(ms) and max(ms) <= 5000 and len(set(ms)) > 16, sorted(ms)[:8]
+
+
+def test_a_flood_at_100_requests_a_second_is_bounded_by_max_queue_and_told_when_to_retry(tiny_ckpt, tmp_path):
+    """Issue 44.3 with the default settings (parking on): 300 requests at 100 per second. Requests that have not
+    started never exceed --max-queue (64), the others get a 503 at once with a Retry-After that the real drain
+    bears out (within 2x: the time from the first refusal until the last accepted request finished)."""
+    srv = LiveServer(tiny_ckpt, tmp_path / "serve.log", env=SLOW)
+    peak = {"queued": 0, "waiting": 0}
+    polling = threading.Event()
+
+    def poll() -> None:
+        while not polling.is_set():
+            h = srv.health()
+            peak["queued"] = max(peak["queued"], h["queued"])
+            time.sleep(0.02)
+    try:
+        watcher = threading.Thread(target=poll, daemon=True)
+        watcher.start()
+        calls = []
+        t0 = time.perf_counter()
+        for i in range(300):
+            c = Call(srv, 4, False)
+            c.start()
+            calls.append(c)
+            time.sleep(max(0.0, t0 + (i + 1) / 100 - time.perf_counter()))
+        for c in calls:
+            c.join(120)
+        polling.set()
+        watcher.join(5)
+    finally:
+        srv.stop()
+    refused = sorted((c for c in calls if c.status == 503), key=lambda c: c.done_at)
+    served = [c for c in calls if c.status == 200]
+    assert len(refused) + len(served) == 300, sorted({c.status for c in calls}, key=str)
+    assert peak["queued"] <= 64, peak
+    assert refused and all(c.json["error"]["code"] == "queue_full" for c in refused)
+    first = refused[0]
+    drained = max(c.done_at for c in served) - first.done_at
+    estimate = int(first.headers["retry-after-ms"]) / 1000
+    assert drained / 2 <= estimate <= drained * 2, (estimate, drained, len(refused))

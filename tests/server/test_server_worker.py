@@ -131,11 +131,11 @@ def test_with_parking_room_the_queue_is_still_bounded(model):
     assert (accepted, refused, waiting) == (3, 7, 3)
 
 
-async def _two_running(model, loop, min_steps: int) -> tuple[EngineWorker, list[Job]]:
+async def _two_running(model, loop, min_steps: int, max_tokens: int = 900) -> tuple[EngineWorker, list[Job]]:
     """A started worker of two slots with two long greedy requests that have each run min_steps steps."""
     worker = EngineWorker(model, PrefixCache(), parallel=2, park_bytes=0)
     worker.start()
-    params = SamplingParams(max_tokens=900, temperature=0.0, logit_bias=_no_end(model))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=_no_end(model))
     jobs = [Job(model.tokenize(f"stream {i}"), params, loop) for i in range(2)]
     for j in jobs:
         worker.submit(j)
@@ -201,23 +201,22 @@ def test_scoring_runs_between_the_streams_steps_and_stops_on_cancel_and_timeout(
     assert cancel_s < 0.5 and timeout_s < 0.8, (cancel_s, timeout_s)
 
 
-def test_retry_after_before_the_first_finish_follows_the_running_requests(model):
-    """Before any request finished, the estimate is the oldest running request's age per slot, not a fixed second:
-    a server that has run for 0.3 s does not advise tens of seconds."""
+def test_retry_after_before_the_first_finish_is_the_tokens_still_to_generate(model):
+    """Before any request finished, the estimate is the tokens the requests in the server still have to generate at
+    the rate tokens go out now: two running requests of 400 tokens, 0.3 s in, advise what their real drain then
+    takes (within 2x). (It was the oldest running request's age per slot, which advised 6.9 s at the first refusal
+    of a 100 req/s flood that took 39 s to drain: tests/server/test_server_lifecycle.py's flood test.)"""
     async def go():
         loop = asyncio.get_running_loop()
-        worker, jobs = await _two_running(model, loop, min_steps=2)
+        worker, jobs = await _two_running(model, loop, min_steps=2, max_tokens=400)
         await asyncio.sleep(0.3)
         with worker._lock:
-            worker.waiting = 20  # as if twenty more were waiting
-            age = time.perf_counter() - min(j.began for j in jobs)
             estimate = worker.drain_seconds_locked()
-            worker.waiting = 0
-        for j in jobs:
-            j.request_cancel()
+        t0 = time.perf_counter()
         await _run(worker, jobs, [])
+        drained = time.perf_counter() - t0
         worker.stop()
-        return age, estimate
+        return estimate, drained, [j.steps for j in jobs]
 
-    age, estimate = asyncio.run(go())
-    assert 0.9 * 22 * age / 2 <= estimate <= 1.1 * 22 * age / 2 and estimate < 22 / 2, (age, estimate)
+    estimate, drained, steps = asyncio.run(go())
+    assert steps == [400, 400] and drained / 2 <= estimate <= 2 * drained, (estimate, drained)
