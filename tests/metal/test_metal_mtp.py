@@ -280,6 +280,39 @@ def test_speculative_sampling_on_metal_draws_the_cpu_tokens():
         _close(f"sampled speculative {key} metal vs cpu", got[3][key], want[3][key])
 
 
+def test_one_seed_one_text_with_speculation_on_or_off_on_metal():
+    """Issue 44 on emulated Metal: for k = 1..4 and three seeds, a sampled speculative stream (its draws in the
+    extension, each verified row with plain decoding's uniform number) returns the plain stream's tokens (the Metal
+    device sampler's draws), token for token; some drafts stay."""
+    n = 12
+    cfg, t, q, prompt, _ = _spec_model(n)
+    opts = dict(temperature=0.3, top_p=0.95, top_k=40)  # near the greedy path the head drafts: some drafts stay
+
+    def plain(eng, seed):
+        st = eng.new_state()
+        first = int(np.argmax(eng.forward(st, prompt, logits="last")[-1]))
+        s = eng.open_stream(st, first, n, seed=seed, **opts)
+        out = []
+        while (tok := s.next()) >= 0:
+            out.append(tok)
+        s.close()
+        return out
+
+    def run():
+        eng = t_be.metal_engine(cfg, t, q)
+        rows = []
+        for seed in (7, 11, 2026):
+            want = plain(eng, seed)
+            for k in (1, 2, 3, 4):
+                got, stats, _, _ = _spec(eng, prompt, n, k, seed=seed, **opts)
+                rows.append((seed, k, got == want, stats["drafted"], stats["accepted"]))
+        return rows
+
+    rows = t_be._in_child(run)
+    assert all(same for _, _, same, _, _ in rows), rows
+    assert sum(a for *_, a in rows) > 0, rows  # the accepting path ran too
+
+
 def test_without_a_head_metal_has_no_mtp():
     """Weights without mtp.*: the backend wraps no head layer and a speculative stream is refused."""
     cfg = tiny_configs()["tiny"]
