@@ -478,7 +478,7 @@ NB_MODULE(_lily, m) {
               bool device, double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
               double presence_penalty, double frequency_penalty, std::vector<int32_t> bias_ids,
               std::vector<float> bias_vals, std::optional<U8Array> seen, std::optional<I32Array> counts,
-              uint64_t seed, int32_t speculative, bool adaptive) {
+              uint64_t seed, int32_t speculative, bool adaptive, bool batch) {
              const int64_t V = e.eng->config().vocab;
              if (first < 0 || first >= V)
                throw std::invalid_argument("[lily] open_stream: token id " + std::to_string(first) +
@@ -490,6 +490,7 @@ NB_MODULE(_lily, m) {
              o.seed = seed;
              o.speculative = speculative;
              o.adaptive = adaptive;
+             o.batch = batch;
              o.sample = sample_options(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                        frequency_penalty, bias_ids, bias_vals, seen, counts);
              auto py = std::make_unique<PyTokenStream>();
@@ -506,14 +507,16 @@ NB_MODULE(_lily, m) {
            "temperature"_a = 0.0, "top_k"_a = 0, "top_p"_a = 1.0, "min_p"_a = 0.0, "repetition_penalty"_a = 1.0,
            "presence_penalty"_a = 0.0, "frequency_penalty"_a = 0.0, "bias_ids"_a = std::vector<int32_t>{},
            "bias_vals"_a = std::vector<float>{}, "seen"_a = nb::none(), "counts"_a = nb::none(), "seed"_a = 0,
-           "speculative"_a = 0, "adaptive"_a = true, nb::rv_policy::take_ownership,
+           "speculative"_a = 0, "adaptive"_a = true, "batch"_a = false, nb::rv_policy::take_ownership,
            "A token stream from `first` (the last sampled token, at state.position): the token loop in the "
            "extension. device=True draws on the device where the backend can (TokenStream.device says; next() "
            "returns tokens, running one step ahead), else lock-step (step(token) returns the logits). seen: uint8 "
            "[vocab] or empty (tokens in the context), counts: int32 [vocab] or empty (generated so far). "
            "speculative=k (1..8): draft k tokens per step with the MTP head and verify them in one forward "
            "(next() returns tokens; greedy output token for token as plain, sampling the same distribution); "
-           "adaptive: fall back to plain steps when drafting does not pay.")
+           "adaptive: fall back to plain steps when drafting does not pay. batch=True: the stream will be stepped "
+           "with others (step_streams): with device=True it draws in the extension even where the backend could "
+           "draw on the device.")
       .def("step_streams", [](PyEngine& e, nb::list streams) {
              std::vector<lily::TokenStream*> open;
              for (nb::handle h : streams) {
@@ -541,6 +544,8 @@ NB_MODULE(_lily, m) {
       .def_prop_ro("vocab_size", [](const PyEngine& e) { return e.eng->config().vocab; })
       .def_prop_ro("has_mtp", [](const PyEngine& e) { return e.eng->has_mtp(); },
                    "the engine runs the MTP head (speculative decoding can draft)")
+      .def_prop_ro("batches_streams", [](const PyEngine& e) { return e.eng->batches_streams(); },
+                   "step_streams decodes several streams in one forward on this backend")
       .def_prop_ro("debug", [](const PyEngine& e) { return e.eng->debug(); })
       .def_prop_ro("default_chunk", [](const PyEngine& e) { return e.eng->default_chunk(); });
 

@@ -155,6 +155,15 @@ class Backend {
   }
 
  protected:
+  // The rows the segments cover (std::logic_error unless they cover rows 0.. in order).
+  static int64_t segment_rows(const RowSegments& segs) {
+    int64_t n = 0;
+    for (const RowSegment& g : segs) {
+      if (g.row0 != n) throw std::logic_error("[lily] backend: segments must cover the rows in order");
+      n += g.n;
+    }
+    return n;
+  }
   // The one segment of a backend that runs one stream per forward (std::logic_error for several).
   const RowSegment& single_segment(const RowSegments& segs) const {
     if (segs.size() != 1 || segs[0].row0 != 0)

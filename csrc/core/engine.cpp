@@ -219,7 +219,7 @@ std::unique_ptr<TokenStream> Engine::open_stream(State& st, int32_t first, const
                                                   : std::string("the weights carry no mtp.* tensors")) + ")");
   // device: the backend draws where it can; else (a backend without a device sampler) the stream draws in the
   // extension, as the speculative loop does, and step_streams can decode it together with others
-  const bool device = opt.speculative == 0 && opt.device && backend_->sampler_begin(opt.sample);
+  const bool device = opt.speculative == 0 && opt.device && !opt.batch && backend_->sampler_begin(opt.sample);
   const bool extension = opt.speculative > 0 || (opt.device && !device);
   std::unique_ptr<TokenStream> s(new TokenStream(*this, st, first, opt, device, extension));
   if (device) {

@@ -29,7 +29,10 @@ LogitsMode parse_logits_mode(const std::string& s);
 struct StreamOptions {
   int64_t max_tokens = 1;            // tokens next() returns at most (>= 1)
   std::vector<int32_t> stop_ids;     // a drawn stop id is returned and ends the stream
-  bool device = true;                // draw on the device where the backend can; else lock-step
+  bool device = true;                // draw on the device where the backend can, else in the extension; false:
+                                     // lock-step (the host draws from each step's logits)
+  bool batch = false;                // stepped with other streams (Engine::step_streams): with device, draw in
+                                     // the extension even where the backend could on the device
   SampleOptions sample;              // the device draw; temperature 0 = greedy (lowest index on ties)
   uint64_t seed = 0;                 // the device draws' uniform numbers come from this seed
   // Speculative decoding with the MTP head (csrc/core/speculative.cpp): draft `speculative` tokens per step (0 =
@@ -167,6 +170,8 @@ class Engine {
   // runs one stream per forward; their next() steps them). Throws std::invalid_argument for a stream of another
   // engine or two streams over one state.
   int64_t step_streams(const std::vector<TokenStream*>& streams);
+  // Whether step_streams decodes several streams in one forward on this backend.
+  bool batches_streams() const { return backend_->batches_streams(); }
 
   // Greedy decoding: n_steps tokens from a device-mode stream where the backend has one, else lock-step argmax;
   // out[i] = argmax (lowest index on ties) after feeding token (i = 0) or out[i-1]. Advances st.position by n_steps.

@@ -96,7 +96,7 @@ class CpuBackend final : public Backend {
   void deltanet_block(int layer, const RowSegments& segs) override {
     const LayerWeights& lw = w_.layers[layer];
     const DeltaNetWeights& w = lw.deltanet;
-    const int64_t H = cfg_.hidden, S = rows_of(segs);
+    const int64_t H = cfg_.hidden, S = segment_rows(segs);
     cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
     cpu::linear(pool_, w.qkv, h_.data(), S, qkv_.data());
     cpu::linear(pool_, w.z, h_.data(), S, z_.data());
@@ -127,7 +127,7 @@ class CpuBackend final : public Backend {
   void attention_block(int layer, const RowSegments& segs) override {
     const LayerWeights& lw = w_.layers[layer];
     const AttentionWeights& w = lw.attn;
-    const int64_t H = cfg_.hidden, S = rows_of(segs), D = cfg_.head_dim;
+    const int64_t H = cfg_.hidden, S = segment_rows(segs), D = cfg_.head_dim;
     cpu::rms_norm(pool_, x_.data(), lw.in_norm, cfg_.rms_eps, S, H, h_.data());
     cpu::linear(pool_, w.q, h_.data(), S, qg_.data());
     cpu::linear(pool_, w.k, h_.data(), S, k_.data());
@@ -245,15 +245,6 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(static_cast<int64_t>(segs.size()), 1, [&](int64_t b, int64_t e, int) {
       for (int64_t i = b; i < e; ++i) fn(segs[i]);
     });
-  }
-
-  static int64_t rows_of(const RowSegments& segs) {
-    int64_t n = 0;
-    for (const RowSegment& g : segs) {
-      if (g.row0 != n) throw std::logic_error("[lily] backend 'cpu': segments must cover the rows in order");
-      n += g.n;
-    }
-    return n;
   }
 
   void add_residual(int64_t S) {

@@ -367,13 +367,10 @@ void MetalBackend::embed_from(BufRef ids, int64_t S) {
 }
 
 void MetalBackend::deltanet_block(int layer, const RowSegments& segs) {
-  const RowSegment& seg = single_segment(segs);  // (one stream per forward: no multi-row decode kernels yet)
-  DeltaNetState& st = *seg.deltanet;
-  const int64_t S = seg.n;
   const LayerW& L = layers_[layer];
   const Config& c = cfg_;
   Scratch& s = *sc_;
-  const int n = static_cast<int>(S);
+  const int n = static_cast<int>(segment_rows(segs));
   Encoder& e = enc();
   ops_.rms_norm(e, s.x, L.in_norm, s.h, n, c.hidden, c.rms_eps);
   e.barrier();
@@ -382,18 +379,25 @@ void MetalBackend::deltanet_block(int layer, const RowSegments& segs) {
   ops_.linear(e, L.b, s.h, s.b, n, false);
   ops_.linear(e, L.a, s.h, s.a, n, false);
   e.barrier();
-  const kp::DeltaNetParams p = deltanet_params(c, S);
-  ops_.deltanet_conv(e, p, s.qkv, L.conv_w, ref(st.conv.data()), s.u);
-  e.barrier();
-  // By chunk length, as on CUDA (Ops::kScanChunkMinRows); auto keeps the sequential form where the device cannot
-  // give the chunked kernels their 256 threads.
-  const int form = Ops::scan_pick(p, deltanet_form_);
-  if (form == Ops::kScanChunked && (deltanet_form_ == Ops::kScanChunked || ops_.deltanet_chunked_fits(p)))
-    ops_.deltanet_scan_chunked(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.deltanet_norm, s.y,
-                          s.deltanet_chunk);
-  else
-    ops_.deltanet_scan(e, p, s.u, s.b, s.a, L.a_log, L.dt_bias, ref(st.ssm.data()), s.z, L.deltanet_norm, s.y);
-  e.barrier();
+  const size_t C = static_cast<size_t>(c.conv_dim()) * 4, VD = static_cast<size_t>(c.value_dim()) * 4,
+               Hv = static_cast<size_t>(c.deltanet_v_heads) * 4;
+  for (const RowSegment& g : segs) {  // each stream's conv and recurrence on its own state
+    const size_t r = static_cast<size_t>(g.row0);
+    const kp::DeltaNetParams p = deltanet_params(c, g.n);
+    ops_.deltanet_conv(e, p, at(s.qkv, r * C), L.conv_w, ref(g.deltanet->conv.data()), at(s.u, r * C));
+    e.barrier();
+    // By chunk length, as on CUDA (Ops::kScanChunkMinRows); auto keeps the sequential form where the device cannot
+    // give the chunked kernels their 256 threads. Exact rows: the form a one-row step takes.
+    const int form = Ops::scan_pick(ops_.exact_rows ? deltanet_params(c, 1) : p, deltanet_form_);
+    const BufRef ssm = ref(g.deltanet->ssm.data());
+    if (form == Ops::kScanChunked && (deltanet_form_ == Ops::kScanChunked || ops_.deltanet_chunked_fits(p)))
+      ops_.deltanet_scan_chunked(e, p, at(s.u, r * C), at(s.b, r * Hv), at(s.a, r * Hv), L.a_log, L.dt_bias, ssm,
+                                 at(s.z, r * VD), L.deltanet_norm, at(s.y, r * VD), s.deltanet_chunk);
+    else
+      ops_.deltanet_scan(e, p, at(s.u, r * C), at(s.b, r * Hv), at(s.a, r * Hv), L.a_log, L.dt_bias, ssm,
+                         at(s.z, r * VD), L.deltanet_norm, at(s.y, r * VD));
+    e.barrier();
+  }
   ops_.linear(e, L.out, s.y, s.x, n, true);
   e.barrier();
 }
@@ -409,13 +413,14 @@ void MetalBackend::grow_attention_parts(int64_t keys) {
 }
 
 void MetalBackend::attention_block(int layer, const RowSegments& segs) {
-  const RowSegment& seg = single_segment(segs);
-  KVCache& kv = *seg.kv;
-  const int64_t pos0 = seg.pos0, S = seg.n;
   const LayerW& L = layers_[layer];
   const Config& c = cfg_;
-  const int n = static_cast<int>(S);
-  if (S == 1) grow_attention_parts(pos0 + 1);
+  const int n = static_cast<int>(segment_rows(segs));
+  const bool rows = ops_.exact_rows;  // every row by the decode kernels, as a one-row step runs it
+  int64_t keys = 0;
+  for (const RowSegment& g : segs)
+    if (g.n == 1 || rows) keys = std::max(keys, g.pos0 + g.n);
+  if (keys) grow_attention_parts(keys);
   Scratch& s = *sc_;
   Encoder& e = enc();
   ops_.rms_norm(e, s.x, L.in_norm, s.h, n, c.hidden, c.rms_eps);
@@ -424,14 +429,33 @@ void MetalBackend::attention_block(int layer, const RowSegments& segs) {
   ops_.linear(e, L.k, s.h, s.k, n, false);
   ops_.linear(e, L.v, s.h, s.v, n, false);
   e.barrier();
-  const kp::AttentionParams p{c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dim, static_cast<float>(c.rope_theta),
-                              c.rms_eps, 1.f / std::sqrt(static_cast<float>(c.head_dim)), 0, pos0, S};
-  const BufRef kc = ref(kv.k.data()), vc = ref(kv.v.data());
-  ops_.attn_prep(e, p, s.qg, s.k, s.v, L.q_norm, L.k_norm, rope_, s.q, kc, vc);
-  e.barrier();
-  if (S == 1) ops_.attn_decode(e, p, s.q, s.qg, kc, vc, s.ml, s.po, s.o);
-  else ops_.attn_prefill(e, p, s.q, s.qg, kc, vc, s.o);
-  e.barrier();
+  const size_t D = static_cast<size_t>(c.head_dim), QG = 2 * c.n_heads * D * 4, Q = c.n_heads * D * 4,
+               KV = c.n_kv_heads * D * 4;
+  auto params = [&](int64_t pos0, int64_t S) {
+    return kp::AttentionParams{c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dim, static_cast<float>(c.rope_theta),
+                               c.rms_eps, 1.f / std::sqrt(static_cast<float>(c.head_dim)), 0, pos0, S};
+  };
+  for (const RowSegment& g : segs) {  // q/k norms, RoPE, the keys and values into each stream's cache
+    const size_t r = static_cast<size_t>(g.row0);
+    ops_.attn_prep(e, params(g.pos0, g.n), at(s.qg, r * QG), at(s.k, r * KV), at(s.v, r * KV), L.q_norm, L.k_norm,
+                   rope_, at(s.q, r * Q), ref(g.kv->k.data()), ref(g.kv->v.data()));
+    e.barrier();  // (the segments' rows of s.q are disjoint, but a barrier is per buffer)
+  }
+  for (const RowSegment& g : segs) {
+    const BufRef kc = ref(g.kv->k.data()), vc = ref(g.kv->v.data());
+    if (g.n > 1 && !rows) {
+      const size_t r = static_cast<size_t>(g.row0);
+      ops_.attn_prefill(e, params(g.pos0, g.n), at(s.q, r * Q), at(s.qg, r * QG), kc, vc, at(s.o, r * Q));
+      e.barrier();
+      continue;
+    }
+    for (int64_t t = 0; t < g.n; ++t) {  // (the split-K partials ml / po are shared: one row at a time)
+      const size_t r = static_cast<size_t>(g.row0 + t);
+      ops_.attn_decode(e, params(g.pos0 + t, 1), at(s.q, r * Q), at(s.qg, r * QG), kc, vc, s.ml, s.po,
+                       at(s.o, r * Q));
+      e.barrier();
+    }
+  }
   ops_.linear(e, L.o, s.o, s.x, n, true);
   e.barrier();
 }
@@ -441,30 +465,40 @@ void MetalBackend::moe_block(int layer, int64_t S) {
   Encoder& e = enc();
   ops_.rms_norm(e, sc_->x, L.post_norm, sc_->h, static_cast<int>(S), cfg_.hidden, cfg_.rms_eps);
   e.barrier();
-  if (S == 1 && L.fused_decode) moe_decode(L);
-  else moe_prefill(L, S);
+  if (S == 1 || ops_.exact_rows) {  // a step, or rows as steps make them
+    for (int64_t r = 0; r < S; ++r) {
+      if (L.fused_decode) moe_decode(L, r);
+      else moe_prefill(L, r, 1);
+    }
+    return;
+  }
+  moe_prefill(L, 0, S);
 }
 
-// Decode: router + shared-expert gate GEMVs, top-k, then the two fused chains (residual add included).
-void MetalBackend::moe_decode(const LayerW& L) {
+// Decode of row `row`: router + shared-expert gate GEMVs, top-k, then the two fused chains (residual add included).
+void MetalBackend::moe_decode(const LayerW& L, int64_t row) {
   const Config& c = cfg_;
   Scratch& s = *sc_;
   Encoder& e = enc();
-  ops_.linear(e, L.router, s.h, s.logits, 1, false);
-  ops_.linear(e, L.sh_expert_gate, s.h, s.sg, 1, false);
+  const size_t at_row = static_cast<size_t>(row) * c.hidden * 4;
+  const BufRef h = at(s.h, at_row), x = at(s.x, at_row);
+  ops_.linear(e, L.router, h, s.logits, 1, false);
+  ops_.linear(e, L.sh_expert_gate, h, s.sg, 1, false);
   e.barrier();
   ops_.moe_topk(e, s.logits, s.r.ids, s.r.wts, 1, c.n_experts, c.top_k, c.norm_topk_prob);
   e.barrier();
-  ops_.moe_gate_up_decode(e, L.gate, L.up, L.sh_gate, L.sh_up, s.h, s.r.ids, s.act_dec, c.top_k, s.act_stride);
+  ops_.moe_gate_up_decode(e, L.gate, L.up, L.sh_gate, L.sh_up, h, s.r.ids, s.act_dec, c.top_k, s.act_stride);
   e.barrier();
-  ops_.moe_down_decode(e, L.down, L.sh_down, s.act_dec, s.r.ids, s.r.wts, s.sg, s.x, c.top_k, s.act_stride);
+  ops_.moe_down_decode(e, L.down, L.sh_down, s.act_dec, s.r.ids, s.r.wts, s.sg, x, c.top_k, s.act_stride);
   e.barrier();
 }
 
 // Prefill: routing on the device, grouped expert GEMMs over the block map, shared expert, combine.
-void MetalBackend::moe_prefill(const LayerW& L, int64_t S) {
+void MetalBackend::moe_prefill(const LayerW& L, int64_t row0, int64_t S) {
   const Config& c = cfg_;
   Scratch& s = *sc_;
+  const size_t at_row = static_cast<size_t>(row0) * c.hidden * 4;
+  const BufRef h = at(s.h, at_row), x = at(s.x, at_row);
   const int n = static_cast<int>(S), k = c.top_k, E = c.n_experts, pairs = n * k;
   // Tile rows from the expert load: small tiles when experts get few rows each (less padding).
   const bool small = pairs < 24 * E && (L.gate.fmt == "q4" || L.gate.fmt == "bf16") &&
@@ -472,18 +506,18 @@ void MetalBackend::moe_prefill(const LayerW& L, int64_t S) {
   const int bm = small ? 16 : 32;
   const int max_tiles = static_cast<int>(cdiv(pairs, bm) + E);
   Encoder& e = enc();
-  ops_.linear(e, L.router, s.h, s.logits, n, false);
-  ops_.linear(e, L.sh_expert_gate, s.h, s.sg, n, false);
-  ops_.linear_glu(e, L.sh_gate, L.sh_up, s.h, s.ash, n);
+  ops_.linear(e, L.router, h, s.logits, n, false);
+  ops_.linear(e, L.sh_expert_gate, h, s.sg, n, false);
+  ops_.linear_glu(e, L.sh_gate, L.sh_up, h, s.ash, n);
   e.barrier();
   ops_.route(e, s.logits, s.r, n, E, k, c.norm_topk_prob, bm, max_tiles);
   e.barrier();
-  ops_.grouped(e, L.gate, &L.up, s.h, c.hidden, true, s.r, s.act, pairs, bm, max_tiles);
+  ops_.grouped(e, L.gate, &L.up, h, c.hidden, true, s.r, s.act, pairs, bm, max_tiles);
   ops_.linear(e, L.sh_down, s.ash, s.ysh, n, false);
   e.barrier();
   ops_.grouped(e, L.down, nullptr, s.act, c.moe_inter, false, s.r, s.yd, pairs, bm, max_tiles);
   e.barrier();
-  ops_.moe_combine(e, s.x, s.yd, s.ysh, s.sg, s.r, n, c.hidden, k);
+  ops_.moe_combine(e, x, s.yd, s.ysh, s.sg, s.r, n, c.hidden, k);
   e.barrier();
 }
 

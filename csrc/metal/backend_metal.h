@@ -96,10 +96,14 @@ class MetalBackend final : public Backend {
   void store_hidden(int64_t row, Buffer& dst) override;
   void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) override;
   void mtp_head(int64_t row0, int64_t n, float* logits) override;
-  // exact_rows stays the default no-op: an S-row chunk runs the prefill kernels (GEMM, attn_prefill, grouped
-  // MoE), which sum in another order than the decode ones, so its rows are not bit-equal to one-row steps (fp32:
-  // within ~1e-6 relative, test_metal_backend.py); a speculative verify on Metal can, at a near tie, pick what a
-  // plain step would not.
+  // exact_rows: an S-row chunk runs the one-row step's kernels row by row (the GEMV over S rows, decode attention
+  // and the fused MoE decode per row, the sequential DeltaNet scan), so every row is bit-equal to a one-row step
+  // (the speculative verify decides what plain decoding would; batched streams return what they return alone).
+  // Without it an S-row chunk runs the prefill kernels (GEMM, attn_prefill, grouped MoE), which sum in another
+  // order (fp32: within ~1e-6 relative, test_metal_backend.py). batches_streams: several segments per forward,
+  // each with its own state; the rows are read from the weights once per row (no multi-row kernels yet).
+  void exact_rows(bool on) override { ops_.exact_rows = on; }
+  bool batches_streams() const override { return true; }
 
   // Decode steps: one command buffer each. Step i reads token slot i & 1 (device-written) or the host slot
   // i & 1 (d.token >= 0), writes its logits to logits slot i & 1 and, with d.draw, its drawn token to
@@ -144,8 +148,8 @@ class MetalBackend final : public Backend {
   DevLinear wrap_linear(const Linear& l);
   void embed_from(BufRef ids, int64_t S);
   void head_into(int64_t row0, int64_t n, BufRef logits);
-  void moe_prefill(const LayerW& L, int64_t S);
-  void moe_decode(const LayerW& L);
+  void moe_prefill(const LayerW& L, int64_t row0, int64_t S);
+  void moe_decode(const LayerW& L, int64_t row);
 
   BufRef mtp_ids_slot(const int32_t* ids, int64_t n);
 

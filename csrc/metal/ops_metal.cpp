@@ -52,7 +52,7 @@ void Ops::linear(Encoder& e, const DevLinear& W, BufRef x, BufRef y, int S, bool
                  int y_stride) {
   x_stride = x_stride ? x_stride : static_cast<int>(W.in);
   y_stride = y_stride ? y_stride : static_cast<int>(W.out);
-  if (S <= kGemvMaxRows) {
+  if (S <= kGemvMaxRows || exact_rows) {
     bind_w(e, 0, W);
     e.set_buffer(3, x);
     e.set_buffer(4, y);

@@ -35,6 +35,8 @@ class Ops {
 
   // Rows at or below this use the row-parallel GEMV; above, the GEMM.
   static constexpr int kGemvMaxRows = 4;
+  // Backend::exact_rows: every linear runs the GEMV, whose rows are each computed as a one-row step computes them.
+  bool exact_rows = false;
   // Decode attention: keys per split-K part.
   static constexpr int kSplitLen = 256;
 

@@ -356,12 +356,14 @@ class Model:
             raise TypeError(f"batch_generate: prompts must be a list of prompts (each as generate takes it), got "
                             f"{type(prompts).__name__}")
         sessions = [self.session() for _ in prompts]
+        step_streams = self.engine.step_streams if getattr(self.engine, "batches_streams", False) else None
+        for s in sessions:
+            s.batch_streams = step_streams is not None
         runs = [s.generate(p, stream=True, enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
                            tools=tools, chat_template_kwargs=chat_template_kwargs, **kwargs)
                 for s, p in zip(sessions, prompts)]
         chunks: list[list[GenerationChunk]] = [[] for _ in runs]
         live = list(range(len(runs)))
-        step_streams = getattr(self.engine, "step_streams", None)
         try:
             while live:
                 open_streams = [sessions[i].stream for i in live if sessions[i].stream is not None]

@@ -141,6 +141,10 @@ class Session:
         self.metadata: dict[str, Any] = {}  # what Session.save(path, metadata=...) stored
         self.last_stats: GenerationStats | None = None  # the latest generation's (see _decode_loop)
         self.stream: Any = None          # the engine's token stream while a generation runs (Engine.step_streams)
+        # True: generations here are stepped with others' (a server's batch, Model.batch_generate), so a plain
+        # stream draws in the extension even where the backend could draw on the device (Engine.step_streams
+        # batches only those)
+        self.batch_streams = False
         # sample on the device where the engine can (the logits row then never crosses to the host); env
         # LILY_DEVICE_SAMPLING=0 or setting this False keeps every draw on the host (lily.sampling.Sampler)
         self.device_sampling = os.environ.get("LILY_DEVICE_SAMPLING", "1") not in ("0", "false", "no")
@@ -475,7 +479,8 @@ class Session:
             counts=sampler.counts if (p.presence_penalty or p.frequency_penalty) else None,
             seed=sampler.stream_seed(),  # the device draws the numbers the host sampler would take next
             # an explicit k drafts; only speculative=None (auto) adapts (drafting never changes the tokens)
-            **({"speculative": k, "adaptive": self.speculative_adaptive and p.speculative is None} if k else {}))
+            **({"speculative": k, "adaptive": self.speculative_adaptive and p.speculative is None} if k else {}),
+            **({"batch": True} if self.batch_streams else {}))
         self.stream = stream  # open while the generation runs: a server decodes it with others (step_streams)
         generated = list(self._pending)  # [first]
         n_base = len(self._tokens)

@@ -196,7 +196,9 @@ class EngineWorker:
         self._nested_s = 0.0  # time spent stepping others inside a prefill (_progress), kept out of its cost
         self._round_tokens, self._round_other_s = 0, 0.0  # the current round's tokens, its prefill / scoring time
         self._token_times: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent tokens sent
-        self._step_streams = getattr(getattr(model, "engine", None), "step_streams", None)  # None: one at a time
+        engine = getattr(model, "engine", None)
+        # None: the backend steps one stream per forward (each job's stream then steps itself)
+        self._step_streams = engine.step_streams if getattr(engine, "batches_streams", False) else None
         # test hook: pretend every decode step takes this long (a fast tiny model finishes before a client
         # can hang up); only read from the environment, never from a request
         self._step_delay = float(os.environ.get("LILY_TEST_STEP_DELAY", "0") or 0)
@@ -517,6 +519,9 @@ class EngineWorker:
 
     def _new_session(self) -> Session:
         s = self.model.session(prefix_cache=self.cache)
+        # several slots: plain streams draw in the extension so that they are decoded together (a device backend's
+        # one-stream run-ahead is given up for the batch)
+        s.batch_streams = self.parallel > 1 and self._step_streams is not None
         self.sessions.insert(0, s)
         return s
 
