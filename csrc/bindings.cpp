@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/engine.h"
-#include "cpu/sample.h"
+#include "core/sampling.h"
 #include "cuda/runtime.h"
 
 namespace nb = nanobind;
@@ -566,7 +566,7 @@ NB_MODULE(_lily, m) {
             if (id < 0 || id >= V) throw std::invalid_argument("[lily] sample_draw: bias id out of range");
           if (o.bias_ids.size() != o.bias_vals.size())
             throw std::invalid_argument("[lily] sample_draw: bias_ids and bias_vals differ in length");
-          return lily::cpu::sample_draw(logits.data(), V, o, o.seen, o.counts, static_cast<float>(uniform));
+          return lily::sample_draw(logits.data(), V, o, o.seen, o.counts, static_cast<float>(uniform));
         },
         "logits"_a, "uniform"_a, "temperature"_a = 1.0, "top_k"_a = 0, "top_p"_a = 1.0, "min_p"_a = 0.0,
         "repetition_penalty"_a = 1.0, "presence_penalty"_a = 0.0, "frequency_penalty"_a = 0.0,

@@ -20,7 +20,7 @@
 #include "cpu/linear.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
-#include "cpu/sample.h"
+#include "core/sampling.h"
 #include "cpu/thread_pool.h"
 
 namespace nb = nanobind;

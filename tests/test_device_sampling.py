@@ -1,7 +1,7 @@
 """One sampling semantics (lily.sampling): the draw walks the kept tokens in vocab order with the uniform numbers of the
 seed, ties at the top-k / top-p boundary all kept; the host Sampler's steps take the seed's numbers in turn; and
 the session's tokens are the same whether the host or a device draws them: here the CPU backend's device twin
-(Engine flag "device_draw", csrc/cpu/sample.cpp), which also runs the engine's device-mode token loop without a
+(Engine flag "device_draw", csrc/core/sampling.cpp), which also runs the engine's device-mode token loop without a
 GPU (emulated Metal: tests/metal/test_metal_sampling.py; CUDA: tests/test_cuda_backend.py and
 lily.testing.cuda_sampling_checks, run by benchmarks/cuda_check.py).
 """
@@ -128,7 +128,7 @@ PRECISION = precision_cases()
 
 @pytest.mark.parametrize("case", PRECISION, ids=[c.name for c in PRECISION])
 def test_cpu_twin_draws_the_hosts_tokens_on_precision_cases(case):
-    """The CPU backend's device twin (lily._lily.sample_draw, csrc/cpu/sample.cpp) on the crafted rows where a
+    """The CPU backend's device twin (lily._lily.sample_draw, csrc/core/sampling.cpp) on the crafted rows where a
     precision choice decides the kept set (float32 options, float32 processing rounded per operation: a double
     processing or a fused multiply-add breaks the ties there, the greedy limit): the host's token at every u."""
     us = sorted({u for u, _ in case.draws} | set(((np.arange(256) + 0.5) / 256).tolist()))

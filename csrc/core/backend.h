@@ -12,25 +12,11 @@
 
 #include "core/config.h"
 #include "core/memory.h"
+#include "core/sampling.h"
 #include "core/state.h"
 #include "core/weights.h"
 
 namespace lily {
-
-// Options of one generation for a device sampler (the semantics: csrc/cuda/sample.cuh).
-struct SampleOptions {
-  float temperature = 1.f;  // 0: greedy
-  int32_t top_k = 0;        // <= 0: off
-  float top_p = 1.f;
-  float min_p = 0.f;
-  float repetition_penalty = 1.f;
-  float presence_penalty = 0.f;
-  float frequency_penalty = 0.f;
-  std::vector<int32_t> bias_ids;   // distinct ids < V
-  std::vector<float> bias_vals;    // same length
-  std::vector<uint8_t> seen;       // [V] or empty: tokens already in the context (repetition penalty)
-  std::vector<int32_t> counts;     // [V] or empty: times each token was generated (presence / frequency)
-};
 
 // One decode step: one token through the model, bracketed by Backend::begin_step / end_step.
 struct DecodeStep {

@@ -37,7 +37,7 @@ struct StreamOptions {
   uint64_t seed = 0;                 // the device draws' uniform numbers come from this seed
   // Speculative decoding with the MTP head (csrc/core/speculative.cpp): draft `speculative` tokens per step (0 =
   // off; needs Engine::has_mtp and a state whose head cache is current) and verify them in one forward; the
-  // stream then draws on the host in the extension (sample.cpp's rule), its output the same as plain decoding's
+  // stream then draws on the host in the extension (core/sampling.h's rule), its output the same as plain decoding's
   // (greedy: token for token; sampling: the same distribution). adaptive: fall back to plain steps when drafting
   // does not pay (timed against plain steps over windows of verifies, across the engine's streams), saying so in
   // spec_stats().status; then new streams begin plain and every kRetryEvery-th drafts again (Engine::SpecHistory).
@@ -68,7 +68,7 @@ class TokenStream {
 
   bool device() const { return device_; }
   // next() draws the tokens: on the device (device()), or in the extension on the host (the speculative loop, or a
-  // plain stream of a backend without a device sampler: the same rule, cpu/sample.h, with the same uniform numbers).
+  // plain stream of a backend without a device sampler: the same rule, core/sampling.h, with the same uniform numbers).
   bool draws() const { return device_ || spec_ != nullptr; }
   bool speculative() const;  // drafts with the MTP head (a speculative stream that fell back to plain steps too)
   // Device mode: the next token, or -1 when the stream has ended (max_tokens returned, a stop id returned, the

@@ -27,7 +27,7 @@
 #include <string>
 #include <utility>
 
-#include "cpu/sample.h"
+#include "core/sampling.h"
 
 namespace lily {
 namespace {
@@ -42,7 +42,7 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 
 // The greedy draft of a row under the rule: greedy's pick, or the kept token of largest weight (lowest index on ties).
-int32_t most_likely(const cpu::RowWeights& r) {
+int32_t most_likely(const RowWeights& r) {
   if (r.greedy >= 0) return static_cast<int32_t>(r.greedy);
   int64_t best = r.last;
   double top = 0;
@@ -96,7 +96,7 @@ void TokenStream::take_row_draw(const float* logits, int64_t position) {
   sp.error = non_finite(logits, V, position);
   if (!sp.error.empty()) return;
   SampleOptions& so = opt_.sample;
-  const int32_t y = cpu::sample_draw(logits, V, so, so.seen, so.counts, next_uniform());
+  const int32_t y = sample_draw(logits, V, so, so.seen, so.counts, next_uniform());
   ++sp.stats.plain_steps;
   sp.queue.push_back(y);
   sp.pending = y;
@@ -192,7 +192,7 @@ void TokenStream::spec_iterate() {
   rows[0] = sp.pending;
   std::vector<std::pair<int32_t, uint8_t>> undo;
   e.draft(st, rows[0], k, sp.draft_logits.data(), rows.data() + 1, [&](int64_t, const float* row) {
-    const int32_t d = most_likely(cpu::sample_weights(row, V, so, so.seen, so.counts));
+    const int32_t d = most_likely(sample_weights(row, V, so, so.seen, so.counts));
     undo.emplace_back(d, so.seen[d]);
     so.seen[d] = 1, so.counts[d] += 1;
     return d;
@@ -221,7 +221,7 @@ void TokenStream::spec_iterate() {
     sp.error = non_finite(&sp.verify_logits[j * V], V, P + j);
     if (!sp.error.empty()) break;
     // plain decoding's draw of this token: its rule (sample_draw's), its uniform number
-    const int32_t drawn = cpu::sample_draw(&sp.verify_logits[j * V], V, so, so.seen, so.counts, next_uniform());
+    const int32_t drawn = sample_draw(&sp.verify_logits[j * V], V, so, so.seen, so.counts, next_uniform());
     const int32_t d = j < k ? rows[j + 1] : -1;
     if (drawn != d) {  // (the draw took the token into the history, as plain decoding's does)
       y = drawn;

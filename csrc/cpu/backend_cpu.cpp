@@ -10,7 +10,7 @@
 #include "cpu/linear.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
-#include "cpu/sample.h"
+#include "core/sampling.h"
 #include "cpu/thread_pool.h"
 
 namespace lily {
@@ -166,7 +166,7 @@ class CpuBackend final : public Backend {
   }
 
   // Decode steps run synchronously on the host. Lock-step by default (the host draws); the test switch
-  // "device_draw" makes this backend draw as a device backend does (cpu/sample.h), so the engine's device-mode
+  // "device_draw" makes this backend draw as a device backend does (core/sampling.h), so the engine's device-mode
   // token loop is exercised without a GPU.
   bool begin_step(State&, const DecodeStep& d) override {
     step_ = d;
@@ -180,7 +180,7 @@ class CpuBackend final : public Backend {
     s.token = -1;
     if (d.draw) {
       if (!sampler_ready_) throw std::logic_error("[lily] backend 'cpu': a drawing step without sampler_begin");
-      s.token = cpu::sample_draw(s.logits.data(), cfg_.vocab, sampler_, sampler_.seen, sampler_.counts, d.uniform);
+      s.token = sample_draw(s.logits.data(), cfg_.vocab, sampler_, sampler_.seen, sampler_.counts, d.uniform);
     }
   }
   void end_step(State&, const DecodeStep& d, float* logits) override {

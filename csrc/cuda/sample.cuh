@@ -1,22 +1,6 @@
 // Sampling on the device: the logits row becomes the next token without leaving the GPU (sample.cu: three launches).
-// The rule (one semantics on every backend; the host sampler lily.sampling.Sampler and the CPU backend's twin
-// csrc/cpu/sample.cpp follow it step for step, lily.sampling.draw_token is one host step):
-//   options as SampleOptions holds them: float32 (top_p = 0.9 is 0.89999998; a top_p that rounds to 1 is off);
-//   x = logits + logit_bias; repetition penalty on tokens marked `seen` (x/rp if x > 0 else x*rp);
-//   x -= frequency * count + presence * (count > 0) on generated tokens; every one of these a float32 operation
-//   rounded once (the penalty's product and sum by __fmul_rn / __fadd_rn, never fused), so the processed row and
-//   every tie at a cut are bit-identical to the host's.
-//   greedy (temperature 0): argmax x, lowest index on ties. A T whose float 1/T overflows (T < 2.9e-39) gives NaN
-//   weights at the max and 0 elsewhere, which every path below counts as no weight: the argmax again.
-//   else w = exp((x - max x) / T) (max over the processed row, NaN ignored; w = 1 at the max); kept = top-k by x
-//   (ties at the k-th value all kept, -0 == +0), then top-p on the kept (a value stays while the kept mass
-//   strictly above it is < top_p * the kept mass; ties kept; the largest value always), then min-p (w >= min_p);
-//   the token is the first index i (vocab order) whose inclusive cumulative kept weight exceeds u * total; past
-//   the end (rounding), the last kept token of positive weight.
-//   u is the step's uniform number: step j of a stream opened with seed s takes number j of s's splitmix64
-//   sequence, 24 bits (csrc/core/engine.cpp TokenStream::next_uniform, lily.sampling.stream_uniform); a session
-//   draws its first token on the host (number 0 of its seed) and opens the stream with seed + 1
-//   (Sampler.stream_seed), so step j here is the host's draw j + 1.
+// The rule is csrc/core/sampling.h's (one semantics on every backend); here every float32 operation of the processed
+// row is rounded once by __fmul_rn / __fadd_rn (never fused).
 // Numerics: the weights are float32 here (__expf of a float32 (x - m) * (1/T)), the sums float or double as noted
 // at each; the host and the CPU twin take the same exponent in float64. So a draw can differ from the host's only
 // where u, or the top-p / min-p threshold, lies within float32 rounding of a step (a few 1e-7 relative).

@@ -1,7 +1,7 @@
 """Sampling: `SamplingParams` (validated options) and `Sampler` (NumPy, one float32 logits row per step).
 
 One semantics on every backend: the host `Sampler` here and the device samplers (csrc/cuda/sample.cu, the spec of
-the rule; metal/sample.metal; the CPU backend's test twin csrc/cpu/sample.cpp) draw the same token from the same
+the rule; metal/sample.metal; the CPU backend's test twin csrc/core/sampling.cpp) draw the same token from the same
 row, so one seed gives one text wherever the draws run:
   the options are the float32 values every device receives (lily._lily SampleOptions): T, top_p, min_p and the
   penalties rounded to float32, so top_p=0.9 is 0.89999998 everywhere and a top_p that rounds to 1 is off;
@@ -309,7 +309,7 @@ class Sampler:
         if params.logit_bias:
             self._bias_ids = np.fromiter(params.logit_bias.keys(), np.int64)
             self._bias_vals = np.fromiter(params.logit_bias.values(), np.float32)
-        # The options as the device samplers receive them (SampleOptions holds float32; csrc/cuda/sample.cuh): the
+        # The options as the device samplers receive them (SampleOptions holds float32; csrc/core/sampling.h): the
         # host computes with the same values, so a threshold at top_p = 0.9 is 0.89999998 * mass here as there,
         # a top_p that rounds to 1 (or a min_p that rounds to 0) is off on every backend, and T is the float32 T.
         self._rep, self._pres, self._freq = (np.float32(v) for v in (

@@ -1,11 +1,11 @@
-#include "cpu/sample.h"
+#include "core/sampling.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
 
-namespace lily::cpu {
+namespace lily {
 namespace {
 
 // One float32 product, rounded on its own: through a volatile, so the compiler cannot fuse it into the add that
@@ -18,7 +18,7 @@ float rounded_product(float a, float b) {
 
 }  // namespace
 
-// The rule of lily.sampling.Sampler, step for step (its docstring and csrc/cuda/sample.cuh state it): the processed
+// The rule (sampling.h), as lily.sampling.Sampler takes it step for step: the processed
 // row in float32, each operation rounded once (bit-identical to the host's and the devices'); the weights
 // exp((x - m) * (1 / T)) in double from the float32 row, max and T, as the host forms them; top-p's target and
 // min-p's threshold with the float32 options (what every device receives).
@@ -112,4 +112,4 @@ int32_t sample_draw(const float* logits, int64_t V, const SampleOptions& o, std:
   return tok;
 }
 
-}  // namespace lily::cpu
+}  // namespace lily
