@@ -549,6 +549,7 @@ NB_MODULE(_lily, m) {
       .def_prop_ro("debug", [](const PyEngine& e) { return e.eng->debug(); })
       .def_prop_ro("default_chunk", [](const PyEngine& e) { return e.eng->default_chunk(); });
 
+  m.attr("MAX_DRAFTS") = lily::Engine::kMaxDrafts;  // StreamOptions::speculative at most (lily.sampling reads it)
   m.def("sample_draw",
         [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> logits, double uniform,
            double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,

@@ -214,7 +214,7 @@ def run_bench(model: Any, prefill_lengths: Sequence[int] = (256, 512, 1024), dec
     decode_contexts = [int(x) for x in decode_contexts]
     repeats, decode_steps = max(1, int(repeats)), max(1, int(decode_steps))
     need = max(prefill_lengths + [c + 2 + decode_steps for c in decode_contexts] + [1])
-    from .server.speculative import drafts
+    from .speculative import drafts
     if speculative != [] and drafts(model):  # the speculative runs' prompt and reply fit too
         spec_ids = model.apply_chat_template(SPECULATIVE_PROMPT, tokenize=True, enable_thinking=False)
         need = max(need, len(spec_ids) + int(speculative_tokens))
@@ -334,7 +334,7 @@ def speculative_runs(model: Any, drafts: Sequence[int] | None, tokens: int, repe
                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Plain vs speculative greedy decoding of SPECULATIVE_PROMPT (see the module docstring); without a head,
     {available: False, reason}."""
-    from .server.speculative import no_head_reason
+    from .speculative import no_head_reason
     from .session import default_drafts
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     reason = no_head_reason(model)

@@ -161,7 +161,7 @@ class SpeculativeTally:
     """Speculative decoding over the chat's turns, for /stats: what the model does, and the drafts so far."""
 
     def __init__(self, model: Any, option: Any):
-        from .server.speculative import head_summary
+        from .speculative import head_summary
         self.summary = head_summary(model, option)
         self.drafted = self.accepted = self.verifies = self.turns = 0
 

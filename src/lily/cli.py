@@ -51,7 +51,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
 
 
 def _speculative_arg(text: str) -> bool | int | None:
-    from .server.speculative import parse_flag
+    from .speculative import parse_flag
     try:
         return parse_flag(text)
     except ValueError as e:
@@ -219,7 +219,7 @@ def _check_speculative(model, value: bool | int | None, flag: str = "--speculati
     """--speculative on / K on a model that cannot draft: an error naming why and how to get a head (before any
     prompt runs)."""
     from .errors import LilyError
-    from .server.speculative import describe, drafts, no_head_message
+    from .speculative import describe, drafts, no_head_message
     if value is None or value is False or drafts(model):
         return
     raise LilyError(no_head_message(f"{flag} {describe(value)}", model, "pass --mtp SOURCE",
@@ -329,7 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
                           allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
                           save_interval_s=args.save_interval, speculative=args.speculative)
-    from .server.speculative import head_summary
+    from .speculative import head_summary
     print(f"[lily serve] {model!r} on http://{args.host}:{args.port}/v1\n[lily serve] speculative decoding: "
           f"{head_summary(model, args.speculative)}", file=sys.stderr, flush=True)
     serve(model, host=args.host, port=args.port, config=config, log_level=args.log_level)

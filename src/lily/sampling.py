@@ -68,8 +68,17 @@ def _top_k_pool(x: np.ndarray, k: int) -> np.ndarray:
     return pool
 
 
-# drafted tokens per speculative step at most (csrc/core/engine.h Engine::kMaxDrafts)
-MAX_DRAFTS = 8
+def _max_drafts() -> int:
+    """Drafted tokens per speculative step at most: the extension's Engine::kMaxDrafts (8 for the pure-Python
+    reference engine, which does not draft)."""
+    try:
+        from . import _lily
+        return int(_lily.MAX_DRAFTS)
+    except (ImportError, AttributeError):
+        return 8
+
+
+MAX_DRAFTS = _max_drafts()
 
 
 class SamplingParamsError(LilyError, ValueError):

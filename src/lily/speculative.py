@@ -1,5 +1,5 @@
-"""The `speculative` option as the command line and the server take it (plain Python: `lily generate`, `lily chat`
-and `lily bench` use it without the server's packages).
+"""The `speculative` option, parsed and explained once for every surface (the Python API validates it in
+SamplingParams; `lily generate`, `lily chat`, `lily bench` and the server's flags and request bodies use this).
 
 Speculative decoding drafts tokens with the model's MTP head and verifies them in one forward; the output is plain
 decoding's token for token (greedy, or sampled with the same seed). The option (lily.sampling.SamplingParams
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sampling import MAX_DRAFTS
+from .sampling import MAX_DRAFTS
 
 FLAG_VALUES = f"auto, on, off or 1..{MAX_DRAFTS}"
 # where a head comes from (lily.mtp_source): the Hugging Face original ships one
@@ -87,7 +87,7 @@ def head_summary(model: Any, default: bool | int | None = None) -> str:
     head = f"MTP head from {mtp.source}" if mtp is not None else "MTP head"
     if default is False:
         return f"off by default, on for requests that ask ({head})"
-    from ..session import default_drafts
+    from .session import default_drafts
     k = default_drafts(model.backend) if default is None or default is True else int(default)
     return (f"{'auto' if default is None else 'on'}, {k} drafted token{'s' if k != 1 else ''} per step, plain steps "
             f"where drafting does not pay ({head})")
