@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _metrics import assert_close
+from conftest import op_table
 from kernel_inputs import Weight, kv_values, rel_tol
 from ops_metal import attn_decode, attn_params, attn_prefill, attn_prep, gemm, gemv, rope_table
 from tolerances import tol
@@ -61,6 +62,28 @@ def test_decode_row_equals_the_prefill_row(backend, rng, S, Hq, Hkv, D):
     _, kc, vc = backend.attention(qg[:S], k[:S], v[:S], qn, kn, cache, cache, 0, *args)
     last, _, _ = backend.attention(qg[S:], k[S:], v[S:], qn, kn, kc, vc, S, *args)
     assert_close(f"{backend.NAME} attention decode row {S} vs prefill D={D}", last, whole[S:], rel_tol(backend, "self"))
+
+
+@pytest.mark.parametrize("S,Hq,Hkv,D,pos0", [(17, 4, 2, 128, 0), (5, 16, 2, 256, 130), (70, 3, 1, 64, 1000),
+                                             (3, 8, 1, 72, 4100)])
+def test_cpu_rows_are_one_row_calls_bit_for_bit(rng, S, Hq, Hkv, D, pos0):
+    """The CPU kernel's key blocks are fixed by the key index alone (online softmax per (row, head), blocks of 64
+    keys from key 0), so row t of an S-row call equals the one-row call at its position, bit for bit: the
+    speculative verify and streams decoded together (Engine.step_streams) rely on it."""
+    cpu = op_table("cpu")
+    qg = rng.standard_normal((S, Hq * 2 * D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv * D)).astype(np.float32)
+    qn, kn = (1 + 0.1 * rng.standard_normal((2, D))).astype(np.float32)
+    kc = rng.standard_normal((pos0 + S, Hkv * D)).astype(np.float32)
+    vc = rng.standard_normal((pos0 + S, Hkv * D)).astype(np.float32)
+    args = (Hq, Hkv, D, D // 2, THETA, 1e-6)
+    whole, kc_all, vc_all = cpu.attention(qg, k, v, qn, kn, kc, vc, pos0, *args)
+    for t in range(S):
+        row, kc, vc = cpu.attention(qg[t:t + 1], k[t:t + 1], v[t:t + 1], qn, kn, kc, vc, pos0 + t, *args)
+        np.testing.assert_array_equal(row, whole[t:t + 1], err_msg=f"row {t}")
+    np.testing.assert_array_equal(kc, kc_all)
+    np.testing.assert_array_equal(vc, vc_all)
 
 
 # ---- Metal: prep, prefill and split-K decode kernels one by one, and the mixer ----
