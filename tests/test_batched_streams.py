@@ -39,14 +39,23 @@ def _open(model, i: int, max_tokens: int, speculative: int = 0, adaptive: bool =
     return st, stream
 
 
-def _solo(model, i: int, max_tokens: int, speculative: int = 0) -> tuple[list[int], np.ndarray]:
+HEAD = ("mtp.rows", "mtp.k", "mtp.v", "mtp.hidden")  # the MTP head's cache and last hidden state
+
+
+def _head(st) -> dict:
+    a = st.export_arrays()
+    return {k: np.asarray(a[k]) for k in HEAD}
+
+
+def _solo(model, i: int, max_tokens: int, speculative: int = 0) -> tuple[list[int], np.ndarray, dict]:
     st, s = _open(model, i, max_tokens, speculative)  # (an explicit k: drafts to the end)
     out = []
     while (t := s.next()) >= 0:
         out.append(t)
     s.close()
+    head = _head(st)
     after = model.engine.forward(st, np.asarray([3], np.int32), logits="last")
-    return out, np.asarray(after)
+    return out, np.asarray(after), head
 
 
 def test_streams_stepped_together_return_what_they_return_alone(model):
@@ -69,8 +78,11 @@ def test_streams_stepped_together_return_what_they_return_alone(model):
     assert [g for g in got] == [s[0] for s in solo]
     assert spec_got == solo_spec[0]
     assert max(together) == 4 and together.count(0) <= 2, together  # really stepped together
-    for st, s, (_, after) in zip(states, streams, solo):
+    for st, s, (_, after, head) in zip(states, streams, solo):
         s.close()
+        got_head = _head(st)  # the head rows of the batched steps ran together (mtp_embed_each), as alone
+        for k in HEAD:
+            np.testing.assert_array_equal(got_head[k], head[k], err_msg=k)
         np.testing.assert_array_equal(np.asarray(model.engine.forward(st, np.asarray([3], np.int32))), after)
 
 

@@ -88,6 +88,11 @@ class Backend {
   // sampler): the token that step's embed read.
   enum class MtpHidden { Kept, Draft };
   virtual void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) { no_mtp(); }
+  // Streams decoded together: n head rows at once, row i pairing E[ids[i]] with *prev[i] (each stream's last hidden
+  // state); false when the backend does not (the engine then runs each stream's head row alone).
+  virtual bool mtp_embed_each(const int32_t* ids, int64_t n, const std::vector<const Buffer*>& prev) {
+    return false;
+  }
   // out[n, H] = RMSNorm(x[row0 : row0+n]; mtp.norm), kept (its last row is the next Draft hidden); logits [n, V]
   // (host) = out W_lm^T.
   virtual void mtp_head(int64_t row0, int64_t n, float* logits) { no_mtp(); }

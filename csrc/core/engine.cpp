@@ -261,6 +261,42 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
   s->close();
 }
 
+// step_streams' head rows, as run_step adds one for each stream (head[i]: stream i's head cache is current): the
+// rows (h_{p-1}, x_p) of the streams past position 0 together where the backend can (mtp_embed_each), each
+// stream's alone otherwise; then each stream's last hidden state is its main row's.
+void Engine::advance_mtp_rows(const std::vector<StreamRows>& rows, const std::vector<int32_t>& ids,
+                              const std::vector<char>& head) {
+  const int64_t M = static_cast<int64_t>(rows.size());
+  backend_->keep_hidden(M);
+  std::vector<int64_t> with;  // the streams whose head row runs now
+  for (int64_t i = 0; i < M; ++i)
+    if (head[i] && rows[i].st->position > 0) with.push_back(i);
+  std::vector<const Buffer*> prev;
+  std::vector<int32_t> tok;
+  RowSegments segs;
+  for (int64_t i : with) {
+    State& st = *rows[i].st;
+    prev.push_back(&st.last_hidden);
+    tok.push_back(ids[i]);
+    segs.push_back(RowSegment{static_cast<int64_t>(segs.size()), 1, st.mtp_rows, nullptr, &st.mtp_kv});
+  }
+  const int64_t n = static_cast<int64_t>(with.size());
+  if (n > 1 && backend_->mtp_embed_each(tok.data(), n, prev)) {
+    backend_->attention_block(cfg_.n_layers, segs);
+    backend_->moe_block(cfg_.n_layers, n);
+    for (int64_t i : with) rows[i].st->mtp_rows += 1;
+    for (int64_t i = 0; i < M; ++i)
+      if (head[i]) backend_->store_hidden(i, rows[i].st->last_hidden);
+    return;
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    if (!head[i]) continue;
+    State& st = *rows[i].st;
+    if (st.position > 0) advance_mtp(st, &ids[i], 1, true, i);
+    else advance_mtp(st, nullptr, 0, false, i);
+  }
+}
+
 int64_t Engine::step_streams(const std::vector<TokenStream*>& streams) {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<TokenStream*> ready;
@@ -296,15 +332,7 @@ int64_t Engine::step_streams(const std::vector<TokenStream*>& streams) {
     backend_->embed(ids.data(), M);
     run_layers(rows, nullptr);
     backend_->head(0, M, batch_logits_.data());
-    if (std::find(head.begin(), head.end(), 1) != head.end()) {  // each stream's head row, as run_step adds it
-      backend_->keep_hidden(M);
-      for (int64_t i = 0; i < M; ++i) {
-        if (!head[i]) continue;
-        State& st = *rows[i].st;
-        if (st.position > 0) advance_mtp(st, &ids[i], 1, true, i);
-        else advance_mtp(st, nullptr, 0, false, i);
-      }
-    }
+    if (std::find(head.begin(), head.end(), 1) != head.end()) advance_mtp_rows(rows, ids, head);
   } catch (...) {
     backend_->exact_rows(false);
     backend_->abandon();

@@ -225,6 +225,9 @@ class Engine {
   // n rows (a verify or a replay, n small) at st.position as one chunk, every row as a one-row step computes it
   // (Backend::exact_rows); logits [n, V] when given; the rows' hidden states kept; the head's cache untouched.
   void run_rows(State& st, const int32_t* ids, int64_t n, float* logits);
+  // step_streams' MTP head rows (one per stream whose head cache is current: head[i]), after its main rows.
+  void advance_mtp_rows(const std::vector<StreamRows>& rows, const std::vector<int32_t>& ids,
+                        const std::vector<char>& head);
   // Engine lock held: park the open device stream (if any) unless it is `keep`.
   void park_active(const TokenStream* keep);
 

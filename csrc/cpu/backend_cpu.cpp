@@ -48,19 +48,15 @@ class CpuBackend final : public Backend {
     const int64_t H = cfg_.hidden;
     if (src == MtpHidden::Draft && (n != 1 || prev || draft_h_.empty()))
       throw std::logic_error("[lily] backend 'cpu': a chained MTP row needs n == 1 after mtp_head");
-    reserve(n);
-    if (static_cast<int64_t>(cat_.size()) < n * 2 * H) cat_.resize(n * 2 * H);
-    int32_t drawn = step_token(ids);
-    cpu::embed(pool_, w_.embed, drawn >= 0 ? &drawn : ids, n, t_.data());
     const float* kept = hid_.data();
-    for (int64_t i = 0; i < n; ++i) {
-      const float* h = src == MtpHidden::Draft ? draft_h_.data()
-                       : prev ? (i == 0 ? prev->as<float>() : kept + (i - 1) * H) : kept + i * H;
-      float* row = cat_.data() + i * 2 * H;
-      cpu::rms_norm_row(t_.data() + i * H, w_.mtp.norm_embed, cfg_.rms_eps, H, row);  // embedding first
-      cpu::rms_norm_row(h, w_.mtp.norm_hidden, cfg_.rms_eps, H, row + H);
-    }
-    cpu::linear(pool_, w_.mtp.fc, cat_.data(), n, x_.data());
+    embed_head_rows(ids, n, [&](int64_t i) {
+      return src == MtpHidden::Draft ? draft_h_.data()
+             : prev ? (i == 0 ? prev->as<float>() : kept + (i - 1) * H) : kept + i * H;
+    });
+  }
+  bool mtp_embed_each(const int32_t* ids, int64_t n, const std::vector<const Buffer*>& prev) override {
+    embed_head_rows(ids, n, [&](int64_t i) { return prev.at(static_cast<size_t>(i))->as<float>(); });
+    return true;
   }
   void mtp_head(int64_t row0, int64_t n, float* logits) override {
     const int64_t H = cfg_.hidden;
@@ -227,6 +223,22 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // The head's input rows: x[n, H] = fc([RMSNorm(E[ids[i]]) | RMSNorm(hidden(i))]) (embedding first).
+  template <class Hidden>
+  void embed_head_rows(const int32_t* ids, int64_t n, Hidden hidden) {
+    const int64_t H = cfg_.hidden;
+    reserve(n);
+    if (static_cast<int64_t>(cat_.size()) < n * 2 * H) cat_.resize(n * 2 * H);
+    int32_t drawn = step_token(ids);
+    cpu::embed(pool_, w_.embed, drawn >= 0 ? &drawn : ids, n, t_.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = cat_.data() + i * 2 * H;
+      cpu::rms_norm_row(t_.data() + i * H, w_.mtp.norm_embed, cfg_.rms_eps, H, row);
+      cpu::rms_norm_row(hidden(i), w_.mtp.norm_hidden, cfg_.rms_eps, H, row + H);
+    }
+    cpu::linear(pool_, w_.mtp.fc, cat_.data(), n, x_.data());
+  }
+
   // ids[0] < 0 inside a step fed by the previous step's device draw: that draw (else -1, ids as given).
   int32_t step_token(const int32_t* ids) const {
     if (step_.index < 0 || ids[0] >= 0) return -1;
