@@ -390,7 +390,6 @@ nb::dict build_info() {
   d["simd"] = lily::cpu_simd_features();
   d["simd_flags"] = std::string(LILY_SIMD_FLAGS);
   d["compiler"] = std::string(LILY_COMPILER);
-  d["default_chunk_cpu"] = lily::Engine::kDefaultChunkCpu;
   return d;
 }
 

@@ -134,3 +134,10 @@ def test_batch_generate_equals_each_prompt_alone(model, kw):
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [r.text for r in together] == [r.text for r in alone]
     assert all(r.stats.generated_tokens == len(r.token_ids) for r in together)
+
+
+def test_model_stream_is_generate_streaming(model):
+    chunks = list(model.stream(PROMPTS[0], max_tokens=6, temperature=0.0))
+    whole = model.generate(PROMPTS[0], max_tokens=6, temperature=0.0)
+    assert [c.token_id for c in chunks] == whole.token_ids and chunks[-1].finish_reason == whole.finish_reason
+    assert chunks[-1].stats is not None

@@ -581,8 +581,8 @@ def test_hf_checkpoint_logits_equal_mlx_export_logits(tmp_path):
     from mlx_lm.convert import convert
 
     import lily
-    from _metrics import assert_close
-    from tolerances import tol
+    from lily.testing.metrics import assert_close
+    from lily.testing.tolerances import tol
     folder, _ = _hf(tmp_path, "tiny_dk_ne_dv")
     write_tokenizer(folder, tiny_configs()["tiny_dk_ne_dv"].vocab_size)
     out = tmp_path / "converted"

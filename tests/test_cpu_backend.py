@@ -19,8 +19,8 @@ _lily = pytest.importorskip("lily._lily")
 from lily.reference import ReferenceEngine  # noqa: E402
 from lily.testing import random_weights, tiny_configs  # noqa: E402
 
-from _metrics import assert_close, top1_agreement  # noqa: E402
-from tolerances import tol  # noqa: E402
+from lily.testing.metrics import assert_close, top1_agreement  # noqa: E402
+from lily.testing.tolerances import tol  # noqa: E402
 
 CONFIGS = tiny_configs()
 NAMES = sorted(CONFIGS)

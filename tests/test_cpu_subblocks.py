@@ -8,8 +8,8 @@ through the model. This test only compares.
 import numpy as np
 import pytest
 
-from _metrics import assert_close
-from tolerances import tol
+from lily.testing.metrics import assert_close
+from lily.testing.tolerances import tol
 
 import lily.testing
 from lily import reference as ref

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _metrics import perplexity, rel_rms, top1_agreement
+from lily.testing.metrics import perplexity, rel_rms, top1_agreement
 from _mlx_peer import mlx_teacher_forced_logits
-from tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
+from lily.testing.tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
 
 import lily
 from lily.model import BUNDLED_MODEL_DIR

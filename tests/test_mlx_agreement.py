@@ -3,9 +3,9 @@ teacher-forced over 256 positions, judged against the rounding envelope (docs/nu
 import numpy as np
 import pytest
 
-from _metrics import perplexity, rel_rms, top1_agreement
+from lily.testing.metrics import perplexity, rel_rms, top1_agreement
 from _mlx_peer import mlx_teacher_forced_logits
-from tolerances import ENVELOPE_MIN_TOP1, ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
+from lily.testing.tolerances import ENVELOPE_MIN_TOP1, ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
 
 import lily
 import lily.testing

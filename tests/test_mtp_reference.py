@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from _mlx_mtp import mlx_mtp_head
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 from lily.reference import MtpState, ReferenceState, Weights, forward_hidden, mtp_draft_greedy, mtp_forward
 from lily.testing import random_mtp_weights, random_weights, tiny_config_dicts, tiny_configs

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from lily.reference import causal_conv, gated_delta_recurrence, rope, route
 
 

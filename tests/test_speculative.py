@@ -15,7 +15,7 @@ import pytest
 
 import spec_models
 from spec_models import engine, greedy_prompt_and_first, stream_tokens
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 from lily.errors import LilyError
 from lily.sampling import SamplingParamsError

@@ -132,7 +132,6 @@ class TokenStream {
 
 class Engine {
  public:
-  static constexpr int64_t kDefaultChunkCpu = 256;
   static constexpr int32_t kMaxDrafts = 8;  // StreamOptions::speculative at most
 
   // tensors: views that must outlive the engine (the binding keeps the arrays alive).

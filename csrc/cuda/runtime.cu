@@ -1,4 +1,4 @@
-// CUDA runtime: device discovery and one trivial kernel. The backend itself: docs/architecture.md, "The CUDA
+// CUDA runtime: device discovery. The backend itself: docs/architecture.md, "The CUDA
 // backend".
 #include <cuda_runtime.h>
 
@@ -6,14 +6,6 @@
 #include "kernels/params.h"
 
 namespace lily::cuda {
-namespace {
-
-__global__ void fill_kernel(float* p, int n, float value) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) p[i] = value;
-}
-
-}  // namespace
 
 int device_count() {
   int n = 0;
@@ -23,17 +15,6 @@ int device_count() {
     return 0;
   }
   return n;
-}
-
-bool fill_roundtrip(float* dst, int n, float value) {
-  if (device_count() == 0 || n <= 0) return false;
-  float* d = nullptr;
-  if (cudaMalloc(&d, sizeof(float) * n) != cudaSuccess) return false;
-  fill_kernel<<<(n + 255) / 256, 256>>>(d, n, value);
-  bool ok = cudaGetLastError() == cudaSuccess &&
-            cudaMemcpy(dst, d, sizeof(float) * n, cudaMemcpyDeviceToHost) == cudaSuccess;
-  cudaFree(d);
-  return ok;
 }
 
 }  // namespace lily::cuda

@@ -15,7 +15,6 @@ from typing import Sequence
 
 from .generation import split_reasoning
 
-NOT_YET: tuple[str, ...] = ()  # commands listed but not yet available
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -188,8 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("source", help="HF checkpoint folder or repo id")
     c.add_argument("output", help="folder to write (must not exist or be empty)")
 
-    for name in NOT_YET:
-        sub.add_parser(name, help=f"({name}: not yet available in this version)", add_help=False)
     return parser
 
 
@@ -457,9 +454,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
-        return 2
-    if args.command in NOT_YET:
-        print(f"lily {args.command}: not yet available in this version of lily", file=sys.stderr)
         return 2
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

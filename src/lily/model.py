@@ -342,6 +342,15 @@ class Model:
                                        chat_template_kwargs=chat_template_kwargs, **kwargs)
 
     @takes_sampling_options
+    def stream(self, prompt: Any, *, enable_thinking: bool | None = None, preserve_thinking: bool | None = None,
+               tools: Sequence[Any] | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+               **kwargs: Any) -> Iterator[GenerationChunk]:
+        """`generate(prompt, stream=True, ...)` (mlx-lm's stream_generate): an iterator of GenerationChunk, the last
+        one with finish_reason and stats."""
+        return self.generate(prompt, stream=True, enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
+                             tools=tools, chat_template_kwargs=chat_template_kwargs, **kwargs)
+
+    @takes_sampling_options
     def batch_generate(self, prompts: Sequence[Any], *, enable_thinking: bool | None = None,
                        preserve_thinking: bool | None = None, tools: Sequence[Any] | None = None,
                        chat_template_kwargs: Mapping[str, Any] | None = None, **kwargs: Any

@@ -1,6 +1,5 @@
-"""Split a reply into reasoning (`<think>...</think>`) and content: one parser for `lily serve`
-(lily.server.reasoning re-exports it), `GenerationResult.reasoning` / `GenerationChunk.channel`
-(lily.generation.split_reasoning) and `lily chat`.
+"""Split a reply into reasoning (`<think>...</think>`) and content: one parser for `lily serve`,
+`GenerationResult.reasoning` / `GenerationChunk.channel` (lily.generation.split_reasoning) and `lily chat`.
 
 Qwen3.6's generation prompt ends with `<think>\\n` when thinking is on, so the reply starts inside the
 reasoning block; with thinking off the prompt already holds an empty `<think>\\n\\n</think>\\n\\n`. A model

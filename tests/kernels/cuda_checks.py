@@ -4,8 +4,8 @@ references of big products. The references themselves are lily.reference / lily.
 from __future__ import annotations
 
 import numpy as np
-from _metrics import assert_close
-from tolerances import KERNEL_CHECKS
+from lily.testing.metrics import assert_close
+from lily.testing.tolerances import KERNEL_CHECKS
 
 from lily.quant import bf16_to_f32, dequantize, f32_to_bf16, round_bf16
 

@@ -4,7 +4,7 @@ backend's bounds for a family (rel_tol) and its KV cache's values (kv_values).""
 from __future__ import annotations
 
 import numpy as np
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 from lily.quant import bf16_to_f32, dequantize, f32_to_bf16, quantize, round_bf16
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from kernel_inputs import BITS, Weight
-from tolerances import KERNEL_CHECKS, tol
+from lily.testing.tolerances import KERNEL_CHECKS, tol
 
 from lily import _lily
 from lily.quant import bf16_to_f32, f32_to_bf16

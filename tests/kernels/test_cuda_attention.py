@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from cuda_checks import KC, assert_bf16_close, bits, vals
 
 from lily.quant import round_bf16

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close, rel_rms
+from lily.testing.metrics import assert_close, rel_rms
 from cuda_checks import KC, assert_bf16_close, vals
 
 from lily.reference.deltanet import causal_conv, deltanet_scan, gated_delta_recurrence, gated_rms_norm

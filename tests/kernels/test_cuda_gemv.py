@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from cuda_checks import KC, RawWeight, bits, silu, vals
 
 STORE, ACCUM, DUAL, CONV = 0, 1, 2, 3  # gemv::OMode

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from cuda_checks import KC, RawWeight, bits, silu, vals
 
 STORE, ACCUM, DUAL = 0, 1, 2  # rows::OMode

@@ -13,7 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from cuda_checks import KC, RawWeight, bits, sample_rows, silu, vals
 
 AUTO, FALLBACK, MMA = 0, 1, 2  # cuda_ops impl: the engine's dispatch, the wmma fallback, the mma GEMM launched directly

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from cuda_checks import KC, assert_bf16_close, bits_of, random_codes
 
 from lily.quant import dequantize

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from kernel_inputs import Weight, rel_tol
 import ops_metal as mtl  # the Metal kernels by name (their names are the reference functions' too)
 from ops_metal import deltanet_params, gemm
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 from lily.reference.deltanet import causal_conv, deltanet_core, deltanet_mixer, deltanet_scan
 from lily.reference.linear import Weights

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from metal_env import emu, lib
 import ops_metal as mtl  # the Metal kernels by name (their names are the reference functions' too)
 from ops_metal import deltanet_params
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 from lily.reference.deltanet import deltanet_scan, gated_rms_norm
 from lily.reference.ops import silu

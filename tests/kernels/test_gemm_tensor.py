@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from tolerances import tol
+from lily.testing.tolerances import tol
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from kernel_inputs import Weight, block_map
 from metal_env import METAL_DIR, mslc
 from ops_metal import gemm

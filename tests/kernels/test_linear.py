@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from kernel_inputs import Weight, block_map, rel_tol
 from ops_metal import gemm, gemv
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 TOL = tol("op_vs_reference")["rel_rms"]
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from kernel_inputs import Weight, moe_tensors, moe_weights, rel_tol
 from ops_metal import moe_decode, moe_prefill, route
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 import lily.reference.moe as reference_moe
 from lily.reference.linear import Weights

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _metrics import assert_close
+from lily.testing.metrics import assert_close
 from kernel_inputs import FORMATS, Weight, rel_tol
 from ops_metal import rms_norm
-from tolerances import tol
+from lily.testing.tolerances import tol
 
 from lily.reference import gated_rms_norm, ops
 

@@ -14,9 +14,9 @@ import signal
 
 import numpy as np
 import pytest
-from _metrics import perplexity, rel_rms, top1_agreement
+from lily.testing.metrics import perplexity, rel_rms, top1_agreement
 from metal_env import emu, metal_files
-from tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
+from lily.testing.tolerances import ENVELOPE_SLACK_PPL, ENVELOPE_SLACK_TOP1, tol
 
 from lily.testing import random_weights, tiny_configs
 

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 import test_metal_backend as t_be
-from _metrics import assert_close
-from tolerances import tol
+from lily.testing.metrics import assert_close
+from lily.testing.tolerances import tol
 
 from lily.quant import dequantize, quantize
 from lily.reference import MtpState, ReferenceState, Weights, forward_hidden, mtp_forward

@@ -15,7 +15,7 @@ import json
 import pytest
 from _live import NO_THINK
 
-from lily.server.reasoning import ReasoningParser
+from lily.reasoning import ReasoningParser
 from lily.server.tool_calls import ToolCallParser, convert_value, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {

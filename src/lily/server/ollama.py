@@ -31,7 +31,7 @@ from .middleware import SSEResponse, read_body
 from .output import ChatOutput
 from .prepared import PreparedChat
 from .protocol import APIError, ChatCompletionRequest, bad_request, sampling_of
-from .reasoning import prompt_opens_reasoning
+from ..reasoning import prompt_opens_reasoning
 from .service import LilyServer
 from .streams import collect, events
 from .worker import STOP_SHUTDOWN, STOP_TIMEOUT, Cancelled

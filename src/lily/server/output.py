@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 from ..generation import GenerationChunk, GenerationStats
 from .protocol import chat_logprob_item
-from .reasoning import ReasoningParser
+from ..reasoning import ReasoningParser
 from .tool_calls import ToolCallParser
 
 

@@ -17,7 +17,7 @@ from .metrics import Metrics
 from .prepared import Prepared, PreparedChat, PreparedCompletion
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, max_tokens_of,
                        normalize_chat_messages, now, sampling_of)
-from .reasoning import prompt_opens_reasoning
+from ..reasoning import prompt_opens_reasoning
 from ..speculative import REQUEST_VALUES, describe, drafts, head_summary, no_head_message, request_value
 from .validation import GILFreeTokenizer, check_text_fits, longest_token_bytes, message_text_bytes, validate_tools
 from .worker import EngineWorker, Job

@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .reasoning import held_suffix
+from ..reasoning import held_suffix
 
 TOOL_CALL = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

@@ -1,6 +1,5 @@
-"""The one tolerance table (mirrored in docs/numerics.md). Loosening a value needs a written reason
-in the commit message. Tests import it as `tolerances` (tests/tolerances.py re-exports these names), the GPU
-checks of benchmarks/ as `lily.testing.tolerances`.
+"""The one tolerance table (mirrored in docs/numerics.md), which the tests and the GPU checks of benchmarks/
+import. Loosening a value needs a written reason in the commit message.
 
 Keys: (comparison, dtype) -> {metric: threshold}. rel_rms = ||a-b|| / ||b||.
 """
