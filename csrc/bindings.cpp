@@ -351,20 +351,13 @@ struct PyTokenStream {
   }
 };
 
+// The engine's options (core/sampling.h's one mapping) with the host's seen / counts.
 lily::SampleOptions sample_options(double temperature, int64_t top_k, double top_p, double min_p,
                                    double repetition_penalty, double presence_penalty, double frequency_penalty,
                                    const std::vector<int32_t>& bias_ids, const std::vector<float>& bias_vals,
                                    const std::optional<U8Array>& seen, const std::optional<I32Array>& counts) {
-  lily::SampleOptions o;
-  o.temperature = static_cast<float>(temperature);
-  o.top_k = static_cast<int32_t>(std::clamp<int64_t>(top_k, -1, INT32_MAX));
-  o.top_p = static_cast<float>(top_p);
-  o.min_p = static_cast<float>(min_p);
-  o.repetition_penalty = static_cast<float>(repetition_penalty);
-  o.presence_penalty = static_cast<float>(presence_penalty);
-  o.frequency_penalty = static_cast<float>(frequency_penalty);
-  o.bias_ids = bias_ids;
-  o.bias_vals = bias_vals;
+  lily::SampleOptions o = lily::sample_options(temperature, top_k, top_p, min_p, repetition_penalty,
+                                               presence_penalty, frequency_penalty, bias_ids, bias_vals);
   if (seen) o.seen.assign(seen->data(), seen->data() + seen->shape(0));
   if (counts) o.counts.assign(counts->data(), counts->data() + counts->shape(0));
   return o;

@@ -662,14 +662,8 @@ lily::SampleOptions sample_options(double temperature, int64_t top_k, double top
                                    std::vector<float> bias_vals, int64_t V) {
   require(bias_ids.size() == bias_vals.size(), "sample", "bias_ids and bias_vals differ in length");
   for (int32_t id : bias_ids) require(id >= 0 && id < V, "sample", "bias id out of range");
-  lily::SampleOptions o;
-  o.temperature = static_cast<float>(temperature);
-  o.top_k = static_cast<int32_t>(std::clamp<int64_t>(top_k, -1, INT32_MAX));
-  o.top_p = static_cast<float>(top_p), o.min_p = static_cast<float>(min_p);
-  o.repetition_penalty = static_cast<float>(rep);
-  o.presence_penalty = static_cast<float>(presence), o.frequency_penalty = static_cast<float>(frequency);
-  o.bias_ids = std::move(bias_ids), o.bias_vals = std::move(bias_vals);
-  return o;
+  return lily::sample_options(temperature, top_k, top_p, min_p, rep, presence, frequency, std::move(bias_ids),
+                              std::move(bias_vals));
 }
 
 nb::dict sample_launch(const F32& logits, double uniform, const U8& seen, const I32& counts, double temperature,

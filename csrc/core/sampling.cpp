@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <utility>
 
 namespace lily {
 namespace {
@@ -17,6 +18,22 @@ float rounded_product(float a, float b) {
 }
 
 }  // namespace
+
+SampleOptions sample_options(double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
+                             double presence_penalty, double frequency_penalty, std::vector<int32_t> bias_ids,
+                             std::vector<float> bias_vals) {
+  SampleOptions o;
+  o.temperature = static_cast<float>(temperature);
+  o.top_k = static_cast<int32_t>(std::clamp<int64_t>(top_k, -1, std::numeric_limits<int32_t>::max()));
+  o.top_p = static_cast<float>(top_p);
+  o.min_p = static_cast<float>(min_p);
+  o.repetition_penalty = static_cast<float>(repetition_penalty);
+  o.presence_penalty = static_cast<float>(presence_penalty);
+  o.frequency_penalty = static_cast<float>(frequency_penalty);
+  o.bias_ids = std::move(bias_ids);
+  o.bias_vals = std::move(bias_vals);
+  return o;
+}
 
 // The rule (sampling.h), as lily.sampling.Sampler takes it step for step: the processed
 // row in float32, each operation rounded once (bit-identical to the host's and the devices'); the weights

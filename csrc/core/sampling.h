@@ -46,6 +46,16 @@ struct SampleOptions {
 
 
 
+// The rule's greedy test (T = 0), and 1 / T in float32 as the device samplers take it (1 when greedy).
+inline bool is_greedy(const SampleOptions& o) { return o.temperature == 0.f; }
+inline float inverse_temperature(const SampleOptions& o) { return is_greedy(o) ? 1.f : 1.f / o.temperature; }
+
+// The options from an API's float64 / int64 values, each rounded to float32 once (top_k clamped to int32); every
+// binding builds them here. seen / counts stay empty.
+SampleOptions sample_options(double temperature, int64_t top_k, double top_p, double min_p, double repetition_penalty,
+                             double presence_penalty, double frequency_penalty, std::vector<int32_t> bias_ids,
+                             std::vector<float> bias_vals);
+
 // The processed row of logits [V] under the rule: greedy (T = 0): the token it picks (lowest index on ties), w
 // empty; else w [V] the kept tokens' weights (0 for a token not kept), their total, and the last kept token (the
 // draw's answer past the end by rounding). seen / counts [V] (empty = all zero) are read for the penalties.

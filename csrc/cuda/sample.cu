@@ -610,8 +610,8 @@ DeviceSampler::~DeviceSampler() {
 
 Options options_of(const SampleOptions& so) {
   Options opt;
-  opt.greedy = so.temperature == 0.f;
-  opt.inv_temperature = opt.greedy ? 1.f : 1.f / so.temperature;
+  opt.greedy = is_greedy(so);
+  opt.inv_temperature = inverse_temperature(so);
   opt.top_k = so.top_k;
   opt.top_p = so.top_p;
   opt.min_p = so.min_p;

@@ -64,7 +64,7 @@ MetalSampler::~MetalSampler() {
 DevBuffer* MetalSampler::make(size_t bytes) { return dev_.alloc(std::max<size_t>(bytes, 4)); }
 
 void MetalSampler::begin(const SampleOptions& o) {
-  const bool greedy = o.temperature == 0.f;
+  const bool greedy = is_greedy(o);
   // Bias entries merged per id (the kernel adds each span's entries from several threads: ids must be
   // distinct), ids outside the vocab dropped (as the CPU twin would fault on them, the engine never sends one).
   std::map<int32_t, float> bias;
@@ -93,7 +93,7 @@ void MetalSampler::begin(const SampleOptions& o) {
 
   args_ = kp::SampleArgs{};
   args_.greedy = greedy ? 1 : 0;
-  args_.inv_temperature = greedy ? 1.f : 1.f / o.temperature;
+  args_.inv_temperature = inverse_temperature(o);
   args_.top_k = o.top_k;
   args_.top_p = o.top_p;
   args_.min_p = o.min_p;
