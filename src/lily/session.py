@@ -163,6 +163,11 @@ class Session:
         return self._tokens + self._pending
 
     @property
+    def state_tokens(self) -> Sequence[int]:
+        """The tokens the state holds (the last sampled token, not yet run, excluded); read-only, not a copy."""
+        return self._tokens
+
+    @property
     def position(self) -> int:
         return len(self._tokens) + len(self._pending)
 

@@ -93,7 +93,7 @@ class LilyServer:
         if not self.config.session_dir:
             raise bad_request("this server has no --session-dir: start it with --session-dir DIR to keep "
                               "sessions on disk")
-        extra = [s.snapshot() for s in self.worker.sessions if s._tokens]
+        extra = [s.snapshot() for s in self.worker.sessions if s.state_tokens]
         extra = [type(e)(e.state, e.tokens, (), e.last_logits) for e in extra]  # the pending token is not in the state
         files = [str(p) for p in self.cache.save_dir(self.config.session_dir, self.model.identity, extra)]
         self.replies.save(Path(self.config.session_dir) / REPLIES_FILE)

@@ -507,7 +507,7 @@ class EngineWorker:
         for s in self.sessions:
             if id(s) in self._busy_sessions:
                 continue
-            held = s._tokens
+            held = s.state_tokens
             n = len(held) if len(held) <= len(ids) and ids[:len(held)] == held else 0
             if n > best_n:
                 best, best_n = s, n
@@ -533,7 +533,7 @@ class EngineWorker:
             if not idle:
                 return
             s = idle[0]  # least recently used
-            if self.cache is not None and s._tokens and not self.cache.contains(s._tokens):
+            if self.cache is not None and s.state_tokens and not self.cache.contains(s.state_tokens):
                 snap = s.snapshot()
                 self.cache.insert(type(snap)(snap.state, snap.tokens, (), snap.last_logits))
             self.sessions.remove(s)
@@ -561,7 +561,7 @@ class EngineWorker:
             job.gen = s.generate(job.ids, whole=True, stream=True, sampling=job.sampling,
                                  progress=lambda done, total: self._progress(job, done, total),
                                  constraint=job.constraint)
-            job.cached_tokens = len(s._tokens)  # the generator reused the longest prefix held
+            job.cached_tokens = len(s.state_tokens)  # the generator reused the longest prefix held
         except Exception as e:  # e.g. the prompt does not fit: reported to the client
             self._end(job, e)
 
