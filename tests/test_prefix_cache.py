@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import lily
-from lily.prefix_cache import PrefixCache, ReplyTokens
+from lily.prefix_cache import PrefixCache
+from lily.reply_tokens import ReplyTokens
 from lily.session_file import SessionFileError
 from lily.snapshot import SessionSnapshot, snapshot_nbytes
 

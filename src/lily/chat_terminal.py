@@ -186,7 +186,8 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
 
 def run_chat(args: argparse.Namespace, model: Any, sampling: dict) -> int:
     """The chat loop of `lily chat` on a loaded model; sampling: the generate() keywords."""
-    from .prefix_cache import PrefixCache, ReplyTokens
+    from .prefix_cache import PrefixCache
+    from .reply_tokens import ReplyTokens
 
     cache = PrefixCache(max_bytes=2 << 30)
     replies = ReplyTokens()

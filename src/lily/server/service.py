@@ -10,7 +10,8 @@ from typing import Any
 
 from ..chat import ChatTemplateError
 from ..model import Model
-from ..prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, ReplyTokens
+from ..prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache
+from ..reply_tokens import ReplyTokens
 from .budget import memory_budgets
 from .grammar import GrammarConstraint, json_schema_grammar, tool_call_grammar
 from .metrics import Metrics
