@@ -11,34 +11,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))  # the tests' live-server helper
 from _http import httpx  # noqa: E402
-from _live import LiveServer  # noqa: E402
-
-
-
-def rss(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / (1 << 20)
+from _live import LiveServer, distinct_short_chat  # noqa: E402
 
 srv = LiveServer(None, Path("/tmp/server_memory_bursts.log"), "--max-queue", "1000")
 try:
     client = httpx.Client(timeout=300)
-    def one(i):
-        body = {"model": "tiny", "messages": [{"role": "user", "content": f"request number {i} please " * 20}],
-                "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
-        return client.post(srv.url + "/v1/chat/completions", json=body, headers=srv.headers()).status_code
+
+    def one(i: int) -> int:
+        return distinct_short_chat(srv, client, i)
+
     assert all(one(i) == 200 for i in range(60))
     time.sleep(1.0)
-    seq = rss(srv.proc.pid)
+    seq = srv.rss_bytes() / 2**30
     after = []
     for b in range(8):
         with ThreadPoolExecutor(300) as pool:
             codes = list(pool.map(one, range(1000 * (b + 1), 1000 * (b + 1) + 300)))
         time.sleep(1.0)
-        after.append(round(rss(srv.proc.pid), 3))
+        after.append(round(srv.rss_bytes() / 2**30, 3))
         print(f"burst {b + 1}: {codes.count(200)}/300 ok, RSS {after[-1]:.3f} GiB", flush=True)
     time.sleep(5.0)
-    idle = rss(srv.proc.pid)
+    idle = srv.rss_bytes() / 2**30
     print(json.dumps({"sequential_gib": round(seq, 3), "after_bursts_gib": after, "idle_gib": round(idle, 3),
                       "max_over_sequential": round(max(after) / seq, 3)}))
 finally:

@@ -44,8 +44,6 @@ struct SampleOptions {
   std::vector<int32_t> counts;     // [V] or empty: times each token was generated (presence / frequency)
 };
 
-
-
 // The rule's greedy test (T = 0), and 1 / T in float32 as the device samplers take it (1 when greedy).
 inline bool is_greedy(const SampleOptions& o) { return o.temperature == 0.f; }
 inline float inverse_temperature(const SampleOptions& o) { return is_greedy(o) ? 1.f : 1.f / o.temperature; }

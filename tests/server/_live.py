@@ -99,3 +99,11 @@ class LiveServer:
 
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def distinct_short_chat(srv: LiveServer, client, i: int) -> int:
+    """A chat request of its own conversation (number i), 4 tokens, thinking off: its HTTP status (the memory
+    bursts of tests/server/test_server_memory.py and benchmarks/server_memory_bursts.py)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"request number {i} please " * 20}],
+            "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
+    return client.post(srv.url + "/v1/chat/completions", json=body, headers=srv.headers()).status_code

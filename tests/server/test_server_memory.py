@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _http import httpx
-from _live import LiveServer
+from _live import LiveServer, distinct_short_chat
 
 from lily.model import BUNDLED_MODEL_DIR
 from lily.tokenizer import Tokenizer
@@ -118,31 +118,23 @@ def test_memory_returns_after_bursts_of_concurrent_requests(tmp_path):
     if not os.path.exists("/proc/self/status"):
         pytest.skip("reads the RSS from /proc")
 
-    def rss_gib(pid: int) -> float:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / (1 << 20)
-        raise AssertionError("no VmRSS")
-
     srv = LiveServer(None, tmp_path / "serve.log", "--max-queue", "1000")
     try:
         client = httpx.Client(timeout=120)
 
         def one(i: int) -> int:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": f"request number {i} please " * 20}],
-                    "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
-            return client.post(srv.url + "/v1/chat/completions", json=body, headers=srv.headers()).status_code
+            return distinct_short_chat(srv, client, i)
 
         assert all(one(i) == 200 for i in range(60))
         time.sleep(1.0)
-        sequential = rss_gib(srv.proc.pid)
+        sequential = srv.rss_bytes() / 2**30
         after = []
         for b in range(2):
             with ThreadPoolExecutor(300) as pool:
                 codes = list(pool.map(one, range(1000 * (b + 1), 1000 * (b + 1) + 300)))
             assert codes.count(200) == 300, {c: codes.count(c) for c in set(codes)}
             time.sleep(1.0)
-            after.append(rss_gib(srv.proc.pid))
+            after.append(srv.rss_bytes() / 2**30)
         assert max(after) <= 1.2 * sequential, (sequential, after)
     finally:
         srv.stop()

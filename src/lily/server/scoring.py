@@ -22,8 +22,9 @@ ATTENTION_EVEN = 2048      # keys at which a row's attention costs about what th
 
 def piece_rows(vocab: int, position: int = 0) -> int:
     """Prompt tokens in the piece that starts at `position`. A row's cost grows with the keys it attends to, so the
-    pieces shrink as the prompt goes on (by ATTENTION_EVEN / (ATTENTION_EVEN + position)): a fixed 256 tokens cost
-    0.2 s at the start of a 20K prompt and 2 s near its end on the CPU, and the other streams waited that long.
+    pieces shrink as the prompt goes on (by ATTENTION_EVEN / (ATTENTION_EVEN + position)), so a piece near the end of
+    a long prompt stalls the other streams about as long as one at its start (a fixed 256 tokens cost 10x more at
+    20K than at 0 on the CPU with the tiled attention kernel).
     The sizes depend on the position alone, never on timings, so the same prompt is cut the same way every time
     (its logprobs do not depend on the server's load)."""
     by_cost = PIECE * ATTENTION_EVEN // (ATTENTION_EVEN + max(0, position))
