@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from .generation import split_reasoning
+from .sampling import SAMPLING_OPTIONS
 
 
 
@@ -224,11 +225,10 @@ def _check_speculative(model, value: bool | int | None, flag: str = "--speculati
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                logit_bias=dict(args.logit_bias) if args.logit_bias else None, seed=args.seed, stop=args.stop,
-                speculative=args.speculative)
+    """The sampling options among the parsed flags (each flag is its option's name, dashed)."""
+    kwargs = {k: getattr(args, k) for k in SAMPLING_OPTIONS if hasattr(args, k)}
+    kwargs["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None  # the flag repeats ID=BIAS
+    return kwargs
 
 
 def _stream_split(chunks, dim: bool) -> object:

@@ -224,6 +224,10 @@ SAMPLING_OPTIONS: dict[str, tuple[str, Any]] = {
 # the options a checkpoint's generation_config.json may set (HF names == ours)
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                           "frequency_penalty")
+# The adapters (the CLI's flags, the OpenAI and Responses request fields, Ollama's `options`) take each option
+# under its SAMPLING_OPTIONS name, Ollama's two renames aside (lily.server.ollama). RULE_OPTIONS: those every API
+# takes: the rule's own, the seed, stop strings and speculation (ids, biases, logprobs are OpenAI's extras).
+RULE_OPTIONS = (*GENERATION_CONFIG_KEYS, "seed", "stop", "speculative")
 
 
 def split_sampling_options(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

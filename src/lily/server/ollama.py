@@ -32,16 +32,16 @@ from .output import ChatOutput
 from .prepared import PreparedChat
 from .protocol import APIError, ChatCompletionRequest, bad_request, sampling_of
 from ..reasoning import prompt_opens_reasoning
+from ..sampling import GENERATION_CONFIG_KEYS, RULE_OPTIONS
 from .service import LilyServer
 from .streams import collect, events
 from .worker import STOP_SHUTDOWN, STOP_TIMEOUT, Cancelled
 
 # the Ollama API version whose fields these routes follow (`think` and `thinking` came in 0.9)
 OLLAMA_API_VERSION = "0.9.0"
-OPTION_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "num_predict": "max_tokens",
-                "speculative": "speculative"}
+# Ollama's `options` name -> lily's: the options every API takes under their own names, and Ollama's two renames
+OPTION_NAMES = {**{k: k for k in RULE_OPTIONS if k != "repetition_penalty"},
+                "repeat_penalty": "repetition_penalty", "num_predict": "max_tokens"}
 # accepted, no effect: the model is loaded once with its own context size, threads and devices
 IGNORED_OPTIONS = ("num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                    "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "numa", "repeat_last_n",
@@ -187,7 +187,7 @@ class OllamaRoutes:
     def show(self, name: str) -> dict[str, Any]:
         cfg = self.model.config
         params = "\n".join(f"{k} {v}" for k, v in sorted(self.model.generation_config.items())
-                           if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
+                           if k in GENERATION_CONFIG_KEYS)
         return {"modelfile": f"# lily serves {self.model.path}\nFROM {self.model.path}\n",
                 "parameters": params, "template": self.model.chat_template.source or "", "details": self.details(),
                 "model_info": {"general.architecture": "qwen3moe", "general.parameter_count": self.model.params,

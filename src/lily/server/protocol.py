@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Mapping, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..generation import GenerationStats
-from ..sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError, resolve_sampling
+from ..sampling import MAX_TOP_LOGPROBS, SAMPLING_OPTIONS, SamplingParams, SamplingParamsError, resolve_sampling
 from .api_error import APIError, bad_request  # noqa: F401 (re-exported: the handlers import them from here)
 from .validation import check_body, check_message_content, too_deep
 
@@ -161,12 +161,12 @@ def sampling_of(req: _Request, generation_config: Mapping[str, Any], vocab_size:
                 raise bad_request(f"logit_bias names token id {t}: expected 0..{vocab_size - 1}", param="logit_bias")
             bias[t] = v
     try:
+        # the request's fields carry the options' own names; the ones resolved above (and by the caller) override
+        fields = {k: getattr(req, k) for k in SAMPLING_OPTIONS if k in type(req).model_fields}
         return resolve_sampling(
-            generation_config, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
-            stop=req.stop, stop_token_ids=tuple(req.stop_token_ids or ()) + extra_stop_ids, logprobs=logprobs,
-            top_logprobs=top_logprobs, logit_bias=bias, speculative=speculative)
+            generation_config, **{**fields, "max_tokens": max_tokens, "logprobs": logprobs,
+                                  "top_logprobs": top_logprobs, "logit_bias": bias, "speculative": speculative,
+                                  "stop_token_ids": tuple(req.stop_token_ids or ()) + extra_stop_ids})
     except SamplingParamsError as e:
         msg = str(e).removeprefix("[SamplingParams] ")
         raise bad_request(msg, param=msg.split("=")[0].split(" ")[0]) from None

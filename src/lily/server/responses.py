@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
+from ..sampling import RULE_OPTIONS
 from .errors import as_api_error
 from .middleware import SSEResponse
 from .output import ChatOutput
@@ -185,6 +186,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+# lily's options a Responses request may carry beside the API's own fields, passed on to the chat request
+_CHAT_EXTRAS = frozenset(RULE_OPTIONS) - {"temperature", "top_p"} | {"logit_bias", "chat_template_kwargs"}
+
+
 def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list]:
     conversation = history + input_messages(req.input)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
@@ -206,8 +211,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tup
                                  parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, response_format=response_format,
                                  reasoning_effort=effort, **{k: v for k, v in (req.model_extra or {}).items()
-                                                             if k in ("chat_template_kwargs", "seed", "top_k",
-                                                                      "min_p", "stop", "logit_bias", "speculative")})
+                                                             if k in _CHAT_EXTRAS})
     return chat, conversation
 
 
