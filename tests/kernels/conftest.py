@@ -66,5 +66,5 @@ def op_table(name: str):
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """The op table of one backend: the same functions (names and shapes as ops_cpu.py) on each."""
+    """The op table of one backend: the entry points of op_list.py, the same on each."""
     return op_table(request.param)

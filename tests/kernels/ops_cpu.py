@@ -1,6 +1,5 @@
 """The CPU op table of the kernel suite: lily._lily.ops (the CPU backend's kernels, outputs NaN-filled before the
-kernel writes them) behind the family entry points every backend's table has (ops_metal.py has the same names,
-arguments and shapes). Legend: S rows, H hidden, C conv channels, E experts, cap KV cache rows."""
+kernel writes them) behind the family entry points of op_list.py (their operands and shapes are declared there)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,40 +23,33 @@ def _weight_args(w: Weight) -> dict:
 
 
 def rms_norm(x, w, eps):
-    """x [S, n], w [n] -> [S, n]."""
     return _ops.rms_norm(_f32(x), _f32(w), eps)
 
 
 def gated_rms_norm(o, z, w, eps):
-    """o, z [S, Hv*Dv], w [Dv] -> rms_norm(o per head; w) * silu(z) [S, Hv*Dv]."""
     return _ops.gated_rms_norm(_f32(o), _f32(z), _f32(w), eps)
 
 
 def embed(w: Weight, ids):
-    """ids [S] -> rows of W [S, in]."""
     return _ops.embed(np.ascontiguousarray(ids, np.int32), **_weight_args(w))
 
 
 def linear(w: Weight, x):
-    """x [S, in] -> x W^T [S, out]."""
     return _ops.linear(_f32(x), **_weight_args(w))
 
 
 def attention(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, rotary_dim,
               rope_theta, eps):
-    """S rows at positions pos0.. against caches [cap, Hkv*D] -> (o [S, Hq*D], k_cache', v_cache')."""
     return _ops.attention(_f32(qg), _f32(k), _f32(v), _f32(q_norm), _f32(k_norm), _f32(k_cache), _f32(v_cache),
                           pos0, n_heads, n_kv_heads, head_dim, rotary_dim, rope_theta, eps)
 
 
 def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_heads, norm_eps):
-    """The DeltaNet core of S rows -> (y [S, Hv*Dv], conv_state' [K-1, C], ssm' [Hv, Dv, Dk])."""
     return _ops.deltanet(*(_f32(t) for t in (qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm)),
                          k_heads, norm_eps)
 
 
 def moe_route(logits, top_k, norm_topk_prob):
-    """Router logits [S, E] -> (ids int32 [S, k], weights [S, k])."""
     return _ops.moe_route(_f32(logits), top_k, norm_topk_prob)
 
 
@@ -65,11 +57,9 @@ MOE_EXPERT_FORMATS = ("q4", "q8", "bf16", "f32")
 
 
 def moe(h, W: dict, top_k, norm_topk_prob):
-    """MoE(h) [S, H] with W {router, gate, up, down, sh_gate, sh_up, sh_down, sh_expert_gate: Weight}."""
     tensors, quant = moe_tensors(W, "m.")
     return _ops.moe(_f32(h), tensors, quant, "m.", top_k, norm_topk_prob)
 
 
 def sample_draw(logits, uniform, **options):
-    """The token drawn from logits [V] with uniform in [0, 1) (options: those of lily._lily.sample_draw)."""
     return _lily.sample_draw(_f32(logits), uniform, **options)

@@ -1,6 +1,6 @@
 """The CUDA op table of the kernel suite: lily._lily.cuda_ops (the engine's launch functions, csrc/cuda/*.cuh, run on
 host arrays copied to the device, outputs poisoned with NaN / -1 before the kernels write them) behind the family entry
-points every backend's table has (ops_cpu.py's names, arguments and shapes). Each family entry runs the kernel chain
+points of op_list.py. Each family entry runs the kernel chain
 backend_cuda.cu runs for S rows outside a decode step (the decode step's fused kernels have their own tests in
 test_cuda_*.py). Where the backend's kernels read bf16 (a normed row, the KV cache) the entry rounds its fp32 input to
 bf16 first, as the chain's producer does.
@@ -58,32 +58,31 @@ def _f32(a):
     return np.ascontiguousarray(a, np.float32)
 
 
-# ---- the family entry points shared with ops_cpu.py ----
+# ---- the family entry points of op_list.py (operands and shapes declared there) ----
 
 def rms_norm(x, w, eps):
-    """x [S, n], w [n] -> [S, n] (the kernel's bf16 output)."""
+    """The kernel's bf16 output."""
     return bf16_to_f32(_c.rms_norm(_f32(x), _f32(w), eps))
 
 
 def gated_rms_norm(o, z, w, eps):
-    """o, z [S, Hv*Dv], w [Dv] -> rms_norm(o per head; w) * silu(z) [S, Hv*Dv] (bf16 output)."""
+    """The kernel's bf16 output."""
     return bf16_to_f32(_c.deltanet_gated_norm(_f32(o), _f32(z), _f32(w), eps))
 
 
 def embed(w: Weight, ids):
-    """ids [S] -> rows of W [S, in]."""
     return _c.embed(np.ascontiguousarray(ids, np.int32), wt(w))
 
 
 def linear(w: Weight, x):
-    """x [S, in] -> x W^T [S, out]: the engine's dispatch (one row: the GEMV; else the one-output kernel, wgmma, mma or
+    """The engine's dispatch (one row: the GEMV; else the one-output kernel, wgmma, mma or
     wmma GEMM), x read as bf16."""
     return _c.linear(bf16(x), wt(w))
 
 
 def attention(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, rotary_dim,
               rope_theta, eps):
-    """S rows at positions pos0.. against caches [cap, Hkv*D] -> (o [S, Hq*D], k_cache', v_cache'): prep, the prefill
+    """Prep, the prefill
     sub-block's split plan, attention (S > 1: the tensor-core flash attention; S = 1: the CUDA-core kernel). The
     caches travel as bf16 (fp32 in and out here: the values rounded to bf16)."""
     args = (n_heads, n_kv_heads, head_dim)
@@ -97,7 +96,7 @@ NORM_CHUNK, NORM_AUTO, NORM_SEQ, NORM_SPLIT = 0, 1, 2, 3  # cuda_ops.deltanet_sc
 
 
 def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_heads, norm_eps):
-    """The DeltaNet core of S rows -> (y [S, Hv*Dv], conv_state' [K-1, C], ssm' [Hv, Dv, Dk]): conv (+ l2 norm), then
+    """Conv (+ l2 norm), then
     the scan with the gated norm in the form auto picks at S, with its scratch passed (backend_cuda.cu)."""
     Hv, Dv, Dk = ssm.shape
     u, conv1 = _c.deltanet_conv(_f32(qkv), _f32(conv_w), _f32(conv_state), k_heads, Dk, Hv, Dv)
@@ -108,12 +107,11 @@ def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_he
 
 
 def moe_route(logits, top_k, norm_topk_prob):
-    """Router logits [S, E] -> (ids int32 [S, k], weights [S, k])."""
     return _c.moe_route(_f32(logits), top_k, norm_topk_prob)
 
 
 def moe(h, W: dict, top_k, norm_topk_prob):
-    """MoE(h) [S, H] through backend_cuda.cu's moe_block after its norm (h rounded to bf16 as the norm leaves it):
+    """backend_cuda.cu's moe_block after its norm (h rounded to bf16 as the norm leaves it):
     router and shared-expert gate, routing, shared expert, the routed experts (one row: the unfused decode experts;
     else sort + grouped GEMMs), combine onto zeros."""
     hb = bf16(h)
@@ -136,6 +134,5 @@ def moe_routing(h, W: dict, top_k, norm_topk_prob) -> np.ndarray:
 
 
 def sample_draw(logits, uniform, **options):
-    """The token drawn from logits [V] with uniform in [0, 1): DeviceSampler begin + draw, the engine's path (options:
-    those of lily._lily.sample_draw)."""
+    """DeviceSampler begin + draw, the engine's path."""
     return _c.sample_draw(_f32(logits), uniform, **options)

@@ -1,7 +1,7 @@
 """The Metal op table of the kernel suite: numpy-in / numpy-out wrappers of lily's Metal kernels on the emulator
 (three schedules each). Grid and threadgroup shapes are chosen here the way the host backend chooses them, so
 the tests exercise the same launch geometry. The kernel-level wrappers (gemv, gemm, route, deltanet_scan, ...) come
-first; the family entry points shared with ops_cpu.py (same names, arguments and shapes) close the file."""
+first; the family entry points of op_list.py close the file."""
 from __future__ import annotations
 
 import numpy as np
@@ -284,7 +284,6 @@ def sample_draw_kernels(logits, uniform, seen=None, counts=None, temperature=1.0
 
 
 def sample_draw(logits, uniform, **options):
-    """The token drawn from logits [V] with uniform in [0, 1) (options: those of lily._lily.sample_draw)."""
     return sample_draw_kernels(logits, uniform, **options)[0]
 
 
@@ -295,27 +294,26 @@ def argmax(logits, slot=1, nt=256):
     return int(tok[slot])
 
 
-# ---- the family entry points shared with ops_cpu.py: the kernel chain the host backend runs for them ----
+# ---- the family entry points of op_list.py (operands and shapes declared there): the host backend's kernel chains ----
 GEMV_MAX_ROWS = 4     # Ops::kGemvMaxRows: up to 4 rows the host runs the GEMV, above it the GEMM
 ATTN_SPLIT_LEN = 256  # Ops::kSplitLen: keys per split-K part of decode attention
 
 
 def gated_rms_norm(o, z, w, eps):
-    """o, z [S, Hv*Dv], w [Dv] -> rms_norm(o per head; w) * silu(z) [S, Hv*Dv]."""
     Dv = w.shape[0]
     p = deltanet_params(1, o.shape[1] // Dv, Dv, Dv, 1, o.shape[0], eps)
     return deltanet_gated_norm(np.ascontiguousarray(o, np.float32), np.ascontiguousarray(z, np.float32), w, p)
 
 
 def linear(w: Weight, x):
-    """x [S, in] -> x W^T [S, out]."""
+    """The GEMV up to GEMV_MAX_ROWS rows, else the GEMM (Ops::linear's choice)."""
     x = np.ascontiguousarray(x, np.float32)
     return gemv(w, x) if x.shape[0] <= GEMV_MAX_ROWS else gemm(w, x)
 
 
 def attention(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos0, n_heads, n_kv_heads, head_dim, rotary_dim,
               rope_theta, eps):
-    """S rows at positions pos0.. against caches [cap, Hkv*D] -> (o [S, Hq*D], k_cache', v_cache')."""
+    """Prep, then decode attention (S = 1) or the prefill kernel."""
     S = qg.shape[0]
     p = attn_params(n_heads, n_kv_heads, head_dim, rotary_dim, rope_theta, pos0, S, eps)
     q, kc, vc = attn_prep(qg, k, v, q_norm, k_norm, rope_table(rotary_dim, rope_theta), k_cache.copy(),
@@ -326,7 +324,7 @@ def attention(qg, k, v, q_norm, k_norm, k_cache, v_cache, pos0, n_heads, n_kv_he
 
 
 def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_heads, norm_eps):
-    """The DeltaNet core of S rows -> (y [S, Hv*Dv], conv_state' [K-1, C], ssm' [Hv, Dv, Dk])."""
+    """The conv, then the scan with the gated norm fused."""
     Hv, Dv, Dk = ssm.shape
     p = deltanet_params(k_heads, Hv, Dk, Dv, conv_w.shape[1], qkv.shape[0], norm_eps)
     u, conv1 = deltanet_conv(qkv, conv_w, conv_state, p)
@@ -335,7 +333,7 @@ def deltanet(qkv, z, b, a, conv_w, dt_bias, a_log, norm_w, conv_state, ssm, k_he
 
 
 def moe_route(logits, top_k, norm_topk_prob):
-    """Router logits [S, E] -> (ids int32 [S, k], weights [S, k]) through the device routing chain."""
+    """The device routing chain."""
     r = route(np.ascontiguousarray(logits, np.float32), top_k, norm_topk_prob)
     return r["ids"], r["wts"]
 
@@ -345,7 +343,7 @@ MOE_EXPERT_FORMATS = ("q4", "bf16")
 
 
 def moe(h, W: dict, top_k, norm_topk_prob):
-    """MoE(h) [S, H]: the fused decode chains for one row, else the prefill chain with the host's tile rows."""
+    """The fused decode chains for one row, else the prefill chain with the host's tile rows."""
     S, H = h.shape
     x = np.zeros((S, H), np.float32)  # the kernels add the residual; zero leaves the MoE output itself
     if S == 1:
