@@ -519,8 +519,7 @@ class Session:
                         raise
                     if token < 0:
                         return
-                    sampler.accept(token)
-                    lp = None
+                    lp = None  # the stream keeps the penalties' history from here; the host sampler is done
                 else:
                     last_logits = stream.step(generated[-1])
                     settle()
