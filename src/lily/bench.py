@@ -334,8 +334,7 @@ def speculative_runs(model: Any, drafts: Sequence[int] | None, tokens: int, repe
                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Plain vs speculative greedy decoding of SPECULATIVE_PROMPT (see the module docstring); without a head,
     {available: False, reason}."""
-    from .speculative import no_head_reason
-    from .session import default_drafts
+    from .speculative import default_drafts, no_head_reason
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     reason = no_head_reason(model)
     if reason is not None:

@@ -21,6 +21,7 @@ from .generation import GenerationChunk, GenerationResult, collect
 from .identity import ModelIdentity, model_fingerprint, weights_digest
 from .sampling import takes_sampling_options
 from .session import PrefillResult, PromptEncoder, Session, SessionLimits
+from .speculative import LOAD_HEAD_HINT, no_head_message
 from .tokenizer import Tokenizer
 
 BACKENDS = ("auto", "cpu", "cuda", "metal", "reference")
@@ -277,8 +278,7 @@ class Model:
         s = Session(self.engine, PromptEncoder(self.tokenizer, self.chat_template, self.stop_token_ids),
                     SessionLimits(self.max_context, self.vocab_size, self.chunk_size), self.identity,
                     prefix_cache=prefix_cache, sampling_defaults=self.generation_config)
-        if self.mtp is not None and not getattr(self.engine, "has_mtp", False):
-            s.speculation_unavailable = f"backend {self.backend!r} does not run the MTP head yet"
+        s.no_head_message = lambda what: no_head_message(what, self, LOAD_HEAD_HINT)
         return s
 
     def load_session(self, path: str | Path, prefix_cache: Any = None) -> Session:

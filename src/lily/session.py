@@ -31,23 +31,13 @@ from .generation import (FINISH_LENGTH, FINISH_STOP, GenerationChunk, Generation
 from .prompt_checks import chat_variables, check_options
 from .sampling import Sampler, SamplingParams, device_sampling_supported, resolve_sampling, takes_sampling_options
 from .identity import ModelIdentity
+from .speculative import LOAD_HEAD_HINT, default_drafts, no_head_message
 from .session_file import load_session_file, read_session_user_metadata, save_session_file
 from .snapshot import SessionSnapshot
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
-
-# drafted tokens per speculative step by default, by backend: on the CPU a step's cost grows ~0.7 plain steps per
-# draft, so one draft is the best k at every acceptance the bundled head reaches (benchmarks/results/README.md,
-# speculative decoding); the GPUs' k is not measured yet (3, what MTP and EAGLE engines use on GPUs)
-DEFAULT_DRAFTS = 3
-DEFAULT_DRAFTS_BY_BACKEND = {"cpu": 1}
-
-
-def default_drafts(backend: str) -> int:
-    """Drafted tokens per speculative step when a request does not say (speculative=None or True)."""
-    return DEFAULT_DRAFTS_BY_BACKEND.get(str(backend), DEFAULT_DRAFTS)
 
 # progress(done, total) is called between prefill pieces; it may raise (e.g. to cancel a request)
 ProgressCallback = Callable[[int, int], None]
@@ -153,8 +143,8 @@ class Session:
         # LILY_SPECULATIVE_ADAPTIVE=0 keeps drafting: tests and ablations)
         self.speculative_k = default_drafts(getattr(engine, "backend", ""))
         self.speculative_adaptive = os.environ.get("LILY_SPECULATIVE_ADAPTIVE", "1") not in ("0", "false", "no")
-        # why the engine cannot draft although the model has a head (Model.session fills it in), for the error
-        self.speculation_unavailable: str | None = None
+        # what = "speculative=..." -> the error's text when the engine cannot draft (Model.session hands the model's)
+        self.no_head_message: Callable[[str], str] = lambda what: no_head_message(what, None, LOAD_HEAD_HINT)
 
     # ---- inspection ----------------------------------------------------------------------------
     @property
@@ -452,9 +442,7 @@ class Session:
             return 0, None
         if not getattr(self._engine, "has_mtp", False):
             if want is not None:
-                raise LilyError(f"[generate] speculative={want!r} needs the model's MTP head, and this engine has "
-                                f"none ({self.speculation_unavailable or 'the checkpoint has no mtp.* tensors'}; "
-                                f"lily.load(path, mtp=SOURCE) takes one from the Hugging Face original)")
+                raise LilyError("[generate] " + self.no_head_message(f"speculative={want!r}"))
             return 0, None
         if constraint is not None:
             return 0, "plain: a constrained (grammar) request draws on the host"

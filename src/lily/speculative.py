@@ -16,6 +16,18 @@ from .sampling import MAX_DRAFTS
 FLAG_VALUES = f"auto, on, off or 1..{MAX_DRAFTS}"
 # where a head comes from (lily.mtp_source): the Hugging Face original ships one
 HEAD_SOURCE_HINT = "e.g. Qwen/Qwen3.6-35B-A3B: only the shards holding the head are downloaded"
+LOAD_HEAD_HINT = "load the model with lily.load(path, mtp=SOURCE)"  # the Python API's way to a head
+
+# drafted tokens per speculative step by default, by backend: on the CPU a step's cost grows ~0.7 plain steps per
+# draft, so one draft is the best k at every acceptance the bundled head reaches (benchmarks/results/README.md,
+# speculative decoding); the GPUs' k is not measured yet (3, what MTP and EAGLE engines use on GPUs)
+DEFAULT_DRAFTS = 3
+DEFAULT_DRAFTS_BY_BACKEND = {"cpu": 1}
+
+
+def default_drafts(backend: str) -> int:
+    """Drafted tokens per speculative step when a request does not say (speculative=None or True)."""
+    return DEFAULT_DRAFTS_BY_BACKEND.get(str(backend), DEFAULT_DRAFTS)
 
 
 def parse_flag(text: str) -> bool | int | None:
@@ -87,7 +99,6 @@ def head_summary(model: Any, default: bool | int | None = None) -> str:
     head = f"MTP head from {mtp.source}" if mtp is not None else "MTP head"
     if default is False:
         return f"off by default, on for requests that ask ({head})"
-    from .session import default_drafts
     k = default_drafts(model.backend) if default is None or default is True else int(default)
     return (f"{'auto' if default is None else 'on'}, {k} drafted token{'s' if k != 1 else ''} per step, plain steps "
             f"where drafting does not pay ({head})")

@@ -11,7 +11,7 @@ import re
 import pytest
 from _http import httpx
 from _live import NO_THINK, LiveServer
-from lily.session import default_drafts
+from lily.speculative import default_drafts
 
 USER = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
 ADAPTIVE_OFF = {"LILY_SPECULATIVE_ADAPTIVE": "0"}  # keep drafting: the tiny model's verify rarely pays by the clock
