@@ -69,35 +69,65 @@ inline float load_x_chunk(device const float* x, uint c, thread float* xv) {
     return sum;
 }
 
-// dot(W[row, chunk c], xv) for one chunk. Quantized: s*dot(q, x) + b*sum(x) per group (group % VPC == 0).
+// One 16-byte chunk of a weight row (chunk c of row `row`), dequantized once so that it serves several x rows: the
+// values (quantized: the codes as floats, exact) and, quantized, the chunk's group scale and bias.
 template <int WF>
-inline float chunk_dot(WRef r, uint row, uint c, const thread float* xv, float xsum, constant kp::LinearParams& a) {
+struct WFrag {
+    float w[wf_vpc(WF)];
+    float s, b;
+};
+
+template <int WF>
+inline WFrag<WF> w_frag(WRef r, uint row, uint c, constant kp::LinearParams& a) {
     constexpr int VPC = wf_vpc(WF);
+    WFrag<WF> f;
+    f.s = 0.0f, f.b = 0.0f;
     if (WF == WF_Q4 || WF == WF_Q8) {
         constexpr uint BITS = WF == WF_Q4 ? 4 : 8;
         constexpr uint PER = 32 / BITS;
         const ulong words_per_row = ulong(a.in) / PER;
         const uint4 q = *(device const uint4*)((device const uint*)r.w + row * words_per_row + c * 4);
         const ulong g = ulong(row) * ulong(a.in / a.group) + (c * VPC) / uint(a.group);
-        float qx = 0.0f;
         for (uint wd = 0; wd < 4; wd++) {
             const uint word = q[wd];
-            for (uint i = 0; i < PER; i++)
-                qx += float((word >> (BITS * i)) & ((1u << BITS) - 1u)) * xv[wd * PER + i];
+            for (uint i = 0; i < PER; i++) f.w[wd * PER + i] = float((word >> (BITS * i)) & ((1u << BITS) - 1u));
         }
-        return bf16(r.s[g]) * qx + bf16(r.b[g]) * xsum;
+        f.s = bf16(r.s[g]), f.b = bf16(r.b[g]);
     } else if (WF == WF_BF16) {
         device const ushort* p = (device const ushort*)r.w + ulong(row) * a.in + c * VPC;
         const ushort4 u0 = *(device const ushort4*)p, u1 = *(device const ushort4*)(p + 4);
-        float acc = 0.0f;
-        for (int i = 0; i < 4; i++) acc += bf16(u0[i]) * xv[i] + bf16(u1[i]) * xv[4 + i];
-        return acc;
+        for (int i = 0; i < 4; i++) { f.w[i] = bf16(u0[i]); f.w[4 + i] = bf16(u1[i]); }
     } else {
         device const float* p = (device const float*)r.w + ulong(row) * a.in + c * VPC;
         const float4 f0 = *(device const float4*)p, f1 = *(device const float4*)(p + 4);
-        return dot(f0, float4(xv[0], xv[1], xv[2], xv[3])) + dot(f1, float4(xv[4], xv[5], xv[6], xv[7]));
+        for (int i = 0; i < 4; i++) { f.w[i] = f0[i]; f.w[4 + i] = f1[i]; }
+    }
+    return f;
+}
+
+// dot(fragment, xv) for one x chunk (xsum: its sum, load_x_chunk). Quantized: s*dot(q, x) + b*sum(x) per group
+// (group % VPC == 0). Every caller (one x row or several) runs these operations in this order, so an x row's result
+// does not depend on how many rows share the fragment.
+template <int WF>
+inline float frag_dot(const thread WFrag<WF>& f, const thread float* xv, float xsum) {
+    constexpr int VPC = wf_vpc(WF);
+    if (WF == WF_Q4 || WF == WF_Q8) {
+        float qx = 0.0f;
+        for (int j = 0; j < VPC; j++) qx += f.w[j] * xv[j];
+        return f.s * qx + f.b * xsum;
+    } else if (WF == WF_BF16) {
+        float acc = 0.0f;
+        for (int i = 0; i < 4; i++) acc += f.w[i] * xv[i] + f.w[4 + i] * xv[4 + i];
+        return acc;
+    } else {
+        return dot(float4(f.w[0], f.w[1], f.w[2], f.w[3]), float4(xv[0], xv[1], xv[2], xv[3])) +
+               dot(float4(f.w[4], f.w[5], f.w[6], f.w[7]), float4(xv[4], xv[5], xv[6], xv[7]));
     }
 }
+
+// x chunks of NM rows stay in registers across a chunk's weight rows while they take at most 64 floats; above,
+// each use loads its chunk again (the same loads, so the same values).
+constexpr bool x_hold(int wf, int nm) { return nm * wf_vpc(wf) <= 64; }
 
 // W[row, k] dequantized (used by the GEMM tile loaders).
 template <int WF>

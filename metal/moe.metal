@@ -3,8 +3,9 @@
 // -> moe_count (per block of rows: expert histogram) -> moe_offsets (scan: expert offsets, per-block
 // bases, block map of BM-row tiles for the grouped GEMM) -> moe_scatter (stable: rows ascending within
 // an expert, so results do not depend on thread timing) -> gemm (grouped) -> moe_combine.
-// Decode (one row): moe_gate_up_decode (8 routed experts + shared expert, SiLU(gate)*up in registers)
-// and moe_down_decode (routing weights, shared expert gate and the residual add fused).
+// Decode (NM <= 8 rows: a step, a verify, streams decoded together): moe_gate_up_decode (8 routed experts + shared
+// expert, SiLU(gate)*up in registers) and moe_down_decode (routing weights, shared expert gate and the residual add
+// fused); each expert any row chose is streamed once for all of them, and each row is what it is decoded alone.
 #include "common.h"
 
 // One simdgroup per row; lane holds experts e = lane + 32*j (E <= 32*MAXJ). Ties go to the lower id.
@@ -165,11 +166,38 @@ kernel void moe_combine(device float*          x    [[buffer(0)]],   // [S, H] r
     x[ulong(s) * H + i] += m;
 }
 
-// Decode: act[j, r] = silu(Wg_j[r] . h) * (Wu_j[r] . h); slot j < k is routed expert ids[j], slot k the
-// shared expert. Grid (ceil(max(I, Is) / (ROWS*NSG)), k + 1); h is read once per chunk for both weights.
-template <int WF, int ROWS>
-kernel void moe_gate_up_decode(device const float*        h    [[buffer(0)]],    // [H]
-                               device const int*          ids  [[buffer(1)]],    // [k]
+// The rows of an NM-row decode that expert pair p serves (the union of the rows' experts, each streamed once).
+// p < NM*k names pair (m0, j0) = (p / k, p % k) and expert e = ids[m0, j0]: it serves row m0 at slot j0 and every later
+// row that chose e, at that row's slot, unless an earlier row chose e (then the earlier row's pair serves them all:
+// returns false). p = NM*k: the shared expert, slot k of every row. slot[m] = -1: row m is not served. A row's ids are
+// distinct (moe_topk), except a non-finite row's repeated expert 0 with NaN weights, whose output is NaN either way.
+template <int NM>
+inline bool pair_rows(device const int* ids, uint k, uint p, thread int* slot, thread uint& e) {
+    if (p == NM * k) {
+        for (int m = 0; m < NM; m++) slot[m] = int(k);
+        e = 0;
+        return true;
+    }
+    const uint m0 = p / k;
+    e = uint(ids[p]);
+    for (int m = 0; m < NM; m++) {
+        slot[m] = uint(m) == m0 ? int(p % k) : -1;
+        for (uint j = 0; j < k && uint(m) != m0; j++)
+            if (uint(ids[uint(m) * k + j]) == e) {
+                if (uint(m) < m0) return false;
+                if (slot[m] < 0) slot[m] = int(j);
+            }
+    }
+    return true;
+}
+
+// Decode of NM rows: act[m, j, r] = silu(Wg_e[r] . h[m]) * (Wu_e[r] . h[m]) for each row m and slot j, e = ids[m, j];
+// slot k is the shared expert. Threadgroup y = p names an expert pair (pair_rows): its weights are read once for the
+// rows it serves, h chunks read once per chunk for both weights. Row m's values are bit-equal to an NM = 1 launch on
+// row m alone (same lanes, chunks and frag_dot order). Grid (ceil(max(I, Is) / (ROWS*NSG)), NM*k + 1).
+template <int WF, int ROWS, int NM>
+kernel void moe_gate_up_decode(device const float*        h    [[buffer(0)]],    // [NM, H]
+                               device const int*          ids  [[buffer(1)]],    // [NM, k]
                                device const uchar*        gw   [[buffer(2)]],    // routed gate [E, I, H]
                                device const ushort*       gs   [[buffer(3)]],
                                device const ushort*       gb   [[buffer(4)]],
@@ -182,7 +210,7 @@ kernel void moe_gate_up_decode(device const float*        h    [[buffer(0)]],   
                                device const uchar*        suw  [[buffer(11)]],   // shared up [Is, H]
                                device const ushort*       sus  [[buffer(12)]],
                                device const ushort*       sub  [[buffer(13)]],
-                               device float*              act  [[buffer(14)]],   // [k+1, act_stride]
+                               device float*              act  [[buffer(14)]],   // [NM, k+1, act_stride]
                                constant kp::LinearParams&   la   [[buffer(15)]],   // routed gate/up
                                constant kp::LinearParams&   las  [[buffer(16)]],   // shared gate/up
                                constant kp::MoeDecodeArgs& ma  [[buffer(17)]],
@@ -192,45 +220,75 @@ kernel void moe_gate_up_decode(device const float*        h    [[buffer(0)]],   
                                uint  lane [[thread_index_in_simdgroup]])
 {
     constexpr int VPC = wf_vpc(WF);
-    const uint slot = tg.y;
-    const bool shared = slot == uint(ma.top_k);
+    constexpr bool HOLD = x_hold(WF, NM);
+    const uint k = uint(ma.top_k);
+    int slot[NM];
+    uint e;
+    if (!pair_rows<NM>(ids, k, tg.y, slot, e)) return;   // another pair serves this expert (whole threadgroup)
+    const bool shared = tg.y == NM * k;
     constant kp::LinearParams& a = shared ? las : la;
     WRef g{sgw, sgs, sgb}, u{suw, sus, sub};
     if (!shared) {
-        g = w_expert(WRef{gw, gs, gb}, uint(ids[slot]), la);
-        u = w_expert(WRef{uw, us, ub}, uint(ids[slot]), la);
+        g = w_expert(WRef{gw, gs, gb}, e, la);
+        u = w_expert(WRef{uw, us, ub}, e, la);
     }
-    const uint rows = uint(a.out), row0 = (tg.x * nsg + sg) * ROWS;
-    float ag[ROWS], au[ROWS];
-    for (int i = 0; i < ROWS; i++) { ag[i] = 0.0f; au[i] = 0.0f; }
-    for (uint c = lane; c < uint(a.in) / VPC; c += 32) {
-        float xv[VPC];
-        const float xsum = load_x_chunk<WF>(h, c, xv);
-        for (int i = 0; i < ROWS; i++)
-            if (row0 + i < rows) {
-                ag[i] += chunk_dot<WF>(g, row0 + i, c, xv, xsum, a);
-                au[i] += chunk_dot<WF>(u, row0 + i, c, xv, xsum, a);
+    const uint rows = uint(a.out), row0 = (tg.x * nsg + sg) * ROWS, H = uint(a.in);
+    float ag[NM][ROWS], au[NM][ROWS];
+    for (int m = 0; m < NM; m++)
+        for (int i = 0; i < ROWS; i++) { ag[m][i] = 0.0f; au[m][i] = 0.0f; }
+    for (uint c = lane; c < H / VPC; c += 32) {
+        float xsum[NM], xh[HOLD ? NM : 1][VPC];
+        for (int m = 0; m < NM; m++)
+            if (slot[m] >= 0) xsum[m] = load_x_chunk<WF>(h + m * ulong(H), c, xh[HOLD ? m : 0]);
+        for (int i = 0; i < ROWS; i++) {
+            if (row0 + i >= rows) continue;
+            const WFrag<WF> fg = w_frag<WF>(g, row0 + i, c, a), fu = w_frag<WF>(u, row0 + i, c, a);
+            for (int m = 0; m < NM; m++) {
+                if (slot[m] < 0) continue;
+                float xv[VPC];
+                if (!HOLD) load_x_chunk<WF>(h + m * ulong(H), c, xv);
+                ag[m][i] += frag_dot<WF>(fg, HOLD ? xh[m] : xv, xsum[m]);
+                au[m][i] += frag_dot<WF>(fu, HOLD ? xh[m] : xv, xsum[m]);
             }
+        }
     }
-    for (int i = 0; i < ROWS; i++) {
-        const float gv = simd_sum(ag[i]), uv = simd_sum(au[i]);
-        if (lane == 0 && row0 + i < rows) act[ulong(slot) * ulong(ma.act_stride) + row0 + i] = silu(gv) * uv;
+    for (int m = 0; m < NM; m++) {
+        if (slot[m] < 0) continue;
+        device float* am = act + (ulong(m) * (k + 1) + uint(slot[m])) * ulong(ma.act_stride);
+        for (int i = 0; i < ROWS; i++) {
+            const float gv = simd_sum(ag[m][i]), uv = simd_sum(au[m][i]);
+            if (lane == 0 && row0 + i < rows) am[row0 + i] = silu(gv) * uv;
+        }
     }
 }
 
-// Decode: x[r] += sum_j w_j (Wd_j[r] . act[j]) + sigmoid(sg) (Wsd[r] . act[k]). Grid ceil(H / (ROWS*NSG)).
-template <int WF, int ROWS>
-kernel void moe_down_decode(device const float*        act  [[buffer(0)]],    // [k+1, act_stride]
-                            device const int*          ids  [[buffer(1)]],    // [k]
-                            device const float*        wts  [[buffer(2)]],    // [k]
-                            device const float*        sgl  [[buffer(3)]],    // [1] shared gate logit
+// Row m's activations of slot j: act [NM, k+1, act_stride].
+inline device const float* act_at(device const float* act, int m, int j, uint k, constant kp::MoeDecodeArgs& ma) {
+    return act + (ulong(m) * (k + 1) + uint(j)) * ulong(ma.act_stride);
+}
+
+// Largest top_k and simdgroups per threadgroup of moe_down_decode (its per-slot results in threadgroup memory;
+// Ops::moe_down_decode checks both).
+constant constexpr int MOE_DEC_MAX_K = 8;
+constant constexpr int MOE_DEC_MAX_SG = 4;
+
+// Decode of NM rows: x[m, r] += sum_j wts[m, j] (Wd_e[r] . act[m, j]) + sigmoid(sgl[m]) (Wsd[r] . act[m, k]), e =
+// ids[m, j], the sum over j in the row's slot order. The threadgroup walks the expert pairs (pair_rows), so each expert
+// is streamed once for all the rows that chose it; each (row, slot) dot is reduced on its own (simd_sum) into
+// threadgroup memory and each row's sum is formed after the last expert, in slot order, then the shared expert, then
+// the residual add. Row m is bit-equal to an NM = 1 launch on row m alone. Grid ceil(H / (ROWS*NSG)).
+template <int WF, int ROWS, int NM>
+kernel void moe_down_decode(device const float*        act  [[buffer(0)]],    // [NM, k+1, act_stride]
+                            device const int*          ids  [[buffer(1)]],    // [NM, k]
+                            device const float*        wts  [[buffer(2)]],    // [NM, k]
+                            device const float*        sgl  [[buffer(3)]],    // [NM] shared gate logits
                             device const uchar*        dw   [[buffer(4)]],    // routed down [E, H, I]
                             device const ushort*       ds   [[buffer(5)]],
                             device const ushort*       db   [[buffer(6)]],
                             device const uchar*        sdw  [[buffer(7)]],    // shared down [H, Is]
                             device const ushort*       sds  [[buffer(8)]],
                             device const ushort*       sdb  [[buffer(9)]],
-                            device float*              x    [[buffer(10)]],   // [H] residual
+                            device float*              x    [[buffer(10)]],   // [NM, H] residual
                             constant kp::LinearParams&   la   [[buffer(11)]],   // routed down
                             constant kp::LinearParams&   las  [[buffer(12)]],   // shared down
                             constant kp::MoeDecodeArgs& ma  [[buffer(13)]],
@@ -239,33 +297,91 @@ kernel void moe_down_decode(device const float*        act  [[buffer(0)]],    //
                             uint  nsg  [[simdgroups_per_threadgroup]],
                             uint  lane [[thread_index_in_simdgroup]])
 {
+    // (row, slot, output row) results of this simdgroup: written and read by its lane 0 only
+    threadgroup float tg_y[MOE_DEC_MAX_SG * NM * (MOE_DEC_MAX_K + 1) * ROWS];
     constexpr int VPC = wf_vpc(WF);
+    constexpr bool HOLD = x_hold(WF, NM);
     const uint H = uint(la.out), row0 = (tg * nsg + sg) * ROWS, k = uint(ma.top_k);
-    float acc[ROWS];
-    for (int i = 0; i < ROWS; i++) acc[i] = 0.0f;
-    for (uint j = 0; j <= k; j++) {
-        const bool shared = j == k;
+    threadgroup float* ys = tg_y + sg * NM * (MOE_DEC_MAX_K + 1) * ROWS;
+    for (uint p = 0; p <= NM * k; p++) {
+        int slot[NM];
+        uint e;
+        if (!pair_rows<NM>(ids, k, p, slot, e)) continue;
+        const bool shared = p == NM * k;
         constant kp::LinearParams& a = shared ? las : la;
         WRef d{sdw, sds, sdb};
-        if (!shared) d = w_expert(WRef{dw, ds, db}, uint(ids[j]), la);
-        const float wj = shared ? sigmoid(sgl[0]) : wts[j];
-        device const float* aj = act + ulong(j) * ulong(ma.act_stride);
+        if (!shared) d = w_expert(WRef{dw, ds, db}, e, la);
+        float acc[NM][ROWS];
+        for (int m = 0; m < NM; m++)
+            for (int i = 0; i < ROWS; i++) acc[m][i] = 0.0f;
         for (uint c = lane; c < uint(a.in) / VPC; c += 32) {
-            float xv[VPC];
-            const float xsum = load_x_chunk<WF>(aj, c, xv);
-            for (int i = 0; i < ROWS; i++)
-                if (row0 + i < H) acc[i] += wj * chunk_dot<WF>(d, row0 + i, c, xv, xsum, a);
+            float xsum[NM], xh[HOLD ? NM : 1][VPC];
+            for (int m = 0; m < NM; m++)
+                if (slot[m] >= 0) xsum[m] = load_x_chunk<WF>(act_at(act, m, slot[m], k, ma), c, xh[HOLD ? m : 0]);
+            for (int i = 0; i < ROWS; i++) {
+                if (row0 + i >= H) continue;
+                const WFrag<WF> f = w_frag<WF>(d, row0 + i, c, a);
+                for (int m = 0; m < NM; m++) {
+                    if (slot[m] < 0) continue;
+                    float xv[VPC];
+                    if (!HOLD) load_x_chunk<WF>(act_at(act, m, slot[m], k, ma), c, xv);
+                    acc[m][i] += frag_dot<WF>(f, HOLD ? xh[m] : xv, xsum[m]);
+                }
+            }
+        }
+        for (int m = 0; m < NM; m++) {
+            if (slot[m] < 0) continue;
+            for (int i = 0; i < ROWS; i++) {
+                const float v = simd_sum(acc[m][i]);
+                if (lane == 0) ys[(m * (MOE_DEC_MAX_K + 1) + slot[m]) * ROWS + i] = v;
+            }
         }
     }
-    for (int i = 0; i < ROWS; i++) {
-        const float v = simd_sum(acc[i]);
-        if (lane == 0 && row0 + i < H) x[row0 + i] += v;
+    if (lane != 0) return;
+    for (int m = 0; m < NM; m++) {
+        const threadgroup float* ym = ys + m * (MOE_DEC_MAX_K + 1) * ROWS;
+        for (int i = 0; i < ROWS; i++) {
+            if (row0 + i >= H) continue;
+            float v = 0.0f;
+            for (uint j = 0; j < k; j++) v += wts[uint(m) * k + j] * ym[j * ROWS + i];
+            v += sigmoid(sgl[m]) * ym[k * ROWS + i];
+            x[ulong(m) * H + row0 + i] += v;
+        }
     }
 }
 
 template [[host_name("moe_topk_j8")]] [[kernel]] decltype(moe_topk<8>) moe_topk<8>;
 template [[host_name("moe_topk_j1")]] [[kernel]] decltype(moe_topk<1>) moe_topk<1>;
-template [[host_name("moe_gate_up_decode_q4")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4>) moe_gate_up_decode<WF_Q4, 4>;
-template [[host_name("moe_gate_up_decode_bf16")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4>) moe_gate_up_decode<WF_BF16, 4>;
-template [[host_name("moe_down_decode_q4")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4>) moe_down_decode<WF_Q4, 4>;
-template [[host_name("moe_down_decode_bf16")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4>) moe_down_decode<WF_BF16, 4>;
+// <kernel>_<fmt>: one row (decode); <kernel>_<fmt>_m<NM>: NM rows (MetalBackend::moe_decode, exact rows).
+template [[host_name("moe_gate_up_decode_q4")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 1>) moe_gate_up_decode<WF_Q4, 4, 1>;
+template [[host_name("moe_gate_up_decode_q4_m2")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 2>) moe_gate_up_decode<WF_Q4, 4, 2>;
+template [[host_name("moe_gate_up_decode_q4_m3")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 3>) moe_gate_up_decode<WF_Q4, 4, 3>;
+template [[host_name("moe_gate_up_decode_q4_m4")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 4>) moe_gate_up_decode<WF_Q4, 4, 4>;
+template [[host_name("moe_gate_up_decode_q4_m5")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 5>) moe_gate_up_decode<WF_Q4, 4, 5>;
+template [[host_name("moe_gate_up_decode_q4_m6")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 6>) moe_gate_up_decode<WF_Q4, 4, 6>;
+template [[host_name("moe_gate_up_decode_q4_m7")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 7>) moe_gate_up_decode<WF_Q4, 4, 7>;
+template [[host_name("moe_gate_up_decode_q4_m8")]] [[kernel]] decltype(moe_gate_up_decode<WF_Q4, 4, 8>) moe_gate_up_decode<WF_Q4, 4, 8>;
+template [[host_name("moe_gate_up_decode_bf16")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 1>) moe_gate_up_decode<WF_BF16, 4, 1>;
+template [[host_name("moe_gate_up_decode_bf16_m2")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 2>) moe_gate_up_decode<WF_BF16, 4, 2>;
+template [[host_name("moe_gate_up_decode_bf16_m3")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 3>) moe_gate_up_decode<WF_BF16, 4, 3>;
+template [[host_name("moe_gate_up_decode_bf16_m4")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 4>) moe_gate_up_decode<WF_BF16, 4, 4>;
+template [[host_name("moe_gate_up_decode_bf16_m5")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 5>) moe_gate_up_decode<WF_BF16, 4, 5>;
+template [[host_name("moe_gate_up_decode_bf16_m6")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 6>) moe_gate_up_decode<WF_BF16, 4, 6>;
+template [[host_name("moe_gate_up_decode_bf16_m7")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 7>) moe_gate_up_decode<WF_BF16, 4, 7>;
+template [[host_name("moe_gate_up_decode_bf16_m8")]] [[kernel]] decltype(moe_gate_up_decode<WF_BF16, 4, 8>) moe_gate_up_decode<WF_BF16, 4, 8>;
+template [[host_name("moe_down_decode_q4")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 1>) moe_down_decode<WF_Q4, 4, 1>;
+template [[host_name("moe_down_decode_q4_m2")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 2>) moe_down_decode<WF_Q4, 4, 2>;
+template [[host_name("moe_down_decode_q4_m3")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 3>) moe_down_decode<WF_Q4, 4, 3>;
+template [[host_name("moe_down_decode_q4_m4")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 4>) moe_down_decode<WF_Q4, 4, 4>;
+template [[host_name("moe_down_decode_q4_m5")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 5>) moe_down_decode<WF_Q4, 4, 5>;
+template [[host_name("moe_down_decode_q4_m6")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 6>) moe_down_decode<WF_Q4, 4, 6>;
+template [[host_name("moe_down_decode_q4_m7")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 7>) moe_down_decode<WF_Q4, 4, 7>;
+template [[host_name("moe_down_decode_q4_m8")]] [[kernel]] decltype(moe_down_decode<WF_Q4, 4, 8>) moe_down_decode<WF_Q4, 4, 8>;
+template [[host_name("moe_down_decode_bf16")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 1>) moe_down_decode<WF_BF16, 4, 1>;
+template [[host_name("moe_down_decode_bf16_m2")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 2>) moe_down_decode<WF_BF16, 4, 2>;
+template [[host_name("moe_down_decode_bf16_m3")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 3>) moe_down_decode<WF_BF16, 4, 3>;
+template [[host_name("moe_down_decode_bf16_m4")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 4>) moe_down_decode<WF_BF16, 4, 4>;
+template [[host_name("moe_down_decode_bf16_m5")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 5>) moe_down_decode<WF_BF16, 4, 5>;
+template [[host_name("moe_down_decode_bf16_m6")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 6>) moe_down_decode<WF_BF16, 4, 6>;
+template [[host_name("moe_down_decode_bf16_m7")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 7>) moe_down_decode<WF_BF16, 4, 7>;
+template [[host_name("moe_down_decode_bf16_m8")]] [[kernel]] decltype(moe_down_decode<WF_BF16, 4, 8>) moe_down_decode<WF_BF16, 4, 8>;

@@ -326,7 +326,7 @@ void MetalBackend::reserve(int64_t S) {
   s->act = s->make(n * k * I * 4), s->yd = s->make(n * k * H * 4);
   s->ash = s->make(n * Is * 4), s->ysh = s->make(n * H * 4);
   s->act_stride = static_cast<int>((std::max(I, Is) + 7) / 8 * 8);
-  s->act_dec = s->make((k + 1) * s->act_stride * 4);
+  s->act_dec = s->make(Ops::kDecodeRows * (k + 1) * s->act_stride * 4);   // [kDecodeRows, k+1, act_stride]
   s->head_h = s->make(n * H * 4);
   if (has_mtp_) {
     s->hid = s->make(n * H * 4), s->cat = s->make(n * 2 * H * 4);
@@ -466,31 +466,36 @@ void MetalBackend::moe_block(int layer, int64_t S) {
   ops_.rms_norm(e, sc_->x, L.post_norm, sc_->h, static_cast<int>(S), cfg_.hidden, cfg_.rms_eps);
   e.barrier();
   if (S == 1 || ops_.exact_rows) {  // a step, or rows as steps make them
-    for (int64_t r = 0; r < S; ++r) {
-      if (L.fused_decode) moe_decode(L, r);
-      else moe_prefill(L, r, 1);
-    }
+    if (L.fused_decode) return moe_decode(L, S);
+    for (int64_t r = 0; r < S; ++r) moe_prefill(L, r, 1);
     return;
   }
   moe_prefill(L, 0, S);
 }
 
-// Decode of row `row`: router + shared-expert gate GEMVs, top-k, then the two fused chains (residual add included).
-void MetalBackend::moe_decode(const LayerW& L, int64_t row) {
+// Decode of S rows, each as a one-row step computes it: router + shared-expert gate GEMVs and top-k over the rows, then
+// the two fused chains (residual add included) per group of up to Ops::kDecodeRows rows, which stream each expert the
+// group's rows chose once for all of them.
+void MetalBackend::moe_decode(const LayerW& L, int64_t S) {
   const Config& c = cfg_;
   Scratch& s = *sc_;
   Encoder& e = enc();
-  const size_t at_row = static_cast<size_t>(row) * c.hidden * 4;
-  const BufRef h = at(s.h, at_row), x = at(s.x, at_row);
-  ops_.linear(e, L.router, h, s.logits, 1, false);
-  ops_.linear(e, L.sh_expert_gate, h, s.sg, 1, false);
+  const int n = static_cast<int>(S), k = c.top_k;
+  ops_.linear(e, L.router, s.h, s.logits, n, false);
+  ops_.linear(e, L.sh_expert_gate, s.h, s.sg, n, false);
   e.barrier();
-  ops_.moe_topk(e, s.logits, s.r.ids, s.r.wts, 1, c.n_experts, c.top_k, c.norm_topk_prob);
+  ops_.moe_topk(e, s.logits, s.r.ids, s.r.wts, n, c.n_experts, k, c.norm_topk_prob);
   e.barrier();
-  ops_.moe_gate_up_decode(e, L.gate, L.up, L.sh_gate, L.sh_up, h, s.r.ids, s.act_dec, c.top_k, s.act_stride);
-  e.barrier();
-  ops_.moe_down_decode(e, L.down, L.sh_down, s.act_dec, s.r.ids, s.r.wts, s.sg, x, c.top_k, s.act_stride);
-  e.barrier();
+  for (int r0 = 0; r0 < n; r0 += Ops::kDecodeRows) {  // (one activation buffer: the groups run one after another)
+    const int m = std::min(n - r0, Ops::kDecodeRows);
+    const size_t hx = static_cast<size_t>(r0) * c.hidden * 4, ik = static_cast<size_t>(r0) * k * 4;
+    const BufRef ids = at(s.r.ids, ik);
+    ops_.moe_gate_up_decode(e, L.gate, L.up, L.sh_gate, L.sh_up, at(s.h, hx), ids, s.act_dec, k, s.act_stride, m);
+    e.barrier();
+    ops_.moe_down_decode(e, L.down, L.sh_down, s.act_dec, ids, at(s.r.wts, ik), at(s.sg, static_cast<size_t>(r0) * 4),
+                         at(s.x, hx), k, s.act_stride, m);
+    e.barrier();
+  }
 }
 
 // Prefill: routing on the device, grouped expert GEMMs over the block map, shared expert, combine.

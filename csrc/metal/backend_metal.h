@@ -96,12 +96,13 @@ class MetalBackend final : public Backend {
   void store_hidden(int64_t row, Buffer& dst) override;
   void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) override;
   void mtp_head(int64_t row0, int64_t n, float* logits) override;
-  // exact_rows: an S-row chunk runs the one-row step's kernels row by row (the GEMV over S rows, decode attention
-  // and the fused MoE decode per row, the sequential DeltaNet scan), so every row is bit-equal to a one-row step
+  // exact_rows: an S-row chunk runs the one-row step's kernels (the GEMVs and the fused MoE decode over the rows,
+  // decode attention per row, the sequential DeltaNet scan), so every row is bit-equal to a one-row step
   // (the speculative verify decides what plain decoding would; batched streams return what they return alone).
   // Without it an S-row chunk runs the prefill kernels (GEMM, attn_prefill, grouped MoE), which sum in another
   // order (fp32: within ~1e-6 relative, test_metal_backend.py). batches_streams: several segments per forward,
-  // each with its own state; the rows are read from the weights once per row (no multi-row kernels yet).
+  // each with its own state. The GEMVs and the fused MoE decode serve up to Ops::kDecodeRows rows per threadgroup,
+  // each weight chunk (each chosen expert) read once for all of them, with every row bit-equal to its one-row step.
   void exact_rows(bool on) override { ops_.exact_rows = on; }
   bool batches_streams() const override { return true; }
 
@@ -149,7 +150,7 @@ class MetalBackend final : public Backend {
   void embed_from(BufRef ids, int64_t S);
   void head_into(int64_t row0, int64_t n, BufRef logits);
   void moe_prefill(const LayerW& L, int64_t row0, int64_t S);
-  void moe_decode(const LayerW& L, int64_t row);
+  void moe_decode(const LayerW& L, int64_t S);
 
   BufRef mtp_ids_slot(const int32_t* ids, int64_t n);
 

@@ -11,6 +11,12 @@ constexpr uint32_t kGemmBN = 32, kGemmThreads = 128;  // both GEMM kernels (tens
 constexpr uint32_t kScanRows = 4;                        // state rows per simdgroup (template ROWS)
 
 uint32_t cdiv(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+BufRef at(BufRef r, size_t bytes) { return BufRef{r.buf, r.offset + bytes}; }
+// Pipeline of a decode kernel serving `rows` input rows per threadgroup: <base> for one, <base>_m<rows> above.
+std::string rows_kernel(const std::string& base, int rows) {
+  return rows == 1 ? base : base + "_m" + std::to_string(rows);
+}
+constexpr int kMoeDecodeMaxK = 8, kMoeDecodeMaxSimdgroups = 4;  // moe.metal MOE_DEC_MAX_K, MOE_DEC_MAX_SG
 
 template <class T>
 void bytes(Encoder& e, int i, const T& v) { e.set_bytes(i, &v, sizeof(T)); }
@@ -53,13 +59,24 @@ void Ops::linear(Encoder& e, const DevLinear& W, BufRef x, BufRef y, int S, bool
   x_stride = x_stride ? x_stride : static_cast<int>(W.in);
   y_stride = y_stride ? y_stride : static_cast<int>(W.out);
   if (S <= kGemvMaxRows || exact_rows) {
-    bind_w(e, 0, W);
-    e.set_buffer(3, x);
-    e.set_buffer(4, y);
-    bytes(e, 5, W.args);
-    bytes(e, 6, kp::GemvArgs{x_stride, y_stride, accumulate ? 1 : 0, 0});
-    go(e, "gemv_" + W.fmt, {cdiv(W.out, kGemvRows * kGemvSimdgroups), static_cast<uint32_t>(S), 1},
-       {32 * kGemvSimdgroups, 1, 1});
+    // Threadgroup rows of nm input rows each (all S when S <= kDecodeRows), then one for the rest: the kernels'
+    // row count is a template parameter, so a group is always full. (The rest writes other rows of y, but the
+    // device's hazards are per buffer: a barrier between.)
+    const int nm = std::min(S, kDecodeRows), full = S / nm * nm;
+    auto rows = [&](int row0, int m, int groups) {
+      bind_w(e, 0, W);
+      e.set_buffer(3, at(x, static_cast<size_t>(row0) * x_stride * 4));
+      e.set_buffer(4, at(y, static_cast<size_t>(row0) * y_stride * 4));
+      bytes(e, 5, W.args);
+      bytes(e, 6, kp::GemvArgs{x_stride, y_stride, accumulate ? 1 : 0, 0});
+      go(e, rows_kernel("gemv_" + W.fmt, m),
+         {cdiv(W.out, kGemvRows * kGemvSimdgroups), static_cast<uint32_t>(groups), 1}, {32 * kGemvSimdgroups, 1, 1});
+    };
+    rows(0, nm, S / nm);
+    if (full < S) {
+      e.barrier();
+      rows(full, S - full, 1);
+    }
     return;
   }
   e.set_buffer(0, x);
@@ -320,9 +337,10 @@ void Ops::moe_combine(Encoder& e, BufRef x, BufRef yd, BufRef ysh, BufRef sg, co
 }
 
 void Ops::moe_gate_up_decode(Encoder& e, const DevLinear& g, const DevLinear& u, const DevLinear& sg,
-                             const DevLinear& su, BufRef h, BufRef ids, BufRef act, int k, int act_stride) {
+                             const DevLinear& su, BufRef h, BufRef ids, BufRef act, int k, int act_stride, int rows) {
   if (g.fmt != sg.fmt || u.fmt != g.fmt || su.fmt != g.fmt)
     throw std::invalid_argument("[lily] metal: fused MoE decode needs one format for routed and shared gate/up");
+  if (rows < 1 || rows > kDecodeRows) throw std::invalid_argument("[lily] metal: fused MoE decode of 1 to 8 rows");
   e.set_buffer(0, h);
   e.set_buffer(1, ids);
   bind_w(e, 2, g);
@@ -333,15 +351,21 @@ void Ops::moe_gate_up_decode(Encoder& e, const DevLinear& g, const DevLinear& u,
   bytes(e, 15, g.args);
   bytes(e, 16, sg.args);
   bytes(e, 17, kp::MoeDecodeArgs{k, static_cast<int>(g.out), static_cast<int>(sg.out), act_stride});
-  go(e, "moe_gate_up_decode_" + g.fmt,
-     {cdiv(std::max(g.out, sg.out), kGemvRows * kGemvSimdgroups), static_cast<uint32_t>(k + 1), 1},
+  // grid y: one threadgroup row per (row, slot) pair and the shared expert; pairs whose expert an earlier row chose
+  // return at once (moe.metal pair_rows)
+  go(e, rows_kernel("moe_gate_up_decode_" + g.fmt, rows),
+     {cdiv(std::max(g.out, sg.out), kGemvRows * kGemvSimdgroups), static_cast<uint32_t>(rows * k + 1), 1},
      {32 * kGemvSimdgroups, 1, 1});
 }
 
 void Ops::moe_down_decode(Encoder& e, const DevLinear& d, const DevLinear& sd, BufRef act, BufRef ids, BufRef wts,
-                          BufRef sg_logit, BufRef x, int k, int act_stride) {
+                          BufRef sg_logit, BufRef x, int k, int act_stride, int rows) {
   if (d.fmt != sd.fmt)
     throw std::invalid_argument("[lily] metal: fused MoE decode needs one format for routed and shared down");
+  static_assert(kGemvSimdgroups <= kMoeDecodeMaxSimdgroups, "moe_down_decode's threadgroup memory");
+  if (rows < 1 || rows > kDecodeRows) throw std::invalid_argument("[lily] metal: fused MoE decode of 1 to 8 rows");
+  if (k > kMoeDecodeMaxK)
+    throw std::invalid_argument("[lily] metal: fused MoE decode of top_k > 8 is not instantiated");
   e.set_buffer(0, act);
   e.set_buffer(1, ids);
   e.set_buffer(2, wts);
@@ -352,7 +376,8 @@ void Ops::moe_down_decode(Encoder& e, const DevLinear& d, const DevLinear& sd, B
   bytes(e, 11, d.args);
   bytes(e, 12, sd.args);
   bytes(e, 13, kp::MoeDecodeArgs{k, static_cast<int>(d.in), static_cast<int>(sd.in), act_stride});
-  go(e, "moe_down_decode_" + d.fmt, {cdiv(d.out, kGemvRows * kGemvSimdgroups), 1, 1}, {32 * kGemvSimdgroups, 1, 1});
+  go(e, rows_kernel("moe_down_decode_" + d.fmt, rows), {cdiv(d.out, kGemvRows * kGemvSimdgroups), 1, 1},
+     {32 * kGemvSimdgroups, 1, 1});
 }
 
 }  // namespace lily::metal

@@ -33,9 +33,14 @@ class Ops {
   Ops(Device& dev, bool kv_bf16)
       : dev_(dev), kvs_(kv_bf16 ? "_kvbf16" : ""), tensor_ops_(dev.has_tensor_ops()) {}
 
-  // Rows at or below this use the row-parallel GEMV; above, the GEMM.
+  // Rows at or below this use the row-parallel GEMV; above, the GEMM. (The GEMV reads the weights once for up to
+  // kDecodeRows rows; where it overtakes the GEMM between 4 and 8 rows is unmeasured without a Mac.)
   static constexpr int kGemvMaxRows = 4;
-  // Backend::exact_rows: every linear runs the GEMV, whose rows are each computed as a one-row step computes them.
+  // Input rows one decode threadgroup serves (gemv_<fmt>_m<NM>, moe_*_decode_<fmt>_m<NM>: each weight chunk read and
+  // dequantized once for all of them); more rows run in groups of kDecodeRows, then the rest.
+  static constexpr int kDecodeRows = 8;
+  // Backend::exact_rows: every linear runs the GEMV, whose rows are each computed as a one-row step computes them
+  // (row m of an NM-row launch is bit-equal to a one-row launch on it).
   bool exact_rows = false;
   // Decode attention: keys per split-K part.
   static constexpr int kSplitLen = 256;
@@ -110,10 +115,13 @@ class Ops {
   void route(Encoder& e, BufRef logits, const RouteBufs& r, int S, int E, int k, bool norm, int bm, int max_tiles);
   void moe_combine(Encoder& e, BufRef x, BufRef yd, BufRef ysh, BufRef sg, const RouteBufs& r, int S, int H, int k);
   void moe_topk(Encoder& e, BufRef logits, BufRef ids, BufRef wts, int S, int E, int k, bool norm);
+  // The fused MoE decode chains over rows <= kDecodeRows rows (each expert the rows chose streamed once for them):
+  // act [rows, k+1, act_stride] = silu(h Wg^T) * (h Wu^T) per (row, slot), slot k the shared expert, from h [rows, H]
+  // and ids [rows, k]; then x [rows, H] += the rows' weighted sums (wts [rows, k], sg_logit [rows]), k <= 8.
   void moe_gate_up_decode(Encoder& e, const DevLinear& g, const DevLinear& u, const DevLinear& sg,
-                          const DevLinear& su, BufRef h, BufRef ids, BufRef act, int k, int act_stride);
+                          const DevLinear& su, BufRef h, BufRef ids, BufRef act, int k, int act_stride, int rows = 1);
   void moe_down_decode(Encoder& e, const DevLinear& d, const DevLinear& sd, BufRef act, BufRef ids, BufRef wts,
-                       BufRef sg_logit, BufRef x, int k, int act_stride);
+                       BufRef sg_logit, BufRef x, int k, int act_stride, int rows = 1);
 
  private:
   Pipeline* pipe(const std::string& name) { return dev_.pipeline(name); }

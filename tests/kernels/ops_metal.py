@@ -24,16 +24,36 @@ def linear_args(w: Weight):
                       expert_elems=w.out * w.inp)
 
 
-def gemv(w: Weight, x: np.ndarray, y0: np.ndarray | None = None) -> np.ndarray:
-    """x [S, in] -> y [S, out]; with y0 the result is added to it (residual add fused)."""
+GEMV_MAX_M = 8  # Ops::kGemvRowsMax: input rows one GEMV threadgroup serves
+
+
+def row_groups(S: int, nm: int | None = None) -> list[tuple[int, int, int]]:
+    """(first row, rows per threadgroup NM, threadgroups) per launch over S input rows, as Ops::linear and
+    MetalBackend::moe_decode split them: all S <= 8 rows in one threadgroup row, else groups of 8 and then the rest;
+    nm given: groups of nm rows (nm = 1: the one-row kernel over every row)."""
+    nm = nm or min(S, GEMV_MAX_M)
+    full = S // nm * nm
+    return [(0, nm, S // nm)] + ([(full, S - full, 1)] if full < S else [])
+
+
+def _rows_suffix(nm: int) -> str:
+    return "" if nm == 1 else f"_m{nm}"
+
+
+def gemv(w: Weight, x: np.ndarray, y0: np.ndarray | None = None, nm: int | None = None) -> np.ndarray:
+    """x [S, in] -> y [S, out]; with y0 the result is added to it (residual add fused). nm: input rows per
+    threadgroup (gemv_<fmt>_m<nm>; 1: gemv_<fmt>, one row each); None: the host's split (row_groups)."""
     S = x.shape[0]
     acc = y0 is not None
+    x = np.ascontiguousarray(x, np.float32)
     y = y0.copy() if acc else np.zeros((S, w.out), np.float32)
     ga = emu.params("GemvArgs", x_stride=x.shape[1], y_stride=w.out, accumulate=int(acc))
-    grid = (-(-w.out // (GEMV_ROWS * GEMV_NSG)), S, 1)
-    out, = emu.run3(lib("gemv"), f"gemv_{w.fmt}", grid, (32 * GEMV_NSG, 1, 1),
-                    [*w.bufs, np.ascontiguousarray(x, np.float32), y, linear_args(w), ga], outputs=[4], poison=not acc)
-    return out
+    for r0, m, n in row_groups(S, nm):
+        grid = (-(-w.out // (GEMV_ROWS * GEMV_NSG)), n, 1)
+        y[r0:r0 + m * n], = emu.run3(lib("gemv"), f"gemv_{w.fmt}{_rows_suffix(m)}", grid, (32 * GEMV_NSG, 1, 1),
+                                     [*w.bufs, x[r0:r0 + m * n], y[r0:r0 + m * n], linear_args(w), ga], outputs=[4],
+                                     poison=not acc)
+    return y
 
 
 GEMM_BN = 32
@@ -108,27 +128,36 @@ def moe_prefill(x: np.ndarray, h: np.ndarray, W: dict, k: int, norm: bool = True
     return out
 
 
-def moe_decode(x: np.ndarray, h: np.ndarray, W: dict, k: int, norm: bool = True) -> np.ndarray:
-    """x + MoE(h) for one row through the fused decode chains."""
-    H = h.shape[1]
-    logits = gemv(W["router"], h)
-    sgl = gemv(W["sh_expert_gate"], h)
+def moe_decode(x: np.ndarray, h: np.ndarray, W: dict, k: int, norm: bool = True, nm: int | None = None) -> np.ndarray:
+    """x + MoE(h) for S rows through the fused decode chains, as MetalBackend::moe_decode runs them: router and
+    shared-expert gate GEMVs and top-k over the S rows, then gate/up and down per group of nm rows (row_groups: None
+    the host's split, 1 the one-row kernels row by row), each expert a group's rows chose streamed once for them."""
+    S, H = h.shape
+    h = np.ascontiguousarray(h, np.float32)
+    logits = gemv(W["router"], h, nm=nm)
+    sgl = gemv(W["sh_expert_gate"], h, nm=nm)[:, 0].copy()
     E = W["router"].out
-    ra = emu.params("RouteArgs", S=1, n_experts=E, top_k=k, norm_topk=int(norm), block_rows=32, n_blocks=1)
-    ids, wts = emu.run3(lib("moe"), "moe_topk_j8" if E > 32 else "moe_topk_j1", (1, 1, 1), (32, 1, 1),
-                        [logits, np.zeros(k, np.int32), np.zeros(k, np.float32), ra], outputs=[1, 2])
+    ra = emu.params("RouteArgs", S=S, n_experts=E, top_k=k, norm_topk=int(norm), block_rows=32, n_blocks=-(-S // 32))
+    ids, wts = emu.run3(lib("moe"), "moe_topk_j8" if E > 32 else "moe_topk_j1", (S, 1, 1), (32, 1, 1),
+                        [logits, np.zeros((S, k), np.int32), np.zeros((S, k), np.float32), ra], outputs=[1, 2])
     I, Is = W["gate"].out, W["sh_gate"].out
     stride = -(-max(I, Is) // 8) * 8
     ma = emu.params("MoeDecodeArgs", top_k=k, inter=I, shared_inter=Is, act_stride=stride)
-    fmt = W["gate"].fmt
     rows = GEMV_ROWS * GEMV_NSG
-    act, = emu.run3(lib("moe"), f"moe_gate_up_decode_{fmt}", (-(-max(I, Is) // rows), k + 1, 1), (32 * GEMV_NSG, 1, 1),
-                    [h, ids, *W["gate"].bufs, *W["up"].bufs, *W["sh_gate"].bufs, *W["sh_up"].bufs,
-                     np.zeros((k + 1, stride), np.float32), linear_args(W["gate"]), linear_args(W["sh_gate"]), ma], outputs=[14])
-    out, = emu.run3(lib("moe"), f"moe_down_decode_{W['down'].fmt}", (-(-H // rows), 1, 1), (32 * GEMV_NSG, 1, 1),
-                    [act, ids, wts, sgl[0], *W["down"].bufs, *W["sh_down"].bufs, x[0].copy(), linear_args(W["down"]),
-                     linear_args(W["sh_down"]), ma], outputs=[10], poison=False)
-    return out[None, :]
+    out = np.ascontiguousarray(x, np.float32).copy()
+    for g0, m, n in row_groups(S, nm):
+        for t in range(n):  # the host's groups run one after another (one activation buffer)
+            r = slice(g0 + t * m, g0 + (t + 1) * m)
+            act, = emu.run3(lib("moe"), f"moe_gate_up_decode_{W['gate'].fmt}{_rows_suffix(m)}",
+                            (-(-max(I, Is) // rows), m * k + 1, 1), (32 * GEMV_NSG, 1, 1),
+                            [h[r], ids[r], *W["gate"].bufs, *W["up"].bufs, *W["sh_gate"].bufs, *W["sh_up"].bufs,
+                             np.zeros((m, k + 1, stride), np.float32), linear_args(W["gate"]),
+                             linear_args(W["sh_gate"]), ma], outputs=[14])
+            out[r], = emu.run3(lib("moe"), f"moe_down_decode_{W['down'].fmt}{_rows_suffix(m)}", (-(-H // rows), 1, 1),
+                               (32 * GEMV_NSG, 1, 1),
+                               [act, ids[r], wts[r], sgl[r], *W["down"].bufs, *W["sh_down"].bufs, out[r],
+                                linear_args(W["down"]), linear_args(W["sh_down"]), ma], outputs=[10], poison=False)
+    return out
 
 
 def _nk(dk: int) -> int:
