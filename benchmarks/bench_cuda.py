@@ -514,11 +514,9 @@ def main(argv=None):
             profiles[f"prefill@{L}"] = kernel_profile(lambda i: eng.forward(eng.new_state(), toks[:L], logits="last"), 1)
         except Exception as e:  # noqa: BLE001
             profiles[f"prefill@{L}"] = {"error": repr(e)[:200]}
-        for c in ("graph_nodes", "graph_kernels", "graph_captures", "decode_launches"):
-            try:
-                checks[c] = eng.backend_flag(c)
-            except Exception:  # noqa: BLE001
-                pass
+        counters = eng.backend_counters()
+        checks.update({c: counters[c] for c in ("graph_nodes", "graph_kernels", "graph_captures", "decode_launches")
+                       if c in counters})
 
     def run_mlx(L):
         if L not in args.mlx_lengths:

@@ -2,6 +2,7 @@
 // Weight arrays are borrowed zero-copy; the Engine wrapper keeps a reference to each of them.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
@@ -529,7 +530,11 @@ NB_MODULE(_lily, m) {
       .def("backend_flag", [](PyEngine& e, const std::string& name) {
              nb::gil_scoped_release rel;
              return e.eng->backend_flag(name);
-           }, "name"_a, "backend switch or counter, e.g. cuda: 'cuda_graph', 'graph_kernels'")
+           }, "name"_a, "a backend switch's value, e.g. cuda: 'cuda_graph'")
+      .def("backend_counters", [](PyEngine& e) {
+             nb::gil_scoped_release rel;
+             return e.eng->backend_counters();
+           }, "the backend's counters (read only), e.g. cuda: {'graph_kernels': ..., 'sampler_begins': ...}")
       .def_prop_ro("max_context", [](const PyEngine& e) { return e.eng->max_context(); })
       .def_prop_ro("backend", [](const PyEngine& e) { return std::string(e.eng->backend_name()); })
       .def_prop_ro("threads", [](const PyEngine& e) { return e.eng->threads(); })

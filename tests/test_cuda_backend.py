@@ -13,8 +13,8 @@ HAVE_GPU = BUILT and _lily.cuda_device_count() > 0
 
 
 def test_the_cuda_backend_has_every_flag_its_checks_read():
-    """Runs everywhere: each backend flag the CUDA tests and checks read or set (backend_flag("...") /
-    set_backend_flag("...")) is a name csrc/cuda/backend_cuda.cu knows. (test_cuda_device_draws_equal_host_draws_for_a_seed
+    """Runs everywhere: each backend switch or counter the CUDA tests and checks read or set (backend_flag("...") /
+    set_backend_flag("...") / backend_counters()["..."]) is a name csrc/cuda/backend_cuda.cu knows. (test_cuda_device_draws_equal_host_draws_for_a_seed
     read "sampler_begins", a counter only the CPU and Metal backends had: on the H200 it stopped with 'backend
     'cuda' has no flag' before comparing a token.)"""
     import re
@@ -24,6 +24,7 @@ def test_the_cuda_backend_has_every_flag_its_checks_read():
     users = [Path(__file__), root / "src" / "lily" / "testing" / "cuda_sampling_checks.py",
              root / "src" / "lily" / "testing" / "cuda_checks.py"]
     names = {n for f in users for n in re.findall(r'backend_flag\(\s*"([a-z_]+)"', f.read_text())}
+    names |= {n for f in users for n in re.findall(r'backend_counters\(\)\["([a-z_]+)"\]', f.read_text())}
     assert "sampler_begins" in names and "cuda_graph" in names
     missing = sorted(n for n in names if f'"{n}"' not in src)
     assert not missing, f"backend_cuda.cu has no flag {missing}"
@@ -75,9 +76,9 @@ def test_cuda_device_draws_equal_host_draws_for_a_seed():
     for kw in SEEDED:
         dev, host = model.session(), model.session()
         host.device_sampling = False
-        begins = model.engine.backend_flag("sampler_begins")
+        begins = model.engine.backend_counters()["sampler_begins"]
         a = dev.generate(PROMPT, max_tokens=32, **kw)
-        assert model.engine.backend_flag("sampler_begins") > begins, "the CUDA backend declined the sampler"
+        assert model.engine.backend_counters()["sampler_begins"] > begins, "the CUDA backend declined the sampler"
         b = host.generate(PROMPT, max_tokens=32, **kw)
         assert a.token_ids == b.token_ids and len(a.token_ids) > 8, kw
 

@@ -322,9 +322,9 @@ def test_one_seed_one_text_whether_the_host_or_the_device_draws(models, extensio
     token is the host's draw with number 0, the stream's steps take numbers 1, 2, ... as the host's would."""
     host, dev = models
     a = host.generate("The list type", max_tokens=32, **kw)
-    begins = dev.engine.backend_flag("sampler_begins")
+    begins = dev.engine.backend_counters()["sampler_begins"]
     b = dev.generate("The list type", max_tokens=32, **kw)
-    assert dev.engine.backend_flag("sampler_begins") > begins  # the device drew them
+    assert dev.engine.backend_counters()["sampler_begins"] > begins  # the device drew them
     assert b.token_ids == a.token_ids and len(a.token_ids) > 8
     s = extension_model.session()
     c = s.generate("The list type", max_tokens=32, stream=True, **kw)
@@ -341,7 +341,7 @@ def test_session_device_sampling_seeded_and_interleaved(models):
     assert solo[0] != dev.session().generate("The list", stream=False, **{**kw, "seed": 12}).token_ids
     # two streams pulled in turn take the engine's one device sampler from each other: each is parked (its
     # launched step finishes, its draw waits on the host) and resumes with its own record (seen / counts)
-    begins = dev.engine.backend_flag("sampler_begins")
+    begins = dev.engine.backend_counters()["sampler_begins"]
     g = [dev.session().generate(p, stream=True, **kw) for p in ("The list", "A dict")]
     got = [[], []]
     live = [True, True]
@@ -354,17 +354,17 @@ def test_session_device_sampling_seeded_and_interleaved(models):
                 else:
                     got[i].append(c.token_id)
     assert got == solo
-    assert dev.engine.backend_flag("sampler_begins") - begins > 4  # they really did take it from each other
+    assert dev.engine.backend_counters()["sampler_begins"] - begins > 4  # they really did take it from each other
 
 
 def test_session_host_paths_when_device_sampling_is_off(models):
     _, dev = models
     s = dev.session()
     s.device_sampling = False
-    begins = dev.engine.backend_flag("sampler_begins")
+    begins = dev.engine.backend_counters()["sampler_begins"]
     s.generate("The list type", max_tokens=5, stream=False, temperature=0.0)
     dev.session().generate("The list type", max_tokens=5, stream=False, temperature=0.7, logprobs=True)
-    assert dev.engine.backend_flag("sampler_begins") == begins  # off, and logprobs need the host row
+    assert dev.engine.backend_counters()["sampler_begins"] == begins  # off, and logprobs need the host row
 
 
 @pytest.mark.parametrize("kw", [
@@ -400,10 +400,10 @@ def test_second_turn_after_a_stop_string_draws_the_same_on_host_and_device(model
     texts = []
     for model in (host, dev):
         s = model.session()
-        begins = model.engine.backend_flag("sampler_begins")
+        begins = model.engine.backend_counters()["sampler_begins"]
         a = s.generate("The list type", max_tokens=12, stop=stop, stream=False, **kw)
         b = s.generate(" and then", max_tokens=16, stream=False, **kw)
-        texts.append((a.finish_reason, a.token_ids, b.token_ids, model.engine.backend_flag("sampler_begins") - begins))
+        texts.append((a.finish_reason, a.token_ids, b.token_ids, model.engine.backend_counters()["sampler_begins"] - begins))
     (ra, a0, b0, n0), (rb, a1, b1, n1) = texts
     assert ra == rb == "stop" and (a0, b0) == (a1, b1) and len(b0) > 8
     assert n0 == 0 and n1 >= 2  # the host drew every token of the first, the twin the device's of the second

@@ -137,13 +137,15 @@ class Backend {
   }
   virtual bool step_logits(int64_t index, float* logits) { return false; }
 
-  // Named switches for ablations and counters for reports; std::invalid_argument for an unknown name.
+  // Named switches for ablations (set, and read back); std::invalid_argument for an unknown name.
   virtual void set_flag(const std::string& flag_name, int64_t value) {
     throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
   }
   virtual int64_t flag(const std::string& flag_name) const {
     throw std::invalid_argument(std::string("[lily] backend '") + name() + "' has no flag '" + flag_name + "'");
   }
+  // Counters for reports and tests (read only): name -> value since the backend was made.
+  virtual std::map<std::string, int64_t> counters() const { return {}; }
 
  protected:
   // The rows the segments cover (std::logic_error unless they cover rows 0.. in order).

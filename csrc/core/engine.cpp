@@ -392,6 +392,11 @@ int64_t Engine::backend_flag(const std::string& name) {
   return backend_->flag(name);
 }
 
+std::map<std::string, int64_t> Engine::backend_counters() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return backend_->counters();
+}
+
 // ---- TokenStream ------------------------------------------------------------------------------------------------
 
 TokenStream::TokenStream(Engine& eng, State& st, int32_t first, const StreamOptions& opt, bool device,

@@ -190,6 +190,7 @@ class Engine {
   // Backend switches (ablations) and counters; std::invalid_argument for a name the backend does not know.
   void set_backend_flag(const std::string& name, int64_t value);
   int64_t backend_flag(const std::string& name);
+  std::map<std::string, int64_t> backend_counters();
 
   static int64_t logits_rows(LogitsMode mode, int64_t S) {
     return mode == LogitsMode::All ? S : mode == LogitsMode::Last ? 1 : 0;

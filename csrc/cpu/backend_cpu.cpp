@@ -217,10 +217,11 @@ class CpuBackend final : public Backend {
     sampler_ready_ = false;
   }
   int64_t flag(const std::string& name) const override {
-    if (name == "sampler_begins") return sampler_begins_;  // counter: generations begun (resumed streams too)
     if (name == "state_rows") return int64_t{state_rows_on_};
     return name == "device_draw" ? int64_t{device_draw_} : Backend::flag(name);
   }
+  // sampler_begins: generations begun with the extension's draws (resumed streams too)
+  std::map<std::string, int64_t> counters() const override { return {{"sampler_begins", sampler_begins_}}; }
 
  private:
   // The head's input rows: x[n, H] = fc([RMSNorm(E[ids[i]]) | RMSNorm(hidden(i))]) (embedding first).

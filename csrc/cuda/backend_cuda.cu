@@ -236,13 +236,13 @@ class CudaBackend final : public Backend {
   int64_t flag(const std::string& name) const override {
     for (const Switch& w : const_cast<CudaBackend*>(this)->switches())
       if (name == w.name) return *w.field;
-    if (name == "fused_decode_supported") return fused_ok_ ? 1 : 0;
-    if (name == "graph_nodes") return graph_nodes_;
-    if (name == "graph_kernels") return graph_kernels_;
-    if (name == "graph_captures") return graph_captures_;
-    if (name == "decode_launches") return step_launches_;
-    if (name == "sampler_begins") return sampler_begins_;  // counter, as on the CPU and Metal backends
     return Backend::flag(name);
+  }
+  // fused_decode_supported: whether this model's shapes take the fused decode step (a fact of the load, read only)
+  std::map<std::string, int64_t> counters() const override {
+    return {{"fused_decode_supported", fused_ok_ ? 1 : 0}, {"graph_nodes", graph_nodes_},
+            {"graph_kernels", graph_kernels_}, {"graph_captures", graph_captures_},
+            {"decode_launches", step_launches_}, {"sampler_begins", sampler_begins_}};
   }
 
   // ---- sub-blocks ------------------------------------------------------------------------------------------

@@ -740,12 +740,14 @@ void MetalBackend::set_flag(const std::string& flag_name, int64_t value) {
 }
 
 int64_t MetalBackend::flag(const std::string& flag_name) const {
-  if (flag_name == "copied_weight_bytes") return copied_weight_bytes_;  // counter (see wrap)
-  if (flag_name == "sampler_begins") return sampler_begins_;            // counter: device generations begun
-  if (flag_name == "step_waits") return step_waits_;                    // counter: see backend_metal.h
-  if (flag_name == "max_inflight") return max_inflight_;
   if (flag_name == "deltanet_form") return deltanet_form_;
   return flag_name == "device_draw" ? int64_t{device_draw_} : Backend::flag(flag_name);
+}
+
+std::map<std::string, int64_t> MetalBackend::counters() const {
+  // copied_weight_bytes: see wrap; sampler_begins: device generations begun; step_waits, max_inflight: see the header
+  return {{"copied_weight_bytes", copied_weight_bytes_}, {"sampler_begins", sampler_begins_},
+          {"step_waits", step_waits_}, {"max_inflight", max_inflight_}};
 }
 
 bool MetalBackend::holds_step(int64_t index) const { return index >= 0 && slot_step_[index & 1] == index; }

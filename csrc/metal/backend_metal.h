@@ -129,6 +129,7 @@ class MetalBackend final : public Backend {
   // (Ops::scan_pick), named as on CUDA so tests force each one.
   void set_flag(const std::string& flag_name, int64_t value) override;
   int64_t flag(const std::string& flag_name) const override;
+  std::map<std::string, int64_t> counters() const override;
 
   Device& device() { return *dev_; }
   BufRef ref(const void* p) const;

@@ -245,7 +245,7 @@ def test_device_stream_stops_on_a_stop_id_and_at_max_tokens():
         s.close()
         # the host never waited for the device before launching a step, and committed step i + 1 before it
         # waited for step i (two command buffers in flight)
-        assert eng.backend_flag("step_waits") == 0 and eng.backend_flag("max_inflight") == 2
+        assert eng.backend_counters()["step_waits"] == 0 and eng.backend_counters()["max_inflight"] == 2
         return full, pos_full, stop, out, fed, returned, st.position
 
     full, pos_full, stop, out, fed, returned, pos = _in_child(run)

@@ -106,9 +106,9 @@ def test_session_after_a_stop_string_equals_a_lock_step_session(checkpoint):
             n = s.generate(" next", max_tokens=4, temperature=0)
             out.append((r.finish_reason, r.token_ids, list(s.tokens), row, n.token_ids, np.array(s._last_logits)))
         # the first session really drew on the device (one step ahead), the second never did
-        assert dev.engine.backend_flag("sampler_begins") >= 2 and lock.engine.backend_flag("sampler_begins") == 0
+        assert dev.engine.backend_counters()["sampler_begins"] >= 2 and lock.engine.backend_counters()["sampler_begins"] == 0
         # safetensors aligns tensors to 8 bytes only: the 16-byte-load kernels get aligned copies of those
-        assert dev.engine.backend_flag("copied_weight_bytes") > 0
+        assert dev.engine.backend_counters()["copied_weight_bytes"] > 0
         return out
 
     (fin, toks, ctx, row, nxt, last), (fin_l, toks_l, ctx_l, row_l, nxt_l, last_l) = t_be._in_child(run)

@@ -44,7 +44,7 @@ def test_device_stream_draws_are_the_host_samplers_with_the_stream_uniforms(para
         seen0, counts0 = host_record(V, prompt, first)
         out = [run_and_replay(eng, st, snap, first, STEPS, params, seen0, counts0, seed) for seed in SEEDS]
         # the draws ran one step ahead: no step waited for an older one, two command buffers were in flight
-        return out, seen0, counts0, eng.backend_flag("step_waits"), eng.backend_flag("max_inflight")
+        return out, seen0, counts0, eng.backend_counters()["step_waits"], eng.backend_counters()["max_inflight"]
 
     out, seen0, counts0, step_waits, max_inflight = t_be._in_child(run)
     assert step_waits == 0 and max_inflight == 2
@@ -80,7 +80,7 @@ def test_two_streams_pulled_in_turn_draw_what_each_draws_alone():
             s.close()
         st.restore(snap)
         st2 = snap.snapshot()
-        begins = eng.backend_flag("sampler_begins")
+        begins = eng.backend_counters()["sampler_begins"]
         a = eng.open_stream(st, first, STEPS, device=True, seed=3, **p.draw_options())
         b = eng.open_stream(st2, first, STEPS, device=True, seed=4, **p.draw_options())
         inter = [[], []]
@@ -89,7 +89,7 @@ def test_two_streams_pulled_in_turn_draw_what_each_draws_alone():
             inter[1].append(b.next())
         a.close()
         b.close()
-        return solo, inter, eng.backend_flag("sampler_begins") - begins
+        return solo, inter, eng.backend_counters()["sampler_begins"] - begins
 
     solo, inter, begins = t_be._in_child(run)
     assert inter == solo
@@ -113,17 +113,17 @@ def test_model_generate_sampled_on_metal_equals_the_cpu_backend(tmp_path):
     folder = write_synthetic_checkpoint(tmp_path, "tiny", seed=3)
     cpu = lily.load(folder, backend="cpu", threads=2, max_context=160)
     want = _generate_all(cpu)
-    assert cpu.engine.backend_flag("sampler_begins") == 0  # the host drew every token
+    assert cpu.engine.backend_counters()["sampler_begins"] == 0  # the host drew every token
     cpu.engine.set_backend_flag("device_draw", 1)
     assert _generate_all(cpu) == want
-    assert cpu.engine.backend_flag("sampler_begins") >= len(CASES)
+    assert cpu.engine.backend_counters()["sampler_begins"] >= len(CASES)
     del cpu
     gc.collect()
 
     def run():
         m = lily.load(folder, backend="metal", max_context=160,
                       backend_options={"emu_kernel_libs": t_be.kernel_libs(), "kv_bf16": "0"})
-        return _generate_all(m), m.engine.backend_flag("sampler_begins")
+        return _generate_all(m), m.engine.backend_counters()["sampler_begins"]
 
     got, begins = t_be._in_child(run)
     assert begins >= len(CASES), "Model.generate did not sample on the device"
