@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=4096, metavar="N",
                    help="default and ceiling of a request's max_tokens (default 4096)")
     g.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="requests decoding at once, their steps interleaved round-robin, each with its own "
-                        "session (default 4)")
+                   help="requests decoding at once, each with its own session, their tokens decoded together in "
+                        "one forward per step where the backend batches streams (default 4)")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a slot; beyond, 503 with Retry-After (default 64)")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",

@@ -1,9 +1,9 @@
-"""The engine worker: one thread owns the model and serves requests by interleaving their decode steps.
+"""The engine worker: one thread owns the model and serves requests by decoding them together.
 
 Each running request (at most `parallel`) has its own `Session` of the shared model (its own engine state,
-all sessions sharing one `PrefixCache`). The thread pulls one chunk from each running request's
-`Session.generate(stream=True)` iterator in turn (round-robin), so a short request never waits for a long
-one to finish. A new request's prefill runs in slices of `prefill_slice` tokens and, between slices, every
+all sessions sharing one `PrefixCache`). Each round, the streams whose next token is one plain step away are
+decoded in one forward (`_step_together`), then the thread pulls one chunk from each running request's
+`Session.generate(stream=True)` iterator in turn, so a short request never waits for a long one to finish. A new request's prefill runs in slices of `prefill_slice` tokens and, between slices, every
 request that is already decoding makes one step.
 
 All slots busy: a new request does not wait for one to free up. The running request that has run longest is
