@@ -1,5 +1,5 @@
-// Backend factory. Compiled into the extension module (not lily_core) so that LILY_HAVE_CUDA decides
-// whether the CUDA backend is linked at all; core/ itself never sees a GPU header.
+// Backend factory, beside the bindings: compiled into the extension module (not lily_core) so that LILY_HAVE_CUDA
+// decides whether the CUDA backend is linked at all; core/ itself includes no backend and never sees a GPU header.
 #include <stdexcept>
 
 #include "core/backend.h"
