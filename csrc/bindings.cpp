@@ -519,10 +519,12 @@ NB_MODULE(_lily, m) {
              nb::gil_scoped_release rel;
              return e.eng->step_streams(open);
            }, "streams"_a,
-           "One plain step for several open TokenStreams in one forward (concurrent generations decoded together): "
-           "each stream whose next token is one plain step away gets it queued for its next(), computed and drawn "
-           "as it would be alone. Returns how many were stepped together (0: fewer than 2 could be, or the backend "
-           "runs one stream per forward; next() steps them). Closed streams are skipped.")
+           "The next step of several open TokenStreams in one forward (concurrent generations decoded together): "
+           "each stream whose next token is one step away joins with one row, or, drafting with an explicit "
+           "speculative k, with its verify's 1 + k rows (drafted first; accepted and rolled back as alone); the "
+           "tokens drawn are queued for each stream's next(), computed and drawn as they would be alone. Returns "
+           "the rows run together (0: fewer than 2 streams could join, or the backend runs one stream per forward; "
+           "next() steps them). Closed streams are skipped.")
       .def("set_backend_flag", [](PyEngine& e, const std::string& name, int64_t value) {
              nb::gil_scoped_release rel;
              e.eng->set_backend_flag(name, value);

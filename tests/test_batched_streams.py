@@ -1,7 +1,8 @@
 """Concurrent streams decoded together (issue 45): Engine.step_streams runs one plain step for several streams in
 one forward, and each stream returns exactly what it returns alone (greedy and seeded sampling, different prompt
-lengths, streams that end at different steps, one closed mid-way, one speculative), leaving exactly the state it
-leaves alone; Model.batch_generate gives each prompt its own generate call's result."""
+lengths, streams that end at different steps, one closed mid-way, one speculative whose verify rows join the
+forward), leaving exactly the state it leaves alone; Model.batch_generate gives each prompt its own generate call's
+result. More on speculative streams together: test_batched_speculative.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,7 +64,7 @@ def test_streams_stepped_together_return_what_they_return_alone(model):
     solo = [_solo(model, i, n) for i, n in enumerate(lengths)]
     solo_spec = _solo(model, 0, 12, speculative=2)
     opened = [_open(model, i, n) for i, n in enumerate(lengths)]
-    spec_state, spec = _open(model, 0, 12, speculative=2)  # an explicit k drafts and verifies on its own beside them
+    spec_state, spec = _open(model, 0, 12, speculative=2)  # an explicit k: its verify rows join the forward
     states, streams = [o[0] for o in opened], [o[1] for o in opened]
     got: list[list[int]] = [[] for _ in streams]
     spec_got: list[int] = []
@@ -77,8 +78,9 @@ def test_streams_stepped_together_return_what_they_return_alone(model):
             spec_got.append(t)
     assert [g for g in got] == [s[0] for s in solo]
     assert spec_got == solo_spec[0]
-    assert max(together) == 4 and together.count(0) <= 2, together  # really stepped together
-    for st, s, (_, after, head) in zip(states, streams, solo):
+    # really stepped together: the first round carries the four plain rows and the verify's 1 + 2
+    assert together[0] == 7 and spec.spec_stats["verifies"] > 0 and together.count(0) <= 2, together
+    for st, s, (_, after, head) in zip(states + [spec_state], streams + [spec], solo + [solo_spec]):
         s.close()
         got_head = _head(st)  # the head rows of the batched steps ran together (mtp_embed_each), as alone
         for k in HEAD:

@@ -2,6 +2,7 @@
 #include "core/speculative.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -91,21 +92,29 @@ void Engine::advance_mtp(State& st, const int32_t* next_ids, int64_t rows, bool 
   backend_->store_hidden(last_row, st.last_hidden);
 }
 
+void Engine::forward_rows(const std::vector<StreamRows>& rows, const int32_t* ids, float* logits, bool keep) {
+  int64_t n = 0;
+  for (const StreamRows& r : rows) {
+    r.st->reserve(r.st->position + r.n);
+    n += r.n;
+  }
+  backend_->embed(ids, n);
+  run_layers(rows, nullptr);
+  if (logits) backend_->head(0, n, logits);
+  if (keep) backend_->keep_hidden(n);
+  for (const StreamRows& r : rows) r.st->position += r.n;
+}
+
 void Engine::run_rows(State& st, const int32_t* ids, int64_t n, float* logits) {
-  st.reserve(st.position + n);
   backend_->exact_rows(true);
   try {
-    backend_->embed(ids, n);
-    run_layers(st, n, nullptr);
-    if (logits) backend_->head(0, n, logits);
-    backend_->keep_hidden(n);
+    forward_rows({{&st, n}}, ids, logits, true);
   } catch (...) {
     backend_->exact_rows(false);
     backend_->abandon();
     throw;
   }
   backend_->exact_rows(false);
-  st.position += n;
 }
 
 int64_t Engine::run_step(State& st, DecodeStep d, float* logits) {
@@ -261,39 +270,51 @@ void Engine::decode_greedy(State& st, int32_t token, int64_t n_steps, int32_t* o
   s->close();
 }
 
-// step_streams' head rows, as run_step adds one for each stream (head[i]: stream i's head cache is current): the
-// rows (h_{p-1}, x_p) of the streams past position 0 together where the backend can (mtp_embed_each), each
-// stream's alone otherwise; then each stream's last hidden state is its main row's.
-void Engine::advance_mtp_rows(const std::vector<StreamRows>& rows, const std::vector<int32_t>& ids,
-                              const std::vector<char>& head) {
-  const int64_t M = static_cast<int64_t>(rows.size());
-  backend_->keep_hidden(M);
-  std::vector<int64_t> with;  // the streams whose head row runs now
-  for (int64_t i = 0; i < M; ++i)
-    if (head[i] && rows[i].st->position > 0) with.push_back(i);
-  std::vector<const Buffer*> prev;
-  std::vector<int32_t> tok;
-  RowSegments segs;
-  for (int64_t i : with) {
-    State& st = *rows[i].st;
-    prev.push_back(&st.last_hidden);
-    tok.push_back(ids[i]);
-    segs.push_back(RowSegment{static_cast<int64_t>(segs.size()), 1, st.mtp_rows, nullptr, &st.mtp_kv});
+// The head reads kept rows from row 0 on (Backend::mtp_embed): with one stream there, its rows run as one chunk;
+// else each row's hidden state goes in as a buffer (the stream's last_hidden, or a copy of its kept row), the rows
+// together where the backend can (mtp_embed_each), one by one otherwise. Each row as a one-row step computes it
+// (the caller's exact_rows). Every last_hidden is written after every row read it.
+void Engine::advance_mtp(const std::vector<HeadRows>& heads) {
+  if (heads.size() == 1 && heads[0].row0 == 0) {
+    const HeadRows& h = heads[0];
+    return advance_mtp(*h.st, h.ids, h.n, h.prev, h.n - h.prev);
   }
-  const int64_t n = static_cast<int64_t>(with.size());
-  if (n > 1 && backend_->mtp_embed_each(tok.data(), n, prev)) {
+  size_t copies = 0;  // kept rows read: their buffers made first (prev points into head_hidden_)
+  for (const HeadRows& h : heads) copies += static_cast<size_t>(h.n - (h.n > 0 && h.prev));
+  while (head_hidden_.size() < copies) head_hidden_.emplace_back(backend_->memory(), cfg_.hidden * 4);
+  std::vector<const Buffer*> prev;  // [rows]: each row's hidden state
+  std::vector<int32_t> ids;
+  RowSegments segs;
+  copies = 0;
+  for (const HeadRows& h : heads) {
+    if (h.n == 0) continue;
+    segs.push_back(RowSegment{static_cast<int64_t>(ids.size()), h.n, h.st->mtp_rows, nullptr, &h.st->mtp_kv});
+    for (int64_t j = 0; j < h.n; ++j) {
+      ids.push_back(h.ids[j]);
+      if (h.prev && j == 0) {
+        prev.push_back(&h.st->last_hidden);
+        continue;
+      }
+      Buffer& b = head_hidden_[copies++];
+      backend_->store_hidden(h.row0 + j - h.prev, b);
+      prev.push_back(&b);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(ids.size());
+  if (n > 1 && backend_->mtp_embed_each(ids.data(), n, prev)) {
     backend_->attention_block(cfg_.n_layers, segs);
     backend_->moe_block(cfg_.n_layers, n);
-    for (int64_t i : with) rows[i].st->mtp_rows += 1;
-    for (int64_t i = 0; i < M; ++i)
-      if (head[i]) backend_->store_hidden(i, rows[i].st->last_hidden);
-    return;
+  } else {
+    for (const RowSegment& g : segs)
+      for (int64_t i = 0; i < g.n; ++i) {
+        backend_->mtp_embed(&ids[g.row0 + i], 1, prev[g.row0 + i], Backend::MtpHidden::Kept);
+        backend_->attention_block(cfg_.n_layers, {RowSegment{0, 1, g.pos0 + i, nullptr, g.kv}});
+        backend_->moe_block(cfg_.n_layers, 1);
+      }
   }
-  for (int64_t i = 0; i < M; ++i) {
-    if (!head[i]) continue;
-    State& st = *rows[i].st;
-    if (st.position > 0) advance_mtp(st, &ids[i], 1, true, i);
-    else advance_mtp(st, nullptr, 0, false, i);
+  for (const HeadRows& h : heads) {
+    h.st->mtp_rows += h.n;
+    backend_->store_hidden(h.row0 + h.n - h.prev, h.st->last_hidden);
   }
 }
 
@@ -311,39 +332,82 @@ int64_t Engine::step_streams(const std::vector<TokenStream*>& streams) {
     if (s->row_offer() != TokenStream::RowOffer::None) ready.push_back(s);
   }
   if (ready.size() < 2 || !backend_->batches_streams()) return 0;
-  for (TokenStream* s : ready)  // speculative auto stops drafting beside others (see stop_drafting_to_join)
-    if (s->row_offer() == TokenStream::RowOffer::Drafting) s->stop_drafting_to_join();
   park_active(nullptr);
-  const int64_t M = static_cast<int64_t>(ready.size()), V = cfg_.vocab;
-  std::vector<int32_t> ids(static_cast<size_t>(M));
-  std::vector<StreamRows> rows(static_cast<size_t>(M));
-  std::vector<char> head(static_cast<size_t>(M));
-  for (int64_t i = 0; i < M; ++i) {
-    State& st = ready[i]->st_;
-    ids[i] = ready[i]->spec_pending();
-    validate(st, &ids[i], 1);
-    st.reserve(st.position + 1);
-    rows[i] = {&st, 1};
-    head[i] = mtp_ && st.mtp_current();
+  for (TokenStream* s : ready) {
+    const TokenStream::RowOffer offer = s->row_offer();
+    // speculative auto stops drafting beside others (see stop_drafting_to_join); an explicit k drafts now and its
+    // verify rows join the forward, or it takes a plain row where it cannot draft (one token left, no head row)
+    if (offer == TokenStream::RowOffer::Drafting) s->stop_drafting_to_join();
+    if (offer != TokenStream::RowOffer::Verify || s->spec_draft() == 0) s->spec_->rows.assign(1, s->spec_pending());
   }
-  batch_logits_.resize(static_cast<size_t>(M * V));
-  backend_->exact_rows(true);  // every row as its stream's one-row step computes it
+  return decode_rows(ready);
+}
+
+int64_t Engine::decode_rows(const std::vector<TokenStream*>& streams) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t M = streams.size();
+  const int64_t V = cfg_.vocab;
+  std::vector<StreamRows> rows(M);
+  std::vector<int64_t> row0(M), accepted(M, 0);
+  std::vector<char> head(M);  // a plain row's head row runs (its stream's head cache is current), as in run_step
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < M; ++i) {
+    State& st = streams[i]->st_;
+    const std::vector<int32_t>& r = streams[i]->spec_->rows;
+    validate(st, r.data(), static_cast<int64_t>(r.size()));
+    rows[i] = {&st, static_cast<int64_t>(r.size())};
+    row0[i] = static_cast<int64_t>(ids.size());
+    head[i] = r.size() == 1 && mtp_ && st.mtp_current();
+    ids.insert(ids.end(), r.begin(), r.end());
+  }
+  const int64_t R = static_cast<int64_t>(ids.size());
+  // The backend keeps each row's DeltaNet states for a forward of one stream: a lone verify rolls back by them, one
+  // beside other streams by a replay of its kept rows (one more forward, shared by the round's verifies).
+  const bool kept = M == 1 && R > 1 && backend_->keeps_state_rows();
+  batch_logits_.resize(static_cast<size_t>(R * V));
+  backend_->exact_rows(true);
   try {
-    backend_->embed(ids.data(), M);
-    run_layers(rows, nullptr);
-    backend_->head(0, M, batch_logits_.data());
-    if (std::find(head.begin(), head.end(), 1) != head.end()) advance_mtp_rows(rows, ids, head);
+    if (kept) backend_->keep_state_rows(true);
+    forward_rows(rows, ids.data(), batch_logits_.data(), mtp_);
+    backend_->keep_state_rows(false);
+    std::vector<HeadRows> heads;
+    for (size_t i = 0; i < M; ++i) {
+      TokenStream& s = *streams[i];
+      State& st = s.st_;
+      const float* logits = &batch_logits_[static_cast<size_t>(row0[i] * V)];
+      if (rows[i].n == 1) {  // a plain row: its draw, and the head's row (h_{p-1}, x_p) for the token fed at p
+        s.take_row_draw(logits, st.position);
+        const bool p = st.position > 1;
+        if (head[i]) heads.push_back({&st, s.spec_->rows.data(), p ? 1 : 0, p, row0[i]});
+      } else {  // a verify: its acceptance and the head's rows (h_{P+i}, d_{i+1}) from the verified hidden states
+        accepted[i] = s.spec_accept(logits);
+        heads.push_back({&st, s.spec_->rows.data() + 1, accepted[i], false, row0[i]});
+      }
+    }
+    if (!heads.empty()) advance_mtp(heads);
+    std::vector<StreamRows> replay;
+    std::vector<int32_t> replay_ids;
+    for (size_t i = 0; i < M; ++i)
+      if (rows[i].n > 1 && streams[i]->spec_roll_back(accepted[i], kept)) {
+        replay.push_back({rows[i].st, accepted[i] + 1});
+        replay_ids.insert(replay_ids.end(), ids.begin() + row0[i], ids.begin() + row0[i] + accepted[i] + 1);
+      }
+    if (!replay.empty()) forward_rows(replay, replay_ids.data(), nullptr, false);
   } catch (...) {
+    backend_->keep_state_rows(false);
     backend_->exact_rows(false);
     backend_->abandon();
     throw;
   }
   backend_->exact_rows(false);
-  for (int64_t i = 0; i < M; ++i) {
-    rows[i].st->position += 1;
-    ready[i]->take_row_draw(&batch_logits_[i * V], rows[i].st->position);
-  }
-  return M;
+  // A verify's cost for the adaptive rule: its drafting, and the round's forwards by its share of the rows (alone:
+  // all of them; beside other streams, what its rows add to a forward that runs anyway is about that share).
+  const double round_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t i = 0; i < M; ++i)
+    if (rows[i].n > 1)
+      streams[i]->spec_commit(accepted[i], streams[i]->spec_->draft_s +
+                                               round_s * static_cast<double>(rows[i].n) / static_cast<double>(R));
+  return R;
 }
 
 void Engine::draft(State& st, int32_t token, int64_t k, float* logits, int32_t* drafts,

@@ -106,11 +106,23 @@ class TokenStream {
   void spec_plain_step();
   void spec_rewind();
   void spec_begin(bool head_current);  // the constructor's part: the Spec, and whether it drafts from the start
+  // A verify's pieces, run by spec_iterate alone and by Engine::step_streams beside other streams' rows (the forward
+  // between them: Engine::decode_rows). spec_draft: the rewind point and k drafts into Spec::rows = [t, d_1 .. d_k]
+  // (returns k; 0 when it cannot draft now: a plain step instead). spec_accept: the draws from the verify's logits
+  // [k + 1, V] (returns a, the drafts kept). spec_roll_back: the state after [t, d_1 .. d_a] (true: restored to the
+  // rewind point, the caller runs those a + 1 rows again). spec_commit: the tokens queued, stats, the adaptive rule
+  // (seconds: what this verify cost).
+  int64_t spec_draft();
+  int64_t spec_accept(const float* logits);
+  bool spec_roll_back(int64_t a, bool rows_kept);
+  void spec_commit(int64_t a, double seconds);
+  void restore_deltanet();  // the rewind point's DeltaNet states into st_
   // Engine::step_streams, engine lock held. row_offer: Plain when this stream's next token is one plain step away
   // (drawn in the extension, nothing queued, still going), Drafting when it would be but drafts with speculative
-  // auto (stop_drafting_to_join makes it plain). take_row_draw: that step's draw from its logits row [V] (the state
-  // now at `position`), queued for next().
-  enum class RowOffer { None, Plain, Drafting };
+  // auto (stop_drafting_to_join makes it plain), Verify when it drafts with an explicit k (its verify rows join the
+  // forward). take_row_draw: that step's draw from its logits row [V] (the state now at `position`), queued for
+  // next().
+  enum class RowOffer { None, Plain, Drafting, Verify };
   RowOffer row_offer() const;
   void stop_drafting_to_join();
   int32_t spec_pending() const;
@@ -160,14 +172,15 @@ class Engine {
   // stream on st.
   std::unique_ptr<TokenStream> open_stream(State& st, int32_t first, const StreamOptions& opt);
 
-  // One plain step for several streams in one forward (concurrent generations decoded together): every stream
-  // whose next token is one plain step away (drawn in the extension, nothing queued; a stream drafting with an
-  // explicit k verifies on its own in next(), one with speculative auto stops drafting to join) feeds its pending
-  // token, and its draw waits for its next(). Each stream's row is computed
+  // The next step of several streams in one forward (concurrent generations decoded together): every stream whose
+  // next token is one step away (drawn in the extension, nothing queued) joins: a plain stream with one row (its
+  // pending token), a stream drafting with an explicit k with its verify's 1 + k rows (drafted first with the head;
+  // then accepted, rolled back and its head rows run as its lone verify does them), one drafting with speculative
+  // auto stops drafting and joins with one row. The tokens drawn wait for each stream's next(). Each row is computed
   // as its stream alone computes it and drawn with its own options and uniform numbers, so every stream returns
-  // what it would alone. Returns how many streams were stepped together (0: fewer than 2 could be, or the backend
-  // runs one stream per forward; their next() steps them). Throws std::invalid_argument for a stream of another
-  // engine or two streams over one state.
+  // what it would alone and leaves the state it leaves alone. Returns the rows run together (0: fewer than 2
+  // streams could join, or the backend runs one stream per forward; their next() steps them). Throws
+  // std::invalid_argument for a stream of another engine or two streams over one state.
   int64_t step_streams(const std::vector<TokenStream*>& streams);
   // Whether step_streams decodes several streams in one forward on this backend.
   bool batches_streams() const { return backend_->batches_streams(); }
@@ -213,6 +226,10 @@ class Engine {
   };
   void run_layers(const std::vector<StreamRows>& rows, Trace* trace);
   void run_layers(State& st, int64_t n, Trace* trace) { run_layers({{&st, n}}, trace); }
+  // The streams' rows (ids: rows[0].n ids, then rows[1].n, ...) as one chunk, each stream's at its position; logits
+  // [sum n, V] when given; keep: the rows' hidden states kept (keep_hidden); positions advanced. The caller sets
+  // exact_rows and abandons on a throw.
+  void forward_rows(const std::vector<StreamRows>& rows, const int32_t* ids, float* logits, bool keep);
   // One bracketed decode step (d.position == st.position); numbers it (d.index: the engine's step count, so a
   // backend's per-step slots tell the steps of every stream apart), advances st.position by 1, returns d.index.
   int64_t run_step(State& st, DecodeStep d, float* logits);
@@ -225,9 +242,23 @@ class Engine {
   // n rows (a verify or a replay, n small) at st.position as one chunk, every row as a one-row step computes it
   // (Backend::exact_rows); logits [n, V] when given; the rows' hidden states kept; the head's cache untouched.
   void run_rows(State& st, const int32_t* ids, int64_t n, float* logits);
-  // step_streams' MTP head rows (one per stream whose head cache is current: head[i]), after its main rows.
-  void advance_mtp_rows(const std::vector<StreamRows>& rows, const std::vector<int32_t>& ids,
-                        const std::vector<char>& head);
+  // The head's rows of several streams after one forward that kept its hidden states: stream i's n rows pair
+  // [its last_hidden when prev] then the kept rows row0 .. with ids, then its last_hidden = kept row
+  // row0 + n - prev (advance_mtp's rows for a stream whose rows begin at row0).
+  struct HeadRows {
+    State* st;
+    const int32_t* ids;
+    int64_t n;
+    bool prev;
+    int64_t row0;
+  };
+  void advance_mtp(const std::vector<HeadRows>& heads);
+  // One forward for the streams' Spec::rows, engine lock held: a plain row (the pending token) or a verify
+  // [t, d_1 .. d_k] (spec_draft ran) each, as a segment over its own state, every row as its stream alone computes
+  // it (exact_rows); then each plain row's draw, each verify's acceptance, head rows and roll-back (a replay of the
+  // kept rows where the backend kept no state rows for it, in one more forward for the round's verifies), and
+  // commit. Returns the rows run.
+  int64_t decode_rows(const std::vector<TokenStream*>& streams);
   // Engine lock held: park the open device stream (if any) unless it is `keep`.
   void park_active(const TokenStream* keep);
 
@@ -248,7 +279,8 @@ class Engine {
     int64_t wait = 0;                   // ... for this many more streams, then one drafts again (and re-probes)
     std::string why;                    // the judgement that stopped drafting
   } spec_history_;
-  std::vector<float> batch_logits_;  // step_streams: [streams, V]
+  std::vector<float> batch_logits_;  // decode_rows: [rows, V]
+  std::vector<Buffer> head_hidden_;  // advance_mtp of several streams: kept hidden rows [H] the head reads
   int64_t next_step_ = 0;           // decode steps run by this engine
   TokenStream* active_ = nullptr;   // the device stream whose steps may be in flight or own the sampler
   std::mutex mu_;  // one forward / step at a time: backend buffers are shared

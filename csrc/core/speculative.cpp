@@ -17,7 +17,10 @@
 //      on a backend that does not keep them, the copy taken before the verify with the a + 1 rows run again
 //      (replay); the head's cache gets the rows (h_{P+i}, d_{i+1}) from the verified hidden states, so it stays
 //      what plain decoding leaves.
-// The drawn tokens queue for next(); close() takes back any fed token the host never received (rewind).
+// The drawn tokens queue for next(); close() takes back any fed token the host never received (rewind). Each piece
+// is written once (spec_draft, spec_accept, spec_roll_back, spec_commit; the forward and the head's rows:
+// Engine::decode_rows): a lone verify runs them in next(), Engine::step_streams with the verify's rows beside other
+// streams' rows in one forward (a segment over this stream's state, computed as alone).
 #include "core/speculative.h"
 
 #include <algorithm>
@@ -75,7 +78,7 @@ TokenStream::RowOffer TokenStream::row_offer() const {
   if (!sp.queue.empty() || !sp.error.empty() || returned_ >= opt_.max_tokens || st_.position >= eng_.max_context_)
     return RowOffer::None;
   if (sp.plain && sp.probe == 0) return RowOffer::Plain;
-  return sp.adaptive ? RowOffer::Drafting : RowOffer::None;  // an explicit k keeps drafting
+  return sp.adaptive ? RowOffer::Drafting : RowOffer::Verify;  // an explicit k keeps drafting, beside others too
 }
 
 // Speculative auto beside other streams: one forward for all of them beats this stream's drafts (its k was chosen
@@ -159,12 +162,19 @@ void TokenStream::spec_plain_step() {
 }
 
 void TokenStream::spec_iterate() {
+  if (spec_draft() == 0) return spec_plain_step();  // no room to draft, or no head row to start
+  eng_.decode_rows({this});                          // 2. - 4.: the verify alone
+}
+
+// 1. The rewind point, then k greedy drafts: Spec::rows = [t, d_1 .. d_k]. Returns k; 0 (nothing changed) when the
+// stream cannot draft now.
+int64_t TokenStream::spec_draft() {
   Spec& sp = *spec_;
   State& st = st_;
   Engine& e = eng_;
   const int64_t V = e.cfg_.vocab, P = st.position;
   const int64_t k = std::min<int64_t>({sp.k, opt_.max_tokens - returned_ - 1, e.max_context_ - P - 1});
-  if (k < 1 || P < 1 || !st.mtp_current()) return spec_plain_step();  // no room to draft, or no head row to start
+  if (k < 1 || P < 1 || !st.mtp_current()) return 0;
   const auto t0 = Clock::now();
   st.reserve(P + k + 1);
 
@@ -185,13 +195,13 @@ void TokenStream::spec_iterate() {
   sp.snap_position = P;
   sp.snap_mtp_rows = st.mtp_rows;
 
-  // 1. Draft k tokens greedily; the history (penalties) takes each draft while the next is chosen, then is put back.
+  // Greedy drafts; the history (penalties) takes each draft while the next is chosen, then is put back.
   SampleOptions& so = opt_.sample;
   sp.draft_logits.resize(static_cast<size_t>(k * V));
-  std::vector<int32_t> rows(static_cast<size_t>(k + 1));
-  rows[0] = sp.pending;
+  sp.rows.assign(static_cast<size_t>(k + 1), -1);
+  sp.rows[0] = sp.pending;
   std::vector<std::pair<int32_t, uint8_t>> undo;
-  e.draft(st, rows[0], k, sp.draft_logits.data(), rows.data() + 1, [&](int64_t, const float* row) {
+  e.draft(st, sp.rows[0], k, sp.draft_logits.data(), sp.rows.data() + 1, [&](int64_t, const float* row) {
     const int32_t d = most_likely(sample_weights(row, V, so, so.seen, so.counts));
     undo.emplace_back(d, so.seen[d]);
     so.seen[d] = 1, so.counts[d] += 1;
@@ -199,62 +209,75 @@ void TokenStream::spec_iterate() {
   });
   for (auto it = undo.rbegin(); it != undo.rend(); ++it) so.seen[it->first] = it->second, so.counts[it->first] -= 1;
   st.mtp_rows += 1;  // the first row, (h_{P-1}, t), is the head's row as plain decoding makes it; the rest are redone
+  sp.draft_s = seconds_since(t0);
+  return k;
+}
 
-  // 2. Verify: [t, d_1 .. d_k] at P .. P + k (keeping each row's DeltaNet states where the backend can).
-  Backend& b = *e.backend_;
-  const bool rows_kept = b.keeps_state_rows();
-  sp.verify_logits.resize(static_cast<size_t>((k + 1) * V));
-  if (rows_kept) b.keep_state_rows(true);
-  try {
-    e.run_rows(st, rows.data(), k + 1, sp.verify_logits.data());
-  } catch (...) {
-    b.keep_state_rows(false);
-    throw;
-  }
-  b.keep_state_rows(false);
-
-  // 3. Accept.
+// 3. Accept, from the verify's rows p_0 .. p_k (logits [k + 1, V]). Returns a; Spec::drawn is the draw that ended the
+// run (-1 when a row was non-finite: Spec::error, raised once the kept drafts are returned).
+int64_t TokenStream::spec_accept(const float* logits) {
+  Spec& sp = *spec_;
+  const int64_t V = eng_.cfg_.vocab, k = static_cast<int64_t>(sp.rows.size()) - 1, P = sp.snap_position;
+  SampleOptions& so = opt_.sample;
   int64_t a = 0;
-  int32_t y = -1;
+  sp.drawn = -1;
   for (int64_t j = 0; j <= k; ++j) {
     // a row plain decoding would draw from: non-finite, the stream returns the drafts accepted so far, then fails
-    sp.error = non_finite(&sp.verify_logits[j * V], V, P + j);
+    sp.error = non_finite(logits + j * V, V, P + j);
     if (!sp.error.empty()) break;
     // plain decoding's draw of this token: its rule (sample_draw's), its uniform number
-    const int32_t drawn = sample_draw(&sp.verify_logits[j * V], V, so, so.seen, so.counts, next_uniform());
-    const int32_t d = j < k ? rows[j + 1] : -1;
+    const int32_t drawn = sample_draw(logits + j * V, V, so, so.seen, so.counts, next_uniform());
+    const int32_t d = j < k ? sp.rows[j + 1] : -1;
     if (drawn != d) {  // (the draw took the token into the history, as plain decoding's does)
-      y = drawn;
+      sp.drawn = drawn;
       break;
     }
     ++a;
   }
+  return a;
+}
 
-  // 4. Commit [t, d_1 .. d_a].
-  if (a < k && rows_kept) {  // the states after row a, kept by the verify
-    b.take_state_row(st, a);
-    st.position = P + a + 1;
-  } else if (a < k) {  // replay: the states before the verify, then the a + 1 kept rows again
-    for (size_t i = 0; i < st.deltanet.size(); ++i) {
-      st.mem->copy(st.deltanet[i].ssm.data(), sp.snap_ssm[i].data(), st.ssm_size * 4);
-      if (st.conv_size) st.mem->copy(st.deltanet[i].conv.data(), sp.snap_conv[i].data(), st.conv_size * 4);
-    }
-    st.position = P;
-    e.run_rows(st, rows.data(), a + 1, nullptr);
+void TokenStream::restore_deltanet() {
+  const Spec& sp = *spec_;
+  State& st = st_;
+  for (size_t i = 0; i < st.deltanet.size(); ++i) {
+    st.mem->copy(st.deltanet[i].ssm.data(), sp.snap_ssm[i].data(), st.ssm_size * 4);
+    if (st.conv_size) st.mem->copy(st.deltanet[i].conv.data(), sp.snap_conv[i].data(), st.conv_size * 4);
   }
-  e.advance_mtp(st, rows.data() + 1, a, false, a, true);
+}
+
+// 4. The state after [t, d_1 .. d_a], the verify having left it after all k + 1 rows: as it is when every draft
+// stayed; else the DeltaNet states after row a, which a lone verify kept (rows_kept; KV rows past the position are
+// unused), or the rewind point's with the position there: true, the caller runs the a + 1 rows again (replay).
+bool TokenStream::spec_roll_back(int64_t a, bool rows_kept) {
+  Spec& sp = *spec_;
+  if (a == static_cast<int64_t>(sp.rows.size()) - 1) return false;
+  if (rows_kept) {
+    eng_.backend_->take_state_row(st_, a);
+    st_.position = sp.snap_position + a + 1;
+    return false;
+  }
+  restore_deltanet();
+  st_.position = sp.snap_position;
+  return true;
+}
+
+// 4. (cont.) Commit [t, d_1 .. d_a]: the tokens queued for next(), the stats, and the adaptive rule's window.
+void TokenStream::spec_commit(int64_t a, double seconds) {
+  Spec& sp = *spec_;
+  const int64_t k = static_cast<int64_t>(sp.rows.size()) - 1;
   launched_ += a + 1;
-  sp.fed.assign(rows.begin(), rows.begin() + a + 1);
-  for (int64_t j = 1; j <= a; ++j) sp.queue.push_back(rows[j]);
-  if (y >= 0) sp.queue.push_back(y), sp.pending = y;
-  sp.step_tokens = a + (y >= 0 ? 1 : 0);
+  sp.fed.assign(sp.rows.begin(), sp.rows.begin() + a + 1);
+  for (int64_t j = 1; j <= a; ++j) sp.queue.push_back(sp.rows[j]);
+  if (sp.drawn >= 0) sp.queue.push_back(sp.drawn), sp.pending = sp.drawn;
+  sp.step_tokens = a + (sp.drawn >= 0 ? 1 : 0);
   sp.stats.drafted += k;
   sp.stats.accepted += a;
   ++sp.stats.verifies;
 
   if (sp.adaptive) {  // the rule: a window of verifies, across streams, against the probe's plain step
     Engine::SpecHistory& h = eng_.spec_history_;
-    h.window_s += seconds_since(t0);
+    h.window_s += seconds;
     h.window_tokens += a + 1;
     if (++h.window_verifies == kWindow) {
       const double per_token = h.window_s / static_cast<double>(h.window_tokens);
@@ -284,10 +307,7 @@ void TokenStream::spec_rewind() {
   if (m >= a) return;  // every fed draft reached the host
   State& st = st_;
   Engine& e = eng_;
-  for (size_t i = 0; i < st.deltanet.size(); ++i) {
-    st.mem->copy(st.deltanet[i].ssm.data(), sp.snap_ssm[i].data(), st.ssm_size * 4);
-    if (st.conv_size) st.mem->copy(st.deltanet[i].conv.data(), sp.snap_conv[i].data(), st.conv_size * 4);
-  }
+  restore_deltanet();
   st.mem->copy(st.last_hidden.data(), sp.snap_hidden.data(), st.hidden * 4);
   st.position = sp.snap_position;
   st.mtp_rows = sp.snap_mtp_rows;

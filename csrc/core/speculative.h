@@ -39,8 +39,13 @@ struct TokenStream::Spec {
   std::vector<int32_t> fed;
   int64_t step_tokens = 0;     // tokens the last step queued (the accepted drafts, and its draw unless it failed)
 
-  std::vector<float> draft_logits, verify_logits, step_logits;  // [k, V], [k + 1, V], [V]
+  // The step being run: its rows, [pending] (a plain row of Engine::decode_rows) or [t, d_1 .. d_k] (a verify);
+  // a verify's draw that ended its accepted run (-1: none, a row was non-finite) and its drafting's seconds.
+  std::vector<int32_t> rows;
+  int32_t drawn = -1;
+  double draft_s = 0;
 
+  std::vector<float> draft_logits, step_logits;  // [k, V], [V]
 };
 
 }  // namespace lily

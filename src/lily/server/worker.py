@@ -589,9 +589,11 @@ class EngineWorker:
             raise RequestTimeout(self._timeout_message(job))
 
     def _step_together(self, jobs: list[Job]) -> None:
-        """The next token of every decoding job whose stream takes a plain step, in one forward (Engine.step_streams:
-        each row as its stream alone computes and draws it); each job's next pull then returns it. A job whose
-        stream cannot join (a drafting stream, a grammar or logprobs drawn on the host) steps alone in _step."""
+        """The next step of every decoding job whose stream draws in the extension, in one forward
+        (Engine.step_streams: each row as its stream alone computes and draws it): a plain step's row, or the
+        1 + k rows of a verify drafted with an explicit `speculative: k` (`auto` stops drafting to join); each job's
+        next pulls then return the tokens queued. A job whose stream cannot join (a grammar or logprobs drawn on
+        the host) steps alone in _step. The stats count forwards and the rows they ran."""
         streams = [j.session.stream for j in jobs
                    if j.decoding and not j.finished and j.session is not None and j.session.stream is not None]
         if len(streams) < 2 or self._step_streams is None:
