@@ -1,34 +1,19 @@
 """Fixtures of the kernel suite: `backend`, the op table of each backend (cpu: lily._lily.ops, metal: the emulator
 wrappers of ops_metal.py, cuda: ops_cuda.py over lily._lily.cuda_ops), `cuda`, the CUDA op table itself for the
-kernel-by-kernel tests (test_cuda_*.py), and `rng`, fresh inputs per run from a printed seed. CUDA entries skip
-with "no CUDA device" where none is visible (CI builds the CUDA backend without a GPU).
-
-Reproduce a failure with the seed its captured output prints: LILY_TEST_SEED=<seed> pytest <test id>."""
+kernel-by-kernel tests (test_cuda_*.py). CUDA entries skip with "no CUDA device" where none is visible (CI builds the
+CUDA backend without a GPU). `rng` (fresh inputs per run from a printed seed, LILY_TEST_SEED reproduces one) is
+tests/conftest.py's."""
 from __future__ import annotations
 
 import os
-import secrets
 import sys
-import zlib
 
-import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # metal_env (the MSL toolchain and kernel libraries) lives beside the other Metal tests; it is imported, not copied
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "metal"))
 sys.path.insert(0, HERE)
-
-RUN_SEED = int(os.environ.get("LILY_TEST_SEED") or secrets.randbits(32))
-
-
-@pytest.fixture
-def rng(request):
-    # fresh random inputs per run; each test draws from (run seed, test id), so one seed reproduces one test
-    seed = zlib.crc32(f"{RUN_SEED}:{request.node.nodeid}".encode())
-    print(f"seed: LILY_TEST_SEED={RUN_SEED} (this test draws from {seed})")
-    return np.random.default_rng(seed)
-
 
 def cuda_ops():
     """lily._lily.cuda_ops, or a skip (no CUDA device) / failure (a device, but an extension built without CUDA)."""

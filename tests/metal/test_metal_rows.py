@@ -11,9 +11,7 @@ child, test_metal_backend._in_child, with the scratch poisoned with NaN before e
 from __future__ import annotations
 
 import os
-import secrets
 import sys
-import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,17 +27,6 @@ from lily.reference.moe import moe_ffn  # noqa: E402
 from lily.reference.moe import route as ref_route  # noqa: E402
 
 ROWS = [1, 2, 3, 5, 8, 11, 16]
-RUN_SEED = int(os.environ.get("LILY_TEST_SEED") or secrets.randbits(32))
-
-
-@pytest.fixture
-def rng(request):
-    # as tests/kernels/conftest.py: fresh inputs per run, reproduced by the printed seed
-    seed = zlib.crc32(f"{RUN_SEED}:{request.node.nodeid}".encode())
-    print(f"seed: LILY_TEST_SEED={RUN_SEED} (this test draws from {seed})")
-    return np.random.default_rng(seed)
-
-
 def _same_bits(name: str, got: np.ndarray, want: np.ndarray) -> None:
     assert got.shape == want.shape, (name, got.shape, want.shape)
     g, w = np.ascontiguousarray(got, np.float32).view(np.uint32), np.ascontiguousarray(want, np.float32).view(np.uint32)
