@@ -48,16 +48,17 @@ SPECULATIVE_PROMPT = [{"role": "user", "content": "Explain in detail how a hash 
 # ---- facts about the run ---------------------------------------------------------------------------------
 def git_sha() -> str:
     """$LILY_GIT_SHA if set (a copied tree's .git can be stale: the lent GPU's copy reported the session's first
-    commit), else `git rev-parse HEAD` of the tree this file is in, else "unknown"."""
+    commit), else `git rev-parse HEAD` of the tree this file is in, else of the working directory (an install built
+    out of the tree: benchmarks run from the repository root), else "unknown"."""
     if os.environ.get("LILY_GIT_SHA"):
         return os.environ["LILY_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
+    for where in (Path(__file__).resolve().parent, Path.cwd()):
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
     return "unknown"
 
 
