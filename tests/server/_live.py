@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -107,3 +108,22 @@ def distinct_short_chat(srv: LiveServer, client, i: int) -> int:
     body = {"model": "tiny", "messages": [{"role": "user", "content": f"request number {i} please " * 20}],
             "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
     return client.post(srv.url + "/v1/chat/completions", json=body, headers=srv.headers()).status_code
+
+
+def rss_after_bursts(srv: LiveServer, bursts: int, size: int, report=None) -> tuple[float, list[tuple[list[int], float]]]:
+    """The server's RSS (GiB) after 60 sequential distinct_short_chat requests, then (the burst's HTTP statuses, RSS)
+    after each of `bursts` bursts of `size` concurrent ones, each read 1 s after the burst (the memory test and
+    benchmarks/server_memory_bursts.py). report(burst number, statuses, RSS) is called after each."""
+    client = httpx.Client(timeout=300)
+    assert all(distinct_short_chat(srv, client, i) == 200 for i in range(60))
+    time.sleep(1.0)
+    sequential, after = srv.rss_bytes() / 2**30, []
+    for b in range(bursts):
+        with ThreadPoolExecutor(size) as pool:
+            codes = list(pool.map(lambda i: distinct_short_chat(srv, client, i),
+                                  range(1000 * (b + 1), 1000 * (b + 1) + size)))
+        time.sleep(1.0)
+        after.append((codes, srv.rss_bytes() / 2**30))
+        if report is not None:
+            report(b + 1, codes, after[-1][1])
+    return sequential, after

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _http import httpx
-from _live import LiveServer, distinct_short_chat
+from _live import LiveServer, rss_after_bursts
 
 from lily.model import BUNDLED_MODEL_DIR
 from lily.tokenizer import Tokenizer
@@ -121,21 +121,10 @@ def test_memory_returns_after_bursts_of_concurrent_requests(tmp_path):
 
     srv = LiveServer(None, tmp_path / "serve.log", "--max-queue", "1000")
     try:
-        client = httpx.Client(timeout=120)
-
-        def one(i: int) -> int:
-            return distinct_short_chat(srv, client, i)
-
-        assert all(one(i) == 200 for i in range(60))
-        time.sleep(1.0)
-        sequential = srv.rss_bytes() / 2**30
-        after = []
-        for b in range(2):
-            with ThreadPoolExecutor(150) as pool:
-                codes = list(pool.map(one, range(1000 * (b + 1), 1000 * (b + 1) + 150)))
+        sequential, bursts = rss_after_bursts(srv, 2, 150)
+        for codes, _ in bursts:
             assert codes.count(200) == 150, {c: codes.count(c) for c in set(codes)}
-            time.sleep(1.0)
-            after.append(srv.rss_bytes() / 2**30)
+        after = [rss for _, rss in bursts]
         assert max(after) <= 1.2 * sequential, (sequential, after)
     finally:
         srv.stop()
