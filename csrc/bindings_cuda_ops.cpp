@@ -586,7 +586,8 @@ nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> 
 
 // gemv_rows(segments=[{w0, w1?, mode, y0?}], in_, x [M, in] | xf [M, in] + nw, ...): see the docstring at registration.
 nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> x, std::optional<F32> xf,
-                   std::optional<F32> nw, double eps, bool h_out, bool head) {
+                   std::optional<F32> nw, double eps, bool h_out, bool head, std::optional<F32> conv_w,
+                   std::optional<F32> conv_state) {
   const char* op = "gemv_rows";
   std::vector<Any> keep;  // (weights' converted copies)
   std::vector<F32> keep32;
@@ -609,7 +610,20 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
     if (d.contains("y0") && !d["y0"].is_none())  // (kept: a converted copy lives as long as its handle)
       check(op, "y0", keep32.emplace_back(nb::cast<F32>(d["y0"])), {M, s.w0.out}), s.y0 = keep32.back().data();
     if (s.mode == 2) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, s.w0.out});
+    else if (s.mode == 3) ys.emplace_back(nb::none());
     else std::tie(ys.emplace_back(), s.y) = out<float>({M, s.w0.out});
+    if (s.mode == 3) {
+      require(conv_w && conv_state, op, "a conv segment (mode 3) needs conv_w fp32 [C, K] and conv_state fp32 [K-1, C]");
+      c.conv_dim = static_cast<int>(s.w0.out);
+      c.conv_k = static_cast<int>(check(op, "conv_w", *conv_w, {s.w0.out, -1})[1]);
+      check(op, "conv_state", *conv_state, {c.conv_k - 1, s.w0.out});
+      c.conv_w = conv_w->data();
+      nb::object st, u, hist;
+      std::tie(st, c.conv_state) = copy_of(*conv_state);
+      std::tie(u, c.u) = out<float>({M, s.w0.out});
+      std::tie(hist, c.conv_hist) = out<float>({c.conv_k - 1 + M, s.w0.out});
+      res["conv_state"] = st, res["u"] = u, res["conv_hist"] = hist;
+    }
     c.segs.push_back(s);
   }
   std::vector<unsigned long long> amax;
@@ -776,8 +790,10 @@ void register_cuda_ops(nb::module_& parent) {
   m.def("gemv_moe_down", &gemv_moe_down, "x"_a, "act"_a, "sact"_a, "ids"_a, "w"_a, "sgate"_a, "wd"_a, "ws"_a,
         "x fp32 [H] + routed experts' down of act bf16 [k, I] + sigmoid(sgate) shared down of sact bf16 [Is]");
   m.def("gemv_rows", &gemv_rows, "segments"_a, "in_"_a, "xmode"_a = 0, "x"_a = nb::none(), "xf"_a = nb::none(),
-        "nw"_a = nb::none(), "eps"_a = 1e-6, "h_out"_a = false, "head"_a = false,
-        "gemv_proj over M = 1..8 rows: x bf16 / xf fp32 [M, in], y0 and outputs [M, out], amax [blocks, M]");
+        "nw"_a = nb::none(), "eps"_a = 1e-6, "h_out"_a = false, "head"_a = false, "conv_w"_a = nb::none(),
+        "conv_state"_a = nb::none(),
+        "gemv_proj over M = 1..8 rows: x bf16 / xf fp32 [M, in], y0 and outputs [M, out], amax [blocks, M]; a conv "
+        "segment (mode 3): conv_w fp32 [C, K], conv_state fp32 [K-1, C] -> u [M, C], conv_state, conv_hist [K-1+M, C]");
   m.def("gemv_rows_fits", &gemv_rows_fits, "w"_a, "whether the M-row decode GEMV takes this weight");
   m.def("gemv_fits", &gemv_fits, "w"_a, "whether the decode GEMV takes this weight");
   m.def("gemv_head_blocks", &ops::gemv_head_blocks, "rows"_a);

@@ -15,7 +15,9 @@ namespace r = lily::cuda::rows;
 
 namespace {
 
-void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies, int xmode) {
+// conv: segment 0 is the DeltaNet in-projection's conv epilogue (4 taps over its rows as channels), as in the step.
+void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies, int xmode,
+                bool conv = false) {
   constexpr int kM = 8;
   std::vector<DevWeight> ws;
   std::vector<void*> bufs;
@@ -50,6 +52,19 @@ void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode
       bufs.push_back(y), bufs.push_back(yb);
       if (c == 0) bytes += (mode == g::kODual ? 2.0 : 1.0) * outs[s] * in * (0.5 + 4.0 / 64);
     }
+    if (conv) {
+      constexpr int K = 4;
+      const int64_t C = outs[0];
+      float* cw = drandom<float>(C * K, 100 * c + 7);
+      float* cs = dalloc<float>((K - 1) * C);
+      float* u = dalloc<float>(kM * C);
+      float* hist = dalloc<float>((K - 1 + kM) * C);
+      CK(cudaMemset(cs, 0, (K - 1) * C * sizeof(float)));
+      bufs.push_back(cw), bufs.push_back(cs), bufs.push_back(u), bufs.push_back(hist);
+      a.seg[0].mode = g::kOConv, b.seg[0].mode = r::kOConv;
+      a.conv_w = b.conv_w = cw, a.conv_state = b.conv_state = cs, a.u = b.u = u, b.conv_hist = hist;
+      a.conv_dim = static_cast<int32_t>(C), a.conv_k = b.conv_k = K;
+    }
   }
   const double base = mean_ms([&](int i) { g::proj(nullptr, one[i % copies]); });
   if (g_once) std::printf("ONCE proj %s\n", tag);
@@ -78,5 +93,10 @@ int main(int argc, char** argv) {
   time_shape("shared gate/up (dual)", 2048, {512}, g::kODual, 64, g::kXBf16);
   time_shape("shared down (accum)", 512, {2048}, g::kOAccum, 96, g::kXBf16);
   time_shape("lm_head 248320, RMSNorm", 2048, {248320}, g::kOStore, 2, g::kXNorm);
+  try {  // (last: a build of gemv_rows.cu without the conv epilogue refuses it)
+    time_shape("dn in-proj + conv, RMSNorm", 2048, {8192, 4096, 32, 32}, g::kOStore, 8, g::kXNorm, true);
+  } catch (const std::exception& e) {
+    std::printf("SKIP dn in-proj + conv: %s\n", e.what());
+  }
   return 0;
 }

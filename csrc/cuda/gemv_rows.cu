@@ -14,8 +14,9 @@
 // 4-bit tile does (mma i takes word i / 2, nibble pairs (j0, j0 + 4) and (j0 + 1, j0 + 5), j0 = 2 (i % 2), each as the
 // exact bf16 128 + q), and B column gid holds input row gid at the same elements (packed once in shared memory by the
 // staging; zero for gid >= M). So D[row][m] = 128 X[m] + sum q x[m] over the block, X the block's sum of x[m], and the
-// block's term is s (D - 128 X) + b X in fp32, summed over blocks and chunks in order. Nothing in a row's arithmetic
-// depends on the other rows or on M (the mma's columns are independent), hence the exact rows.
+// block's term is s (D - 128 X) + b X = s D + (b - 128 s) X in fp32 (two FMA a value), summed over blocks and chunks
+// in order. Nothing in a row's arithmetic depends on the other rows or on M (the mma's columns are independent), hence
+// the exact rows.
 #include "cuda/gemv_rows.cuh"
 
 #include <algorithm>
@@ -59,6 +60,9 @@ struct Launch {
   int64_t ldy[kMaxSegs] = {};
   int32_t mode[kMaxSegs] = {};
   unsigned long long* amax = nullptr;
+  const float* conv_w = nullptr;
+  float *conv_state = nullptr, *u = nullptr, *conv_hist = nullptr;
+  int32_t conv_k = 0, conv_part = -1;  // the conv segment's part (-1: none)
 };
 
 struct Smem {
@@ -255,31 +259,43 @@ __device__ __forceinline__ float half_of(const uint2& v, int k) {
 }
 
 // One step's math: tot[(row gid, col 2 tig), (gid, 2 tig + 1), (gid + 8, 2 tig), (gid + 8, 2 tig + 1)] += the chunk's
-// blocks in order.
+// blocks in order. NB > 0: the blocks of a whole chunk as a constant (every chunk but a short last one), so the blocks'
+// independent mma chains interleave (a runtime count's early exit kept each block's 4 dependent mma apart: the "wait"
+// stalls); each block's sums run in the same order either way.
+template <int NB>
 __device__ __forceinline__ void step_math(const Launch& g, const Step& S, int c, int nb, const uint4* xs,
                                           const float* xsum, int gid, int tig, float (&tot)[4]) {
   const int lane = gid * 4 + tig;
+  const int n = NB > 0 ? NB : nb;
+  float d[kChunkBlks][4];
 #pragma unroll
   for (int k = 0; k < kChunkBlks; ++k) {
-    if (k >= nb) break;
+    if (NB == 0 && k >= n) break;
     const int blk = kChunkBlks * c + k;
     uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
     if (gid < g.M) h0 = xs[(blk * 2) * g.M * 4 + lane], h1 = xs[(blk * 2 + 1) * g.M * 4 + lane];
     const uint32_t bx[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int j0 = 2 * (i & 1);
       const uint32_t r0 = i >> 1 ? S.q[0][k].y : S.q[0][k].x, r1 = i >> 1 ? S.q[1][k].y : S.q[1][k].x;
       const uint32_t a[4] = {q4_pair(r0, j0), q4_pair(r1, j0), q4_pair(r0, j0 + 1), q4_pair(r1, j0 + 1)};
-      mma::mma_bf16(d, a, bx[2 * i], bx[2 * i + 1]);
+      mma::mma_bf16(d[k], a, bx[2 * i], bx[2 * i + 1]);
     }
+  }
+#pragma unroll
+  for (int k = 0; k < kChunkBlks; ++k) {
+    if (NB == 0 && k >= n) break;
+    const int blk = kChunkBlks * c + k;
     const float2 X = *reinterpret_cast<const float2*>(xsum + blk * 8 + 2 * tig);
     const float s0 = half_of(S.s[0], k), b0 = half_of(S.b[0], k), s1 = half_of(S.s[1], k), b1 = half_of(S.b[1], k);
-    tot[0] += fmaf(s0, d[0] - 128.f * X.x, b0 * X.x);
-    tot[1] += fmaf(s0, d[1] - 128.f * X.y, b0 * X.y);
-    tot[2] += fmaf(s1, d[2] - 128.f * X.x, b1 * X.x);
-    tot[3] += fmaf(s1, d[3] - 128.f * X.y, b1 * X.y);
+    // s (D - 128 X) + b X = s D + (b - 128 s) X: two FMA a value (the 128 s X inside s D cancels against c X)
+    const float c0 = fmaf(-128.f, s0, b0), c1 = fmaf(-128.f, s1, b1);
+    tot[0] = fmaf(s0, d[k][0], fmaf(c0, X.x, tot[0]));
+    tot[1] = fmaf(s0, d[k][1], fmaf(c0, X.y, tot[1]));
+    tot[2] = fmaf(s1, d[k][2], fmaf(c1, X.x, tot[2]));
+    tot[3] = fmaf(s1, d[k][3], fmaf(c1, X.y, tot[3]));
   }
 }
 
@@ -287,8 +303,44 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(order_key(v)) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(row));
 }
 
+// The conv segment's channels of round r (their M products in pb[item * slices], item = (slot * 16 + t16) * M + m):
+// with X = [state; y] ([K-1+M, C]) row m's u = silu(sum_j w[c][j] X[m + j][c]) in the one-row step's order (taps 0..K-2,
+// then the newest), X to conv_hist, and the state <- X's last K-1 rows (one thread a channel, after every read of it).
+__device__ void conv_epilogue(const Launch& g, const float* pb, int r) {
+  const Part& P = g.part[g.conv_part];
+  const int K = g.conv_k, M = g.M, n = g.mwarps * kTile * M;
+  const int64_t C = P.rows;
+  float* cs = g.conv_state;
+  __syncthreads();  // every item's product is in pb
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int slot = i / (kTile * M), t16 = (i / M) % kTile, m = i % M;
+      const int T = (blockIdx.x * g.mwarps + slot) * g.tpw + r, lt = T - P.first;
+      if (lt < 0 || lt >= P.tiles) continue;
+      const int64_t c = static_cast<int64_t>(lt) * kTile + t16;
+      if (c >= C) continue;
+      const float* yc = pb + (i - m) * g.slices;  // this channel's row 0; row j at yc[j * slices]
+      auto X = [&](int t) { return t < K - 1 ? cs[t * C + c] : yc[(t - (K - 1)) * g.slices]; };
+      if (pass == 0) {
+        const float* w = g.conv_w + c * K;
+        float cv = 0.f;
+        for (int j = 0; j < K - 1; ++j) cv += w[j] * X(m + j);
+        cv += w[K - 1] * yc[m * g.slices];
+        g.u[m * C + c] = cv / (1.f + expf(-cv));
+        if (g.conv_hist) {
+          g.conv_hist[(K - 1 + m) * C + c] = yc[m * g.slices];
+          for (int t = m; t < K - 1; t += M) g.conv_hist[t * C + c] = cs[t * C + c];
+        }
+      } else if (m == 0) {  // rows ascending: row t reads X[M + t], which no earlier write touched
+        for (int t = 0; t < K - 1; ++t) cs[t * C + c] = X(M + t);
+      }
+    }
+    __syncthreads();  // pass 1 rewrites the state pass 0 read
+  }
+}
+
 // Round r's epilogue: the slices' partial sums in slice order, then each (row, input row) to its segment's output.
-__device__ void epilogue(const Launch& g, const float* pb, int r, Smem& sm) {
+__device__ void epilogue(const Launch& g, float* pb, int r, Smem& sm) {
   const int n = g.mwarps * kTile * g.M;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int slot = i / (kTile * g.M), t16 = (i / g.M) % kTile, col = i % g.M;
@@ -313,6 +365,10 @@ __device__ void epilogue(const Launch& g, const float* pb, int r, Smem& sm) {
     }
     const int64_t row = static_cast<int64_t>(lt) * kTile + t16;
     if (row >= P.rows) continue;
+    if (g.mode[sg] == kOConv) {  // the conv's phases below read every row's product of the channel
+      pb[i * g.slices] = v;      // (only this thread reads item i's partials)
+      continue;
+    }
     float* y = g.y[sg] + col * g.ldy[sg] + row;
     if (g.mode[sg] == kOAccum) {
       *y += v;
@@ -321,6 +377,7 @@ __device__ void epilogue(const Launch& g, const float* pb, int r, Smem& sm) {
       if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
     }
   }
+  if (g.conv_part >= 0) conv_epilogue(g, pb, r);
 }
 
 // A whole-row warp's outputs (one slice): lane (gid, tig) holds rows gid and gid + 8 of tile lt for input rows 2 tig and
@@ -394,11 +451,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
           const int rn = cc + 1 < nc ? r : r + 1, cn = c0 + (cc + 1 < nc ? cc + 1 : 0);
           cur.load(lt0 + rn, cn, blocks_of(cn), g.sbvec != 0, N);
         }
-        step_math(g, S, c0 + cc, blocks_of(c0 + cc), xs, xsum, gid, tig, tot);
+        const int nb = blocks_of(c0 + cc);
+        if (nb == kChunkBlks) step_math<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+        else step_math<0>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
         S = N;
       }
     }
-    if (g.slices == 1) {  // whole rows in this warp: its lanes' sums are the outputs, no round barrier
+    if (g.slices == 1 && g.conv_part < 0) {  // whole rows in this warp: its lanes' sums are the outputs, no barrier
       if (r < nvalid) lane_epilogue(g, P, lt0 + r, gid, tig, tot, sm);
       continue;
     }
@@ -480,8 +539,17 @@ unsigned proj(cudaStream_t st, const Args& a) {
     if (sg.w0.p.in != a.in) fail("segment input length mismatch");
     if (!fits(sg.w0) || (sg.mode == kODual && (!fits(sg.w1) || sg.w1.p.out != sg.w0.p.out)))
       fail("segment weight format not supported (4-bit, group >= 64)");
-    if (sg.mode != kOStore && sg.mode != kOAccum && sg.mode != kODual) fail("output mode " + std::to_string(sg.mode));
-    if (sg.ldy < sg.w0.p.out) fail("output row stride below the segment's rows");
+    if (sg.mode != kOStore && sg.mode != kOAccum && sg.mode != kODual && sg.mode != kOConv)
+      fail("output mode " + std::to_string(sg.mode));
+    if (sg.mode == kOConv) {
+      if (g.conv_part >= 0) fail("one conv segment at most");
+      if (a.conv_k < 2 || a.conv_k > kMaxConvK) fail("conv taps " + std::to_string(a.conv_k) + ", expected 2 to 4");
+      if (!a.conv_w || !a.conv_state || !a.u) fail("a conv segment needs conv_w, conv_state and u");
+      g.conv_part = g.nparts, g.conv_k = a.conv_k, g.conv_w = a.conv_w, g.conv_state = a.conv_state, g.u = a.u;
+      g.conv_hist = a.conv_hist;
+    } else if (sg.ldy < sg.w0.p.out) {
+      fail("output row stride below the segment's rows");
+    }
     const bool dual = sg.mode == kODual;
     Part P = part_of(sg.w0, dual ? sg.w1 : sg.w0, dual);
     P.tiles = static_cast<int32_t>(dual ? (P.rows + kTile / 2 - 1) / (kTile / 2) : (P.rows + kTile - 1) / kTile);

@@ -8,10 +8,10 @@
 // zero past M), so D[row][m] is row `row`'s dot product with input row m: one mma serves all M rows at the cost of one.
 // Staging: RMSNorm of fp32 rows (block 0 also writes the bf16 rows) or bf16 rows, packed in shared memory as the B
 // fragments. Outputs per segment: store (fp32, optional per-row block argmax keys: the greedy head), accumulate
-// (residual add), SiLU(gate) * up (bf16).
+// (residual add), SiLU(gate) * up (bf16), the DeltaNet causal conv + SiLU over the M rows in order (its state kept).
 //
 // Not yet here (the one-row gemv.cuh serves them): 8-bit and dense weights, the routing prologue and routed experts,
-// the DeltaNet conv epilogue, the K-concatenated MoE down.
+// the K-concatenated MoE down.
 #pragma once
 #include "cuda/common.cuh"
 
@@ -21,7 +21,8 @@ constexpr int kMaxRows = 8;  // M: the mma's n extent
 constexpr int kMaxSegs = 4;
 
 enum XMode : int32_t { kXBf16 = 0, kXNorm = 1 };
-enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2 };
+enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2, kOConv = 3 };
+constexpr int kMaxConvK = 4;  // conv taps at most
 
 struct Seg {
   DLinear w0, w1;      // w1: the up projection of a dual segment (same shape and format as w0)
@@ -45,6 +46,15 @@ struct Args {
   bf16* h_out = nullptr;       // norm: block 0 also writes the normed rows bf16 [M, in]
   // greedy head (one store segment): per block and row the max key of (logit, -row), amax[block * M + m]
   unsigned long long* amax = nullptr;
+  // conv epilogue (one kOConv segment, its rows the C = conv_dim channels): with X = [conv_state; y] ([K-1+M, C],
+  // y the segment's products of the M rows) u[m][c] = silu(sum_j<K w[c][j] X[m + j][c]) (each row's window in the
+  // one-row order), conv_state <- X's last K-1 rows, and conv_hist (nullable) <- X (row t's state: X[t+1 .. t+K-1],
+  // a rejected draft's rollback)
+  const float* conv_w = nullptr;  // fp32 [C, K]
+  float* conv_state = nullptr;    // fp32 [K-1, C], in place
+  float* u = nullptr;             // fp32 [M, C]
+  float* conv_hist = nullptr;     // fp32 [K-1+M, C]
+  int32_t conv_k = 0;
 };
 
 // Launches (stream-ordered, PDL like gemv.cuh's proj); returns the blocks launched (amax holds blocks * M keys).

@@ -198,6 +198,12 @@ struct RowsCall {
   const float *xf = nullptr, *nw = nullptr;
   uint16_t* h_out = nullptr;                        // xmode 1: the normed rows bf16 [M, in]
   std::vector<unsigned long long>* amax = nullptr;  // one store segment: the blocks' keys [blocks, M] (resized)
+  // the conv segment's epilogue (mode 3): conv_w fp32 [C, K], conv_state fp32 [K-1, C] in place -> u fp32 [M, C],
+  // conv_hist fp32 [K-1+M, C] (the state before the rows, then each row's product)
+  const float* conv_w = nullptr;
+  float* conv_state = nullptr;
+  float *u = nullptr, *conv_hist = nullptr;
+  int conv_dim = 0, conv_k = 0;
 };
 // Returns the blocks launched (rows::proj).
 unsigned gemv_rows(const RowsCall& c);

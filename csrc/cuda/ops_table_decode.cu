@@ -184,10 +184,18 @@ unsigned gemv_rows(const RowsCall& c) {
     d.mode = sg.mode, d.ldy = sg.w0.out;
     const int64_t n = M * sg.w0.out;
     if (sg.mode == r::kODual) d.yb = as_bf16(dv.alloc<uint16_t>(n));
-    else d.y = sg.y0 ? dv.put(sg.y0, n) : dv.alloc<float>(n);
+    else if (sg.mode != r::kOConv) d.y = sg.y0 ? dv.put(sg.y0, n) : dv.alloc<float>(n);
   }
   unsigned long long* damax = nullptr;
   if (c.amax) a.amax = damax = dv.alloc<unsigned long long>(r::head_blocks(c.segs[0].w0.out) * M);
+  const int64_t nstate = static_cast<int64_t>(c.conv_k - 1) * c.conv_dim, nu = M * c.conv_dim;
+  if (c.conv_w) {
+    a.conv_w = dv.put(c.conv_w, static_cast<int64_t>(c.conv_dim) * c.conv_k);
+    a.conv_state = dv.put(c.conv_state, nstate);
+    a.u = dv.alloc<float>(nu);
+    a.conv_hist = dv.alloc<float>(nstate + nu);
+    a.conv_k = c.conv_k;
+  }
   const unsigned nb = r::proj(kStream, a);
   finish("gemv_rows");
   for (int s = 0; s < nseg; ++s) {
@@ -196,6 +204,7 @@ unsigned gemv_rows(const RowsCall& c) {
     if (a.seg[s].yb) get(c.segs[s].yb, reinterpret_cast<const uint16_t*>(a.seg[s].yb), n);
   }
   get(c.h_out, dh, nx);
+  if (c.conv_w) get(c.u, a.u, nu), get(c.conv_state, a.conv_state, nstate), get(c.conv_hist, a.conv_hist, nstate + nu);
   if (c.amax) {
     c.amax->resize(static_cast<size_t>(nb) * M);
     get(c.amax->data(), damax, static_cast<int64_t>(nb) * M);

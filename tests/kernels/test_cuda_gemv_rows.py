@@ -3,7 +3,7 @@ dequantised once for all of them) against fp64 products of lily.quant's dequanti
 of an M-row launch equals the one-row launch of that row bit for bit (the speculative verify decides with them what
 plain decoding would). Segments that share the input rows (store, accumulate, SiLU(gate) * up), the RMSNorm staging of
 fp32 rows, groups of 64 / 128 / 256, odd output counts and input lengths that are not multiples of the 256-element
-chunk, and the greedy head's per-row block keys.
+chunk, the greedy head's per-row block keys, and the DeltaNet in-projection's conv over the M rows.
 
 Tolerances (KERNEL_CHECKS) as the one-row GEMV's (test_cuda_gemv.py): gemv_rel_rms for fp32 outputs of bf16 rows,
 gemv_staged_rel_rms for outputs of RMSNorm-staged rows, gemv_dual_rel_rms for SiLU(gate) * up rounded to bf16."""
@@ -14,7 +14,7 @@ import pytest
 from lily.testing.metrics import assert_close
 from cuda_checks import KC, RawWeight, bits, silu, vals
 
-STORE, ACCUM, DUAL = 0, 1, 2  # rows::OMode
+STORE, ACCUM, DUAL, CONV = 0, 1, 2, 3  # rows::OMode
 NORM = 1  # rows::XMode
 
 
@@ -97,6 +97,42 @@ def test_rmsnorm_staging(cuda, rng, inp, outs, mode, M):
             _same_bits(f"rmsnorm M={M} row {m} seg {s}", r["y"][s][m:m + 1], one["y"][s])
 
 
+
+# in, C (conv channels), K, other (a store segment beside it, as z / b / a are in the step); the model's in-projection
+# at 4 taps (2,048 -> 8,192 + 4,096 + 64), fewer channels than a tile, 2 and 3 taps (fewer rows than taps: M = 1, 2)
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("inp,C,K,other", [(2048, 8192, 4, 4096 + 64), (64, 33, 4, 5), (192, 7, 2, 1), (128, 40, 3, 9)])
+def test_conv_rows(cuda, rng, inp, C, K, other, M):
+    """The DeltaNet in-projection's conv over M rows (segment 0): with X = [state; y] (y = W x of each row) row m's
+    u = silu(sum_j w[:, j] X[m + j]), the state X's last K-1 rows and conv_hist X; and M rows equal M one-row launches
+    that carry the state from one to the next, bit for bit (u, state, the neighbour's products)."""
+    w, wz = _w(rng, C, inp), _w(rng, other, inp)
+    x = bits(rng.standard_normal((M, inp)))
+    cw = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    st = rng.standard_normal((K - 1, C)).astype(np.float32)
+    segs = [dict(w0=w.t, mode=CONV), dict(w0=wz.t, mode=STORE)]
+    r = cuda.gemv_rows(segs, inp, x=x, conv_w=cw, conv_state=st)
+    xf = vals(x).astype(np.float64)
+    X = np.concatenate([st.astype(np.float64), xf @ w.dense().T])  # [K-1+M, C]
+    conv = np.stack([np.einsum("cj,jc->c", cw.astype(np.float64), X[m:m + K]) for m in range(M)])
+    tag = f"cuda gemv rows conv M={M} in={inp} C={C} K={K}"
+    assert r["y"][0] is None
+    assert_close(tag + " u", r["u"], silu(conv), KC["gemv_rel_rms"])
+    assert_close(tag + " state", r["conv_state"], X[M:], KC["gemv_rel_rms"])
+    assert_close(tag + " hist", r["conv_hist"], X, KC["gemv_rel_rms"])
+    np.testing.assert_array_equal(r["conv_hist"][:K - 1], st, err_msg=tag + " hist's state rows")
+    kept = max(0, K - 1 - M)  # state rows that were state rows before (M < K - 1)
+    np.testing.assert_array_equal(r["conv_state"][:kept], st[M:M + kept], err_msg=tag + " state rows shifted")
+    assert_close(tag + f" neighbour store out={other}", r["y"][1], xf @ wz.dense().T, KC["gemv_rel_rms"])
+    state = st
+    for m in range(M):  # one row at a time, the state carried
+        one = cuda.gemv_rows(segs, inp, x=x[m:m + 1], conv_w=cw, conv_state=state)
+        _same_bits(f"conv M={M} row {m} u", r["u"][m:m + 1], one["u"])
+        _same_bits(f"conv M={M} row {m} y", r["conv_hist"][K - 1 + m:K + m], one["conv_hist"][K - 1:])
+        _same_bits(f"conv M={M} row {m} neighbour", r["y"][1][m:m + 1], one["y"][1])
+        state = one["conv_state"]
+    _same_bits(f"conv M={M} final state", r["conv_state"], state)
+
 @pytest.mark.parametrize("M,out", [(1, 248320 // 16 + 3), (4, 4099), (8, 1000)])
 def test_head_keys(cuda, rng, M, out):
     """The greedy head: per block and input row the largest key of (logit, -row); their maximum names each row's
@@ -122,3 +158,9 @@ def test_fits_and_refusals(cuda, rng):
         cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 256, x=bits(rng.standard_normal((9, 256))))
     with pytest.raises(ValueError, match="input length"):
         cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 128, x=bits(rng.standard_normal((2, 128))))
+    with pytest.raises(ValueError, match="conv_w"):
+        cuda.gemv_rows([dict(w0=w.t, mode=CONV)], 256, x=bits(rng.standard_normal((2, 256))))
+    cw, st = np.ones((8, 4), np.float32), np.ones((3, 8), np.float32)
+    with pytest.raises(ValueError, match="one conv segment"):
+        cuda.gemv_rows([dict(w0=w.t, mode=CONV)] * 2, 256, x=bits(rng.standard_normal((2, 256))), conv_w=cw,
+                       conv_state=st)
