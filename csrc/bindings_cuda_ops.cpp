@@ -587,7 +587,7 @@ nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> 
 // gemv_rows(segments=[{w0, w1?, mode, y0?}], in_, x [M, in] | xf [M, in] + nw, ...): see the docstring at registration.
 nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> x, std::optional<F32> xf,
                    std::optional<F32> nw, double eps, bool h_out, bool head, std::optional<F32> conv_w,
-                   std::optional<F32> conv_state) {
+                   std::optional<F32> conv_state, std::optional<F32> route_logits, int top_k, bool norm_topk) {
   const char* op = "gemv_rows";
   std::vector<Any> keep;  // (weights' converted copies)
   std::vector<F32> keep32;
@@ -600,16 +600,29 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
           "xmode 0 reads x (bf16 [M, in]), xmode 1 xf (fp32 [M, in]) and nw (fp32 [in])");
   const int64_t M = c.rows;
   nb::dict res;
+  if (route_logits) {
+    c.E = static_cast<int>(check(op, "route_logits", *route_logits, {M, -1})[1]);
+    require(top_k >= 1 && top_k <= c.E, op, "top_k must be 1 to E");
+    c.rlogits = route_logits->data(), c.top_k = top_k, c.norm_topk = norm_topk ? 1 : 0;
+    nb::object ti, tw;
+    std::tie(ti, c.top_idx) = out<int32_t>({M, top_k});
+    std::tie(tw, c.top_w) = out<float>({M, top_k});
+    res["top_idx"] = ti, res["top_w"] = tw;
+  }
   std::vector<nb::object> ys;
   for (nb::handle h : segments) {
     nb::dict d = nb::borrow<nb::dict>(h);
     ops::RowsSegment s;
     s.mode = nb::cast<int>(d["mode"]);
-    s.w0 = weight(op, "w0", d["w0"], false, keep);
-    s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], false, keep) : s.w0;
+    s.routed = d.contains("routed") ? nb::cast<int>(d["routed"]) : 0;
+    require(!s.routed || route_logits, op, "a routed segment needs route_logits fp32 [M, E] and top_k");
+    s.w0 = weight(op, "w0", d["w0"], s.routed != 0, keep);
+    s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], s.routed != 0, keep) : s.w0;
+    require(!s.routed || (s.w0.experts == c.E && s.w1.experts == c.E), op, "a routed segment's weights hold E experts");
     if (d.contains("y0") && !d["y0"].is_none())  // (kept: a converted copy lives as long as its handle)
       check(op, "y0", keep32.emplace_back(nb::cast<F32>(d["y0"])), {M, s.w0.out}), s.y0 = keep32.back().data();
-    if (s.mode == 2) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, s.w0.out});
+    if (s.mode == 2 && s.routed) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, top_k, s.w0.out});
+    else if (s.mode == 2) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, s.w0.out});
     else if (s.mode == 3) ys.emplace_back(nb::none());
     else std::tie(ys.emplace_back(), s.y) = out<float>({M, s.w0.out});
     if (s.mode == 3) {
@@ -791,9 +804,11 @@ void register_cuda_ops(nb::module_& parent) {
         "x fp32 [H] + routed experts' down of act bf16 [k, I] + sigmoid(sgate) shared down of sact bf16 [Is]");
   m.def("gemv_rows", &gemv_rows, "segments"_a, "in_"_a, "xmode"_a = 0, "x"_a = nb::none(), "xf"_a = nb::none(),
         "nw"_a = nb::none(), "eps"_a = 1e-6, "h_out"_a = false, "head"_a = false, "conv_w"_a = nb::none(),
-        "conv_state"_a = nb::none(),
+        "conv_state"_a = nb::none(), "route_logits"_a = nb::none(), "top_k"_a = 0, "norm_topk"_a = true,
         "gemv_proj over M = 1..8 rows: x bf16 / xf fp32 [M, in], y0 and outputs [M, out], amax [blocks, M]; a conv "
-        "segment (mode 3): conv_w fp32 [C, K], conv_state fp32 [K-1, C] -> u [M, C], conv_state, conv_hist [K-1+M, C]");
+        "segment (mode 3): conv_w fp32 [C, K], conv_state fp32 [K-1, C] -> u [M, C], conv_state, conv_hist [K-1+M, C]; "
+        "a routed dual segment (routed=1, stacked experts): route_logits fp32 [M, E] + top_k -> y bf16 [M, top_k, out], "
+        "top_idx, top_w [M, top_k]");
   m.def("gemv_rows_fits", &gemv_rows_fits, "w"_a, "whether the M-row decode GEMV takes this weight");
   m.def("gemv_fits", &gemv_fits, "w"_a, "whether the decode GEMV takes this weight");
   m.def("gemv_head_blocks", &ops::gemv_head_blocks, "rows"_a);

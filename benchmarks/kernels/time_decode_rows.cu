@@ -81,6 +81,49 @@ void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode
   cudaFree(x), cudaFree(xf), cudaFree(nw);
 }
 
+// The experts' gate/up (routed dual, the model's 256 experts of 8 over 2048 -> 512): one-row routing prologue launch
+// against the M-row launch, each row's router logits random (so the rows' experts are nearly independent: M = 8 reads
+// ~7x the experts of M = 1; the MB column is one row's 8 experts).
+void time_routed(int copies) {
+  constexpr int kM = 8, E = 256, k = 8, in = 2048, I = 512;
+  bf16* x = drandom<bf16>(kM * in, 11);
+  float* logits = drandom<float>(kM * E, 12, -2.f, 2.f);
+  int32_t* idx = dalloc<int32_t>(kM * k);
+  float* w = dalloc<float>(kM * k);
+  bf16* act = dalloc<bf16>(kM * k * I);
+  std::vector<DevWeight> ws(2 * copies);
+  std::vector<g::ProjArgs> one(copies);
+  std::vector<r::Args> many(copies);
+  for (int c = 0; c < copies; ++c) {
+    ws[2 * c].make(4, E, I, in, 1000 + 10 * c);
+    ws[2 * c + 1].make(4, E, I, in, 1005 + 10 * c);
+    g::ProjArgs& a = one[c];
+    a.nseg = 1, a.xmode = g::kXBf16, a.in = in, a.xb = x, a.route = 1, a.rlogits = logits, a.E = E, a.top_k = k;
+    a.norm_topk = 1, a.top_idx = idx, a.top_w = w;
+    a.seg[0].w0 = ws[2 * c].d, a.seg[0].w1 = ws[2 * c + 1].d, a.seg[0].mode = g::kODual, a.seg[0].routed = 1;
+    a.seg[0].slots = k, a.seg[0].y_step = I, a.seg[0].yb = act;
+    r::Args& b = many[c];
+    b.nseg = 1, b.xmode = r::kXBf16, b.in = in, b.xb = x, b.ldx = in, b.rlogits = logits, b.E = E, b.top_k = k;
+    b.norm_topk = 1, b.top_idx = idx, b.top_w = w;
+    b.seg[0].w0 = ws[2 * c].d, b.seg[0].w1 = ws[2 * c + 1].d, b.seg[0].mode = r::kODual, b.seg[0].routed = 1;
+    b.seg[0].yb = act, b.seg[0].ldy = I;
+  }
+  const char* tag = "experts gate/up (routed)";
+  const double bytes = 2.0 * k * I * in * (0.5 + 4.0 / 64);
+  const double base = mean_ms([&](int i) { g::proj(nullptr, one[i % copies]); });
+  if (g_once) std::printf("ONCE proj %s\n", tag);
+  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
+  for (int M : {1, 2, 4, 8}) {
+    for (auto& b : many) b.rows = M;
+    const double ms = mean_ms([&](int i) { r::proj(nullptr, many[i % copies]); });
+    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
+    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
+                     ms * 1e3, bytes / ms / 1e9, ms / base);
+  }
+  for (auto& d : ws) d.free_all();
+  cudaFree(x), cudaFree(logits), cudaFree(idx), cudaFree(w), cudaFree(act);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,10 +136,11 @@ int main(int argc, char** argv) {
   time_shape("shared gate/up (dual)", 2048, {512}, g::kODual, 64, g::kXBf16);
   time_shape("shared down (accum)", 512, {2048}, g::kOAccum, 96, g::kXBf16);
   time_shape("lm_head 248320, RMSNorm", 2048, {248320}, g::kOStore, 2, g::kXNorm);
-  try {  // (last: a build of gemv_rows.cu without the conv epilogue refuses it)
+  try {  // (last: a build of gemv_rows.cu without the conv epilogue or the routing refuses them)
     time_shape("dn in-proj + conv, RMSNorm", 2048, {8192, 4096, 32, 32}, g::kOStore, 8, g::kXNorm, true);
+    time_routed(3);
   } catch (const std::exception& e) {
-    std::printf("SKIP dn in-proj + conv: %s\n", e.what());
+    std::printf("SKIP: %s\n", e.what());
   }
   return 0;
 }

@@ -43,6 +43,8 @@ struct Part {
   const uint8_t *w0, *w1;
   const uint16_t *s0, *b0, *s1, *b1;
   int32_t row_bytes, row_groups, rows, tiles, first, seg, dual, gsh;  // gsh: log2(group / 64)
+  int32_t routed, tpe;                  // routed: tiles = (max distinct experts) x tpe, a warp's run in one expert
+  int64_t expert_bytes, expert_groups;  // per expert of a stacked weight
 };
 
 struct Launch {
@@ -63,12 +65,29 @@ struct Launch {
   const float* conv_w = nullptr;
   float *conv_state = nullptr, *u = nullptr, *conv_hist = nullptr;
   int32_t conv_k = 0, conv_part = -1;  // the conv segment's part (-1: none)
+  const float* rlogits = nullptr;
+  int32_t E = 0, top_k = 0, norm_topk = 0, routed_part = -1;  // the routed segment's part (-1: none)
+  int32_t* top_idx = nullptr;
+  float* top_w = nullptr;
+};
+
+// A routed launch's choice (route_rows): the distinct experts of the rows' choices in ascending id, u = 0 .. U - 1,
+// and for each the slots of each row that chose it (a bit per slot: a non-finite row chooses expert 0 in every slot).
+struct Route {
+  int32_t idx[kMaxRows][kMaxTopK];
+  float w[kMaxRows][kMaxTopK];
+  uint32_t bits[kMaxExperts / 32];  // the chosen experts
+  int32_t before[kMaxExperts / 32];  // chosen experts below each word
+  int32_t uexp[kMaxRows * kMaxTopK];
+  uint16_t slots[kMaxRows * kMaxTopK][kMaxRows];
+  int32_t U;
 };
 
 struct Smem {
   float red[kWarps][kMaxRows];
   float inv[kMaxRows];
   unsigned long long key[kMaxRows];
+  Route rt;
 };
 
 // Shared memory: the B fragments xs uint4 [nblk][2 words][M][4 tig], the block sums xsum fp32 [nblk][8] (zero past
@@ -220,9 +239,11 @@ struct Cursor {
   const uint16_t *s[2], *b[2];
   int32_t row_bytes, row_groups, last, gsh, step, r[2];
 
-  __device__ __forceinline__ void setup(const Part& P, int gid, int tig) {
-    w[0] = P.w0 + 8 * tig, s[0] = P.s0, b[0] = P.b0;
-    w[1] = (P.dual ? P.w1 : P.w0) + 8 * tig, s[1] = P.dual ? P.s1 : P.s0, b[1] = P.dual ? P.b1 : P.b0;
+  // Part P (expert e of a stacked weight; 0 otherwise).
+  __device__ __forceinline__ void setup(const Part& P, int64_t e, int gid, int tig) {
+    const int64_t wo = e * P.expert_bytes + 8 * tig, go = e * P.expert_groups;
+    w[0] = P.w0 + wo, s[0] = P.s0 + go, b[0] = P.b0 + go;
+    w[1] = (P.dual ? P.w1 : P.w0) + wo, s[1] = (P.dual ? P.s1 : P.s0) + go, b[1] = (P.dual ? P.b1 : P.b0) + go;
     row_bytes = P.row_bytes, row_groups = P.row_groups, last = P.rows - 1, gsh = P.gsh;
     step = P.dual ? kTile / 2 : kTile;
     r[0] = gid, r[1] = P.dual ? gid : gid + 8;
@@ -303,6 +324,60 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(order_key(v)) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(row));
 }
 
+// A dual part's output of input row `col` (tile lt of the part, output row `row`): a routed part's tile lies in expert
+// u = lt / tpe, and the value goes to each slot of row col that chose it (none: another row's expert).
+__device__ __forceinline__ void dual_out(const Launch& g, const Part& P, int lt, int col, int64_t row, bf16 v,
+                                         const Smem& sm) {
+  const int sg = P.seg;
+  if (!P.routed) {
+    g.yb[sg][col * g.ldy[sg] + row] = v;
+    return;
+  }
+  const int u = lt / P.tpe;
+  if (u >= sm.rt.U) return;
+  for (uint32_t mask = sm.rt.slots[u][col]; mask; mask &= mask - 1)
+    g.yb[sg][(static_cast<int64_t>(col) * g.top_k + __ffs(mask) - 1) * g.ldy[sg] + row] = v;
+}
+
+// The routing of a routed launch (after the PDL wait; every block computes it, block 0 writes it): warp m picks row
+// m's top-k (route_topk_warp, one row's arithmetic whatever M is), then the union of the choices as a bitmap, its
+// experts ranked by id (u), and each (u, row)'s slots.
+__device__ void route_rows(const Launch& g, Route& rt) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = g.top_k, words = (g.E + 31) / 32;
+  for (int i = tid; i < words; i += blockDim.x) rt.bits[i] = 0u;
+  for (int i = tid; i < g.M * k * kMaxRows; i += blockDim.x) rt.slots[i / kMaxRows][i % kMaxRows] = 0;
+  for (int m = warp; m < g.M; m += blockDim.x >> 5) {
+    route_topk_warp(g.rlogits + static_cast<int64_t>(m) * g.E, g.E, k, g.norm_topk != 0, rt.idx[m], rt.w[m], lane);
+    __syncwarp();
+    if (blockIdx.x == 0 && lane < k) g.top_idx[m * k + lane] = rt.idx[m][lane], g.top_w[m * k + lane] = rt.w[m][lane];
+  }
+  __syncthreads();
+  for (int i = tid; i < g.M * k; i += blockDim.x) {
+    const int e = rt.idx[i / k][i % k];
+    atomicOr(&rt.bits[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive prefix of the words' popcounts (at most 32 words)
+    const int c = lane < words ? __popc(rt.bits[lane]) : 0;
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    if (lane < words) rt.before[lane] = incl - c;
+    if (lane == 31) rt.U = incl;
+  }
+  __syncthreads();
+  for (int i = tid; i < g.M * k; i += blockDim.x) {
+    const int m = i / k, j = i % k, e = rt.idx[m][j];
+    const int u = rt.before[e >> 5] + __popc(rt.bits[e >> 5] & ((1u << (e & 31)) - 1u));
+    rt.uexp[u] = e;
+    atomicOr(reinterpret_cast<unsigned int*>(&rt.slots[u][m & ~1]), (1u << j) << (16 * (m & 1)));
+  }
+  __syncthreads();
+}
+
 // The conv segment's channels of round r (their M products in pb[item * slices], item = (slot * 16 + t16) * M + m):
 // with X = [state; y] ([K-1+M, C]) row m's u = silu(sum_j w[c][j] X[m + j][c]) in the one-row step's order (taps 0..K-2,
 // then the newest), X to conv_hist, and the state <- X's last K-1 rows (one thread a channel, after every read of it).
@@ -355,12 +430,12 @@ __device__ void epilogue(const Launch& g, float* pb, int r, Smem& sm) {
     const int sg = P.seg;
     if (P.dual) {
       if (t16 >= kTile / 2) continue;
-      const int64_t row = static_cast<int64_t>(lt) * (kTile / 2) + t16;
+      const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * (kTile / 2) + t16;
       if (row >= P.rows) continue;
       float u = 0.f;
       const int iu = i + (kTile / 2) * g.M;
       for (int s = 0; s < g.slices; ++s) u += pb[iu * g.slices + s];
-      g.yb[sg][col * g.ldy[sg] + row] = __float2bfloat16(v / (1.f + expf(-v)) * u);
+      dual_out(g, P, lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
       continue;
     }
     const int64_t row = static_cast<int64_t>(lt) * kTile + t16;
@@ -390,9 +465,9 @@ __device__ __forceinline__ void lane_epilogue(const Launch& g, const Part& P, in
     const int col = 2 * tig + c;
     if (col >= g.M) break;
     if (P.dual) {
-      const int64_t row = static_cast<int64_t>(lt) * (kTile / 2) + gid;
+      const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * (kTile / 2) + gid;
       const float v = tot[c], u = tot[2 + c];
-      if (row < P.rows) g.yb[sg][col * g.ldy[sg] + row] = __float2bfloat16(v / (1.f + expf(-v)) * u);
+      if (row < P.rows) dual_out(g, P, lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
       continue;
     }
 #pragma unroll
@@ -429,18 +504,28 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
   while (p + 1 < g.nparts && T0 >= g.part[p + 1].first) ++p;
   const Part& P = g.part[p];
   const int lt0 = T0 - P.first;
-  const int nvalid = max(0, min(g.tpw, P.tiles - lt0));
+  int nvalid = max(0, min(g.tpw, P.tiles - lt0));
   const int c0 = sl * g.cps, nc = max(0, min(g.cps, g.nchunk - c0));
-  const int nsteps = nvalid * nc;
+  int nsteps = nvalid * nc;
   auto blocks_of = [&](int c) { return min(kChunkBlks, g.nblk - kChunkBlks * c); };
   Cursor cur;
-  cur.setup(P, gid, tig);
   Step S, N;
-  if (nsteps > 0) cur.load(lt0, c0, blocks_of(c0), g.sbvec != 0, S);  // weights: before the wait
+  int lt_off = 0;  // a routed run's first tile of its expert
+  if (!P.routed) {
+    cur.setup(P, 0, gid, tig);
+    if (nsteps > 0) cur.load(lt0, c0, blocks_of(c0), g.sbvec != 0, S);  // weights: before the wait
+  }
   pdl_trigger();
   pdl_wait();
+  if (g.routed_part >= 0) route_rows(g, sm.rt);
   stage<XMODE>(g, xs, xsum, sm);
   __syncthreads();
+  if (P.routed) {  // this run's expert: the u-th distinct choice (none past U)
+    const int u = lt0 / P.tpe;
+    if (u >= sm.rt.U) nvalid = 0, nsteps = 0;
+    else lt_off = u * P.tpe, cur.setup(P, sm.rt.uexp[u], gid, tig);
+    if (nsteps > 0) cur.load(lt0 - lt_off, c0, blocks_of(c0), g.sbvec != 0, S);
+  }
 
   int s = 0;
   for (int r = 0; r < g.tpw; ++r) {
@@ -449,7 +534,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
       for (int cc = 0; cc < nc; ++cc, ++s) {
         if (s + 1 < nsteps) {
           const int rn = cc + 1 < nc ? r : r + 1, cn = c0 + (cc + 1 < nc ? cc + 1 : 0);
-          cur.load(lt0 + rn, cn, blocks_of(cn), g.sbvec != 0, N);
+          cur.load(lt0 - lt_off + rn, cn, blocks_of(cn), g.sbvec != 0, N);
         }
         const int nb = blocks_of(c0 + cc);
         if (nb == kChunkBlks) step_math<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
@@ -505,6 +590,8 @@ Part part_of(const DLinear& w, const DLinear& w1, bool dual) {
   P.gsh = gsh;
   P.rows = static_cast<int32_t>(q.out);
   P.dual = dual ? 1 : 0;
+  P.expert_bytes = q.expert_words * 4;
+  P.expert_groups = q.expert_groups;
   if (static_cast<int64_t>(q.out) * P.row_bytes >= (int64_t{1} << 31))
     throw std::invalid_argument("[lily] cuda rows gemv: a " + std::to_string(q.out) + " x " + std::to_string(q.in) +
                                 " matrix over 2^31 bytes");
@@ -554,8 +641,19 @@ unsigned proj(cudaStream_t st, const Args& a) {
     Part P = part_of(sg.w0, dual ? sg.w1 : sg.w0, dual);
     P.tiles = static_cast<int32_t>(dual ? (P.rows + kTile / 2 - 1) / (kTile / 2) : (P.rows + kTile - 1) / kTile);
     P.seg = s;
+    if (sg.routed) {
+      if (!dual) fail("a routed segment is dual (the experts' gate and up)");
+      if (g.routed_part >= 0) fail("one routed segment at most");
+      if (a.E < 1 || a.E > kMaxExperts) fail("E " + std::to_string(a.E) + ", expected 1 to 256");
+      if (a.top_k < 1 || a.top_k > kMaxTopK || a.top_k > a.E) fail("top_k " + std::to_string(a.top_k));
+      if (!a.rlogits || !a.top_idx || !a.top_w) fail("a routed segment needs rlogits, top_idx and top_w");
+      g.routed_part = g.nparts, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
+      g.top_idx = a.top_idx, g.top_w = a.top_w;
+      P.routed = 1, P.tpe = P.tiles;
+      P.tiles = std::min(a.E, a.rows * a.top_k) * P.tpe;  // at most this many distinct experts
+    }
     sbvec = sbvec && P.gsh == 0 && P.row_groups % kChunkBlks == 0 && aligned8(P.s0) && aligned8(P.b0) &&
-            aligned8(P.s1) && aligned8(P.b1);
+            aligned8(P.s1) && aligned8(P.b1) && P.expert_groups % 4 == 0;
     g.part[g.nparts++] = P;
     g.y[s] = sg.y, g.yb[s] = sg.yb, g.ldy[s] = sg.ldy, g.mode[s] = sg.mode;
   }
@@ -567,8 +665,9 @@ unsigned proj(cudaStream_t st, const Args& a) {
   // launch; 1,024 elements a slice, as gemv.cu's, was 1.2-1.6x slower at 2,048 x 4,096 on an H100), or whole rows
   // per warp where the tiles alone fill the GPU's warp slots twice over (the head): no partial sums, no round
   // barriers. Both depend on the shapes and the device only.
-  int64_t all_tiles = 0;
-  for (int q = 0; q < g.nparts; ++q) all_tiles += g.part[q].tiles;
+  int64_t all_tiles = 0;  // (a routed part counted at 8 rows' distinct experts, so the split does not follow M)
+  for (int q = 0; q < g.nparts; ++q)
+    all_tiles += g.part[q].routed ? int64_t{std::min(a.E, kMaxRows * a.top_k)} * g.part[q].tpe : g.part[q].tiles;
   const bool whole_rows = all_tiles >= int64_t{2} * device_sm_count() * 2 * kWarps;
   g.cps = whole_rows ? g.nchunk : (g.nchunk + kWarps - 1) / kWarps;
   g.slices = (g.nchunk + g.cps - 1) / g.cps;
@@ -584,6 +683,7 @@ unsigned proj(cudaStream_t st, const Args& a) {
   const int64_t slots = static_cast<int64_t>(device_sm_count()) * bps;
   int64_t best = -1;
   for (int t = 1; t <= kMaxTpw; ++t) {
+    if (g.routed_part >= 0 && g.part[g.routed_part].tpe % t != 0) continue;  // a run in one expert
     int64_t runs = 0;
     for (int q = 0; q < g.nparts; ++q) runs += (g.part[q].tiles + t - 1) / t;
     const int64_t blocks = (runs + g.mwarps - 1) / g.mwarps;

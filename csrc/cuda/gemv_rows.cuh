@@ -8,10 +8,11 @@
 // zero past M), so D[row][m] is row `row`'s dot product with input row m: one mma serves all M rows at the cost of one.
 // Staging: RMSNorm of fp32 rows (block 0 also writes the bf16 rows) or bf16 rows, packed in shared memory as the B
 // fragments. Outputs per segment: store (fp32, optional per-row block argmax keys: the greedy head), accumulate
-// (residual add), SiLU(gate) * up (bf16), the DeltaNet causal conv + SiLU over the M rows in order (its state kept).
+// (residual add), SiLU(gate) * up (bf16), the DeltaNet causal conv + SiLU over the M rows in order (its state kept);
+// the routing prologue and the routed experts' gate/up (each distinct expert of the rows' choices read once).
 //
-// Not yet here (the one-row gemv.cuh serves them): 8-bit and dense weights, the routing prologue and routed experts,
-// the K-concatenated MoE down.
+// Not yet here (the one-row gemv.cuh serves them): 8-bit and dense weights (the router), the experts' down and the MoE
+// combine.
 #pragma once
 #include "cuda/common.cuh"
 
@@ -19,6 +20,8 @@ namespace lily::cuda::rows {
 
 constexpr int kMaxRows = 8;  // M: the mma's n extent
 constexpr int kMaxSegs = 4;
+constexpr int kMaxTopK = 16;      // routed experts per row at most
+constexpr int kMaxExperts = 256;  // experts of a routed segment at most (route_topk_warp: 8 a lane)
 
 enum XMode : int32_t { kXBf16 = 0, kXNorm = 1 };
 enum OMode : int32_t { kOStore = 0, kOAccum = 1, kODual = 2, kOConv = 3 };
@@ -30,6 +33,9 @@ struct Seg {
   bf16* yb = nullptr;  // dual: bf16 [M, ldy]
   int64_t ldy = 0;     // row stride of the output (>= w0.p.out)
   int32_t mode = kOStore;
+  // routed (a dual segment over stacked experts [E, out, in], the routing below): expert u of the rows' distinct
+  // choices is streamed once for all of them; row m's slot j output at yb + (m * top_k + j) * ldy
+  int32_t routed = 0;
 };
 
 struct Args {
@@ -55,6 +61,12 @@ struct Args {
   float* u = nullptr;             // fp32 [M, C]
   float* conv_hist = nullptr;     // fp32 [K-1+M, C]
   int32_t conv_k = 0;
+  // routing (a routed segment): softmax top-k of each row's E router logits (common.cuh's route_topk_warp), block 0
+  // writes the choice
+  const float* rlogits = nullptr;  // fp32 [M, E]
+  int32_t E = 0, top_k = 0, norm_topk = 0;
+  int32_t* top_idx = nullptr;  // [M, top_k]
+  float* top_w = nullptr;      // [M, top_k]
 };
 
 // Launches (stream-ordered, PDL like gemv.cuh's proj); returns the blocks launched (amax holds blocks * M keys).

@@ -184,6 +184,7 @@ int64_t gemv_head_blocks(int64_t rows);
 struct RowsSegment {
   Linear w0, w1;
   int mode = 0;
+  int routed = 0;  // a dual segment over stacked experts: yb bf16 [M, top_k, out], slot j of row m its expert's
   const float* y0 = nullptr;
   float* y = nullptr;
   uint16_t* yb = nullptr;
@@ -204,6 +205,11 @@ struct RowsCall {
   float* conv_state = nullptr;
   float *u = nullptr, *conv_hist = nullptr;
   int conv_dim = 0, conv_k = 0;
+  // routing (a routed segment): softmax top-k of rlogits fp32 [M, E] -> top_idx int32 [M, top_k], top_w fp32
+  const float* rlogits = nullptr;
+  int E = 0, top_k = 0, norm_topk = 0;
+  int32_t* top_idx = nullptr;
+  float* top_w = nullptr;
 };
 // Returns the blocks launched (rows::proj).
 unsigned gemv_rows(const RowsCall& c);

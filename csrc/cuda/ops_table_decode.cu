@@ -181,14 +181,20 @@ unsigned gemv_rows(const RowsCall& c) {
     r::Seg& d = a.seg[s];
     d.w0 = dv.linear(sg.w0);
     d.w1 = sg.mode == r::kODual ? dv.linear(sg.w1) : d.w0;
-    d.mode = sg.mode, d.ldy = sg.w0.out;
-    const int64_t n = M * sg.w0.out;
+    d.mode = sg.mode, d.ldy = sg.w0.out, d.routed = sg.routed;
+    const int64_t n = M * sg.w0.out * (sg.routed ? c.top_k : 1);
     if (sg.mode == r::kODual) d.yb = as_bf16(dv.alloc<uint16_t>(n));
     else if (sg.mode != r::kOConv) d.y = sg.y0 ? dv.put(sg.y0, n) : dv.alloc<float>(n);
   }
   unsigned long long* damax = nullptr;
   if (c.amax) a.amax = damax = dv.alloc<unsigned long long>(r::head_blocks(c.segs[0].w0.out) * M);
-  const int64_t nstate = static_cast<int64_t>(c.conv_k - 1) * c.conv_dim, nu = M * c.conv_dim;
+  const int64_t nstate = static_cast<int64_t>(c.conv_k - 1) * c.conv_dim, nu = M * c.conv_dim, nk = M * c.top_k;
+  if (c.rlogits) {
+    a.rlogits = dv.put(c.rlogits, M * c.E);
+    a.E = c.E, a.top_k = c.top_k, a.norm_topk = c.norm_topk;
+    a.top_idx = dv.alloc<int32_t>(nk);
+    a.top_w = dv.alloc<float>(nk);
+  }
   if (c.conv_w) {
     a.conv_w = dv.put(c.conv_w, static_cast<int64_t>(c.conv_dim) * c.conv_k);
     a.conv_state = dv.put(c.conv_state, nstate);
@@ -198,8 +204,9 @@ unsigned gemv_rows(const RowsCall& c) {
   }
   const unsigned nb = r::proj(kStream, a);
   finish("gemv_rows");
+  if (c.rlogits) get(c.top_idx, a.top_idx, nk), get(c.top_w, a.top_w, nk);
   for (int s = 0; s < nseg; ++s) {
-    const int64_t n = M * c.segs[s].w0.out;
+    const int64_t n = M * c.segs[s].w0.out * (c.segs[s].routed ? c.top_k : 1);
     if (a.seg[s].y) get(c.segs[s].y, a.seg[s].y, n);
     if (a.seg[s].yb) get(c.segs[s].yb, reinterpret_cast<const uint16_t*>(a.seg[s].yb), n);
   }

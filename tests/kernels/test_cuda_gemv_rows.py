@@ -3,7 +3,8 @@ dequantised once for all of them) against fp64 products of lily.quant's dequanti
 of an M-row launch equals the one-row launch of that row bit for bit (the speculative verify decides with them what
 plain decoding would). Segments that share the input rows (store, accumulate, SiLU(gate) * up), the RMSNorm staging of
 fp32 rows, groups of 64 / 128 / 256, odd output counts and input lengths that are not multiples of the 256-element
-chunk, the greedy head's per-row block keys, and the DeltaNet in-projection's conv over the M rows.
+chunk, the greedy head's per-row block keys, the DeltaNet in-projection's conv over the M rows, and the experts' gate/up
+over the rows' routing (each distinct expert read once, every row's slots written).
 
 Tolerances (KERNEL_CHECKS) as the one-row GEMV's (test_cuda_gemv.py): gemv_rel_rms for fp32 outputs of bf16 rows,
 gemv_staged_rel_rms for outputs of RMSNorm-staged rows, gemv_dual_rel_rms for SiLU(gate) * up rounded to bf16."""
@@ -133,6 +134,70 @@ def test_conv_rows(cuda, rng, inp, C, K, other, M):
         state = one["conv_state"]
     _same_bits(f"conv M={M} final state", r["conv_state"], state)
 
+
+def _route(logits, k, norm):
+    """Each row's top-k of softmax(logits) in fp64 (ties: the lower id) and its weights."""
+    p = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, 1)
+    return ids, w / w.sum(axis=1, keepdims=True) if norm else w
+
+
+# E, k, norm, in, I (each expert's gate / up rows): the model's (256 of 8, 2048 -> 512), fewer experts than the rows'
+# choices (the union saturates), odd rows, RMSNorm-staged rows
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+@pytest.mark.parametrize("E,k,norm,inp,I,xmode", [(256, 8, True, 2048, 512, 0), (5, 3, False, 128, 9, 0),
+                                                  (64, 4, True, 512, 40, NORM)])
+def test_routed_rows(cuda, rng, E, k, norm, inp, I, xmode, M):
+    """The experts' gate/up over M rows: row m's top-k of its router logits, and slot j's SiLU(gate) * up of expert
+    ids[m, j] (each distinct expert of the rows' choices streamed once for all); each row equal to its one-row launch
+    bit for bit (ids, weights, every slot)."""
+    w0, w1 = RawWeight(rng, 4, I, inp, experts=E, kind="gemv"), RawWeight(rng, 4, I, inp, experts=E, kind="gemv")
+    logits = (rng.standard_normal((M, E)) * 2).astype(np.float32)
+    seg = [dict(w0=w0.t, w1=w1.t, mode=DUAL, routed=1)]
+    if xmode == NORM:
+        xr = (rng.standard_normal((M, inp)) * 3).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, inp).astype(np.float32)
+        kw = dict(xmode=NORM, xf=xr, nw=nw, eps=1e-6, h_out=True)
+        one_kw = lambda m: dict(kw, xf=xr[m:m + 1])
+    else:
+        x = bits(rng.standard_normal((M, inp)))
+        kw = dict(x=x)
+        one_kw = lambda m: dict(x=x[m:m + 1])
+    r = cuda.gemv_rows(seg, inp, route_logits=logits, top_k=k, norm_topk=norm, **kw)
+    ids, wts = _route(logits, k, norm)
+    tag = f"cuda gemv rows routed M={M} E={E} k={k} in={inp} I={I}"
+    np.testing.assert_array_equal(r["top_idx"], ids, err_msg=tag + " ids")
+    assert_close(tag + " weights", r["top_w"], wts, KC["small_fp32_rel_rms"])
+    xf = vals(r["h_out"] if xmode == NORM else x).astype(np.float64)
+    assert r["y"][0].shape == (M, k, I)
+    ref = np.stack([[silu(w0.dense(e) @ xf[m]) * (w1.dense(e) @ xf[m]) for e in ids[m]] for m in range(M)])
+    assert_close(tag, vals(r["y"][0]), ref, KC["gemv_dual_rel_rms"])
+    for m in range(M):
+        one = cuda.gemv_rows(seg, inp, route_logits=logits[m:m + 1], top_k=k, norm_topk=norm, **one_kw(m))
+        _same_bits(f"{tag} row {m} weights", r["top_w"][m:m + 1], one["top_w"])
+        _same_bits(f"{tag} row {m} slots", r["y"][0][m:m + 1], one["y"][0])
+
+
+def test_routed_rows_non_finite_row(cuda, rng):
+    """A row with a NaN router logit picks expert 0 in every slot with NaN weights (as the one-row routing does): all
+    its slots get expert 0's product, and the other rows keep their own routing."""
+    E, k, inp, I, M = 16, 4, 256, 24, 3
+    w0, w1 = RawWeight(rng, 4, I, inp, experts=E, kind="gemv"), RawWeight(rng, 4, I, inp, experts=E, kind="gemv")
+    logits = rng.standard_normal((M, E)).astype(np.float32)
+    logits[1, 5] = np.nan
+    x = bits(rng.standard_normal((M, inp)))
+    r = cuda.gemv_rows([dict(w0=w0.t, w1=w1.t, mode=DUAL, routed=1)], inp, x=x, route_logits=logits, top_k=k)
+    np.testing.assert_array_equal(r["top_idx"][1], np.zeros(k, np.int32))
+    assert np.isnan(r["top_w"][1]).all()
+    xf = vals(x).astype(np.float64)
+    e0 = silu(w0.dense(0) @ xf[1]) * (w1.dense(0) @ xf[1])
+    for j in range(k):
+        assert_close(f"cuda gemv rows routed NaN row slot {j}", vals(r["y"][0][1, j]), e0, KC["gemv_dual_rel_rms"])
+    ids, _ = _route(logits[[0, 2]], k, True)
+    np.testing.assert_array_equal(r["top_idx"][[0, 2]], ids)
+
 @pytest.mark.parametrize("M,out", [(1, 248320 // 16 + 3), (4, 4099), (8, 1000)])
 def test_head_keys(cuda, rng, M, out):
     """The greedy head: per block and input row the largest key of (logit, -row); their maximum names each row's
@@ -161,6 +226,8 @@ def test_fits_and_refusals(cuda, rng):
     with pytest.raises(ValueError, match="conv_w"):
         cuda.gemv_rows([dict(w0=w.t, mode=CONV)], 256, x=bits(rng.standard_normal((2, 256))))
     cw, st = np.ones((8, 4), np.float32), np.ones((3, 8), np.float32)
+    with pytest.raises(ValueError, match="route_logits"):
+        cuda.gemv_rows([dict(w0=w.t, w1=w.t, mode=DUAL, routed=1)], 256, x=bits(rng.standard_normal((2, 256))))
     with pytest.raises(ValueError, match="one conv segment"):
         cuda.gemv_rows([dict(w0=w.t, mode=CONV)] * 2, 256, x=bits(rng.standard_normal((2, 256))), conv_w=cw,
                        conv_state=st)
