@@ -587,7 +587,8 @@ nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> 
 // gemv_rows(segments=[{w0, w1?, mode, y0?}], in_, x [M, in] | xf [M, in] + nw, ...): see the docstring at registration.
 nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> x, std::optional<F32> xf,
                    std::optional<F32> nw, double eps, bool h_out, bool head, std::optional<F32> conv_w,
-                   std::optional<F32> conv_state, std::optional<F32> route_logits, int top_k, bool norm_topk) {
+                   std::optional<F32> conv_state, std::optional<F32> route_logits, int top_k, bool norm_topk,
+                   std::optional<I32> top_idx) {
   const char* op = "gemv_rows";
   std::vector<Any> keep;  // (weights' converted copies)
   std::vector<F32> keep32;
@@ -609,19 +610,40 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
     std::tie(tw, c.top_w) = out<float>({M, top_k});
     res["top_idx"] = ti, res["top_w"] = tw;
   }
+  require(!(route_logits && top_idx), op, "route_logits (choose the experts) or top_idx (given), not both");
+  if (top_idx) {
+    top_k = static_cast<int>(check(op, "top_idx", *top_idx, {M, -1})[1]);
+    c.route_idx = top_idx->data(), c.top_k = top_k;
+  }
   std::vector<nb::object> ys;
+  std::vector<U16> xs;  // (the segments' own inputs, kept)
+  xs.reserve(segments.size());
   for (nb::handle h : segments) {
     nb::dict d = nb::borrow<nb::dict>(h);
     ops::RowsSegment s;
     s.mode = nb::cast<int>(d["mode"]);
     s.routed = d.contains("routed") ? nb::cast<int>(d["routed"]) : 0;
-    require(!s.routed || route_logits, op, "a routed segment needs route_logits fp32 [M, E] and top_k");
+    s.xrouted = d.contains("xrouted") ? nb::cast<int>(d["xrouted"]) : 0;
+    require(!s.routed || route_logits || top_idx, op,
+            "a routed segment needs route_logits fp32 [M, E] and top_k, or top_idx int32 [M, k]");
+    if (d.contains("x") && !d["x"].is_none()) {
+      xs.push_back(nb::cast<U16>(d["x"]));
+      if (s.xrouted) check(op, "segment x", xs.back(), {M, top_k, in});
+      else check(op, "segment x", xs.back(), {M, in});
+      s.xb = xs.back().data();
+    }
     s.w0 = weight(op, "w0", d["w0"], s.routed != 0, keep);
     s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], s.routed != 0, keep) : s.w0;
+    if (s.routed && top_idx) {
+      c.E = static_cast<int>(s.w0.experts);
+      for (int64_t i = 0; i < M * top_k; ++i)
+        require(top_idx->data()[i] >= 0 && top_idx->data()[i] < c.E, op, "top_idx out of range");
+    }
     require(!s.routed || (s.w0.experts == c.E && s.w1.experts == c.E), op, "a routed segment's weights hold E experts");
     if (d.contains("y0") && !d["y0"].is_none())  // (kept: a converted copy lives as long as its handle)
       check(op, "y0", keep32.emplace_back(nb::cast<F32>(d["y0"])), {M, s.w0.out}), s.y0 = keep32.back().data();
     if (s.mode == 2 && s.routed) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, top_k, s.w0.out});
+    else if (s.routed) std::tie(ys.emplace_back(), s.y) = out<float>({M, top_k, s.w0.out});
     else if (s.mode == 2) std::tie(ys.emplace_back(), s.yb) = out<uint16_t>({M, s.w0.out});
     else if (s.mode == 3) ys.emplace_back(nb::none());
     else std::tie(ys.emplace_back(), s.y) = out<float>({M, s.w0.out});
@@ -676,6 +698,22 @@ nb::object gemv_moe_down(const F32& x, const U16& act, const U16& sact, const I3
 bool gemv_fits(nb::handle w) {
   std::vector<Any> keep;
   return ops::gemv_fits(weight("gemv_fits", "w", w, false, keep));
+}
+
+nb::object moe_combine_rows(const F32& yx, std::optional<F32> ysh, const F32& top_w, std::optional<F32> sgate,
+                            const F32& x) {
+  const char* op = "moe_combine_rows";
+  const std::vector<int64_t> s = check(op, "yx", yx, {-1, -1, -1});
+  const int64_t M = s[0], k = s[1], H = s[2];
+  check(op, "top_w", top_w, {M, k});
+  check(op, "x", x, {M, H});
+  require(M >= 1 && M <= 8 && k >= 1 && k <= 16, op, "M 1 to 8 rows and k 1 to 16 slots");
+  if (ysh) check(op, "ysh", *ysh, {M, H}), require(sgate.has_value(), op, "ysh needs sgate [M]");
+  if (sgate) check(op, "sgate", *sgate, {M});
+  auto [xo, px] = copy_of(x);
+  ops::moe_combine_rows(yx.data(), ysh ? ysh->data() : nullptr, top_w.data(), sgate ? sgate->data() : nullptr,
+                        static_cast<int>(M), static_cast<int>(k), static_cast<int>(H), px);
+  return xo;
 }
 
 bool gemv_rows_fits(nb::handle w) {
@@ -805,10 +843,14 @@ void register_cuda_ops(nb::module_& parent) {
   m.def("gemv_rows", &gemv_rows, "segments"_a, "in_"_a, "xmode"_a = 0, "x"_a = nb::none(), "xf"_a = nb::none(),
         "nw"_a = nb::none(), "eps"_a = 1e-6, "h_out"_a = false, "head"_a = false, "conv_w"_a = nb::none(),
         "conv_state"_a = nb::none(), "route_logits"_a = nb::none(), "top_k"_a = 0, "norm_topk"_a = true,
+        "top_idx"_a = nb::none(),
         "gemv_proj over M = 1..8 rows: x bf16 / xf fp32 [M, in], y0 and outputs [M, out], amax [blocks, M]; a conv "
         "segment (mode 3): conv_w fp32 [C, K], conv_state fp32 [K-1, C] -> u [M, C], conv_state, conv_hist [K-1+M, C]; "
         "a routed dual segment (routed=1, stacked experts): route_logits fp32 [M, E] + top_k -> y bf16 [M, top_k, out], "
-        "top_idx, top_w [M, top_k]");
+        "top_idx, top_w [M, top_k]; the experts' down: a routed store segment with xrouted=1 and x bf16 [M, top_k, in], "
+        "top_idx int32 [M, top_k] given -> y fp32 [M, top_k, out]; a segment's own rows: x bf16 [M, in]");
+  m.def("moe_combine_rows", &moe_combine_rows, "yx"_a, "ysh"_a, "top_w"_a, "sgate"_a, "x"_a,
+        "x fp32 [M, H] + sum_j top_w[m, j] yx[m, j] + sigmoid(sgate[m]) ysh[m]: yx [M, k, H], ysh [M, H] or None");
   m.def("gemv_rows_fits", &gemv_rows_fits, "w"_a, "whether the M-row decode GEMV takes this weight");
   m.def("gemv_fits", &gemv_fits, "w"_a, "whether the decode GEMV takes this weight");
   m.def("gemv_head_blocks", &ops::gemv_head_blocks, "rows"_a);

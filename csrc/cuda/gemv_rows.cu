@@ -20,6 +20,7 @@
 #include "cuda/gemv_rows.cuh"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -44,7 +45,10 @@ struct Part {
   const uint16_t *s0, *b0, *s1, *b1;
   int32_t row_bytes, row_groups, rows, tiles, first, seg, dual, gsh;  // gsh: log2(group / 64)
   int32_t routed, tpe;                  // routed: tiles = (max distinct experts) x tpe, a warp's run in one expert
+  int32_t xrouted;                      // (routed) row m's input: its slot's row of xsrc for the block's expert
   int64_t expert_bytes, expert_groups;  // per expert of a stacked weight
+  const bf16* xsrc;                     // own bf16 input rows (null: the launch's); a block holds one part then
+  int64_t ldx;                          // xsrc's row stride
 };
 
 struct Launch {
@@ -67,6 +71,7 @@ struct Launch {
   int32_t conv_k = 0, conv_part = -1;  // the conv segment's part (-1: none)
   const float* rlogits = nullptr;
   int32_t E = 0, top_k = 0, norm_topk = 0, routed_part = -1;  // the routed segment's part (-1: none)
+  int32_t route_from_idx = 0;  // the routing read from top_idx (the experts' down), not chosen from rlogits
   int32_t* top_idx = nullptr;
   float* top_w = nullptr;
 };
@@ -87,6 +92,7 @@ struct Smem {
   float red[kWarps][kMaxRows];
   float inv[kMaxRows];
   unsigned long long key[kMaxRows];
+  const bf16* xrow[kMaxRows];  // the block's bf16 input rows (null: a zero row)
   Route rt;
 };
 
@@ -187,7 +193,8 @@ __device__ void stage(const Launch& g, uint4* xs, float* xsum, Smem& sm) {
         raw[b][0] = u.on ? p[0] : make_uint4(0u, 0u, 0u, 0u);
         raw[b][1] = u.on ? p[1] : make_uint4(0u, 0u, 0u, 0u);
       } else {
-        raw[b][0] = u.on ? *reinterpret_cast<const uint4*>(g.xb + u.m * g.ldx + u.e) : make_uint4(0u, 0u, 0u, 0u);
+        const bf16* row = u.on ? sm.xrow[u.m] : nullptr;
+        raw[b][0] = row ? *reinterpret_cast<const uint4*>(row + u.e) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
 #pragma unroll
@@ -324,19 +331,47 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(order_key(v)) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(row));
 }
 
-// A dual part's output of input row `col` (tile lt of the part, output row `row`): a routed part's tile lies in expert
-// u = lt / tpe, and the value goes to each slot of row col that chose it (none: another row's expert).
-__device__ __forceinline__ void dual_out(const Launch& g, const Part& P, int lt, int col, int64_t row, bf16 v,
+// The block's bf16 input row m (a block lies in one part where parts have their own inputs): the launch's, the part's,
+// or for an expert's part (xrouted) the row's slot that chose the block's expert (its first such slot: a row that
+// chose one expert in several slots (a non-finite row) made the same row for each); null where row m chose another.
+__device__ __forceinline__ const bf16* block_row(const Launch& g, const Smem& sm, int m) {
+  if (m >= g.M) return nullptr;
+  const int Tb = blockIdx.x * g.mwarps * g.tpw;
+  int q = 0;
+  while (q + 1 < g.nparts && Tb >= g.part[q + 1].first) ++q;
+  const Part& P = g.part[q];
+  if (!P.xsrc) return g.xb ? g.xb + m * g.ldx : nullptr;
+  if (!P.xrouted) return P.xsrc + m * P.ldx;
+  const int u = (Tb - P.first) / P.tpe;
+  const uint32_t mask = u < sm.rt.U ? sm.rt.slots[u][m] : 0u;
+  return mask ? P.xsrc + (static_cast<int64_t>(m) * g.top_k + __ffs(mask) - 1) * P.ldx : nullptr;
+}
+
+// Output row `row` of input row `col` (tile lt of part P) to y (bf16 for a dual part, fp32 otherwise): a routed part's
+// tile lies in expert u = lt / tpe, and the value goes to each slot of row col that chose it (none: another row's).
+template <class T>
+__device__ __forceinline__ void slot_out(const Launch& g, const Part& P, T* y, int lt, int col, int64_t row, T v,
                                          const Smem& sm) {
-  const int sg = P.seg;
+  const int64_t ld = g.ldy[P.seg];
   if (!P.routed) {
-    g.yb[sg][col * g.ldy[sg] + row] = v;
+    y[col * ld + row] = v;
     return;
   }
   const int u = lt / P.tpe;
   if (u >= sm.rt.U) return;
   for (uint32_t mask = sm.rt.slots[u][col]; mask; mask &= mask - 1)
-    g.yb[sg][(static_cast<int64_t>(col) * g.top_k + __ffs(mask) - 1) * g.ldy[sg] + row] = v;
+    y[(static_cast<int64_t>(col) * g.top_k + __ffs(mask) - 1) * ld + row] = v;
+}
+
+// A store / accumulate part's output (the greedy head's keys on a store).
+__device__ __forceinline__ void row_out(const Launch& g, const Part& P, int lt, int col, int64_t row, float v, Smem& sm) {
+  const int sg = P.seg;
+  if (g.mode[sg] == kOAccum) {
+    g.y[sg][col * g.ldy[sg] + row] += v;
+    return;
+  }
+  slot_out(g, P, g.y[sg], lt, col, row, v, sm);
+  if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
 }
 
 // The routing of a routed launch (after the PDL wait; every block computes it, block 0 writes it): warp m picks row
@@ -346,7 +381,10 @@ __device__ void route_rows(const Launch& g, Route& rt) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = g.top_k, words = (g.E + 31) / 32;
   for (int i = tid; i < words; i += blockDim.x) rt.bits[i] = 0u;
   for (int i = tid; i < g.M * k * kMaxRows; i += blockDim.x) rt.slots[i / kMaxRows][i % kMaxRows] = 0;
-  for (int m = warp; m < g.M; m += blockDim.x >> 5) {
+  if (g.route_from_idx) {
+    for (int i = tid; i < g.M * k; i += blockDim.x) rt.idx[i / k][i % k] = g.top_idx[i];
+  }
+  for (int m = warp; m < g.M && !g.route_from_idx; m += blockDim.x >> 5) {
     route_topk_warp(g.rlogits + static_cast<int64_t>(m) * g.E, g.E, k, g.norm_topk != 0, rt.idx[m], rt.w[m], lane);
     __syncwarp();
     if (blockIdx.x == 0 && lane < k) g.top_idx[m * k + lane] = rt.idx[m][lane], g.top_w[m * k + lane] = rt.w[m][lane];
@@ -435,22 +473,16 @@ __device__ void epilogue(const Launch& g, float* pb, int r, Smem& sm) {
       float u = 0.f;
       const int iu = i + (kTile / 2) * g.M;
       for (int s = 0; s < g.slices; ++s) u += pb[iu * g.slices + s];
-      dual_out(g, P, lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
+      slot_out(g, P, g.yb[sg], lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
       continue;
     }
-    const int64_t row = static_cast<int64_t>(lt) * kTile + t16;
+    const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * kTile + t16;
     if (row >= P.rows) continue;
     if (g.mode[sg] == kOConv) {  // the conv's phases below read every row's product of the channel
       pb[i * g.slices] = v;      // (only this thread reads item i's partials)
       continue;
     }
-    float* y = g.y[sg] + col * g.ldy[sg] + row;
-    if (g.mode[sg] == kOAccum) {
-      *y += v;
-    } else {
-      *y = v;
-      if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
-    }
+    row_out(g, P, lt, col, row, v, sm);
   }
   if (g.conv_part >= 0) conv_epilogue(g, pb, r);
 }
@@ -467,21 +499,13 @@ __device__ __forceinline__ void lane_epilogue(const Launch& g, const Part& P, in
     if (P.dual) {
       const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * (kTile / 2) + gid;
       const float v = tot[c], u = tot[2 + c];
-      if (row < P.rows) dual_out(g, P, lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
+      if (row < P.rows) slot_out(g, P, g.yb[sg], lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
       continue;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t row = static_cast<int64_t>(lt) * kTile + gid + 8 * h;
-      if (row >= P.rows) continue;
-      float* y = g.y[sg] + col * g.ldy[sg] + row;
-      const float v = tot[2 * h + c];
-      if (g.mode[sg] == kOAccum) {
-        *y += v;
-      } else {
-        *y = v;
-        if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
-      }
+      const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * kTile + gid + 8 * h;
+      if (row < P.rows) row_out(g, P, lt, col, row, tot[2 * h + c], sm);
     }
   }
 }
@@ -518,6 +542,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
   pdl_trigger();
   pdl_wait();
   if (g.routed_part >= 0) route_rows(g, sm.rt);
+  if (tid < kMaxRows) sm.xrow[tid] = block_row(g, sm, tid);
+  __syncthreads();
   stage<XMODE>(g, xs, xsum, sm);
   __syncthreads();
   if (P.routed) {  // this run's expert: the u-th distinct choice (none past U)
@@ -620,7 +646,7 @@ unsigned proj(cudaStream_t st, const Args& a) {
   Launch g;
   g.M = a.rows, g.in = a.in, g.xmode = a.xmode, g.eps = a.eps;
   g.xb = a.xb, g.xf = a.xf, g.nw = a.nw, g.ldx = a.ldx, g.h_out = a.h_out, g.amax = a.amax;
-  bool sbvec = true;
+  bool sbvec = true, own_inputs = false;
   for (int s = 0; s < a.nseg; ++s) {
     const Seg& sg = a.seg[s];
     if (sg.w0.p.in != a.in) fail("segment input length mismatch");
@@ -641,14 +667,23 @@ unsigned proj(cudaStream_t st, const Args& a) {
     Part P = part_of(sg.w0, dual ? sg.w1 : sg.w0, dual);
     P.tiles = static_cast<int32_t>(dual ? (P.rows + kTile / 2 - 1) / (kTile / 2) : (P.rows + kTile - 1) / kTile);
     P.seg = s;
+    if (sg.xb) {
+      if (a.xmode != kXBf16) fail("a segment's own input rows are bf16 (xmode 0)");
+      if (sg.ldx < a.in || sg.ldx % 8 != 0) fail("a segment's input row stride must be >= in and a multiple of 8");
+      P.xsrc = sg.xb, P.ldx = sg.ldx, P.xrouted = sg.xrouted;
+      own_inputs = true;
+    }
+    if (sg.xrouted && (!sg.routed || !sg.xb)) fail("xrouted: a routed segment with its own input rows [M, top_k, in]");
     if (sg.routed) {
-      if (!dual) fail("a routed segment is dual (the experts' gate and up)");
+      if (!dual && sg.mode != kOStore) fail("a routed segment is dual (the experts' gate and up) or a store (down)");
+      if (!dual && !sg.xrouted) fail("a routed store segment reads each slot's rows (xrouted)");
       if (g.routed_part >= 0) fail("one routed segment at most");
       if (a.E < 1 || a.E > kMaxExperts) fail("E " + std::to_string(a.E) + ", expected 1 to 256");
       if (a.top_k < 1 || a.top_k > kMaxTopK || a.top_k > a.E) fail("top_k " + std::to_string(a.top_k));
-      if (!a.rlogits || !a.top_idx || !a.top_w) fail("a routed segment needs rlogits, top_idx and top_w");
+      if (a.route_from_idx ? !a.top_idx : (!a.rlogits || !a.top_idx || !a.top_w))
+        fail("a routed segment needs rlogits, top_idx and top_w (or top_idx alone with route_from_idx)");
       g.routed_part = g.nparts, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
-      g.top_idx = a.top_idx, g.top_w = a.top_w;
+      g.top_idx = a.top_idx, g.top_w = a.top_w, g.route_from_idx = a.route_from_idx;
       P.routed = 1, P.tpe = P.tiles;
       P.tiles = std::min(a.E, a.rows * a.top_k) * P.tpe;  // at most this many distinct experts
     }
@@ -672,6 +707,8 @@ unsigned proj(cudaStream_t st, const Args& a) {
   g.cps = whole_rows ? g.nchunk : (g.nchunk + kWarps - 1) / kWarps;
   g.slices = (g.nchunk + g.cps - 1) / g.cps;
   g.mwarps = kWarps / g.slices;
+  // a block inside one expert where the parts have their own inputs: mwarps divides the expert's tiles
+  if (own_inputs && g.routed_part >= 0) g.mwarps = std::gcd(g.mwarps, static_cast<int>(g.part[g.routed_part].tpe));
   const int threads = 32 * g.slices * g.mwarps;
   const Kernel k = kernel_of(a.xmode);
   allow_smem(k, a.xmode);
@@ -683,7 +720,8 @@ unsigned proj(cudaStream_t st, const Args& a) {
   const int64_t slots = static_cast<int64_t>(device_sm_count()) * bps;
   int64_t best = -1;
   for (int t = 1; t <= kMaxTpw; ++t) {
-    if (g.routed_part >= 0 && g.part[g.routed_part].tpe % t != 0) continue;  // a run in one expert
+    // a run in one expert; a block in one part and expert where parts have their own inputs
+    if (g.routed_part >= 0 && g.part[g.routed_part].tpe % (own_inputs ? t * g.mwarps : t) != 0) continue;
     int64_t runs = 0;
     for (int q = 0; q < g.nparts; ++q) runs += (g.part[q].tiles + t - 1) / t;
     const int64_t blocks = (runs + g.mwarps - 1) / g.mwarps;
@@ -691,15 +729,40 @@ unsigned proj(cudaStream_t st, const Args& a) {
     if (best < 0 || span < best) best = span, g.tpw = t;
     if (runs <= g.mwarps) break;  // one block holds everything: longer runs only add rounds
   }
+  const int64_t per_block = static_cast<int64_t>(g.mwarps) * g.tpw, align = own_inputs ? per_block : g.tpw;
   int64_t tiles = 0;
   for (int q = 0; q < g.nparts; ++q) {
     g.part[q].first = static_cast<int32_t>(tiles);
-    tiles += (g.part[q].tiles + g.tpw - 1) / g.tpw * g.tpw;
+    tiles += (g.part[q].tiles + align - 1) / align * align;
   }
-  const int64_t per_block = static_cast<int64_t>(g.mwarps) * g.tpw;
   const int grid = static_cast<int>((tiles + per_block - 1) / per_block);
   launch_pdl(k, dim3(grid), dim3(threads), smem_bytes(g), st, g);
   return static_cast<unsigned>(grid);
+}
+
+namespace {
+// x[m][r] += sum_j w[m][j] yx[m][j][r] + sigmoid(g[m]) ysh[m][r]: the slots in order, then the shared expert, one thread
+// an output (row r of input row m), so each row's sums are the one-row launch's.
+__global__ void combine_kernel(const CombineArgs a) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+  pdl_trigger();
+  pdl_wait();
+  if (r >= a.H) return;
+  const int64_t H = a.H;
+  float acc = 0.f;
+  for (int j = 0; j < a.k; ++j) acc = fmaf(a.top_w[m * a.k + j], a.yx[(static_cast<int64_t>(m) * a.k + j) * H + r], acc);
+  if (a.ysh) acc = fmaf(1.f / (1.f + expf(-a.sgate[m])), a.ysh[m * H + r], acc);
+  a.x[m * H + r] += acc;
+}
+}  // namespace
+
+void moe_combine(cudaStream_t st, const CombineArgs& a) {
+  if (a.M < 1 || a.M > kMaxRows || a.k < 1 || a.k > kMaxTopK || a.H < 1)
+    throw std::invalid_argument("[lily] cuda rows moe combine: M 1 to 8, top_k 1 to 16, H >= 1");
+  if (!a.yx || !a.top_w || !a.x || (a.ysh && !a.sgate))
+    throw std::invalid_argument("[lily] cuda rows moe combine: yx, top_w and x (and sgate with ysh)");
+  constexpr int kThreads = 256;
+  launch_pdl(combine_kernel, dim3((a.H + kThreads - 1) / kThreads, a.M), dim3(kThreads), 0, st, a);
 }
 
 }  // namespace lily::cuda::rows

@@ -11,8 +11,9 @@
 // (residual add), SiLU(gate) * up (bf16), the DeltaNet causal conv + SiLU over the M rows in order (its state kept);
 // the routing prologue and the routed experts' gate/up (each distinct expert of the rows' choices read once).
 //
-// Not yet here (the one-row gemv.cuh serves them): 8-bit and dense weights (the router), the experts' down and the MoE
-// combine.
+// The experts' down: a routed store segment whose rows are each slot's activations (xrouted), beside the shared expert's
+// down (a segment with its own input rows), then moe_combine. Not yet here (the one-row gemv.cuh serves them): 8-bit
+// and dense weights (the router).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -36,6 +37,11 @@ struct Seg {
   // routed (a dual segment over stacked experts [E, out, in], the routing below): expert u of the rows' distinct
   // choices is streamed once for all of them; row m's slot j output at yb + (m * top_k + j) * ldy
   int32_t routed = 0;
+  // own bf16 input rows [M, ldx] instead of the launch's (the shared expert's down beside the experts'); xrouted (a
+  // routed store segment: the experts' down): row m's input for expert e is xb + (m * top_k + j) * ldx, j its slot
+  const bf16* xb = nullptr;
+  int64_t ldx = 0;
+  int32_t xrouted = 0;
 };
 
 struct Args {
@@ -67,7 +73,20 @@ struct Args {
   int32_t E = 0, top_k = 0, norm_topk = 0;
   int32_t* top_idx = nullptr;  // [M, top_k]
   float* top_w = nullptr;      // [M, top_k]
+  int32_t route_from_idx = 0;  // the routing read from top_idx (the experts' down after their gate/up)
 };
+
+// The MoE's combine after the experts' down (a routed store segment into yx) and the shared expert's (ysh):
+// x[m] += sum_j top_w[m][j] yx[m][j] + sigmoid(sgate[m]) ysh[m], the slots in order (each row as M = 1 sums it).
+struct CombineArgs {
+  const float* yx = nullptr;     // [M, k, H]
+  const float* ysh = nullptr;    // [M, H] (null: no shared expert)
+  const float* top_w = nullptr;  // [M, k]
+  const float* sgate = nullptr;  // [M] the shared expert's gate logits
+  float* x = nullptr;            // [M, H] the residual, accumulated
+  int32_t M = 1, k = 0, H = 0;
+};
+void moe_combine(cudaStream_t st, const CombineArgs& a);
 
 // Launches (stream-ordered, PDL like gemv.cuh's proj); returns the blocks launched (amax holds blocks * M keys).
 unsigned proj(cudaStream_t st, const Args& a);

@@ -185,6 +185,10 @@ struct RowsSegment {
   Linear w0, w1;
   int mode = 0;
   int routed = 0;  // a dual segment over stacked experts: yb bf16 [M, top_k, out], slot j of row m its expert's
+  // own input rows bf16 [M, in] ([M, top_k, in] with xrouted: a routed store segment, the experts' down, whose y is
+  // fp32 [M, top_k, out])
+  const uint16_t* xb = nullptr;
+  int xrouted = 0;
   const float* y0 = nullptr;
   float* y = nullptr;
   uint16_t* yb = nullptr;
@@ -210,8 +214,12 @@ struct RowsCall {
   int E = 0, top_k = 0, norm_topk = 0;
   int32_t* top_idx = nullptr;
   float* top_w = nullptr;
+  const int32_t* route_idx = nullptr;  // instead of rlogits: the routing [M, top_k] (the experts' down), E experts
 };
 // Returns the blocks launched (rows::proj).
+// x fp32 [M, H] += sum_j top_w[m, j] yx[m, j] + sigmoid(sgate[m]) ysh[m]; yx [M, k, H], ysh [M, H] (null: none).
+void moe_combine_rows(const float* yx, const float* ysh, const float* top_w, const float* sgate, int M, int k, int H,
+                      float* x);
 unsigned gemv_rows(const RowsCall& c);
 bool gemv_rows_fits(const Linear& w);
 

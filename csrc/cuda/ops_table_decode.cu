@@ -181,14 +181,19 @@ unsigned gemv_rows(const RowsCall& c) {
     r::Seg& d = a.seg[s];
     d.w0 = dv.linear(sg.w0);
     d.w1 = sg.mode == r::kODual ? dv.linear(sg.w1) : d.w0;
-    d.mode = sg.mode, d.ldy = sg.w0.out, d.routed = sg.routed;
+    d.mode = sg.mode, d.ldy = sg.w0.out, d.routed = sg.routed, d.xrouted = sg.xrouted;
     const int64_t n = M * sg.w0.out * (sg.routed ? c.top_k : 1);
+    if (sg.xb) d.xb = as_bf16(dv.put(sg.xb, M * c.in * (sg.xrouted ? c.top_k : 1))), d.ldx = c.in;
     if (sg.mode == r::kODual) d.yb = as_bf16(dv.alloc<uint16_t>(n));
     else if (sg.mode != r::kOConv) d.y = sg.y0 ? dv.put(sg.y0, n) : dv.alloc<float>(n);
   }
   unsigned long long* damax = nullptr;
   if (c.amax) a.amax = damax = dv.alloc<unsigned long long>(r::head_blocks(c.segs[0].w0.out) * M);
   const int64_t nstate = static_cast<int64_t>(c.conv_k - 1) * c.conv_dim, nu = M * c.conv_dim, nk = M * c.top_k;
+  if (c.route_idx) {
+    a.E = c.E, a.top_k = c.top_k, a.route_from_idx = 1;
+    a.top_idx = const_cast<int32_t*>(dv.put(c.route_idx, nk));
+  }
   if (c.rlogits) {
     a.rlogits = dv.put(c.rlogits, M * c.E);
     a.E = c.E, a.top_k = c.top_k, a.norm_topk = c.norm_topk;
@@ -217,6 +222,22 @@ unsigned gemv_rows(const RowsCall& c) {
     get(c.amax->data(), damax, static_cast<int64_t>(nb) * M);
   }
   return nb;
+}
+
+void moe_combine_rows(const float* yx, const float* ysh, const float* top_w, const float* sgate, int M, int k, int H,
+                      float* x) {
+  Dev dv;
+  rows::CombineArgs a;
+  a.M = M, a.k = k, a.H = H;
+  a.yx = dv.put(yx, static_cast<int64_t>(M) * k * H);
+  a.ysh = ysh ? dv.put(ysh, static_cast<int64_t>(M) * H) : nullptr;
+  a.top_w = dv.put(top_w, static_cast<int64_t>(M) * k);
+  a.sgate = sgate ? dv.put(sgate, M) : nullptr;
+  float* dx = dv.put(x, static_cast<int64_t>(M) * H);
+  a.x = dx;
+  rows::moe_combine(kStream, a);
+  finish("moe_combine_rows");
+  get(x, dx, static_cast<int64_t>(M) * H);
 }
 
 bool gemv_rows_fits(const Linear& w) {

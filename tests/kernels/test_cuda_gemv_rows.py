@@ -3,8 +3,9 @@ dequantised once for all of them) against fp64 products of lily.quant's dequanti
 of an M-row launch equals the one-row launch of that row bit for bit (the speculative verify decides with them what
 plain decoding would). Segments that share the input rows (store, accumulate, SiLU(gate) * up), the RMSNorm staging of
 fp32 rows, groups of 64 / 128 / 256, odd output counts and input lengths that are not multiples of the 256-element
-chunk, the greedy head's per-row block keys, the DeltaNet in-projection's conv over the M rows, and the experts' gate/up
-over the rows' routing (each distinct expert read once, every row's slots written).
+chunk, the greedy head's per-row block keys, the DeltaNet in-projection's conv over the M rows, and the MoE over the
+rows' routing: the experts' gate/up and down (each distinct expert read once, every row's slots written), the shared
+expert beside them, and the combine.
 
 Tolerances (KERNEL_CHECKS) as the one-row GEMV's (test_cuda_gemv.py): gemv_rel_rms for fp32 outputs of bf16 rows,
 gemv_staged_rel_rms for outputs of RMSNorm-staged rows, gemv_dual_rel_rms for SiLU(gate) * up rounded to bf16."""
@@ -197,6 +198,50 @@ def test_routed_rows_non_finite_row(cuda, rng):
         assert_close(f"cuda gemv rows routed NaN row slot {j}", vals(r["y"][0][1, j]), e0, KC["gemv_dual_rel_rms"])
     ids, _ = _route(logits[[0, 2]], k, True)
     np.testing.assert_array_equal(r["top_idx"][[0, 2]], ids)
+
+
+def _moe_rows(cuda, W, h, logits, sgate, x0, k):
+    """The MoE's row launches: the experts' gate/up (routing), the shared expert's gate/up, both downs, the combine."""
+    up = cuda.gemv_rows([dict(w0=W["gate"].t, w1=W["up"].t, mode=DUAL, routed=1)], h.shape[1], x=h,
+                        route_logits=logits, top_k=k)
+    sact = cuda.gemv_rows([dict(w0=W["sh_gate"].t, w1=W["sh_up"].t, mode=DUAL)], h.shape[1], x=h)["y"][0]
+    act = up["y"][0]
+    down = cuda.gemv_rows([dict(w0=W["down"].t, mode=STORE, routed=1, xrouted=1, x=act),
+                           dict(w0=W["sh_down"].t, mode=STORE, x=sact)], act.shape[2], top_idx=up["top_idx"])
+    x = cuda.moe_combine_rows(down["y"][0], down["y"][1], up["top_w"], sgate, x0)
+    return dict(up=up, act=act, sact=sact, yx=down["y"][0], ysh=down["y"][1], x=x)
+
+
+# E, k, H, I: the model's (256 of 8, 2048, 512), fewer experts than the rows' choices (12 tiles of down rows an expert:
+# 4 warps a block, not 8), three k blocks a row of the down (a short chunk)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("E,k,H,I", [(256, 8, 2048, 512), (5, 3, 192, 64), (12, 2, 128, 192)])
+def test_moe_rows(cuda, rng, E, k, H, I, M):
+    """The MoE over M rows from the row launches: x + sum_j w_j down_{e_j}(act_j) + sigmoid(g) shared_down(sact)
+    against fp64 on the kernels' own bf16 activations, and each row equal to the same launches over that row alone,
+    bit for bit (activations, each slot's down, the residual)."""
+    W = {n: RawWeight(rng, 4, o, i, experts=E if n in ("gate", "up", "down") else 0, kind="gemv")
+         for n, o, i in (("gate", I, H), ("up", I, H), ("down", H, I), ("sh_gate", I, H), ("sh_up", I, H),
+                         ("sh_down", H, I))}
+    h = bits(rng.standard_normal((M, H)))
+    logits = (rng.standard_normal((M, E)) * 2).astype(np.float32)
+    sgate = rng.standard_normal(M).astype(np.float32)
+    x0 = rng.standard_normal((M, H)).astype(np.float32)
+    r = _moe_rows(cuda, W, h, logits, sgate, x0, k)
+    ids, wts = r["up"]["top_idx"], r["up"]["top_w"].astype(np.float64)
+    act, sact = vals(r["act"]).astype(np.float64), vals(r["sact"]).astype(np.float64)
+    tag = f"cuda rows moe M={M} E={E} k={k} H={H} I={I}"
+    yx = np.stack([[W["down"].dense(int(ids[m, j])) @ act[m, j] for j in range(k)] for m in range(M)])
+    assert_close(tag + " experts' down", r["yx"], yx, KC["gemv_rel_rms"])
+    ysh = sact @ W["sh_down"].dense().T
+    assert_close(tag + " shared down", r["ysh"], ysh, KC["gemv_rel_rms"])
+    sig = 1 / (1 + np.exp(-sgate.astype(np.float64)))
+    moe = np.einsum("mj,mjh->mh", wts, r["yx"].astype(np.float64)) + sig[:, None] * r["ysh"]
+    assert_close(tag + " combine", r["x"] - x0, moe, KC["small_fp32_rel_rms"])
+    for m in range(M):
+        one = _moe_rows(cuda, W, h[m:m + 1], logits[m:m + 1], sgate[m:m + 1], x0[m:m + 1], k)
+        for key in ("act", "sact", "yx", "ysh", "x"):
+            _same_bits(f"{tag} row {m} {key}", r[key][m:m + 1], one[key])
 
 @pytest.mark.parametrize("M,out", [(1, 248320 // 16 + 3), (4, 4099), (8, 1000)])
 def test_head_keys(cuda, rng, M, out):
