@@ -124,6 +124,60 @@ void time_routed(int copies) {
   cudaFree(x), cudaFree(logits), cudaFree(idx), cudaFree(w), cudaFree(act);
 }
 
+// The experts' down + the shared expert's + the combine (the model's 8 of 256 experts, 512 -> 2048): the one-row
+// K-concatenated moe_down against the M-row down launch plus rows::moe_combine, each row's routing random.
+void time_routed_down(int copies) {
+  constexpr int kM = 8, E = 256, k = 8, H = 2048, I = 512;
+  bf16* act = drandom<bf16>(kM * k * I, 21);
+  bf16* sact = drandom<bf16>(kM * I, 22);
+  float* sgate = drandom<float>(kM, 23);
+  float* w = drandom<float>(kM * k, 24, 0.f, 0.25f);
+  float* x = drandom<float>(kM * H, 25);
+  float* yx = dalloc<float>(kM * k * H);
+  float* ysh = dalloc<float>(kM * H);
+  std::vector<int32_t> ids_h(kM * k);
+  for (int m = 0; m < kM; ++m)
+    for (int j = 0; j < k; ++j) ids_h[m * k + j] = (37 * m + 29 * j + 11 * m * j) % E;  // distinct within a row
+  int32_t* idx = dalloc<int32_t>(kM * k);
+  CK(cudaMemcpy(idx, ids_h.data(), ids_h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  std::vector<DevWeight> ws(2 * copies);
+  std::vector<g::DownArgs> one(copies);
+  std::vector<r::Args> many(copies);
+  for (int c = 0; c < copies; ++c) {
+    ws[2 * c].make(4, E, H, I, 2000 + 10 * c);
+    ws[2 * c + 1].make(4, 1, H, I, 2005 + 10 * c);
+    g::DownArgs& a = one[c];
+    a.wd = ws[2 * c].d, a.ws = ws[2 * c + 1].d, a.act = act, a.sact = sact, a.top_idx = idx, a.top_w = w;
+    a.sgate = sgate, a.x = x, a.k = k;
+    r::Args& b = many[c];
+    b.nseg = 2, b.xmode = r::kXBf16, b.in = I, b.E = E, b.top_k = k, b.top_idx = idx, b.route_from_idx = 1;
+    b.seg[0].w0 = b.seg[0].w1 = ws[2 * c].d, b.seg[0].mode = r::kOStore, b.seg[0].routed = 1, b.seg[0].xrouted = 1;
+    b.seg[0].xb = act, b.seg[0].ldx = I, b.seg[0].y = yx, b.seg[0].ldy = H;
+    b.seg[1].w0 = b.seg[1].w1 = ws[2 * c + 1].d, b.seg[1].mode = r::kOStore, b.seg[1].xb = sact, b.seg[1].ldx = I;
+    b.seg[1].y = ysh, b.seg[1].ldy = H;
+  }
+  r::CombineArgs cb;
+  cb.yx = yx, cb.ysh = ysh, cb.top_w = w, cb.sgate = sgate, cb.x = x, cb.k = k, cb.H = H;
+  const char* tag = "experts down + shared + combine";
+  const double bytes = 9.0 * H * I * (0.5 + 4.0 / 64);
+  const double base = mean_ms([&](int i) { g::moe_down(nullptr, one[i % copies]); });
+  if (g_once) std::printf("ONCE proj %s\n", tag);
+  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
+  for (int M : {1, 2, 4, 8}) {
+    for (auto& b : many) b.rows = M;
+    cb.M = M;
+    const double ms = mean_ms([&](int i) {
+      r::proj(nullptr, many[i % copies]);
+      r::moe_combine(nullptr, cb);
+    });
+    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
+    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
+                     ms * 1e3, bytes / ms / 1e9, ms / base);
+  }
+  for (auto& d : ws) d.free_all();
+  cudaFree(act), cudaFree(sact), cudaFree(sgate), cudaFree(w), cudaFree(x), cudaFree(yx), cudaFree(ysh), cudaFree(idx);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -139,6 +193,7 @@ int main(int argc, char** argv) {
   try {  // (last: a build of gemv_rows.cu without the conv epilogue or the routing refuses them)
     time_shape("dn in-proj + conv, RMSNorm", 2048, {8192, 4096, 32, 32}, g::kOStore, 8, g::kXNorm, true);
     time_routed(3);
+    time_routed_down(3);
   } catch (const std::exception& e) {
     std::printf("SKIP: %s\n", e.what());
   }
