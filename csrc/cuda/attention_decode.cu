@@ -11,6 +11,10 @@
 // 2t+1 (t = lane % 4) in both products, so the running max, its correction and the partial sums need no shuffles
 // between heads; tile maxima meet in shared memory. Writes the (m, l, o) partials of attn_kernel, merged by
 // attn_combine_kernel. The decode default; flag gqa_pack=0 selects attn_kernel. H200: 90 vs 209 us at 128K keys.
+// Rows (issue 43: a speculative verify, streams decoded together): p.S = M <= 8 query rows at positions pos0 .. pos0 +
+// M - 1 (the cache holds their keys), one block row per query row (grid.x), each exactly the one-row launch at its
+// position: its own key count, split length (from the fixed n_splits) and partials, so row m equals that launch bit
+// for bit. The rows' blocks read the same split tiles close together in time (L2 serves the repeats).
 #include "cuda/attention.cuh"
 #include "cuda/mma_bf16.cuh"
 
@@ -24,6 +28,7 @@ constexpr int kTile = 64;    // keys per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPLd = kTile + 8;  // bf16 row stride of P [head][key]
+constexpr int kMaxQueryRows = 8;
 
 template <int D>
 struct DecodeTcLayout {
@@ -50,8 +55,11 @@ __global__ void __launch_bounds__(kThreads) attn_decode_tc_kernel(kp::AttentionP
   float* lsum = red + kWarps * kG;                         // [kWarps][kG] final sums
   pdl_trigger();
   pdl_wait();  // PDL launch (common.cuh): inputs are the previous kernel's
-  if (dpos) {  // decode graphs: position on the device, n_splits fixed, split length from the key count
-    p.pos0 = *dpos;
+  const int row = blockIdx.x;  // query row: position pos0 + row
+  q += static_cast<int64_t>(row) * p.n_heads * D;
+  part += static_cast<int64_t>(row) * p.n_heads * sp.n_splits * (D + 2);
+  if (dpos || p.S > 1) {  // decode graphs / rows: n_splits fixed, the split length from the row's key count
+    p.pos0 = (dpos ? *dpos : p.pos0) + row;
     const int64_t keys = p.pos0 + 1;
     sp.split_len = static_cast<int32_t>(((keys + sp.n_splits - 1) / sp.n_splits + kTile - 1) / kTile * kTile);
   }
@@ -199,21 +207,22 @@ void launch_decode_tc(cudaStream_t st, const kp::AttentionParams& p, const kp::A
     return true;
   }();
   (void)raised;
-  const dim3 grid(1, static_cast<unsigned>(p.n_kv_heads), static_cast<unsigned>(sp.n_splits));
+  const dim3 grid(static_cast<unsigned>(p.S), static_cast<unsigned>(p.n_kv_heads), static_cast<unsigned>(sp.n_splits));
   launch_pdl(attn_decode_tc_kernel<D>, grid, dim3(kThreads), smem, st, p, sp, q, kc, vc, part, dpos);
 }
 
 }  // namespace
 
 bool attention_decode_tc_supported(const kp::AttentionParams& p) {
-  return p.S == 1 && p.n_kv_heads > 0 && p.n_heads == kG * p.n_kv_heads && (p.head_dim == 128 || p.head_dim == 256);
+  return p.S >= 1 && p.S <= kMaxQueryRows && p.n_kv_heads > 0 && p.n_heads == kG * p.n_kv_heads &&
+         (p.head_dim == 128 || p.head_dim == 256);
 }
 
 void attention_decode_tc(cudaStream_t st, const kp::AttentionParams& p, const kp::AttnSplitParams& sp, const float* q,
                          const bf16* kc, const bf16* vc, float* part, const int32_t* dpos) {
   if (!attention_decode_tc_supported(p))
-    throw std::invalid_argument("[lily] cuda attention_decode_tc: needs S == 1, 8 query heads per KV head and "
-                                "head_dim 128 or 256");
+    throw std::invalid_argument("[lily] cuda attention_decode_tc: needs 1 to 8 query rows, 8 query heads per KV head "
+                                "and head_dim 128 or 256");
   if (p.head_dim == 256) launch_decode_tc<256>(st, p, sp, q, kc, vc, part, dpos);
   else launch_decode_tc<128>(st, p, sp, q, kc, vc, part, dpos);
 }

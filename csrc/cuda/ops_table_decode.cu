@@ -51,7 +51,9 @@ void attention(const kp::AttentionParams& p, const float* q, const float* qg, co
                const uint16_t* v_cache, int64_t cap, int64_t plan_pos0, bool tc_decode, bool wgmma, bool dpos,
                uint16_t* o) {
   const int64_t D = p.head_dim, kvr = p.n_kv_heads * D, nq = p.S * p.n_heads * D;
-  const kp::AttnSplitParams sp = plan_of(p, plan_pos0);
+  kp::AttentionParams plan_p = p;  // rows of the decode step (dpos): the one-row plan, as every row runs it
+  if (dpos) plan_p.S = 1;
+  const kp::AttnSplitParams sp = plan_of(plan_p, plan_pos0);
   Dev dv;
   float* part = dv.alloc<float>(p.S * p.n_heads * sp.n_splits * (D + 2));
   uint16_t* dout = dv.alloc<uint16_t>(nq);

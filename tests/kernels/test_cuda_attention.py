@@ -1,7 +1,7 @@
 """CUDA attention (csrc/cuda/attention*.cu) one launch at a time: the q/k prep (RMSNorm, partial RoPE, the bf16 KV
 append), then attention over the bf16 cache: prefill on the tensor-core flash attention (Hopper's wgmma kernel and its
 mma.sync twin on the same inputs), one row on the CUDA-core kernel or the tensor-core decode kernel, and the decode
-step's form (position on the device, the split plan of the cache's capacity); real shapes (Hq 16, Hkv 2, D 256, up to
+step's form (position on the device, the split plan of the cache's capacity) over 1 to 8 query rows; real shapes (Hq 16, Hkv 2, D 256, up to
 128K keys) and awkward ones (odd GQA groups, D 32 / 64 / 128, contexts off every tile).
 
 prep: q fp32 against lily.reference's rms_norm + rope (small_fp32_rel_rms 1e-5); the k cache bf16 (one rounding:
@@ -151,6 +151,27 @@ def test_attention_decode_step(cuda, rng, D, Hq, Hkv, pos0, cap, tc):
     assert np.all(np.isfinite(o)), f"{tag}: unwritten (NaN) outputs or a NaN key read"
     assert_close(tag, o, _reference(q, qg, kc, vc, [0], Hq, Hkv, D, pos0), KC["attention_rel_rms"])
 
+
+
+# M query rows of the decode step (issue 43: a speculative verify's rows, streams decoded together) at positions pos0 ..
+# pos0 + M - 1 on the tensor-core kernel, each with its own key count and split length: rows across a tile edge (60 ..
+# 67), a split length that grows inside the rows, the first positions, D 128. M, pos0, capacity, D.
+@pytest.mark.parametrize("M,pos0,cap,D", [(2, 63, 1024, 256), (8, 60, 300, 256), (5, 777, 4096, 256),
+                                          (8, 4088, 8192, 256), (3, 0, 64, 256), (4, 1000, 2048, 128)])
+def test_attention_decode_rows(cuda, rng, M, pos0, cap, D):
+    """Row t attends to keys 0 .. pos0 + t (against fp64), and equals the one-row decode launch at its position bit
+    for bit."""
+    Hq, Hkv = 16, 2
+    q, qg, kc, vc = _inputs(rng, M, Hq, Hkv, D, pos0, slack=cap - pos0 - M)
+    o = cuda.attention(q, qg, kc, vc, pos0, Hq, Hkv, D, plan_pos0=cap - 1, tc_decode=True, dpos=True)
+    tag = f"cuda attention decode rows M={M} pos={pos0} cap={cap} D={D}"
+    assert np.all(np.isfinite(vals(o))), f"{tag}: unwritten (NaN) outputs or a NaN key read"
+    assert_close(tag, vals(o), _reference(q, qg, kc, vc, np.arange(M), Hq, Hkv, D, pos0), KC["attention_rel_rms"])
+    for t in range(M):
+        one = cuda.attention(q[t:t + 1], qg[t:t + 1], kc, vc, pos0 + t, Hq, Hkv, D, plan_pos0=cap - 1, tc_decode=True,
+                             dpos=True)
+        bad = np.flatnonzero(np.asarray(o[t:t + 1]).view(np.uint16) != np.asarray(one).view(np.uint16))
+        assert bad.size == 0, f"{tag}: row {t} differs from its one-row launch in {bad.size} of {one.size} elements"
 
 def test_attention_prep_then_attention_equals_the_decode_step(cuda, rng):
     """The decode step's pair on one cache: prep at the device's position appends row pos0, then attention over the
