@@ -1,5 +1,5 @@
 // lily._lily.ops: the CPU backend's kernels one by one, numpy in / numpy out (tests/kernels). A binding file like
-// bindings.cpp and bindings_cuda_ops.cpp (the only files that include nanobind).
+// bindings.cpp and the bindings_cuda_* files (the only files that include nanobind).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>

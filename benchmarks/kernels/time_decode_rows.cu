@@ -1,4 +1,4 @@
-// build: csrc/cuda/gemv.cu csrc/cuda/gemv_rows.cu
+// build: csrc/cuda/gemv.cu csrc/cuda/gemv_rows.cu csrc/cuda/gemv_rows_combine.cu
 // The M-row decode GEMV (gemv_rows.cuh) against the one-row decode GEMV (gemv.cuh) on the same weights: time per
 // launch (the mean of 60 back-to-back launches with PDL, over weight copies that exceed the L2) at M = 1, 2, 4, 8 input
 // rows, and the ratio to the one-row kernel's single row. Correctness: tests/kernels/test_cuda_gemv_rows.py.

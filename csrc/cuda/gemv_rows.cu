@@ -18,6 +18,7 @@
 // in order. Nothing in a row's arithmetic depends on the other rows or on M (the mma's columns are independent), hence
 // the exact rows.
 #include "cuda/gemv_rows.cuh"
+#include "cuda/gemv_rows_route.cuh"
 
 #include <algorithm>
 #include <numeric>
@@ -44,6 +45,7 @@ struct Part {
   const uint8_t *w0, *w1;
   const uint16_t *s0, *b0, *s1, *b1;
   int32_t row_bytes, row_groups, rows, tiles, first, seg, dual, gsh;  // gsh: log2(group / 64)
+  int32_t q8;                           // 8-bit codes: a tile is 8 rows, each as its high and low nibbles
   int32_t routed, tpe;                  // routed: tiles = (max distinct experts) x tpe, a warp's run in one expert
   int32_t xrouted;                      // (routed) row m's input: its slot's row of xsrc for the block's expert
   int64_t expert_bytes, expert_groups;  // per expert of a stacked weight
@@ -69,23 +71,8 @@ struct Launch {
   const float* conv_w = nullptr;
   float *conv_state = nullptr, *u = nullptr, *conv_hist = nullptr;
   int32_t conv_k = 0, conv_part = -1;  // the conv segment's part (-1: none)
-  const float* rlogits = nullptr;
-  int32_t E = 0, top_k = 0, norm_topk = 0, routed_part = -1;  // the routed segment's part (-1: none)
-  int32_t route_from_idx = 0;  // the routing read from top_idx (the experts' down), not chosen from rlogits
-  int32_t* top_idx = nullptr;
-  float* top_w = nullptr;
-};
-
-// A routed launch's choice (route_rows): the distinct experts of the rows' choices in ascending id, u = 0 .. U - 1,
-// and for each the slots of each row that chose it (a bit per slot: a non-finite row chooses expert 0 in every slot).
-struct Route {
-  int32_t idx[kMaxRows][kMaxTopK];
-  float w[kMaxRows][kMaxTopK];
-  uint32_t bits[kMaxExperts / 32];  // the chosen experts
-  int32_t before[kMaxExperts / 32];  // chosen experts below each word
-  int32_t uexp[kMaxRows * kMaxTopK];
-  uint16_t slots[kMaxRows * kMaxTopK][kMaxRows];
-  int32_t U;
+  RouteArgs route = {};   // (a routed segment's; route_from_idx: read from top_idx, the experts' down)
+  int32_t routed_part = -1;  // the routed segment's part (-1: none)
 };
 
 struct Smem {
@@ -244,25 +231,28 @@ struct Step {
 struct Cursor {
   const uint8_t* w[2];
   const uint16_t *s[2], *b[2];
-  int32_t row_bytes, row_groups, last, gsh, step, r[2];
+  int32_t row_bytes, row_groups, last, gsh, step, blk_bytes, r[2];
 
-  // Part P (expert e of a stacked weight; 0 otherwise).
+  // Part P (expert e of a stacked weight; 0 otherwise). 4-bit: h = 0 / 1 are the tile's rows gid / gid + 8 (a dual
+  // part: the gate's and the up's row gid), 8 bytes a block each; 8-bit: bytes 0-7 / 8-15 of row gid's 16 a block.
   __device__ __forceinline__ void setup(const Part& P, int64_t e, int gid, int tig) {
-    const int64_t wo = e * P.expert_bytes + 8 * tig, go = e * P.expert_groups;
+    const int64_t wo = e * P.expert_bytes + (P.q8 ? 16 : 8) * tig, go = e * P.expert_groups;
     w[0] = P.w0 + wo, s[0] = P.s0 + go, b[0] = P.b0 + go;
-    w[1] = (P.dual ? P.w1 : P.w0) + wo, s[1] = (P.dual ? P.s1 : P.s0) + go, b[1] = (P.dual ? P.b1 : P.b0) + go;
+    w[1] = (P.dual ? P.w1 : P.w0) + wo + (P.q8 ? 8 : 0);
+    s[1] = (P.dual ? P.s1 : P.s0) + go, b[1] = (P.dual ? P.b1 : P.b0) + go;
     row_bytes = P.row_bytes, row_groups = P.row_groups, last = P.rows - 1, gsh = P.gsh;
-    step = P.dual ? kTile / 2 : kTile;
-    r[0] = gid, r[1] = P.dual ? gid : gid + 8;
+    step = P.dual || P.q8 ? kTile / 2 : kTile;
+    blk_bytes = P.q8 ? 64 : 32;
+    r[0] = gid, r[1] = P.dual || P.q8 ? gid : gid + 8;
   }
   // Step (tile lt, chunk c of nb blocks); rows past the part's last are clamped (the epilogue drops them).
   __device__ __forceinline__ void load(int lt, int c, int nb, bool sbvec, Step& S) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int R = min(step * lt + r[h], last);
-      const uint8_t* p = w[h] + static_cast<uint32_t>(R * row_bytes) + 128 * c;
+      const uint8_t* p = w[h] + static_cast<uint32_t>(R * row_bytes) + kChunkBlks * blk_bytes * c;
 #pragma unroll
-      for (int k = 0; k < kChunkBlks; ++k) S.q[h][k] = k < nb ? ld_stream8(p + 32 * k) : make_uint2(0u, 0u);
+      for (int k = 0; k < kChunkBlks; ++k) S.q[h][k] = k < nb ? ld_stream8(p + blk_bytes * k) : make_uint2(0u, 0u);
       const uint32_t g0 = static_cast<uint32_t>(R * row_groups);
       if (sbvec) {  // group 64, 4 groups a chunk, 8-byte aligned
         S.s[h] = __ldg(reinterpret_cast<const uint2*>(s[h] + g0 + 4 * c));
@@ -327,6 +317,49 @@ __device__ __forceinline__ void step_math(const Launch& g, const Step& S, int c,
   }
 }
 
+// The 8-bit step: row gid's 16 codes a block (elements 16 tig + b, b = 0..15: bytes 0-7 in S.q[0], 8-15 in S.q[1])
+// as two 4-bit rows, its high nibbles in mma row gid and its low nibbles in row gid + 8, each exact as bf16 128 + n,
+// in the k slots of the 4-bit tile (mma i: elements 8 (i / 2) + j0 + {0, 4} and + {1, 5}, j0 = 2 (i % 2)). So
+// D_hi = 128 X + sum hi x, D_lo = 128 X + sum lo x, and with q = 16 hi + lo the block's term is
+// s (16 D_hi + D_lo - 2176 X) + b X = s (16 D_hi + D_lo) + (b - 2176 s) X; tot[0] / tot[1]: row gid, columns 2 tig and
+// 2 tig + 1.
+template <int NB>
+__device__ __forceinline__ void step_math_q8(const Launch& g, const Step& S, int c, int nb, const uint4* xs,
+                                             const float* xsum, int gid, int tig, float (&tot)[4]) {
+  const int lane = gid * 4 + tig;
+  const int n = NB > 0 ? NB : nb;
+  float d[kChunkBlks][4];
+#pragma unroll
+  for (int k = 0; k < kChunkBlks; ++k) {
+    if (NB == 0 && k >= n) break;
+    const int blk = kChunkBlks * c + k;
+    uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
+    if (gid < g.M) h0 = xs[(blk * 2) * g.M * 4 + lane], h1 = xs[(blk * 2 + 1) * g.M * 4 + lane];
+    const uint32_t bx[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    const uint32_t u[4] = {S.q[0][k].x, S.q[0][k].y, S.q[1][k].x, S.q[1][k].y};  // byte b: word b / 4, byte b % 4
+    d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int w = i >> 1, j0 = 2 * (i & 1);
+      // bytes j and j + 4 of the 8-element word w at bits 0-7 and 16-23
+      const uint32_t p0 = __byte_perm(u[2 * w], u[2 * w + 1], j0 | (4 + j0) << 8);
+      const uint32_t p1 = __byte_perm(u[2 * w], u[2 * w + 1], (j0 + 1) | (5 + j0) << 8);
+      const uint32_t a[4] = {q4_pair(p0, 1), q4_pair(p0, 0), q4_pair(p1, 1), q4_pair(p1, 0)};
+      mma::mma_bf16(d[k], a, bx[2 * i], bx[2 * i + 1]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kChunkBlks; ++k) {
+    if (NB == 0 && k >= n) break;
+    const int blk = kChunkBlks * c + k;
+    const float2 X = *reinterpret_cast<const float2*>(xsum + blk * 8 + 2 * tig);
+    const float s0 = half_of(S.s[0], k), b0 = half_of(S.b[0], k);
+    const float c0 = fmaf(-2176.f, s0, b0);
+    tot[0] = fmaf(s0, fmaf(16.f, d[k][0], d[k][2]), fmaf(c0, X.x, tot[0]));
+    tot[1] = fmaf(s0, fmaf(16.f, d[k][1], d[k][3]), fmaf(c0, X.y, tot[1]));
+  }
+}
+
 __device__ __forceinline__ unsigned long long argmax_key(float v, int64_t row) {
   return (static_cast<unsigned long long>(order_key(v)) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(row));
 }
@@ -344,7 +377,7 @@ __device__ __forceinline__ const bf16* block_row(const Launch& g, const Smem& sm
   if (!P.xrouted) return P.xsrc + m * P.ldx;
   const int u = (Tb - P.first) / P.tpe;
   const uint32_t mask = u < sm.rt.U ? sm.rt.slots[u][m] : 0u;
-  return mask ? P.xsrc + (static_cast<int64_t>(m) * g.top_k + __ffs(mask) - 1) * P.ldx : nullptr;
+  return mask ? P.xsrc + (static_cast<int64_t>(m) * g.route.top_k + __ffs(mask) - 1) * P.ldx : nullptr;
 }
 
 // Output row `row` of input row `col` (tile lt of part P) to y (bf16 for a dual part, fp32 otherwise): a routed part's
@@ -360,7 +393,7 @@ __device__ __forceinline__ void slot_out(const Launch& g, const Part& P, T* y, i
   const int u = lt / P.tpe;
   if (u >= sm.rt.U) return;
   for (uint32_t mask = sm.rt.slots[u][col]; mask; mask &= mask - 1)
-    y[(static_cast<int64_t>(col) * g.top_k + __ffs(mask) - 1) * ld + row] = v;
+    y[(static_cast<int64_t>(col) * g.route.top_k + __ffs(mask) - 1) * ld + row] = v;
 }
 
 // A store / accumulate part's output (the greedy head's keys on a store).
@@ -372,48 +405,6 @@ __device__ __forceinline__ void row_out(const Launch& g, const Part& P, int lt, 
   }
   slot_out(g, P, g.y[sg], lt, col, row, v, sm);
   if (g.amax) atomicMax(&sm.key[col], argmax_key(v, row));
-}
-
-// The routing of a routed launch (after the PDL wait; every block computes it, block 0 writes it): warp m picks row
-// m's top-k (route_topk_warp, one row's arithmetic whatever M is), then the union of the choices as a bitmap, its
-// experts ranked by id (u), and each (u, row)'s slots.
-__device__ void route_rows(const Launch& g, Route& rt) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, k = g.top_k, words = (g.E + 31) / 32;
-  for (int i = tid; i < words; i += blockDim.x) rt.bits[i] = 0u;
-  for (int i = tid; i < g.M * k * kMaxRows; i += blockDim.x) rt.slots[i / kMaxRows][i % kMaxRows] = 0;
-  if (g.route_from_idx) {
-    for (int i = tid; i < g.M * k; i += blockDim.x) rt.idx[i / k][i % k] = g.top_idx[i];
-  }
-  for (int m = warp; m < g.M && !g.route_from_idx; m += blockDim.x >> 5) {
-    route_topk_warp(g.rlogits + static_cast<int64_t>(m) * g.E, g.E, k, g.norm_topk != 0, rt.idx[m], rt.w[m], lane);
-    __syncwarp();
-    if (blockIdx.x == 0 && lane < k) g.top_idx[m * k + lane] = rt.idx[m][lane], g.top_w[m * k + lane] = rt.w[m][lane];
-  }
-  __syncthreads();
-  for (int i = tid; i < g.M * k; i += blockDim.x) {
-    const int e = rt.idx[i / k][i % k];
-    atomicOr(&rt.bits[e >> 5], 1u << (e & 31));
-  }
-  __syncthreads();
-  if (warp == 0) {  // exclusive prefix of the words' popcounts (at most 32 words)
-    const int c = lane < words ? __popc(rt.bits[lane]) : 0;
-    int incl = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int t = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-      if (lane >= o) incl += t;
-    }
-    if (lane < words) rt.before[lane] = incl - c;
-    if (lane == 31) rt.U = incl;
-  }
-  __syncthreads();
-  for (int i = tid; i < g.M * k; i += blockDim.x) {
-    const int m = i / k, j = i % k, e = rt.idx[m][j];
-    const int u = rt.before[e >> 5] + __popc(rt.bits[e >> 5] & ((1u << (e & 31)) - 1u));
-    rt.uexp[u] = e;
-    atomicOr(reinterpret_cast<unsigned int*>(&rt.slots[u][m & ~1]), (1u << j) << (16 * (m & 1)));
-  }
-  __syncthreads();
 }
 
 // The conv segment's channels of round r (their M products in pb[item * slices], item = (slot * 16 + t16) * M + m):
@@ -476,8 +467,8 @@ __device__ void epilogue(const Launch& g, float* pb, int r, Smem& sm) {
       slot_out(g, P, g.yb[sg], lt, col, row, __float2bfloat16(v / (1.f + expf(-v)) * u), sm);
       continue;
     }
-    const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * kTile + t16;
-    if (row >= P.rows) continue;
+    const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * (P.q8 ? kTile / 2 : kTile) + t16;
+    if ((P.q8 && t16 >= kTile / 2) || row >= P.rows) continue;
     if (g.mode[sg] == kOConv) {  // the conv's phases below read every row's product of the channel
       pb[i * g.slices] = v;      // (only this thread reads item i's partials)
       continue;
@@ -496,6 +487,11 @@ __device__ __forceinline__ void lane_epilogue(const Launch& g, const Part& P, in
   for (int c = 0; c < 2; ++c) {
     const int col = 2 * tig + c;
     if (col >= g.M) break;
+    if (P.q8) {  // row gid of an 8-row tile
+      const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * (kTile / 2) + gid;
+      if (row < P.rows) row_out(g, P, lt, col, row, tot[c], sm);
+      continue;
+    }
     if (P.dual) {
       const int64_t row = static_cast<int64_t>(P.routed ? lt % P.tpe : lt) * (kTile / 2) + gid;
       const float v = tot[c], u = tot[2 + c];
@@ -541,7 +537,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
   }
   pdl_trigger();
   pdl_wait();
-  if (g.routed_part >= 0) route_rows(g, sm.rt);
+  if (g.routed_part >= 0) route_rows(g.route, sm.rt);
   if (tid < kMaxRows) sm.xrow[tid] = block_row(g, sm, tid);
   __syncthreads();
   stage<XMODE>(g, xs, xsum, sm);
@@ -563,8 +559,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
           cur.load(lt0 - lt_off + rn, cn, blocks_of(cn), g.sbvec != 0, N);
         }
         const int nb = blocks_of(c0 + cc);
-        if (nb == kChunkBlks) step_math<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
-        else step_math<0>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+        if (P.q8) {
+          if (nb == kChunkBlks) step_math_q8<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+          else step_math_q8<0>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+        } else if (nb == kChunkBlks) {
+          step_math<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+        } else {
+          step_math<0>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+        }
         S = N;
       }
     }
@@ -609,7 +611,8 @@ Part part_of(const DLinear& w, const DLinear& w1, bool dual) {
   P.w0 = reinterpret_cast<const uint8_t*>(w.codes);
   P.w1 = reinterpret_cast<const uint8_t*>(w1.codes);
   P.s0 = w.scales, P.b0 = w.biases, P.s1 = w1.scales, P.b1 = w1.biases;
-  P.row_bytes = static_cast<int32_t>(q.in / 2);
+  P.row_bytes = static_cast<int32_t>(q.in * q.bits / 8);
+  P.q8 = q.bits == 8 ? 1 : 0;
   P.row_groups = static_cast<int32_t>(q.in / q.group);
   int gsh = 0;
   while ((kBlk << gsh) < q.group) ++gsh;
@@ -630,7 +633,7 @@ bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0;
 
 bool fits(const DLinear& w) {
   const kp::LinearParams& p = w.p;
-  return p.kind == 0 && p.bits == 4 && p.group >= kBlk && (p.group & (p.group - 1)) == 0 && p.in % p.group == 0 &&
+  return p.kind == 0 && (p.bits == 4 || p.bits == 8) && p.group >= kBlk && (p.group & (p.group - 1)) == 0 && p.in % p.group == 0 &&
          p.in % kBlk == 0 && p.in >= kBlk && p.in <= kMaxIn && p.out >= 1;
 }
 
@@ -651,7 +654,7 @@ unsigned proj(cudaStream_t st, const Args& a) {
     const Seg& sg = a.seg[s];
     if (sg.w0.p.in != a.in) fail("segment input length mismatch");
     if (!fits(sg.w0) || (sg.mode == kODual && (!fits(sg.w1) || sg.w1.p.out != sg.w0.p.out)))
-      fail("segment weight format not supported (4-bit, group >= 64)");
+      fail("segment weight format not supported (4- or 8-bit, group >= 64)");
     if (sg.mode != kOStore && sg.mode != kOAccum && sg.mode != kODual && sg.mode != kOConv)
       fail("output mode " + std::to_string(sg.mode));
     if (sg.mode == kOConv) {
@@ -665,7 +668,9 @@ unsigned proj(cudaStream_t st, const Args& a) {
     }
     const bool dual = sg.mode == kODual;
     Part P = part_of(sg.w0, dual ? sg.w1 : sg.w0, dual);
-    P.tiles = static_cast<int32_t>(dual ? (P.rows + kTile / 2 - 1) / (kTile / 2) : (P.rows + kTile - 1) / kTile);
+    if (P.q8 && (dual || sg.mode == kOConv || sg.routed)) fail("8-bit weights take plain store and accumulate segments");
+    const int tile_rows = dual || P.q8 ? kTile / 2 : kTile;
+    P.tiles = static_cast<int32_t>((P.rows + tile_rows - 1) / tile_rows);
     P.seg = s;
     if (sg.xb) {
       if (a.xmode != kXBf16) fail("a segment's own input rows are bf16 (xmode 0)");
@@ -682,8 +687,8 @@ unsigned proj(cudaStream_t st, const Args& a) {
       if (a.top_k < 1 || a.top_k > kMaxTopK || a.top_k > a.E) fail("top_k " + std::to_string(a.top_k));
       if (a.route_from_idx ? !a.top_idx : (!a.rlogits || !a.top_idx || !a.top_w))
         fail("a routed segment needs rlogits, top_idx and top_w (or top_idx alone with route_from_idx)");
-      g.routed_part = g.nparts, g.rlogits = a.rlogits, g.E = a.E, g.top_k = a.top_k, g.norm_topk = a.norm_topk;
-      g.top_idx = a.top_idx, g.top_w = a.top_w, g.route_from_idx = a.route_from_idx;
+      g.routed_part = g.nparts;
+      g.route = RouteArgs{a.rows, a.E, a.top_k, a.norm_topk, a.route_from_idx, a.rlogits, a.top_idx, a.top_w};
       P.routed = 1, P.tpe = P.tiles;
       P.tiles = std::min(a.E, a.rows * a.top_k) * P.tpe;  // at most this many distinct experts
     }
@@ -738,31 +743,6 @@ unsigned proj(cudaStream_t st, const Args& a) {
   const int grid = static_cast<int>((tiles + per_block - 1) / per_block);
   launch_pdl(k, dim3(grid), dim3(threads), smem_bytes(g), st, g);
   return static_cast<unsigned>(grid);
-}
-
-namespace {
-// x[m][r] += sum_j w[m][j] yx[m][j][r] + sigmoid(g[m]) ysh[m][r]: the slots in order, then the shared expert, one thread
-// an output (row r of input row m), so each row's sums are the one-row launch's.
-__global__ void combine_kernel(const CombineArgs a) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
-  pdl_trigger();
-  pdl_wait();
-  if (r >= a.H) return;
-  const int64_t H = a.H;
-  float acc = 0.f;
-  for (int j = 0; j < a.k; ++j) acc = fmaf(a.top_w[m * a.k + j], a.yx[(static_cast<int64_t>(m) * a.k + j) * H + r], acc);
-  if (a.ysh) acc = fmaf(1.f / (1.f + expf(-a.sgate[m])), a.ysh[m * H + r], acc);
-  a.x[m * H + r] += acc;
-}
-}  // namespace
-
-void moe_combine(cudaStream_t st, const CombineArgs& a) {
-  if (a.M < 1 || a.M > kMaxRows || a.k < 1 || a.k > kMaxTopK || a.H < 1)
-    throw std::invalid_argument("[lily] cuda rows moe combine: M 1 to 8, top_k 1 to 16, H >= 1");
-  if (!a.yx || !a.top_w || !a.x || (a.ysh && !a.sgate))
-    throw std::invalid_argument("[lily] cuda rows moe combine: yx, top_w and x (and sgate with ysh)");
-  constexpr int kThreads = 256;
-  launch_pdl(combine_kernel, dim3((a.H + kThreads - 1) / kThreads, a.M), dim3(kThreads), 0, st, a);
 }
 
 }  // namespace lily::cuda::rows

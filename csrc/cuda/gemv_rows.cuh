@@ -1,5 +1,5 @@
 // The decode GEMV over M = 1..8 input rows (issue 43: the speculative verify and batched streams): y[m] = x[m] W^T
-// for up to kMaxSegs 4-bit weight matrices that read the same M rows ("segments", as gemv.cuh's proj), each weight
+// for up to kMaxSegs 4- or 8-bit weight matrices that read the same M rows ("segments", as gemv.cuh's proj), each weight
 // fragment dequantised once for all M rows. Every row's sums run in an order that depends on the shapes alone, never
 // on M, so row m of an M-row launch equals a one-row launch of x[m] bit for bit (the engine's exact rows).
 //
@@ -12,8 +12,8 @@
 // the routing prologue and the routed experts' gate/up (each distinct expert of the rows' choices read once).
 //
 // The experts' down: a routed store segment whose rows are each slot's activations (xrouted), beside the shared expert's
-// down (a segment with its own input rows), then moe_combine. Not yet here (the one-row gemv.cuh serves them): 8-bit
-// and dense weights (the router).
+// down (a segment with its own input rows), then moe_combine. 8-bit weights (the router, the shared expert's gate: store
+// and accumulate segments) split each code into its two nibbles on the same tile. Not here: dense weights (test models).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -90,8 +90,8 @@ void moe_combine(cudaStream_t st, const CombineArgs& a);
 
 // Launches (stream-ordered, PDL like gemv.cuh's proj); returns the blocks launched (amax holds blocks * M keys).
 unsigned proj(cudaStream_t st, const Args& a);
-// Whether the M-row GEMV takes this weight: MLX affine 4-bit with a power-of-two group >= 64 and an input length that
-// is a multiple of 64, at most 8192.
+// Whether the M-row GEMV takes this weight: MLX affine 4- or 8-bit with a power-of-two group >= 64 and an input length
+// that is a multiple of 64, at most 8192.
 bool fits(const DLinear& w);
 // Upper bound of the blocks proj launches for `rows` output rows of one segment (the head's amax array / M).
 int64_t head_blocks(int64_t rows);

@@ -4,7 +4,7 @@ of an M-row launch equals the one-row launch of that row bit for bit (the specul
 plain decoding would). Segments that share the input rows (store, accumulate, SiLU(gate) * up), the RMSNorm staging of
 fp32 rows, groups of 64 / 128 / 256, odd output counts and input lengths that are not multiples of the 256-element
 chunk, the greedy head's per-row block keys, the DeltaNet in-projection's conv over the M rows, and the MoE over the
-rows' routing: the experts' gate/up and down (each distinct expert read once, every row's slots written), the shared
+rows' routing: the 8-bit router, the experts' gate/up and down (each distinct expert read once, every row's slots written), the shared
 expert beside them, and the combine.
 
 Tolerances (KERNEL_CHECKS) as the one-row GEMV's (test_cuda_gemv.py): gemv_rel_rms for fp32 outputs of bf16 rows,
@@ -20,8 +20,8 @@ STORE, ACCUM, DUAL, CONV = 0, 1, 2, 3  # rows::OMode
 NORM = 1  # rows::XMode
 
 
-def _w(rng, out, inp, group=64):
-    return RawWeight(rng, 4, out, inp, group=group, kind="gemv")
+def _w(rng, out, inp, group=64, nbits=4):
+    return RawWeight(rng, nbits, out, inp, group=group, kind="gemv")
 
 
 def _same_bits(name, got, want):
@@ -243,6 +243,38 @@ def test_moe_rows(cuda, rng, E, k, H, I, M):
         for key in ("act", "sact", "yx", "ysh", "x"):
             _same_bits(f"{tag} row {m} {key}", r[key][m:m + 1], one[key])
 
+
+# in, then (outputs, bits, mode) per segment: the MoE's first launch (the 8-bit router, the shared expert's 4-bit
+# gate/up, its 8-bit one-row gate), 8-bit rows not a multiple of the 8-row tile, an 8-bit accumulate, 3 k blocks a row
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("inp,segs", [(2048, [(256, 8, STORE), (512, 4, DUAL), (1, 8, STORE)]),
+                                      (512, [(37, 8, STORE), (9, 4, STORE)]), (192, [(20, 8, ACCUM)])])
+def test_q8_rows(cuda, rng, inp, segs, M):
+    """8-bit segments (each code as its two nibbles on the tile) beside 4-bit ones over RMSNorm-staged rows: each
+    against fp64 on the staged rows, and each row equal to its one-row launch bit for bit."""
+    xr = (rng.standard_normal((M, inp)) * 2).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, inp).astype(np.float32)
+    ws = [(_w(rng, o, inp, nbits=b), _w(rng, o, inp, nbits=b) if mode == DUAL else None, mode) for o, b, mode in segs]
+    y0 = [rng.standard_normal((M, w0.out)).astype(np.float32) for w0, _, _ in ws]
+
+    def launch(rows):
+        sg = [dict(w0=w0.t, w1=(w1 or w0).t, mode=mode, y0=y[rows] if mode == ACCUM else None)
+              for (w0, w1, mode), y in zip(ws, y0)]
+        return cuda.gemv_rows(sg, inp, xmode=NORM, xf=xr[rows], nw=nw, eps=1e-6, h_out=True)
+
+    r = launch(slice(None))
+    xf = vals(r["h_out"]).astype(np.float64)
+    for s, ((w0, w1, mode), y) in enumerate(zip(ws, y0)):
+        name = f"cuda gemv rows q8 M={M} in={inp} seg{s} {w0.bits}-bit out={w0.out}"
+        if mode == DUAL:
+            assert_close(name, vals(r["y"][s]), silu(xf @ w0.dense().T) * (xf @ w1.dense().T), KC["gemv_dual_rel_rms"])
+        else:
+            assert_close(name, r["y"][s], xf @ w0.dense().T + (y if mode == ACCUM else 0), KC["gemv_staged_rel_rms"])
+    for m in range(M):
+        one = launch(slice(m, m + 1))
+        for s in range(len(segs)):
+            _same_bits(f"q8 M={M} row {m} seg {s}", r["y"][s][m:m + 1], one["y"][s])
+
 @pytest.mark.parametrize("M,out", [(1, 248320 // 16 + 3), (4, 4099), (8, 1000)])
 def test_head_keys(cuda, rng, M, out):
     """The greedy head: per block and input row the largest key of (logit, -row); their maximum names each row's
@@ -259,10 +291,12 @@ def test_head_keys(cuda, rng, M, out):
 
 
 def test_fits_and_refusals(cuda, rng):
-    """4-bit with groups of at least 64 only; a launch over 9 rows or with a mismatched input is refused by name."""
+    """4- and 8-bit with groups of at least 64 only; a launch over 9 rows or with a mismatched input is refused by name."""
     assert cuda.gemv_rows_fits(_w(rng, 8, 256).t)
     assert not cuda.gemv_rows_fits(RawWeight(rng, 4, 8, 256, group=32, kind="gemv").t)
-    assert not cuda.gemv_rows_fits(RawWeight(rng, 8, 8, 256, kind="gemv").t)
+    assert cuda.gemv_rows_fits(RawWeight(rng, 8, 8, 256, kind="gemv").t)
+    assert not cuda.gemv_rows_fits(RawWeight(rng, 8, 8, 256, group=32, kind="gemv").t)
+    assert not cuda.gemv_rows_fits(RawWeight(rng, 16, 8, 256, kind="gemv").t)
     w = _w(rng, 8, 256)
     with pytest.raises(ValueError, match="rows 9"):
         cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 256, x=bits(rng.standard_normal((9, 256))))
