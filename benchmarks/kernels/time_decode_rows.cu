@@ -4,6 +4,7 @@
 // rows, and the ratio to the one-row kernel's single row. Correctness: tests/kernels/test_cuda_gemv_rows.py.
 // Usage: time_decode_rows [--once]
 #include <cmath>
+#include <functional>
 
 #include "cuda/gemv.cuh"
 #include "cuda/gemv_rows.cuh"
@@ -14,6 +15,21 @@ namespace g = lily::cuda::gemv;
 namespace r = lily::cuda::rows;
 
 namespace {
+
+// Times the one-row launch, then the M-row one at M = 1, 2, 4, 8 (set_rows(M) before each), and prints the TIME lines.
+void report(const char* tag, double bytes, const std::function<void(int)>& one_row,
+            const std::function<void(int)>& set_rows, const std::function<void(int)>& rows) {
+  const double base = mean_ms(one_row);
+  if (g_once) std::printf("ONCE proj %s\n", tag);
+  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
+  for (int M : {1, 2, 4, 8}) {
+    set_rows(M);
+    const double ms = mean_ms(rows);
+    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
+    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
+                     ms * 1e3, bytes / ms / 1e9, ms / base);
+  }
+}
 
 // conv: segment 0 is the DeltaNet in-projection's conv epilogue (4 taps over its rows as channels), as in the step.
 void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode, int copies, int xmode,
@@ -66,16 +82,8 @@ void time_shape(const char* tag, int64_t in, std::vector<int64_t> outs, int mode
       a.conv_dim = static_cast<int32_t>(C), a.conv_k = b.conv_k = K;
     }
   }
-  const double base = mean_ms([&](int i) { g::proj(nullptr, one[i % copies]); });
-  if (g_once) std::printf("ONCE proj %s\n", tag);
-  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
-  for (int M : {1, 2, 4, 8}) {
-    for (auto& b : many) b.rows = M;
-    const double ms = mean_ms([&](int i) { r::proj(nullptr, many[i % copies]); });
-    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
-    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
-                     ms * 1e3, bytes / ms / 1e9, ms / base);
-  }
+  report(tag, bytes, [&](int i) { g::proj(nullptr, one[i % copies]); }, [&](int M) { for (auto& b : many) b.rows = M; },
+         [&](int i) { r::proj(nullptr, many[i % copies]); });
   for (auto& w : ws) w.free_all();
   for (void* p : bufs) cudaFree(p);
   cudaFree(x), cudaFree(xf), cudaFree(nw);
@@ -110,16 +118,8 @@ void time_routed(int copies) {
   }
   const char* tag = "experts gate/up (routed)";
   const double bytes = 2.0 * k * I * in * (0.5 + 4.0 / 64);
-  const double base = mean_ms([&](int i) { g::proj(nullptr, one[i % copies]); });
-  if (g_once) std::printf("ONCE proj %s\n", tag);
-  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
-  for (int M : {1, 2, 4, 8}) {
-    for (auto& b : many) b.rows = M;
-    const double ms = mean_ms([&](int i) { r::proj(nullptr, many[i % copies]); });
-    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
-    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
-                     ms * 1e3, bytes / ms / 1e9, ms / base);
-  }
+  report(tag, bytes, [&](int i) { g::proj(nullptr, one[i % copies]); }, [&](int M) { for (auto& b : many) b.rows = M; },
+         [&](int i) { r::proj(nullptr, many[i % copies]); });
   for (auto& d : ws) d.free_all();
   cudaFree(x), cudaFree(logits), cudaFree(idx), cudaFree(w), cudaFree(act);
 }
@@ -160,20 +160,16 @@ void time_routed_down(int copies) {
   cb.yx = yx, cb.ysh = ysh, cb.top_w = w, cb.sgate = sgate, cb.x = x, cb.k = k, cb.H = H;
   const char* tag = "experts down + shared + combine";
   const double bytes = 9.0 * H * I * (0.5 + 4.0 / 64);
-  const double base = mean_ms([&](int i) { g::moe_down(nullptr, one[i % copies]); });
-  if (g_once) std::printf("ONCE proj %s\n", tag);
-  else std::printf("TIME %-30s %6.1f MB | one-row gemv   %6.2f us %.2f TB/s\n", tag, bytes / 1e6, base * 1e3, bytes / base / 1e9);
-  for (int M : {1, 2, 4, 8}) {
-    for (auto& b : many) b.rows = M;
-    cb.M = M;
-    const double ms = mean_ms([&](int i) {
-      r::proj(nullptr, many[i % copies]);
-      r::moe_combine(nullptr, cb);
-    });
-    if (g_once) std::printf("ONCE rows %s M=%d\n", tag, M);
-    else std::printf("TIME %-30s %6.1f MB | rows M=%d       %6.2f us %.2f TB/s  %.3fx one-row\n", tag, bytes / 1e6, M,
-                     ms * 1e3, bytes / ms / 1e9, ms / base);
-  }
+  report(
+      tag, bytes, [&](int i) { g::moe_down(nullptr, one[i % copies]); },
+      [&](int M) {
+        for (auto& b : many) b.rows = M;
+        cb.M = M;
+      },
+      [&](int i) {
+        r::proj(nullptr, many[i % copies]);
+        r::moe_combine(nullptr, cb);
+      });
   for (auto& d : ws) d.free_all();
   cudaFree(act), cudaFree(sact), cudaFree(sgate), cudaFree(w), cudaFree(x), cudaFree(yx), cudaFree(ysh), cudaFree(idx);
 }

@@ -276,11 +276,15 @@ __device__ __forceinline__ float half_of(const uint2& v, int k) {
   return __uint_as_float(k & 1 ? (w & 0xFFFF0000u) : (w << 16));
 }
 
-// One step's math: tot[(row gid, col 2 tig), (gid, 2 tig + 1), (gid + 8, 2 tig), (gid + 8, 2 tig + 1)] += the chunk's
-// blocks in order. NB > 0: the blocks of a whole chunk as a constant (every chunk but a short last one), so the blocks'
+// One step's math. 4-bit: tot[(row gid, col 2 tig), (gid, 2 tig + 1), (gid + 8, 2 tig), (gid + 8, 2 tig + 1)] += the
+// chunk's blocks in order. 8-bit (Q8): row gid's 16 codes a block (elements 16 tig + b, b = 0..15: bytes 0-7 in
+// S.q[0], 8-15 in S.q[1]) as two 4-bit rows, its high nibbles in mma row gid and its low ones in row gid + 8, each exact
+// as bf16 128 + n in the 4-bit tile's k slots; with q = 16 hi + lo the block's term is
+// s (16 D_hi + D_lo - 2176 X) + b X = s (16 D_hi + D_lo) + (b - 2176 s) X, into tot[0] / tot[1] (row gid, columns 2 tig
+// and 2 tig + 1). NB > 0: the blocks of a whole chunk as a constant (every chunk but a short last one), so the blocks'
 // independent mma chains interleave (a runtime count's early exit kept each block's 4 dependent mma apart: the "wait"
 // stalls); each block's sums run in the same order either way.
-template <int NB>
+template <int NB, bool Q8>
 __device__ __forceinline__ void step_math(const Launch& g, const Step& S, int c, int nb, const uint4* xs,
                                           const float* xsum, int gid, int tig, float (&tot)[4]) {
   const int lane = gid * 4 + tig;
@@ -293,58 +297,20 @@ __device__ __forceinline__ void step_math(const Launch& g, const Step& S, int c,
     uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
     if (gid < g.M) h0 = xs[(blk * 2) * g.M * 4 + lane], h1 = xs[(blk * 2 + 1) * g.M * 4 + lane];
     const uint32_t bx[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-    d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int j0 = 2 * (i & 1);
-      const uint32_t r0 = i >> 1 ? S.q[0][k].y : S.q[0][k].x, r1 = i >> 1 ? S.q[1][k].y : S.q[1][k].x;
-      const uint32_t a[4] = {q4_pair(r0, j0), q4_pair(r1, j0), q4_pair(r0, j0 + 1), q4_pair(r1, j0 + 1)};
-      mma::mma_bf16(d[k], a, bx[2 * i], bx[2 * i + 1]);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kChunkBlks; ++k) {
-    if (NB == 0 && k >= n) break;
-    const int blk = kChunkBlks * c + k;
-    const float2 X = *reinterpret_cast<const float2*>(xsum + blk * 8 + 2 * tig);
-    const float s0 = half_of(S.s[0], k), b0 = half_of(S.b[0], k), s1 = half_of(S.s[1], k), b1 = half_of(S.b[1], k);
-    // s (D - 128 X) + b X = s D + (b - 128 s) X: two FMA a value (the 128 s X inside s D cancels against c X)
-    const float c0 = fmaf(-128.f, s0, b0), c1 = fmaf(-128.f, s1, b1);
-    tot[0] = fmaf(s0, d[k][0], fmaf(c0, X.x, tot[0]));
-    tot[1] = fmaf(s0, d[k][1], fmaf(c0, X.y, tot[1]));
-    tot[2] = fmaf(s1, d[k][2], fmaf(c1, X.x, tot[2]));
-    tot[3] = fmaf(s1, d[k][3], fmaf(c1, X.y, tot[3]));
-  }
-}
-
-// The 8-bit step: row gid's 16 codes a block (elements 16 tig + b, b = 0..15: bytes 0-7 in S.q[0], 8-15 in S.q[1])
-// as two 4-bit rows, its high nibbles in mma row gid and its low nibbles in row gid + 8, each exact as bf16 128 + n,
-// in the k slots of the 4-bit tile (mma i: elements 8 (i / 2) + j0 + {0, 4} and + {1, 5}, j0 = 2 (i % 2)). So
-// D_hi = 128 X + sum hi x, D_lo = 128 X + sum lo x, and with q = 16 hi + lo the block's term is
-// s (16 D_hi + D_lo - 2176 X) + b X = s (16 D_hi + D_lo) + (b - 2176 s) X; tot[0] / tot[1]: row gid, columns 2 tig and
-// 2 tig + 1.
-template <int NB>
-__device__ __forceinline__ void step_math_q8(const Launch& g, const Step& S, int c, int nb, const uint4* xs,
-                                             const float* xsum, int gid, int tig, float (&tot)[4]) {
-  const int lane = gid * 4 + tig;
-  const int n = NB > 0 ? NB : nb;
-  float d[kChunkBlks][4];
-#pragma unroll
-  for (int k = 0; k < kChunkBlks; ++k) {
-    if (NB == 0 && k >= n) break;
-    const int blk = kChunkBlks * c + k;
-    uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
-    if (gid < g.M) h0 = xs[(blk * 2) * g.M * 4 + lane], h1 = xs[(blk * 2 + 1) * g.M * 4 + lane];
-    const uint32_t bx[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-    const uint32_t u[4] = {S.q[0][k].x, S.q[0][k].y, S.q[1][k].x, S.q[1][k].y};  // byte b: word b / 4, byte b % 4
+    const uint32_t u[4] = {S.q[0][k].x, S.q[0][k].y, S.q[1][k].x, S.q[1][k].y};
     d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int w = i >> 1, j0 = 2 * (i & 1);
-      // bytes j and j + 4 of the 8-element word w at bits 0-7 and 16-23
-      const uint32_t p0 = __byte_perm(u[2 * w], u[2 * w + 1], j0 | (4 + j0) << 8);
-      const uint32_t p1 = __byte_perm(u[2 * w], u[2 * w + 1], (j0 + 1) | (5 + j0) << 8);
-      const uint32_t a[4] = {q4_pair(p0, 1), q4_pair(p0, 0), q4_pair(p1, 1), q4_pair(p1, 0)};
+      uint32_t a[4];
+      if constexpr (Q8) {  // bytes j and j + 4 of the 8-element word w at bits 0-7 and 16-23 (byte b: word b / 4)
+        const uint32_t p0 = __byte_perm(u[2 * w], u[2 * w + 1], j0 | (4 + j0) << 8);
+        const uint32_t p1 = __byte_perm(u[2 * w], u[2 * w + 1], (j0 + 1) | (5 + j0) << 8);
+        a[0] = q4_pair(p0, 1), a[1] = q4_pair(p0, 0), a[2] = q4_pair(p1, 1), a[3] = q4_pair(p1, 0);
+      } else {  // rows gid / gid + 8: u[w] / u[2 + w]
+        a[0] = q4_pair(u[w], j0), a[1] = q4_pair(u[2 + w], j0), a[2] = q4_pair(u[w], j0 + 1);
+        a[3] = q4_pair(u[2 + w], j0 + 1);
+      }
       mma::mma_bf16(d[k], a, bx[2 * i], bx[2 * i + 1]);
     }
   }
@@ -354,9 +320,19 @@ __device__ __forceinline__ void step_math_q8(const Launch& g, const Step& S, int
     const int blk = kChunkBlks * c + k;
     const float2 X = *reinterpret_cast<const float2*>(xsum + blk * 8 + 2 * tig);
     const float s0 = half_of(S.s[0], k), b0 = half_of(S.b[0], k);
-    const float c0 = fmaf(-2176.f, s0, b0);
-    tot[0] = fmaf(s0, fmaf(16.f, d[k][0], d[k][2]), fmaf(c0, X.x, tot[0]));
-    tot[1] = fmaf(s0, fmaf(16.f, d[k][1], d[k][3]), fmaf(c0, X.y, tot[1]));
+    if constexpr (Q8) {
+      const float c0 = fmaf(-2176.f, s0, b0);
+      tot[0] = fmaf(s0, fmaf(16.f, d[k][0], d[k][2]), fmaf(c0, X.x, tot[0]));
+      tot[1] = fmaf(s0, fmaf(16.f, d[k][1], d[k][3]), fmaf(c0, X.y, tot[1]));
+    } else {
+      // s (D - 128 X) + b X = s D + (b - 128 s) X: two FMA a value (the 128 s X inside s D cancels against c X)
+      const float s1 = half_of(S.s[1], k), b1 = half_of(S.b[1], k);
+      const float c0 = fmaf(-128.f, s0, b0), c1 = fmaf(-128.f, s1, b1);
+      tot[0] = fmaf(s0, d[k][0], fmaf(c0, X.x, tot[0]));
+      tot[1] = fmaf(s0, d[k][1], fmaf(c0, X.y, tot[1]));
+      tot[2] = fmaf(s1, d[k][2], fmaf(c1, X.x, tot[2]));
+      tot[3] = fmaf(s1, d[k][3], fmaf(c1, X.y, tot[3]));
+    }
   }
 }
 
@@ -560,12 +536,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
         }
         const int nb = blocks_of(c0 + cc);
         if (P.q8) {
-          if (nb == kChunkBlks) step_math_q8<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
-          else step_math_q8<0>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+          if (nb == kChunkBlks) step_math<kChunkBlks, true>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+          else step_math<0, true>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
         } else if (nb == kChunkBlks) {
-          step_math<kChunkBlks>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+          step_math<kChunkBlks, false>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
         } else {
-          step_math<0>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
+          step_math<0, false>(g, S, c0 + cc, nb, xs, xsum, gid, tig, tot);
         }
         S = N;
       }
