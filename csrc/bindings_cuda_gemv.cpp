@@ -172,7 +172,8 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
     c.segs.push_back(s);
   }
   std::vector<unsigned long long> amax;
-  if (head) c.amax = &amax;
+  nb::object tokens = nb::none();
+  if (head) c.amax = &amax, std::tie(tokens, c.tokens) = out<int32_t>({M});
   nb::object hh = nb::none();
   if (h_out) std::tie(hh, c.h_out) = out<uint16_t>({M, in});
   const unsigned blocks = ops::gemv_rows(c);
@@ -182,6 +183,7 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
   if (head) {
     auto [keys, pk] = out<uint64_t>({static_cast<int64_t>(blocks), M});
     std::copy(amax.begin(), amax.end(), pk), res["amax"] = keys;
+    res["tokens"] = tokens;
   }
   return res;
 }

@@ -203,6 +203,7 @@ struct RowsCall {
   const float *xf = nullptr, *nw = nullptr;
   uint16_t* h_out = nullptr;                        // xmode 1: the normed rows bf16 [M, in]
   std::vector<unsigned long long>* amax = nullptr;  // one store segment: the blocks' keys [blocks, M] (resized)
+  int32_t* tokens = nullptr;                        // with amax: each row's argmax from its keys [M] (on the device)
   // the conv segment's epilogue (mode 3): conv_w fp32 [C, K], conv_state fp32 [K-1, C] in place -> u fp32 [M, C],
   // conv_hist fp32 [K-1+M, C] (the state before the rows, then each row's product)
   const float* conv_w = nullptr;

@@ -220,6 +220,10 @@ unsigned gemv_rows(const RowsCall& c) {
   get(c.h_out, dh, nx);
   if (c.conv_w) get(c.u, a.u, nu), get(c.conv_state, a.conv_state, nstate), get(c.conv_hist, a.conv_hist, nstate + nu);
   if (c.amax) {
+    int32_t* dtok = dv.alloc<int32_t>(M);
+    sample::argmax_from_block_keys(kStream, damax, static_cast<int>(nb), dtok, static_cast<int>(M));
+    finish("gemv_rows argmax");
+    if (c.tokens) get(c.tokens, dtok, M);
     c.amax->resize(static_cast<size_t>(nb) * M);
     get(c.amax->data(), damax, static_cast<int64_t>(nb) * M);
   }

@@ -561,12 +561,15 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(Args a) {
   }
 }
 
-// One block: the head's block keys (gemv's argmax_key: order-preserving logit, then -row) -> the next token.
+// One block a row: the head's block keys (gemv's argmax_key: order-preserving logit, then -row; rows: [n, gridDim.x])
+// -> the row's next token.
 __global__ void argmax_kernel(const unsigned long long* amax, int n, int32_t* token) {
   __shared__ unsigned long long red[32];
   pdl_wait();
+  const int rows = gridDim.x;
+  amax += blockIdx.x, token += blockIdx.x;
   unsigned long long m = 0ull;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, amax[i]);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) m = max(m, amax[static_cast<int64_t>(i) * rows]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
@@ -680,8 +683,8 @@ void DeviceSampler::draw(cudaStream_t st, const float* logits, const float* unif
   launch(st, a);
 }
 
-void argmax_from_block_keys(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token) {
-  launch_pdl(argmax_kernel, dim3(1), dim3(1024), 0, st, amax, n, token);
+void argmax_from_block_keys(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token, int rows) {
+  launch_pdl(argmax_kernel, dim3(rows), dim3(1024), 0, st, amax, n, token);
 }
 
 }  // namespace lily::cuda::sample

@@ -54,8 +54,9 @@ struct Args {
 size_t workspace_floats(int V);
 
 // Greedy without logit processing, fused into the decode head: *token = the row of the largest key among the head
-// launch's per-block maxima amax[n] (gemv's argmax_key; ties -> lowest row). One block, PDL launch.
-void argmax_from_block_keys(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token);
+// launch's per-block maxima amax[n] (gemv's argmax_key; ties -> lowest row). One block, PDL launch. rows > 1: the
+// M-row head's keys amax [n, rows] (gemv_rows) -> token[rows], a block each.
+void argmax_from_block_keys(cudaStream_t st, const unsigned long long* amax, int n, int32_t* token, int rows = 1);
 
 // Three kernels on the stream (two grid passes, one final block).
 void launch(cudaStream_t st, const Args& a);

@@ -278,7 +278,7 @@ def test_q8_rows(cuda, rng, inp, segs, M):
 @pytest.mark.parametrize("M,out", [(1, 248320 // 16 + 3), (4, 4099), (8, 1000)])
 def test_head_keys(cuda, rng, M, out):
     """The greedy head: per block and input row the largest key of (logit, -row); their maximum names each row's
-    argmax (ties: the lowest row)."""
+    argmax (ties: the lowest row), as the device's reduction (sample::argmax_from_block_keys over M rows) finds it."""
     x = bits(rng.standard_normal((M, 2048)))
     w = _w(rng, out, 2048)
     r = cuda.gemv_rows([dict(w0=w.t, mode=STORE)], 2048, x=x, head=True)
@@ -288,6 +288,7 @@ def test_head_keys(cuda, rng, M, out):
     for m in range(M):
         row = 0xFFFFFFFF - int(keys[:, m].max() & np.uint64(0xFFFFFFFF))
         assert row == int(np.argmax(y[m])), (m, row, int(np.argmax(y[m])))
+        assert int(r["tokens"][m]) == row, ("the device's reduction of row", m, int(r["tokens"][m]), row)
 
 
 def test_fits_and_refusals(cuda, rng):
