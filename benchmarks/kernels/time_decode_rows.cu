@@ -150,7 +150,8 @@ void time_routed_down(int copies) {
     a.wd = ws[2 * c].d, a.ws = ws[2 * c + 1].d, a.act = act, a.sact = sact, a.top_idx = idx, a.top_w = w;
     a.sgate = sgate, a.x = x, a.k = k;
     r::Args& b = many[c];
-    b.nseg = 2, b.xmode = r::kXBf16, b.in = I, b.E = E, b.top_k = k, b.top_idx = idx, b.route_from_idx = 1;
+    b.nseg = 2, b.xmode = r::kXBf16, b.in = I, b.ldx = I, b.E = E, b.top_k = k, b.top_idx = idx;
+    b.route_from_idx = 1;
     b.seg[0].w0 = b.seg[0].w1 = ws[2 * c].d, b.seg[0].mode = r::kOStore, b.seg[0].routed = 1, b.seg[0].xrouted = 1;
     b.seg[0].xb = act, b.seg[0].ldx = I, b.seg[0].y = yx, b.seg[0].ldy = H;
     b.seg[1].w0 = b.seg[1].w1 = ws[2 * c + 1].d, b.seg[1].mode = r::kOStore, b.seg[1].xb = sact, b.seg[1].ldx = I;
