@@ -47,10 +47,16 @@ nb::object embed(const I32& ids, nb::handle w) {
   return x;
 }
 
-nb::object rms_norm(const F32& x, const F32& w, double eps, int x_offset) {
+nb::object rms_norm(const F32& x, const F32& w, double eps, int x_offset, bool fp32) {
   const int64_t n = check("rms_norm", "w", w, {-1})[0];
   const int64_t rows = check("rms_norm", "x", x, {-1, n})[0];
   require(x_offset >= 0 && x_offset < 64, "rms_norm", "x_offset in 0 .. 63");
+  require(!fp32 || x_offset == 0, "rms_norm", "fp32 output takes x_offset 0");
+  if (fp32) {
+    auto [y, py] = out<float>({rows, n});
+    ops::rms_norm_f32(x.data(), w.data(), static_cast<float>(eps), rows, n, py);
+    return y;
+  }
   auto [y, py] = out<uint16_t>({rows, n});
   ops::rms_norm(x.data(), w.data(), static_cast<float>(eps), rows, n, x_offset, py);
   return y;
@@ -457,8 +463,9 @@ void register_cuda_ops(nb::module_& parent) {
   m.def("sm_count", &ops::sm_count, "streaming multiprocessors of the current device");
   m.def("device_is_sm90", &ops::device_is_sm90, "Hopper (the wgmma kernels' architecture)");
   m.def("embed", &embed, "ids"_a, "w"_a, "ids int32 [S] -> rows of W fp32 [S, in]");
-  m.def("rms_norm", &rms_norm, "x"_a, "w"_a, "eps"_a, "x_offset"_a = 0,
-        "x fp32 [rows, n], w [n] -> bf16 [rows, n]; x_offset: x that many floats past an aligned start");
+  m.def("rms_norm", &rms_norm, "x"_a, "w"_a, "eps"_a, "x_offset"_a = 0, "fp32"_a = false,
+        "x fp32 [rows, n], w [n] -> bf16 [rows, n] (fp32: fp32 [rows, n]); x_offset: x that many floats past an "
+        "aligned start");
   m.def("linear", &linear, "x"_a, "w"_a, "y0"_a = nb::none(), "ldy"_a = 0, "impl"_a = 0, "sb_offset"_a = 0,
         "x bf16 [S, ldx] -> fp32 [S, ldy] = x W^T (+ y0); impl 0 engine dispatch, 1 wmma fallback, 2 mma GEMM");
   m.def("linear_silu_mul", &linear_silu_mul, "x"_a, "w0"_a, "w1"_a, "ldy"_a = 0, "impl"_a = 0, "sb_offset"_a = 0,

@@ -28,6 +28,7 @@
 #include "cuda/gemm.cuh"
 #include "cuda/gemv.cuh"
 #include "cuda/moe.cuh"
+#include "cuda/mtp_head.cuh"
 #include "cuda/runtime.h"
 #include "cuda/sample.cuh"
 #include "cuda/weights_cuda.h"
@@ -73,7 +74,8 @@ struct StepGraph {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const Config& cfg, const Weights& w, bool debug)
-      : cfg_(cfg), mem_(std::make_shared<CudaMemory>()), st_(mem_->stream()), debug_(debug) {
+      : cfg_(cfg), host_w_(w), mem_(std::make_shared<CudaMemory>()), st_(mem_->stream()), debug_(debug),
+        mtp_(cfg, mem_, st_) {
     check_supported();
     LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, 0));
     w_ = cuda::upload_weights(cfg_, w, mem_);
@@ -268,7 +270,7 @@ class CudaBackend final : public Backend {
     const RowSegment& seg = single_segment(segs);  // (one stream per forward until the M-row kernels land)
     DeltaNetState& st = *seg.deltanet;
     const int64_t S = seg.n;
-    const DLayer& L = w_.layers[layer];
+    const DLayer& L = layer_weights(layer);
     if (fused_step(S)) return issue([this, &L, &st] { step_launches_ += dec_.deltanet(L, st); });
     const int64_t H = cfg_.hidden;
     cuda::rms_norm(st_, x_, L.in_norm, cfg_.rms_eps, S, H, h_);
@@ -292,8 +294,8 @@ class CudaBackend final : public Backend {
     const RowSegment& seg = single_segment(segs);
     KVCache& kv = *seg.kv;
     const int64_t pos0 = seg.pos0, S = seg.n;
-    const DLayer& L = w_.layers[layer];
-    if (fused_step(S))
+    const DLayer& L = layer_weights(layer);
+    if (fused_step(S) && layer < cfg_.n_layers)
       return issue([this, &L, &kv] {
         step_launches_ += dec_.attention(L, kv, &dctl_->slot[step_.index & 1].pos, split_k_, gqa_pack_);
       });
@@ -314,8 +316,8 @@ class CudaBackend final : public Backend {
   }
 
   void moe_block(int layer, int64_t S) override {
-    const DLayer& L = w_.layers[layer];
-    if (fused_step(S)) return issue([this, &L] { step_launches_ += dec_.moe(L); });
+    const DLayer& L = layer_weights(layer);
+    if (fused_step(S) && layer < cfg_.n_layers) return issue([this, &L] { step_launches_ += dec_.moe(L); });
     const int64_t H = cfg_.hidden, Is = cfg_.shared_inter;
     const int k = cfg_.top_k;
     const kp::MoeParams p{cfg_.hidden, cfg_.n_experts, cfg_.top_k, cfg_.moe_inter, cfg_.shared_inter,
@@ -358,7 +360,56 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // ---- the MTP head (mtp_head.cuh): not reported (has_mtp() false) until it has run on a device (issue 43) ----
+  void keep_hidden(int64_t S) override { mtp_.keep_hidden(x_, w_.final_norm, S); }
+  void store_hidden(int64_t row, Buffer& dst) override {
+    LILY_CUDA_CHECK(cudaMemcpyAsync(dst.as<float>(), mtp_.hidden(row), cfg_.hidden * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, st_));
+  }
+  void mtp_embed(const int32_t* ids, int64_t n, const Buffer* prev, MtpHidden src) override {
+    std::vector<const float*> rows;
+    if (src == MtpHidden::Draft) {
+      if (n != 1 || prev || !mtp_.draft_hidden())
+        throw std::logic_error("[lily] backend 'cuda': a chained MTP row needs n == 1 after mtp_head");
+      rows.push_back(mtp_.draft_hidden());
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        rows.push_back(prev ? (i == 0 ? prev->as<float>() : mtp_.hidden(i - 1)) : mtp_.hidden(i));
+    }
+    mtp_embed_rows(ids, rows);
+  }
+  bool mtp_embed_each(const int32_t* ids, int64_t n, const std::vector<const Buffer*>& prev) override {
+    std::vector<const float*> rows;
+    for (int64_t i = 0; i < n; ++i) rows.push_back(prev.at(static_cast<size_t>(i))->as<float>());
+    mtp_embed_rows(ids, rows);
+    return true;
+  }
+  void mtp_head(int64_t row0, int64_t n, float* logits) override {
+    const int64_t V = cfg_.vocab;
+    float* lg = lg_.get<float>(mem_, n * V);
+    mtp_.head(mtp_weights(), w_.lm_head, x_ + row0 * cfg_.hidden, n, lg);
+    LILY_CUDA_CHECK(cudaMemcpyAsync(logits, lg, n * V * sizeof(float), cudaMemcpyDeviceToHost, st_));
+    sync();
+  }
+
  private:
+  // The head's input rows from host tokens (a step's device draw does not reach the head here yet).
+  void mtp_embed_rows(const int32_t* ids, const std::vector<const float*>& rows) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    for (int64_t i = 0; i < n; ++i)
+      if (ids[i] < 0) throw std::logic_error("[lily] backend 'cuda': the MTP head takes host tokens");
+    reserve(n);
+    LILY_CUDA_CHECK(cudaMemcpyAsync(ids_, ids, n * sizeof(int32_t), cudaMemcpyHostToDevice, st_));
+    mtp_.embed(mtp_weights(), w_.embed, ids_, rows, x_);
+  }
+  // The MTP head's weights, copied on first use.
+  const cuda::DeviceMtpWeights& mtp_weights() {
+    if (!mtp_w_) mtp_w_ = std::make_unique<cuda::DeviceMtpWeights>(cuda::upload_mtp_weights(cfg_, host_w_, mem_));
+    return *mtp_w_;
+  }
+  // Layer `layer`'s weights: the MTP head's decoder layer at cfg.n_layers.
+  const DLayer& layer_weights(int layer) { return layer == cfg_.n_layers ? mtp_weights().layer : w_.layers[layer]; }
+
   // Tile-map capacity for S rows at the smallest expert tile (any tile size fits).
   int64_t max_tiles(int64_t S) const { return cuda::grouped_max_tiles(S * cfg_.top_k, cfg_.n_experts, 16); }
 
@@ -589,11 +640,14 @@ class CudaBackend final : public Backend {
   }
 
   const Config& cfg_;
+  const Weights& host_w_;  // the engine's (the MTP head's tensors are copied from it on first use)
   std::shared_ptr<CudaMemory> mem_;
   cudaStream_t st_;
   bool debug_;
+  cuda::MtpHead mtp_;
   int sm_count_ = 0;
   cuda::DeviceWeights w_;  // device copies of the weights
+  std::unique_ptr<cuda::DeviceMtpWeights> mtp_w_;
 
   Scratch s_ids_, s_x_, s_h_, s_qkv_, s_u_, s_z_, s_y_, s_yb_, s_b_, s_a_, s_qg_, s_q_, s_k_, s_v_, s_ob_, s_logits_,
       s_top_idx_, s_top_w_, s_pair_row_, s_pair_id_, s_pair_w_, s_n_tiles_, s_tile_expert_, s_tile_row0_,

@@ -1,4 +1,7 @@
 #include "cuda/embed_norm.cuh"
+
+#include <type_traits>
+
 #include "cuda/mma_bf16.cuh"
 
 namespace lily::cuda {
@@ -33,14 +36,19 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 // One block per row: fp32 sum of squares, then the scaled row in bf16 (the GEMM input). Any n, reading x twice.
+template <class T>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const float* x, const float* w, float eps, int64_t n,
-                                                                bf16* y) {
+                                                                T* y) {
   __shared__ float red[32];
   const float* xr = x + blockIdx.x * n;
   float ss = 0.f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
   const float inv = rsqrtf(block_sum(ss, red) / static_cast<float>(n) + eps);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) y[blockIdx.x * n + i] = __float2bfloat16(xr[i] * inv * w[i]);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = xr[i] * inv * w[i];
+    if constexpr (std::is_same_v<T, bf16>) y[blockIdx.x * n + i] = __float2bfloat16(v);
+    else y[blockIdx.x * n + i] = v;
+  }
 }
 
 // rms_norm_kernel's formula with the row in registers (n % 4 == 0, n <= kNormThreads * 4 * kNormVecs, x and w
@@ -88,7 +96,12 @@ void rms_norm(cudaStream_t st, const float* x, const float* w, float eps, int64_
   if (n % 4 == 0 && n <= kNormThreads * 4 * kNormVecs && aligned(x, 16) && aligned(w, 16) && aligned(y, 8))
     rms_norm_vec_kernel<<<static_cast<unsigned>(rows), kNormThreads, 0, st>>>(x, w, eps, n, y);
   else
-    rms_norm_kernel<<<static_cast<unsigned>(rows), kNormThreads, 0, st>>>(x, w, eps, n, y);
+    rms_norm_kernel<bf16><<<static_cast<unsigned>(rows), kNormThreads, 0, st>>>(x, w, eps, n, y);
+  LILY_LAUNCH_CHECK();
+}
+
+void rms_norm(cudaStream_t st, const float* x, const float* w, float eps, int64_t rows, int64_t n, float* y) {
+  rms_norm_kernel<float><<<static_cast<unsigned>(rows), kNormThreads, 0, st>>>(x, w, eps, n, y);
   LILY_LAUNCH_CHECK();
 }
 

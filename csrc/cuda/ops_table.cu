@@ -31,6 +31,14 @@ void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t n
   get(y, dy, rows * n);
 }
 
+void rms_norm_f32(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* y) {
+  Dev dv;
+  float* dy = dv.alloc<float>(rows * n);
+  cuda::rms_norm(kStream, dv.put(x, rows * n), dv.put(w, n), eps, rows, n, dy);
+  finish("rms_norm_f32");
+  get(y, dy, rows * n);
+}
+
 namespace {
 
 // The wmma fallback for one product (force_gemm_fallback is a process-wide switch of the check programs): on for

@@ -27,6 +27,8 @@ void embed(const Linear& E, const int32_t* ids, int64_t S, float* x);
 // x fp32 [rows, n], w fp32 [n] -> y bf16 [rows, n]. x_offset: x starts that many floats past a 256-byte aligned
 // allocation (an offset that is not a multiple of 4 takes the unaligned loop path).
 void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t n, int x_offset, uint16_t* y);
+// The same, y fp32 [rows, n] (the MTP head's hidden rows).
+void rms_norm_f32(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* y);
 
 // ---- linear family (gemm.cuh) ----
 // Which GEMM a prefill product takes: the engine's dispatch, the wmma fallback (force_gemm_fallback), or the mma.sync

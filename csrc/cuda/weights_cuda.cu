@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <stdexcept>
 
 #include "cuda/gemv.cuh"
 
@@ -10,13 +11,13 @@ namespace lily::cuda {
 namespace {
 
 struct Uploader {
-  DeviceWeights& dw;
+  std::vector<Buffer>& owned;  // the device copies' owner
   const std::shared_ptr<Memory>& mem;
 
   const void* put(const void* src, size_t bytes) {
-    dw.owned.emplace_back(mem, bytes);
-    mem->from_host(dw.owned.back().data(), src, bytes);
-    return dw.owned.back().data();
+    owned.emplace_back(mem, bytes);
+    mem->from_host(owned.back().data(), src, bytes);
+    return owned.back().data();
   }
   const float* put_vec(const float* src, int64_t n) { return static_cast<const float*>(put(src, n * sizeof(float))); }
 
@@ -58,12 +59,12 @@ struct Uploader {
     s.p.expert_words = rows * l0.words_per_row();
     s.p.expert_groups = rows * l0.groups_per_row();
     s.p.expert_elems = rows * l0.in;
-    dw.owned.emplace_back(mem, s.p.expert_words * 4);
-    s.codes = static_cast<const uint32_t*>(dw.owned.back().data());
-    dw.owned.emplace_back(mem, s.p.expert_groups * 2);
-    s.scales = static_cast<const uint16_t*>(dw.owned.back().data());
-    dw.owned.emplace_back(mem, s.p.expert_groups * 2);
-    s.biases = static_cast<const uint16_t*>(dw.owned.back().data());
+    owned.emplace_back(mem, s.p.expert_words * 4);
+    s.codes = static_cast<const uint32_t*>(owned.back().data());
+    owned.emplace_back(mem, s.p.expert_groups * 2);
+    s.scales = static_cast<const uint16_t*>(owned.back().data());
+    owned.emplace_back(mem, s.p.expert_groups * 2);
+    s.biases = static_cast<const uint16_t*>(owned.back().data());
     int64_t row0 = 0;
     auto v = views.begin();
     for (const Linear* l : parts) {
@@ -81,45 +82,60 @@ struct Uploader {
   }
 };
 
+// One decoder layer's tensors.
+DeviceLayer upload_layer(Uploader& u, const Config& cfg, const LayerWeights& lw) {
+  const int64_t H = cfg.hidden;
+  DeviceLayer L;
+  L.in_norm = u.put_vec(lw.in_norm, H);
+  L.post_norm = u.put_vec(lw.post_norm, H);
+  if (lw.type == LayerType::DeltaNet) {
+    const DeltaNetWeights& d = lw.deltanet;
+    L.deltanet_in = u.put_concat({&d.qkv, &d.z, &d.b, &d.a}, {&L.qkv, &L.z, &L.b, &L.a});
+    L.out = u.put_linear(lw.deltanet.out);
+    L.conv_w = u.put_vec(lw.deltanet.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
+    L.dt_bias = u.put_vec(lw.deltanet.dt_bias, cfg.deltanet_v_heads);
+    L.a_log = u.put_vec(lw.deltanet.a_log, cfg.deltanet_v_heads);
+    L.deltanet_norm = u.put_vec(lw.deltanet.norm, cfg.deltanet_v_dim);
+  } else {
+    L.attn_in = u.put_concat({&lw.attn.q, &lw.attn.k, &lw.attn.v}, {&L.q, &L.k, &L.v});
+    L.o = u.put_linear(lw.attn.o);
+    L.q_norm = u.put_vec(lw.attn.q_norm, cfg.head_dim);
+    L.k_norm = u.put_vec(lw.attn.k_norm, cfg.head_dim);
+  }
+  L.router = u.put_linear(lw.moe.router);
+  L.sh_expert_gate = u.put_linear(lw.moe.sh_expert_gate);
+  L.gate = u.put_linear(lw.moe.gate);
+  L.up = u.put_linear(lw.moe.up);
+  L.down = u.put_linear(lw.moe.down);
+  L.sh_gate = u.put_linear(lw.moe.sh_gate);
+  L.sh_up = u.put_linear(lw.moe.sh_up);
+  L.sh_down = u.put_linear(lw.moe.sh_down);
+  return L;
+}
+
 }  // namespace
 
 DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem) {
   DeviceWeights dw;
-  Uploader u{dw, mem};
-  const int64_t H = cfg.hidden;
+  Uploader u{dw.owned, mem};
   dw.embed = u.put_linear(w.embed);
   dw.lm_head = u.put_linear(w.lm_head);
-  dw.final_norm = u.put_vec(w.final_norm, H);
-  for (int i = 0; i < cfg.n_layers; ++i) {
-    const LayerWeights& lw = w.layers[i];
-    DeviceLayer L;
-    L.in_norm = u.put_vec(lw.in_norm, H);
-    L.post_norm = u.put_vec(lw.post_norm, H);
-    if (lw.type == LayerType::DeltaNet) {
-      const DeltaNetWeights& d = lw.deltanet;
-      L.deltanet_in = u.put_concat({&d.qkv, &d.z, &d.b, &d.a}, {&L.qkv, &L.z, &L.b, &L.a});
-      L.out = u.put_linear(lw.deltanet.out);
-      L.conv_w = u.put_vec(lw.deltanet.conv_w, static_cast<int64_t>(cfg.conv_dim()) * cfg.conv_kernel);
-      L.dt_bias = u.put_vec(lw.deltanet.dt_bias, cfg.deltanet_v_heads);
-      L.a_log = u.put_vec(lw.deltanet.a_log, cfg.deltanet_v_heads);
-      L.deltanet_norm = u.put_vec(lw.deltanet.norm, cfg.deltanet_v_dim);
-    } else {
-      L.attn_in = u.put_concat({&lw.attn.q, &lw.attn.k, &lw.attn.v}, {&L.q, &L.k, &L.v});
-      L.o = u.put_linear(lw.attn.o);
-      L.q_norm = u.put_vec(lw.attn.q_norm, cfg.head_dim);
-      L.k_norm = u.put_vec(lw.attn.k_norm, cfg.head_dim);
-    }
-    L.router = u.put_linear(lw.moe.router);
-    L.sh_expert_gate = u.put_linear(lw.moe.sh_expert_gate);
-    L.gate = u.put_linear(lw.moe.gate);
-    L.up = u.put_linear(lw.moe.up);
-    L.down = u.put_linear(lw.moe.down);
-    L.sh_gate = u.put_linear(lw.moe.sh_gate);
-    L.sh_up = u.put_linear(lw.moe.sh_up);
-    L.sh_down = u.put_linear(lw.moe.sh_down);
-    dw.layers.push_back(L);
-  }
+  dw.final_norm = u.put_vec(w.final_norm, cfg.hidden);
+  for (int i = 0; i < cfg.n_layers; ++i) dw.layers.push_back(upload_layer(u, cfg, w.layers[i]));
   return dw;
+}
+
+DeviceMtpWeights upload_mtp_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem) {
+  if (!w.has_mtp || static_cast<int>(w.layers.size()) <= cfg.n_layers)
+    throw std::logic_error("[lily] backend 'cuda': the weights hold no MTP head");
+  DeviceMtpWeights m;
+  Uploader u{m.owned, mem};
+  m.norm_embed = u.put_vec(w.mtp.norm_embed, cfg.hidden);
+  m.norm_hidden = u.put_vec(w.mtp.norm_hidden, cfg.hidden);
+  m.norm = u.put_vec(w.mtp.norm, cfg.hidden);
+  m.fc = u.put_linear(w.mtp.fc);
+  m.layer = upload_layer(u, cfg, w.layers[cfg.n_layers]);
+  return m;
 }
 
 namespace {

@@ -32,8 +32,18 @@ struct DeviceWeights {
   std::vector<DeviceLayer> layers;
 };
 
-// Copies every tensor of w to device memory of mem (synchronously).
+// The MTP head (docs/model.md §7): its own tensors and its decoder layer (Weights::layers[cfg.n_layers], attention).
+struct DeviceMtpWeights {
+  std::vector<Buffer> owned;
+  const float *norm_embed = nullptr, *norm_hidden = nullptr, *norm = nullptr;  // [H]
+  DLinear fc;                                                                  // [H, 2H]: [embedding | hidden]
+  DeviceLayer layer;
+};
+
+// Copies every tensor of w to device memory of mem (synchronously); the MTP head's apart (upload_mtp_weights).
 DeviceWeights upload_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem);
+// The MTP head's tensors (w.has_mtp), copied on first use: a checkpoint's head is one more MoE layer on the device.
+DeviceMtpWeights upload_mtp_weights(const Config& cfg, const Weights& w, const std::shared_ptr<Memory>& mem);
 
 // Whether the fused decode kernels (gemv.cuh) take this model: top_k <= gemv::kMaxTopK, <= 256 experts, every
 // decode projection in a format the decode GEMV takes (gemv::fits, gemv::down_fits), and the gate/up pairs (routed

@@ -45,3 +45,6 @@ def test_rms_norm(cuda, rng, rows, n, off):
     w = rng.uniform(0.2, 2.0, n).astype(np.float32)
     assert_bf16_close(f"cuda rms_norm rows={rows} n={n} x+{off}", cuda.rms_norm(x, w, 1e-6, x_offset=off),
                       ops.rms_norm(x.astype(np.float64), w, 1e-6))
+    if off == 0:  # the fp32 output (the MTP head's hidden rows), the rows' poison overwritten everywhere
+        assert_close(f"cuda rms_norm fp32 rows={rows} n={n}", cuda.rms_norm(x, w, 1e-6, fp32=True),
+                     ops.rms_norm(x.astype(np.float64), w, 1e-6), KC["small_fp32_rel_rms"])
