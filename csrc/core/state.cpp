@@ -79,27 +79,23 @@ void State::reserve(int64_t tokens) {
   }
 }
 
+namespace {
+// A KV cache holding exactly `rows` tokens copied from src (rows * row_bytes bytes of K and of V).
+KVCache copy_kv(const std::shared_ptr<Memory>& mem, const KVCache& src, int64_t rows, size_t row_bytes) {
+  KVCache c;
+  const size_t used = rows * row_bytes;
+  c.capacity = rows, c.k = Buffer(mem, used), c.v = Buffer(mem, used);
+  if (used) mem->copy(c.k.data(), src.k.data(), used), mem->copy(c.v.data(), src.v.data(), used);
+  return c;
+}
+}  // namespace
+
 State State::snapshot() const {
   State s;
-  s.position = position;
-  s.max_context = max_context;
-  s.kv_row = kv_row;
-  s.ssm_size = ssm_size;
-  s.conv_size = conv_size;
-  s.kv_elem = kv_elem;
-  s.mem = mem;
-  s.layer_slot = layer_slot;
-  const size_t used = position * kv_row * elem_size(kv_elem);
-  s.kv.resize(kv.size());
-  for (size_t i = 0; i < kv.size(); ++i) {
-    s.kv[i].capacity = position;
-    s.kv[i].k = Buffer(mem, used);
-    s.kv[i].v = Buffer(mem, used);
-    if (used) {
-      mem->copy(s.kv[i].k.data(), kv[i].k.data(), used);
-      mem->copy(s.kv[i].v.data(), kv[i].v.data(), used);
-    }
-  }
+  s.position = position, s.max_context = max_context, s.kv_row = kv_row, s.ssm_size = ssm_size;
+  s.conv_size = conv_size, s.kv_elem = kv_elem, s.mem = mem, s.layer_slot = layer_slot;
+  const size_t row_bytes = kv_row * elem_size(kv_elem);
+  for (const KVCache& c : kv) s.kv.push_back(copy_kv(mem, c, position, row_bytes));
   s.deltanet.resize(deltanet.size());
   for (size_t i = 0; i < deltanet.size(); ++i) {
     s.deltanet[i].ssm = Buffer(mem, ssm_size * 4);
@@ -107,18 +103,10 @@ State State::snapshot() const {
     mem->copy(s.deltanet[i].ssm.data(), deltanet[i].ssm.data(), ssm_size * 4);
     if (conv_size) mem->copy(s.deltanet[i].conv.data(), deltanet[i].conv.data(), conv_size * 4);
   }
-  s.has_mtp = has_mtp;
-  s.hidden = hidden;
+  s.has_mtp = has_mtp, s.hidden = hidden;
   if (has_mtp) {
-    const size_t mtp_used = mtp_rows * kv_row * elem_size(kv_elem);
     s.mtp_rows = mtp_rows;
-    s.mtp_kv.capacity = mtp_rows;
-    s.mtp_kv.k = Buffer(mem, mtp_used);
-    s.mtp_kv.v = Buffer(mem, mtp_used);
-    if (mtp_used) {
-      mem->copy(s.mtp_kv.k.data(), mtp_kv.k.data(), mtp_used);
-      mem->copy(s.mtp_kv.v.data(), mtp_kv.v.data(), mtp_used);
-    }
+    s.mtp_kv = copy_kv(mem, mtp_kv, mtp_rows, row_bytes);
     s.last_hidden = Buffer(mem, hidden * 4);
     mem->copy(s.last_hidden.data(), last_hidden.data(), hidden * 4);
   }
