@@ -15,6 +15,21 @@ namespace {
 
 namespace ops = lily::cuda::ops;
 
+// A segment dict's mode (0 store, 1 accumulate, 2 dual, 3 conv), routed flag and weights: w1 the dual segment's up,
+// both stacked [E, out, cols] when routed.
+struct SegmentWeights {
+  int mode, routed;
+  lily::Linear w0, w1;
+};
+SegmentWeights segment_weights(const char* op, const nb::dict& d, std::vector<Any>& keep) {
+  SegmentWeights s;
+  s.mode = nb::cast<int>(d["mode"]);
+  s.routed = d.contains("routed") ? nb::cast<int>(d["routed"]) : 0;
+  s.w0 = weight(op, "w0", d["w0"], s.routed != 0, keep);
+  s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], s.routed != 0, keep) : s.w0;
+  return s;
+}
+
 
 // proj(segments=[{w0, w1?, mode, routed?, slots?, y0?}], in_, ...): see the docstring at registration.
 nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> x, std::optional<F32> xf,
@@ -35,11 +50,9 @@ nb::dict gemv_proj(nb::list segments, int64_t in, int xmode, std::optional<U16> 
   for (nb::handle h : segments) {
     nb::dict d = nb::borrow<nb::dict>(h);
     ops::ProjSegment s;
-    s.mode = nb::cast<int>(d["mode"]);
-    s.routed = d.contains("routed") ? nb::cast<int>(d["routed"]) : 0;
+    const SegmentWeights sw = segment_weights(op, d, keep);
+    s.mode = sw.mode, s.routed = sw.routed, s.w0 = sw.w0, s.w1 = sw.w1;
     s.slots = d.contains("slots") ? nb::cast<int>(d["slots"]) : 1;
-    s.w0 = weight(op, "w0", d["w0"], s.routed != 0, keep);
-    s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], s.routed != 0, keep) : s.w0;
     const int64_t n = int64_t{s.slots} * s.w0.out;
     if (d.contains("y0") && !d["y0"].is_none()) {
       keep32.push_back(nb::cast<F32>(d["y0"]));  // kept: a converted copy lives as long as its handle
@@ -131,19 +144,18 @@ nb::dict gemv_rows(nb::list segments, int64_t in, int xmode, std::optional<U16> 
   for (nb::handle h : segments) {
     nb::dict d = nb::borrow<nb::dict>(h);
     ops::RowsSegment s;
-    s.mode = nb::cast<int>(d["mode"]);
-    s.routed = d.contains("routed") ? nb::cast<int>(d["routed"]) : 0;
-    s.xrouted = d.contains("xrouted") ? nb::cast<int>(d["xrouted"]) : 0;
-    require(!s.routed || route_logits || top_idx, op,
+    const bool routed = d.contains("routed") && nb::cast<int>(d["routed"]) != 0;
+    require(!routed || route_logits || top_idx, op,
             "a routed segment needs route_logits fp32 [M, E] and top_k, or top_idx int32 [M, k]");
+    const SegmentWeights sw = segment_weights(op, d, keep);
+    s.mode = sw.mode, s.routed = sw.routed, s.w0 = sw.w0, s.w1 = sw.w1;
+    s.xrouted = d.contains("xrouted") ? nb::cast<int>(d["xrouted"]) : 0;
     if (d.contains("x") && !d["x"].is_none()) {
       xs.push_back(nb::cast<U16>(d["x"]));
       if (s.xrouted) check(op, "segment x", xs.back(), {M, top_k, in});
       else check(op, "segment x", xs.back(), {M, in});
       s.xb = xs.back().data();
     }
-    s.w0 = weight(op, "w0", d["w0"], s.routed != 0, keep);
-    s.w1 = s.mode == 2 ? weight(op, "w1", d["w1"], s.routed != 0, keep) : s.w0;
     if (s.routed && top_idx) {
       c.E = static_cast<int>(s.w0.experts);
       for (int64_t i = 0; i < M * top_k; ++i)

@@ -73,13 +73,14 @@ struct Launch {
   int32_t conv_k = 0, conv_part = -1;  // the conv segment's part (-1: none)
   RouteArgs route = {};   // (a routed segment's; route_from_idx: read from top_idx, the experts' down)
   int32_t routed_part = -1;  // the routed segment's part (-1: none)
+  int32_t own_inputs = 0;    // parts read their own input rows (block_row): a block lies in one part
 };
 
 struct Smem {
   float red[kWarps][kMaxRows];
   float inv[kMaxRows];
   unsigned long long key[kMaxRows];
-  const bf16* xrow[kMaxRows];  // the block's bf16 input rows (null: a zero row)
+  const bf16* xrow[kMaxRows];  // own_inputs launches: the block's bf16 input rows (null: a zero row)
   Route rt;
 };
 
@@ -180,7 +181,7 @@ __device__ void stage(const Launch& g, uint4* xs, float* xsum, Smem& sm) {
         raw[b][0] = u.on ? p[0] : make_uint4(0u, 0u, 0u, 0u);
         raw[b][1] = u.on ? p[1] : make_uint4(0u, 0u, 0u, 0u);
       } else {
-        const bf16* row = u.on ? sm.xrow[u.m] : nullptr;
+        const bf16* row = !u.on ? nullptr : g.own_inputs ? sm.xrow[u.m] : g.xb + u.m * g.ldx;
         raw[b][0] = row ? *reinterpret_cast<const uint4*>(row + u.e) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
@@ -514,8 +515,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) rows_kernel(const __grid_const
   pdl_trigger();
   pdl_wait();
   if (g.routed_part >= 0) route_rows(g.route, sm.rt);
-  if (tid < kMaxRows) sm.xrow[tid] = block_row(g, sm, tid);
-  __syncthreads();
+  if (g.own_inputs) {  // (uniform: a launch of the launch's own rows needs no table and no barrier)
+    if (tid < kMaxRows) sm.xrow[tid] = block_row(g, sm, tid);
+    __syncthreads();
+  }
   stage<XMODE>(g, xs, xsum, sm);
   __syncthreads();
   if (P.routed) {  // this run's expert: the u-th distinct choice (none past U)
@@ -674,6 +677,7 @@ unsigned proj(cudaStream_t st, const Args& a) {
     g.y[s] = sg.y, g.yb[s] = sg.yb, g.ldy[s] = sg.ldy, g.mode[s] = sg.mode;
   }
   g.sbvec = sbvec ? 1 : 0;
+  g.own_inputs = own_inputs ? 1 : 0;
   // K split: a function of the input length only (so every row's sums keep one order whatever M is)
   g.nblk = a.in / kBlk;
   g.nchunk = (g.nblk + kChunkBlks - 1) / kChunkBlks;

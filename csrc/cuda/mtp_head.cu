@@ -30,19 +30,13 @@ void MtpHead::embed(const DeviceMtpWeights& w, const DLinear& E, const int32_t* 
                     const std::vector<const float*>& rows, float* x) {
   const int64_t H = cfg_.hidden, n = static_cast<int64_t>(rows.size());
   float* t = grow(t_, n * H);
-  float* h = grow(rows_, n * H);
   cuda::embed(st_, E, ids, n, t);
-  for (int64_t i = 0; i < n; ++i)
-    LILY_CUDA_CHECK(cudaMemcpyAsync(h + i * H, rows[i], H * sizeof(float), cudaMemcpyDeviceToDevice, st_));
-  // [RMSNorm(E[id]) | RMSNorm(h)] as bf16 rows of 2H: each half normed into its own rows, then interleaved
-  bf16* ne = reinterpret_cast<bf16*>(grow(normed_, n * H));  // n * H bf16 each: half of the floats asked
-  bf16* nh = ne + n * H;
-  rms_norm(st_, t, w.norm_embed, cfg_.rms_eps, n, H, ne);
-  rms_norm(st_, h, w.norm_hidden, cfg_.rms_eps, n, H, nh);
+  // [RMSNorm(E[id]) | RMSNorm(h)] as bf16 rows of 2H, each half normed in place from its source row (n <= 9)
   bf16* cat = reinterpret_cast<bf16*>(grow(cat_, n * H));  // n * 2H bf16
-  const size_t row = H * sizeof(bf16);
-  LILY_CUDA_CHECK(cudaMemcpy2DAsync(cat, 2 * row, ne, row, row, n, cudaMemcpyDeviceToDevice, st_));
-  LILY_CUDA_CHECK(cudaMemcpy2DAsync(cat + H, 2 * row, nh, row, row, n, cudaMemcpyDeviceToDevice, st_));
+  for (int64_t i = 0; i < n; ++i) {
+    rms_norm(st_, t + i * H, w.norm_embed, cfg_.rms_eps, 1, H, cat + 2 * i * H);
+    rms_norm(st_, rows[i], w.norm_hidden, cfg_.rms_eps, 1, H, cat + 2 * i * H + H);
+  }
   linear(st_, w.fc, cat, 2 * H, n, x, H, /*accumulate=*/false);
 }
 

@@ -34,7 +34,7 @@ class MtpHead {
   const Config& cfg_;
   std::shared_ptr<Memory> mem_;
   cudaStream_t st_;
-  Buffer hid_, t_, rows_, normed_, cat_, draft_;
+  Buffer hid_, t_, normed_, cat_, draft_;
   int64_t kept_ = 0;
   bool has_draft_ = false;
 };

@@ -194,7 +194,7 @@ unsigned gemv_rows(const RowsCall& c) {
   const int64_t nstate = static_cast<int64_t>(c.conv_k - 1) * c.conv_dim, nu = M * c.conv_dim, nk = M * c.top_k;
   if (c.route_idx) {
     a.E = c.E, a.top_k = c.top_k, a.route_from_idx = 1;
-    a.top_idx = const_cast<int32_t*>(dv.put(c.route_idx, nk));
+    a.top_idx = dv.put(c.route_idx, nk);
   }
   if (c.rlogits) {
     a.rlogits = dv.put(c.rlogits, M * c.E);
